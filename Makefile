@@ -1,0 +1,56 @@
+# Stable Diffusion on TorchServe. `make serve` and `make test` do all the set-up they need.
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+DEFAULT_MODEL_DIR := models/tiny-sd
+MODEL_DIR ?= $(DEFAULT_MODEL_DIR)
+ARCHIVE_FORMAT ?= auto
+PYTEST_ARGS ?=
+
+.PHONY: help venv model mar serve stop test unit-test integration-test clean
+
+help:
+	@echo "make serve   set up, build the archive and serve it on 127.0.0.1:8080 (MODEL_DIR=/path for a real model)"
+	@echo "make test    set up and run the whole test suite"
+	@echo "make stop    stop a server started by make serve elsewhere"
+	@echo "make mar     build model_store/stable-diffusion.mar (or a directory for large models)"
+	@echo "make model   generate the default tiny model into $(DEFAULT_MODEL_DIR)"
+
+venv: $(VENV)/.installed
+
+# torch first: torch==2.13.0 resolves to the local CPU build; then everything else, pinned.
+$(VENV)/.installed: requirements.txt
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip==26.3
+	$(PY) -m pip install --quiet torch==2.13.0
+	$(PY) -m pip install --quiet -r requirements.txt
+	touch $@
+
+model: $(DEFAULT_MODEL_DIR)/model_index.json
+
+$(DEFAULT_MODEL_DIR)/model_index.json: scripts/make_tiny_model.py | $(VENV)/.installed
+	$(PY) -m scripts.make_tiny_model $(DEFAULT_MODEL_DIR)
+
+# build_mar.py skips the work when handler, config and weights are unchanged.
+mar: venv $(if $(filter $(DEFAULT_MODEL_DIR),$(MODEL_DIR)),model)
+	$(PY) -m scripts.build_mar --model-dir "$(MODEL_DIR)" --archive-format $(ARCHIVE_FORMAT)
+
+serve: mar
+	$(PY) -m scripts.server
+
+stop:
+	@if [ -f runtime/server.pid ]; then kill -TERM "$$(cat runtime/server.pid)" && echo "stop requested"; \
+	else $(VENV)/bin/torchserve --stop; fi
+
+test: venv model
+	$(PY) -m pytest tests $(PYTEST_ARGS)
+
+unit-test: venv
+	$(PY) -m pytest tests/unit $(PYTEST_ARGS)
+
+integration-test: venv model
+	$(PY) -m pytest tests/integration $(PYTEST_ARGS)
+
+clean:
+	rm -rf model_store/*.mar model_store/stable-diffusion model_store/.*.fingerprint runtime build

@@ -1,0 +1,124 @@
+"""Typed handler settings, read from the ``handler:`` section of ``model-config.yaml``."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+SchedulerName = Literal["ddim", "euler", "euler_a", "dpmpp_2m", "pndm"]
+OutputFormat = Literal["png", "jpeg", "webp"]
+ResponseFormat = Literal["image", "json"]
+
+# The largest seed a request may carry (and the range of seeds drawn for requests without one).
+MAX_SEED = 2**32 - 1
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class RequestLimits(_Section):
+    """Bounds every request is checked against before it reaches the pipeline."""
+
+    max_prompt_chars: int = Field(1000, ge=1, description="longest prompt or negative prompt, in characters")
+    max_inference_steps: int = Field(100, ge=1, description="most denoising steps a request may ask for")
+    max_guidance_scale: float = Field(30.0, gt=0, description="largest classifier-free guidance scale")
+    min_side: int = Field(64, ge=8, multiple_of=8, description="smallest width or height, in pixels")
+    max_side: int = Field(1024, ge=8, multiple_of=8, description="largest width or height, in pixels")
+    max_pixels: int = Field(1024 * 1024, ge=64, description="largest width x height of one image")
+    max_images_per_request: int = Field(4, ge=1, description="most images one request may ask for")
+
+    @model_validator(mode="after")
+    def _sides_are_ordered(self) -> RequestLimits:
+        if self.min_side > self.max_side:
+            raise ValueError(f"min_side {self.min_side} is larger than max_side {self.max_side}")
+        return self
+
+
+class RequestDefaults(_Section):
+    """Values used for the fields a request leaves out."""
+
+    negative_prompt: str | None = None
+    num_inference_steps: int = Field(25, ge=1)
+    guidance_scale: float = Field(7.5, ge=0)
+    width: int | None = Field(None, ge=8, multiple_of=8, description="None: the model's native size")
+    height: int | None = Field(None, ge=8, multiple_of=8, description="None: the model's native size")
+    num_images_per_prompt: int = Field(1, ge=1)
+    scheduler: SchedulerName = "ddim"
+    output_format: OutputFormat = "png"
+    response_format: ResponseFormat = "image"
+
+
+class CompileSettings(_Section):
+    """``torch.compile`` of the UNet and the VAE decoder."""
+
+    enabled: bool = False
+    mode: Literal["default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"] = "default"
+    targets: tuple[Literal["unet", "vae_decoder"], ...] = ("unet", "vae_decoder")
+    fullgraph: bool = False
+    dynamic: bool | None = None
+
+
+class WarmupShape(_Section):
+    """One shape generated at worker start so the first user request pays no compilation."""
+
+    width: int = Field(ge=8, multiple_of=8)
+    height: int = Field(ge=8, multiple_of=8)
+    batch_size: int = Field(1, ge=1, description="images in the warm-up pipeline call")
+    num_inference_steps: int = Field(2, ge=1)
+
+
+class HandlerSettings(_Section):
+    """Everything the handler reads from ``model-config.yaml`` under ``handler:``."""
+
+    model_path: str = Field("model", description="diffusers directory, relative to the archive or absolute")
+    device: Literal["auto", "cpu", "cuda", "mps"] = "auto"
+    dtype: Literal["auto", "float16", "bfloat16", "float32"] = "auto"
+    attention: Literal["sdpa", "vanilla"] = "sdpa"
+    channels_last: bool = False
+    tf32: bool = True
+    attention_slicing: bool = False
+    vae_slicing: bool = False
+    vae_tiling: bool = False
+    cpu_offload: Literal["none", "model", "sequential"] = "none"
+    compile: CompileSettings = CompileSettings()
+    warmup: tuple[WarmupShape, ...] = ()
+    max_images_per_call: int = Field(16, ge=1, description="most images one pipeline call generates")
+    defaults: RequestDefaults = RequestDefaults()
+    limits: RequestLimits = RequestLimits()
+
+    @model_validator(mode="after")
+    def _defaults_within_limits(self) -> HandlerSettings:
+        limits, defaults = self.limits, self.defaults
+        sides = {"width": defaults.width, "height": defaults.height}
+        checks = {
+            "num_inference_steps": defaults.num_inference_steps <= limits.max_inference_steps,
+            "guidance_scale": defaults.guidance_scale <= limits.max_guidance_scale,
+            "num_images_per_prompt": defaults.num_images_per_prompt <= limits.max_images_per_request,
+            "max_images_per_call": limits.max_images_per_request <= self.max_images_per_call,
+            **{name: side is None or limits.min_side <= side <= limits.max_side for name, side in sides.items()},
+            "width x height": None in sides.values() or defaults.width * defaults.height <= limits.max_pixels,
+        }
+        broken = [name for name, ok in checks.items() if not ok]
+        if broken:
+            raise ValueError(f"defaults outside the configured limits (or max_images_per_call below max_images_per_request): {', '.join(broken)}")
+        return self
+
+    @classmethod
+    def from_model_yaml(cls, model_yaml_config: dict[str, Any] | None) -> HandlerSettings:
+        """Build settings from TorchServe's parsed ``model-config.yaml`` (``context.model_yaml_config``)."""
+        return cls.model_validate((model_yaml_config or {}).get("handler") or {})
+
+    def with_native_size(self, width: int, height: int) -> HandlerSettings:
+        """These settings with the model's native size as the default for an unset width/height,
+        checked against the limits again."""
+        defaults = self.defaults.model_dump()
+        defaults["width"] = defaults["width"] or width
+        defaults["height"] = defaults["height"] or height
+        return type(self).model_validate({**self.model_dump(), "defaults": defaults})
+
+    def resolve_model_path(self, model_dir: str | Path) -> Path:
+        """The pipeline directory: ``model_path`` taken relative to the unpacked archive."""
+        return Path(model_dir) / self.model_path

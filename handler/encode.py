@@ -1,0 +1,46 @@
+"""Encode generated images and errors into response bodies."""
+
+from __future__ import annotations
+
+import base64
+import io
+import json
+from typing import Any
+
+from PIL.Image import Image
+
+CONTENT_TYPES = {"png": "image/png", "jpeg": "image/jpeg", "webp": "image/webp"}
+JSON_CONTENT_TYPE = "application/json"
+JPEG_QUALITY = 90
+WEBP_QUALITY = 90
+
+
+def encode_image(image: Image, output_format: str) -> bytes:
+    """PNG (lossless), JPEG or WebP bytes of one image."""
+    buffer = io.BytesIO()
+    if output_format == "png":
+        image.save(buffer, format="PNG")
+    elif output_format == "jpeg":
+        image.convert("RGB").save(buffer, format="JPEG", quality=JPEG_QUALITY)
+    elif output_format == "webp":
+        image.save(buffer, format="WEBP", quality=WEBP_QUALITY)
+    else:
+        raise ValueError(f"unsupported output_format {output_format!r}; allowed: {', '.join(CONTENT_TYPES)}")
+    return buffer.getvalue()
+
+
+def json_body(payload: dict[str, Any]) -> bytes:
+    return json.dumps(payload, separators=(",", ":")).encode("utf-8")
+
+
+def images_json(encoded: list[bytes], metadata: dict[str, Any]) -> bytes:
+    """The JSON response: base64 images plus seed, parameters and timings."""
+    return json_body({"images": [base64.b64encode(data).decode("ascii") for data in encoded], **metadata})
+
+
+def error_json(status: int, error: str, message: str, details: list[dict[str, str]] | None = None) -> bytes:
+    """A JSON error body: the status, a short error kind, a sentence, and per-field details."""
+    payload: dict[str, Any] = {"code": status, "type": error, "message": message}
+    if details:
+        payload["errors"] = details
+    return json_body(payload)

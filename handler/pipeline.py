@@ -1,0 +1,195 @@
+"""Build, optimize and run the diffusers text-to-image pipeline.
+
+One function (``load_text_to_image``) builds the pipeline for the handler, the benchmarks and the
+tests, so what is measured is what is served.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from diffusers import (
+    AutoPipelineForText2Image,
+    DDIMScheduler,
+    DiffusionPipeline,
+    DPMSolverMultistepScheduler,
+    EulerAncestralDiscreteScheduler,
+    EulerDiscreteScheduler,
+    PNDMScheduler,
+)
+from diffusers.models.attention_processor import AttnProcessor, AttnProcessor2_0, SlicedAttnProcessor
+from PIL.Image import Image
+
+from handler.batching import CallInputs, CallKey
+from handler.config import HandlerSettings
+
+logger = logging.getLogger(__name__)
+
+SCHEDULERS = {
+    "ddim": DDIMScheduler,
+    "euler": EulerDiscreteScheduler,
+    "euler_a": EulerAncestralDiscreteScheduler,
+    "dpmpp_2m": DPMSolverMultistepScheduler,
+    "pndm": PNDMScheduler,
+}
+DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
+ATTENTION_PROCESSORS = {"sdpa": AttnProcessor2_0, "vanilla": AttnProcessor}
+ATTENTION_COMPONENTS = ("unet", "vae")
+
+
+def resolve_device(setting: str, gpu_id: int | None = None) -> torch.device:
+    """``auto`` is the GPU TorchServe assigned to this worker when there is one, else the CPU."""
+    if setting == "auto":
+        if torch.cuda.is_available():
+            return torch.device("cuda", gpu_id or 0)
+        if torch.backends.mps.is_available():
+            return torch.device("mps")
+        return torch.device("cpu")
+    if setting == "cuda":
+        return torch.device("cuda", gpu_id or 0)
+    return torch.device(setting)
+
+
+def resolve_dtype(setting: str, device: torch.device) -> torch.dtype:
+    """``auto`` is float16 on accelerators and float32 on the CPU (where half precision is slow)."""
+    if setting == "auto":
+        return torch.float32 if device.type == "cpu" else torch.float16
+    return DTYPES[setting]
+
+
+def _pipeline_source(settings: HandlerSettings, model_dir: str | Path) -> str:
+    """A local directory when it exists; otherwise ``model_path`` is taken as a hub id."""
+    local = settings.resolve_model_path(model_dir)
+    if local.is_dir():
+        return str(local)
+    logger.warning("model_path %s is not a local directory; loading it as a hub id", settings.model_path)
+    return settings.model_path
+
+
+def _set_attention(pipeline: DiffusionPipeline, settings: HandlerSettings) -> None:
+    processor_class = ATTENTION_PROCESSORS[settings.attention]
+    for name in ATTENTION_COMPONENTS:
+        getattr(pipeline, name).set_attn_processor(processor_class())
+    if settings.attention_slicing:
+        pipeline.enable_attention_slicing()
+
+
+def attention_summary(pipeline: DiffusionPipeline, settings: HandlerSettings) -> str:
+    """Check that every attention module runs the configured processor; return a summary."""
+    expected = SlicedAttnProcessor if settings.attention_slicing else ATTENTION_PROCESSORS[settings.attention]
+    processors = {
+        f"{component}.{module}": processor
+        for component in ATTENTION_COMPONENTS
+        for module, processor in getattr(pipeline, component).attn_processors.items()
+    }
+    wrong = sorted(name for name, processor in processors.items() if not isinstance(processor, expected))
+    if wrong:
+        raise RuntimeError(f"{len(wrong)} attention modules do not use {expected.__name__}: {', '.join(wrong[:5])}")
+    return f"{expected.__name__} on {len(processors)} modules"
+
+
+def _apply_memory_options(pipeline: DiffusionPipeline, settings: HandlerSettings, device: torch.device) -> None:
+    if settings.vae_slicing:
+        pipeline.vae.enable_slicing()
+    if settings.vae_tiling:
+        pipeline.vae.enable_tiling()
+    if settings.cpu_offload == "none":
+        pipeline.to(device)
+        return
+    if device.type != "cuda":
+        raise ValueError(f"cpu_offload {settings.cpu_offload!r} needs a CUDA device, this worker runs on {device}")
+    if settings.cpu_offload == "model":
+        pipeline.enable_model_cpu_offload(gpu_id=device.index)
+    else:
+        pipeline.enable_sequential_cpu_offload(gpu_id=device.index)
+
+
+def _apply_compile(pipeline: DiffusionPipeline, settings: HandlerSettings) -> None:
+    options = settings.compile
+    if not options.enabled:
+        return
+    kwargs = {"mode": options.mode, "fullgraph": options.fullgraph, "dynamic": options.dynamic}
+    if "unet" in options.targets:
+        pipeline.unet = torch.compile(pipeline.unet, **kwargs)
+    if "vae_decoder" in options.targets:
+        pipeline.vae.decode = torch.compile(pipeline.vae.decode, **kwargs)
+
+
+def native_size(pipeline: DiffusionPipeline) -> tuple[int, int]:
+    """The resolution the model was trained at: UNet sample size times the VAE scale factor."""
+    side = pipeline.unet.config.sample_size * pipeline.vae_scale_factor
+    return side, side
+
+
+@dataclass
+class TextToImage:
+    """A loaded pipeline plus the schedulers requests may choose from."""
+
+    pipeline: DiffusionPipeline
+    device: torch.device
+    dtype: torch.dtype
+    description: str
+    _schedulers: dict[str, object] = field(default_factory=dict)
+
+    def _use_scheduler(self, name: str) -> None:
+        if name not in self._schedulers:
+            self._schedulers[name] = SCHEDULERS[name].from_config(self.pipeline.scheduler.config)
+        self.pipeline.scheduler = self._schedulers[name]
+
+    def generate(self, key: CallKey, inputs: CallInputs) -> list[Image]:
+        """Run one pipeline call; image ``i`` comes from a CPU generator seeded ``inputs.seeds[i]``,
+        so it does not depend on its batchmates or on the device."""
+        self._use_scheduler(key.scheduler)
+        generators = [torch.Generator("cpu").manual_seed(seed) for seed in inputs.seeds]
+        with torch.inference_mode():
+            output = self.pipeline(
+                prompt=inputs.prompts,
+                negative_prompt=inputs.negative_prompts,
+                num_inference_steps=key.num_inference_steps,
+                guidance_scale=key.guidance_scale,
+                width=key.width,
+                height=key.height,
+                generator=generators,
+                output_type="pil",
+            )
+        return output.images
+
+    def warm_up(self, key: CallKey, batch_size: int) -> float:
+        """Generate one throw-away batch of this shape; return the seconds it took."""
+        started = time.perf_counter()
+        inputs = CallInputs(["warm-up"] * batch_size, [""] * batch_size, list(range(batch_size)), [0] * batch_size)
+        self.generate(key, inputs)
+        return time.perf_counter() - started
+
+
+def load_text_to_image(settings: HandlerSettings, model_dir: str | Path, gpu_id: int | None = None) -> TextToImage:
+    """Load the pipeline (safetensors only) and apply the configured optimizations."""
+    device = resolve_device(settings.device, gpu_id)
+    dtype = resolve_dtype(settings.dtype, device)
+    if device.type == "cuda" and settings.tf32:
+        torch.backends.cuda.matmul.allow_tf32 = True
+        torch.backends.cudnn.allow_tf32 = True
+    pipeline = AutoPipelineForText2Image.from_pretrained(
+        _pipeline_source(settings, model_dir), dtype=dtype, use_safetensors=True
+    )
+    pipeline.set_progress_bar_config(disable=True)
+    _set_attention(pipeline, settings)
+    if settings.channels_last:
+        pipeline.unet.to(memory_format=torch.channels_last)
+        pipeline.vae.to(memory_format=torch.channels_last)
+    _apply_memory_options(pipeline, settings, device)
+    attention = attention_summary(pipeline, settings)
+    _apply_compile(pipeline, settings)
+    description = (
+        f"pipeline={type(pipeline).__name__} device={device} dtype={str(dtype).removeprefix('torch.')} "
+        f"attention={attention} channels_last={settings.channels_last} "
+        f"tf32={settings.tf32 and device.type == 'cuda'} attention_slicing={settings.attention_slicing} "
+        f"vae_slicing={settings.vae_slicing} vae_tiling={settings.vae_tiling} cpu_offload={settings.cpu_offload} "
+        f"compile={settings.compile.mode if settings.compile.enabled else 'off'}"
+        f"{'(' + ','.join(settings.compile.targets) + ')' if settings.compile.enabled else ''}"
+    )
+    return TextToImage(pipeline, device, dtype, description)

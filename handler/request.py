@@ -1,0 +1,278 @@
+"""The request schema: wire body -> validated ``GenerationRequest`` -> pipeline arguments.
+
+Bounds that operators configure (``RequestLimits``) and defaults (``RequestDefaults``) are passed
+as the validation context, so one model class serves every configuration. Errors are reported as
+``RequestError`` with one entry per offending field, naming the field and the rule it broke.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import secrets
+from dataclasses import dataclass
+from typing import Any
+
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
+from pydantic_core import PydanticCustomError
+
+from handler.config import (
+    MAX_SEED,
+    OutputFormat,
+    RequestDefaults,
+    RequestLimits,
+    ResponseFormat,
+    SchedulerName,
+)
+
+TEXT_CONTENT_PREFIX = "text/"
+
+
+@dataclass(frozen=True)
+class FieldError:
+    """One broken rule: which field, which rule, and a sentence saying what was given and allowed."""
+
+    field: str
+    rule: str
+    message: str
+
+    def as_dict(self) -> dict[str, str]:
+        return {"field": self.field, "rule": self.rule, "message": self.message}
+
+
+class RequestError(Exception):
+    """A request that cannot be served as sent (HTTP 400)."""
+
+    def __init__(self, errors: list[FieldError]):
+        self.errors = errors
+        super().__init__("; ".join(f"{e.field}: {e.message}" for e in errors))
+
+    @classmethod
+    def single(cls, field: str, rule: str, message: str) -> RequestError:
+        return cls([FieldError(field, rule, message)])
+
+
+@dataclass(frozen=True)
+class RequestPolicy:
+    """What a deployment allows and assumes: the validation context of ``GenerationRequest``."""
+
+    limits: RequestLimits = RequestLimits()
+    defaults: RequestDefaults = RequestDefaults(width=512, height=512)
+
+
+def _policy(info: ValidationInfo) -> RequestPolicy:
+    return info.context if isinstance(info.context, RequestPolicy) else RequestPolicy()
+
+
+def _above_limit(value: float, limit: float, setting: str) -> PydanticCustomError:
+    return PydanticCustomError(
+        "less_than_equal",
+        "Input should be less than or equal to {limit} (the configured {setting}), got {value}",
+        {"limit": limit, "setting": setting, "value": value},
+    )
+
+
+class GenerationRequest(BaseModel):
+    """One text-to-image request, in diffusers' parameter names."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    prompt: str = Field(description="what to draw; must contain a non-blank character")
+    negative_prompt: str | None = Field(None, description="what to steer away from")
+    num_inference_steps: int = Field(ge=1, description="denoising steps")
+    guidance_scale: float = Field(ge=0, allow_inf_nan=False, description="classifier-free guidance scale")
+    seed: int | None = Field(None, ge=0, le=MAX_SEED, description="seed of the first image; random if left out")
+    width: int = Field(ge=8, multiple_of=8, description="image width in pixels")
+    height: int = Field(ge=8, multiple_of=8, description="image height in pixels")
+    num_images_per_prompt: int = Field(ge=1, description="images to generate for this prompt")
+    scheduler: SchedulerName = Field(description="sampler used for denoising")
+    output_format: OutputFormat = Field(description="encoding of the returned images")
+    response_format: ResponseFormat = Field(description="'image' returns raw bytes, 'json' base64 with metadata")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _fill_defaults(cls, data: Any, info: ValidationInfo) -> Any:
+        if not isinstance(data, dict):
+            return data
+        defaults = _policy(info).defaults.model_dump()
+        return {**defaults, **data}
+
+    @field_validator("prompt")
+    @classmethod
+    def _prompt_not_blank(cls, value: str, info: ValidationInfo) -> str:
+        if not value.strip():
+            raise PydanticCustomError("non_blank", "prompt must contain a non-blank character")
+        return cls._within_prompt_limit(value, info)
+
+    @field_validator("negative_prompt")
+    @classmethod
+    def _negative_prompt_length(cls, value: str | None, info: ValidationInfo) -> str | None:
+        return value if value is None else cls._within_prompt_limit(value, info)
+
+    @staticmethod
+    def _within_prompt_limit(value: str, info: ValidationInfo) -> str:
+        limit = _policy(info).limits.max_prompt_chars
+        if len(value) > limit:
+            raise PydanticCustomError(
+                "string_too_long",
+                "String should have at most {limit} characters (the configured max_prompt_chars), got {length}",
+                {"limit": limit, "length": len(value)},
+            )
+        return value
+
+    @field_validator("num_inference_steps")
+    @classmethod
+    def _steps_within_limit(cls, value: int, info: ValidationInfo) -> int:
+        limit = _policy(info).limits.max_inference_steps
+        if value > limit:
+            raise _above_limit(value, limit, "max_inference_steps")
+        return value
+
+    @field_validator("guidance_scale")
+    @classmethod
+    def _guidance_within_limit(cls, value: float, info: ValidationInfo) -> float:
+        limit = _policy(info).limits.max_guidance_scale
+        if value > limit:
+            raise _above_limit(value, limit, "max_guidance_scale")
+        return value
+
+    @field_validator("num_images_per_prompt")
+    @classmethod
+    def _images_within_limit(cls, value: int, info: ValidationInfo) -> int:
+        limit = _policy(info).limits.max_images_per_request
+        if value > limit:
+            raise _above_limit(value, limit, "max_images_per_request")
+        return value
+
+    @field_validator("width", "height")
+    @classmethod
+    def _side_within_limits(cls, value: int, info: ValidationInfo) -> int:
+        limits = _policy(info).limits
+        if value < limits.min_side:
+            raise PydanticCustomError(
+                "greater_than_equal",
+                "Input should be greater than or equal to {limit} (the configured min_side), got {value}",
+                {"limit": limits.min_side, "value": value},
+            )
+        if value > limits.max_side:
+            raise _above_limit(value, limits.max_side, "max_side")
+        if info.field_name == "height" and isinstance(info.data.get("width"), int):
+            pixels = info.data["width"] * value
+            if pixels > limits.max_pixels:
+                raise PydanticCustomError(
+                    "pixel_budget",
+                    "width x height = {width} x {height} = {pixels} pixels is more than the configured "
+                    "max_pixels {limit}",
+                    {"width": info.data["width"], "height": value, "pixels": pixels, "limit": limits.max_pixels},
+                )
+        return value
+
+    def with_seed(self) -> GenerationRequest:
+        """This request with a concrete seed, drawn at random when the client sent none."""
+        if self.seed is not None:
+            return self
+        return self.model_copy(update={"seed": secrets.randbelow(MAX_SEED + 1)})
+
+    def image_seeds(self) -> list[int]:
+        """One seed per image: ``seed``, ``seed + 1``, ... so every image is reproducible alone."""
+        if self.seed is None:
+            raise ValueError("image_seeds() needs a concrete seed; call with_seed() first")
+        return [(self.seed + index) % (MAX_SEED + 1) for index in range(self.num_images_per_prompt)]
+
+    def parameters(self) -> dict[str, Any]:
+        """The effective parameters, as reported back to the client."""
+        return self.model_dump(exclude={"output_format", "response_format"})
+
+
+def _field_errors(error: ValidationError) -> list[FieldError]:
+    errors = []
+    for item in error.errors(include_url=False):
+        field = ".".join(str(part) for part in item["loc"]) or "body"
+        rule, message = item["type"], item["msg"]
+        if rule == "extra_forbidden":
+            rule = "unknown_field"
+            message = f"unknown field {field!r}; allowed fields: {', '.join(GenerationRequest.model_fields)}"
+        elif rule != "missing" and "input" in item:
+            given = _short_repr(item["input"])
+            if given not in message:
+                message = f"{message} (given: {given})"
+        errors.append(FieldError(field, rule, message))
+    return errors
+
+
+def _short_repr(value: Any, limit: int = 60) -> str:
+    text = json.dumps(value) if _json_safe(value) else repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _json_safe(value: Any) -> bool:
+    if isinstance(value, float):
+        return math.isfinite(value)
+    return isinstance(value, (str, int, bool, type(None)))
+
+
+def validate_fields(fields: dict[str, Any], policy: RequestPolicy, *, strict: bool) -> GenerationRequest:
+    """Validate a dict of request fields. JSON bodies are strict (no ``"20"`` for 20, no ``true``
+    for 1); form and query fields arrive as text and are converted."""
+    try:
+        return GenerationRequest.model_validate(fields, strict=strict, context=policy)
+    except ValidationError as error:
+        raise RequestError(_field_errors(error)) from None
+
+
+def _decode_text(raw: bytes | bytearray) -> str:
+    try:
+        return bytes(raw).decode("utf-8")
+    except UnicodeDecodeError as error:
+        raise RequestError.single("body", "utf8", f"body is not valid UTF-8: {error.reason} at byte {error.start}") from None
+
+
+def _parse_json(raw: bytes | bytearray) -> Any:
+    text = _decode_text(raw)
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as error:
+        raise RequestError.single("body", "json", f"body is not valid JSON: {error.msg} at line {error.lineno} column {error.colno}") from None
+    except RecursionError:
+        raise RequestError.single("body", "json", "body is nested too deeply") from None
+
+
+def _json_type_name(value: Any) -> str:
+    names = {list: "array", str: "string", bool: "boolean", int: "number", float: "number", type(None): "null"}
+    return names.get(type(value), type(value).__name__)
+
+
+def decode_body(body: Any, content_type: str | None, policy: RequestPolicy) -> GenerationRequest:
+    """Turn the body TorchServe hands over into a request.
+
+    TorchServe pre-decodes JSON (dict/list/str/number) and text (str); what it could not decode
+    arrives as raw bytes. A ``text/*`` body is the prompt alone, everything else must be a JSON
+    object of request fields.
+    """
+    is_text = (content_type or "").strip().lower().startswith(TEXT_CONTENT_PREFIX)
+    if isinstance(body, (bytes, bytearray)):
+        if not body.strip():
+            raise RequestError.single("body", "required", 'body is empty: send a JSON object such as {"prompt": "a red circle"}')
+        body = _decode_text(body) if is_text else _parse_json(body)
+    if is_text and isinstance(body, str):
+        return validate_fields({"prompt": body}, policy, strict=True)
+    if not isinstance(body, dict):
+        raise RequestError.single("body", 
+            "object",
+            f"body must be a JSON object of request fields (or a text/plain prompt), got a JSON {_json_type_name(body)}",
+        )
+    return validate_fields(body, policy, strict=True)
+
+
+def decode_form(fields: dict[str, Any], policy: RequestPolicy) -> GenerationRequest:
+    """Validate form or query fields, which arrive as text (or bytes) per field."""
+    decoded = {name: _decode_text(value) if isinstance(value, (bytes, bytearray)) else value for name, value in fields.items()}
+    return validate_fields(decoded, policy, strict=False)

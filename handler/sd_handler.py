@@ -1,0 +1,97 @@
+"""TorchServe adapter: the only module that knows TorchServe.
+
+It maps TorchServe's batch and context onto ``TextToImageService`` and the service's responses
+back onto per-request status, content type and headers.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from http import HTTPStatus
+from typing import Any
+
+from ts.torch_handler.base_handler import BaseHandler
+
+from handler.batching import CallKey
+from handler.config import HandlerSettings, WarmupShape
+from handler.pipeline import TextToImage, load_text_to_image, native_size
+from handler.request import RequestPolicy
+from handler.service import IncomingRequest, Response, TextToImageService
+
+logger = logging.getLogger(__name__)
+
+BODY_KEYS = ("body", "data")
+
+
+def _content_type(context: Any, index: int, body_key: str | None) -> str | None:
+    """The Content-Type of the body part, else of the HTTP request."""
+    if body_key is not None:
+        part = context.get_request_header(index, body_key)
+        if isinstance(part, dict) and part.get("content-type"):
+            return part["content-type"]
+    headers = context.get_all_request_header(index)
+    return next((value for name, value in headers.items() if name.lower() == "content-type" and isinstance(value, str)), None)
+
+
+def to_incoming(row: dict[str, Any], context: Any, index: int) -> IncomingRequest:
+    """One TorchServe request row -> ``IncomingRequest``: the raw body, or the form/query fields."""
+    body_key = next((key for key in BODY_KEYS if key in row), None)
+    fields = {name: value for name, value in row.items() if name not in BODY_KEYS}
+    body = row.get(body_key) if body_key else None
+    return IncomingRequest(body=body, content_type=_content_type(context, index, body_key), fields=fields)
+
+
+class StableDiffusionHandler(BaseHandler):
+    """Text-to-image with a diffusers Stable Diffusion pipeline and request-level batching."""
+
+    def initialize(self, context: Any) -> None:
+        started = time.perf_counter()
+        properties = context.system_properties
+        self.manifest = context.manifest
+        settings = HandlerSettings.from_model_yaml(getattr(context, "model_yaml_config", None))
+        engine = load_text_to_image(settings, properties["model_dir"], properties.get("gpu_id"))
+        settings = settings.with_native_size(*native_size(engine.pipeline))
+        loaded = time.perf_counter()
+        warmup_seconds = self._warm_up(engine, settings)
+        self.service = TextToImageService(
+            engine, RequestPolicy(settings.limits, settings.defaults), settings.max_images_per_call
+        )
+        self.initialized = True
+        logger.info(
+            "stable-diffusion worker ready: %s defaults=%s limits=%s load_s=%.2f warmup_s=%.2f",
+            engine.description,
+            settings.defaults.model_dump(),
+            settings.limits.model_dump(),
+            loaded - started,
+            warmup_seconds,
+        )
+
+    @staticmethod
+    def _warm_up(engine: TextToImage, settings: HandlerSettings) -> float:
+        """Generate each configured warm-up shape (by default the default size, one image)."""
+        defaults = settings.defaults
+        shapes = settings.warmup or (WarmupShape(width=defaults.width, height=defaults.height),)
+        return sum(
+            engine.warm_up(
+                CallKey(shape.width, shape.height, shape.num_inference_steps, defaults.scheduler, defaults.guidance_scale),
+                shape.batch_size,
+            )
+            for shape in shapes
+        )
+
+    def handle(self, data: list[dict[str, Any]], context: Any) -> list[bytes]:
+        self.context = context
+        batch = [to_incoming(row, context, index) for index, row in enumerate(data)]
+        responses = self.service.handle_batch(batch)
+        for index, response in enumerate(responses):
+            self._set_response_meta(context, index, response)
+        return [response.body for response in responses]
+
+    @staticmethod
+    def _set_response_meta(context: Any, index: int, response: Response) -> None:
+        context.set_response_status(response.status, HTTPStatus(response.status).phrase, index)
+        context.set_response_content_type(index, response.content_type)
+        for name, value in response.headers.items():
+            context.set_response_header(index, name, value)
+

@@ -1,0 +1,129 @@
+"""Server-independent request flow for one batch: decode -> group -> generate -> encode.
+
+Every request of a batch gets exactly one ``Response``; a bad or failing request never fails
+its batchmates.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from PIL.Image import Image
+
+from handler.batching import CallInputs, PipelineCall, group_requests
+from handler.encode import CONTENT_TYPES, JSON_CONTENT_TYPE, encode_image, error_json, images_json
+from handler.pipeline import TextToImage
+from handler.request import GenerationRequest, RequestError, RequestPolicy, decode_body, decode_form
+
+logger = logging.getLogger(__name__)
+
+SEED_HEADER = "X-Seed"
+
+
+@dataclass(frozen=True)
+class IncomingRequest:
+    """One request as the server hands it over: the body (pre-decoded or raw), its Content-Type,
+    and any form or query fields."""
+
+    body: Any
+    content_type: str | None = None
+    fields: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Response:
+    status: int
+    body: bytes
+    content_type: str
+    headers: dict[str, str] = field(default_factory=dict)
+
+
+def decode(incoming: IncomingRequest, policy: RequestPolicy) -> GenerationRequest:
+    """Validate one request, with a concrete seed. Raises ``RequestError``."""
+    has_body = incoming.body is not None and incoming.body != bytearray() and incoming.body != b""
+    if incoming.fields and has_body:
+        names = ", ".join(sorted(incoming.fields))
+        raise RequestError.single(
+            "body", "one_source", f"send fields either in the body or as form/query fields, not both (got fields {names})"
+        )
+    if incoming.fields:
+        return decode_form(incoming.fields, policy).with_seed()
+    return decode_body(incoming.body if has_body else bytearray(), incoming.content_type, policy).with_seed()
+
+
+def bad_request(error: RequestError) -> Response:
+    details = [item.as_dict() for item in error.errors]
+    return Response(400, error_json(400, "InvalidRequest", str(error), details), JSON_CONTENT_TYPE)
+
+
+def generation_failed(error: Exception) -> Response:
+    if isinstance(error, torch.OutOfMemoryError):
+        return Response(507, error_json(507, "OutOfMemory", "the accelerator ran out of memory generating this request"), JSON_CONTENT_TYPE)
+    return Response(500, error_json(500, "GenerationFailed", f"generation failed: {type(error).__name__}: {error}"), JSON_CONTENT_TYPE)
+
+
+def encode_response(request: GenerationRequest, images: list[Image], metadata: dict[str, Any]) -> Response:
+    """Raw image bytes for one image in ``image`` mode, JSON with base64 images otherwise.
+    ``metadata["timings"]`` gains ``encode_s``."""
+    started = time.perf_counter()
+    encoded = [encode_image(image, request.output_format) for image in images]
+    headers = {SEED_HEADER: str(request.seed)}
+    if request.response_format == "image" and len(encoded) == 1:
+        return Response(200, encoded[0], CONTENT_TYPES[request.output_format], headers)
+    metadata["timings"]["encode_s"] = round(time.perf_counter() - started, 6)
+    return Response(200, images_json(encoded, metadata), JSON_CONTENT_TYPE, headers)
+
+
+class TextToImageService:
+    """Serves batches of text-to-image requests with one loaded pipeline."""
+
+    def __init__(self, engine: TextToImage, policy: RequestPolicy, max_images_per_call: int):
+        self.engine = engine
+        self.policy = policy
+        self.max_images_per_call = max_images_per_call
+
+    def handle_batch(self, batch: list[IncomingRequest]) -> list[Response]:
+        started = time.perf_counter()
+        responses: dict[int, Response] = {}
+        requests: dict[int, GenerationRequest] = {}
+        for index, incoming in enumerate(batch):
+            try:
+                requests[index] = decode(incoming, self.policy)
+            except RequestError as error:
+                logger.info("request %d of %d rejected: %s", index, len(batch), error)
+                responses[index] = bad_request(error)
+        decode_seconds = time.perf_counter() - started
+        for call in group_requests(requests, self.max_images_per_call):
+            responses.update(self._run_call(call, requests, len(batch), decode_seconds))
+        return [responses[index] for index in range(len(batch))]
+
+    def _run_call(
+        self,
+        call: PipelineCall,
+        requests: dict[int, GenerationRequest],
+        batch_size: int,
+        decode_seconds: float,
+    ) -> dict[int, Response]:
+        inputs = CallInputs.of(call, requests)
+        call_started = time.perf_counter()
+        try:
+            images = self.engine.generate(call.key, inputs)
+        except Exception as error:  # one failing call must not fail the other calls of the batch
+            logger.exception("pipeline call for requests %s failed", list(call.members))
+            return {index: generation_failed(error) for index in call.members}
+        inference_seconds = time.perf_counter() - call_started
+        responses = {}
+        for index, own_images in inputs.split_by_owner(images).items():
+            request = requests[index]
+            metadata = {
+                "seed": request.seed,
+                "parameters": request.parameters(),
+                "batch": {"requests": batch_size, "call_images": len(inputs.seeds)},
+                "timings": {"decode_s": round(decode_seconds, 6), "inference_s": round(inference_seconds, 6)},
+            }
+            responses[index] = encode_response(request, own_images, metadata)
+        return responses

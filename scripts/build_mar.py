@@ -1,0 +1,118 @@
+"""Package the handler, a diffusers pipeline and model-config.yaml into a TorchServe archive.
+
+Only safetensors weights are packaged; pickle weights (.bin, .ckpt, .pt, .pth, .pkl) are left out.
+Small models become ``NAME.mar``; large ones (or ``--archive-format no-archive``) become a
+directory ``NAME/`` in the model store, which TorchServe loads without unzipping gigabytes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import logging
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+logger = logging.getLogger("build_mar")
+
+ROOT = Path(__file__).resolve().parent.parent
+HANDLER_PACKAGE = ROOT / "handler"
+MODEL_NAME = "stable-diffusion"
+PICKLE_SUFFIXES = {".bin", ".ckpt", ".pt", ".pth", ".pkl", ".pickle"}
+NO_ARCHIVE_ABOVE_BYTES = 1 << 30
+
+
+def _model_files(model_dir: Path) -> list[Path]:
+    files = sorted(path for path in model_dir.rglob("*") if path.is_file() and ".cache" not in path.parts)
+    if not any(path.suffix == ".safetensors" for path in files):
+        raise SystemExit(f"{model_dir} has no .safetensors weights; only safetensors models are served")
+    skipped = [path for path in files if path.suffix in PICKLE_SUFFIXES]
+    if skipped:
+        logger.warning("leaving out %d pickle weight files (safetensors only): %s", len(skipped), skipped[:3])
+    return [path for path in files if path.suffix not in PICKLE_SUFFIXES]
+
+
+def _fingerprint(model_files: list[Path], model_dir: Path, config: Path, archive_format: str) -> str:
+    """Changes when the handler code, the config, the format or any model file changes."""
+    digest = hashlib.sha256(archive_format.encode())
+    for path in sorted(HANDLER_PACKAGE.glob("*.py")) + [config]:
+        digest.update(path.name.encode() + path.read_bytes())
+    for path in model_files:
+        stat = path.stat()
+        digest.update(f"{path.relative_to(model_dir)}:{stat.st_size}:{stat.st_mtime_ns}".encode())
+    return digest.hexdigest()
+
+
+def _link_or_copy(source: Path, target: Path) -> None:
+    target.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        os.link(source, target)
+    except OSError:
+        shutil.copy2(source, target)
+
+
+def _stage(model_dir: Path, model_files: list[Path], stage: Path) -> None:
+    """The archive root: the ``handler`` package and the pipeline under ``model/``."""
+    for path in HANDLER_PACKAGE.glob("*.py"):
+        _link_or_copy(path, stage / "handler" / path.name)
+    for path in model_files:
+        _link_or_copy(path, stage / "model" / path.relative_to(model_dir))
+
+
+def archive_path(export_path: Path, archive_format: str, model_name: str = MODEL_NAME) -> Path:
+    return export_path / (model_name if archive_format == "no-archive" else f"{model_name}.mar")
+
+
+def build(model_dir: Path, config: Path, export_path: Path, archive_format: str = "auto", model_name: str = MODEL_NAME) -> Path:
+    """Build the archive unless an identical one exists; return its path."""
+    model_files = _model_files(model_dir)
+    if archive_format == "auto":
+        size = sum(path.stat().st_size for path in model_files)
+        archive_format = "no-archive" if size > NO_ARCHIVE_ABOVE_BYTES else "default"
+    target = archive_path(export_path, archive_format, model_name)
+    stamp = export_path / f".{model_name}.fingerprint"
+    fingerprint = _fingerprint(model_files, model_dir, config, archive_format)
+    if target.exists() and stamp.is_file() and stamp.read_text() == fingerprint:
+        logger.info("%s is up to date", target)
+        return target
+    export_path.mkdir(parents=True, exist_ok=True)
+    for stale in (archive_path(export_path, "default", model_name), archive_path(export_path, "no-archive", model_name)):
+        shutil.rmtree(stale) if stale.is_dir() else stale.unlink(missing_ok=True)
+    with tempfile.TemporaryDirectory(prefix="mar-stage-", dir=export_path) as tmp:
+        stage = Path(tmp)
+        _stage(model_dir, model_files, stage)
+        command = [
+            str(Path(sys.executable).parent / "torch-model-archiver"),
+            "--model-name", model_name,
+            "--version", "1.0",
+            "--handler", str(HANDLER_PACKAGE / "sd_handler.py"),
+            "--extra-files", str(stage),
+            "--config-file", str(config),
+            "--export-path", str(export_path),
+            "--archive-format", archive_format,
+        ]
+        logger.info("packaging %s (%d files, %s) into %s", model_dir, len(model_files), archive_format, target)
+        subprocess.run(command, check=True)
+    stamp.write_text(fingerprint)
+    return target
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model-dir", type=Path, required=True, help="local diffusers pipeline directory")
+    parser.add_argument("--config", type=Path, default=ROOT / "model-config.yaml", help="model-config.yaml to package")
+    parser.add_argument("--export-path", type=Path, default=ROOT / "model_store", help="model store to write to")
+    parser.add_argument("--archive-format", choices=["auto", "default", "no-archive"], default="auto",
+                        help="auto: a directory (no-archive) for models over 1 GiB, else a .mar")
+    args = parser.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    build(args.model_dir.resolve(), args.config.resolve(), args.export_path.resolve(), args.archive_format)
+
+
+if __name__ == "__main__":
+    main()

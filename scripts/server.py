@@ -1,0 +1,255 @@
+"""Start TorchServe with the stable-diffusion archive, wait until it serves, stop it cleanly.
+
+``python -m scripts.server`` is what ``make serve`` runs: TorchServe in the foreground on the
+addresses of config.properties, a ready-to-paste curl once a worker is ready, and a clean stop
+(no Java process left behind) on Ctrl-C or SIGTERM. The tests start their servers with the same
+``TorchServe`` class.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import shlex
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from urllib.parse import urlparse
+
+import requests
+
+logger = logging.getLogger("server")
+
+ROOT = Path(__file__).resolve().parent.parent
+MODEL_NAME = "stable-diffusion"
+STOP_GRACE_SECONDS = 60
+PID_FILE = "server.pid"  # `make stop` sends SIGTERM to the process named here
+
+
+def read_properties(path: Path) -> dict[str, str]:
+    """A Java .properties file as a dict (the subset TorchServe uses: key=value lines, # comments)."""
+    properties = {}
+    for line in path.read_text().splitlines():
+        line = line.strip()
+        if line and not line.startswith("#") and "=" in line:
+            key, value = line.split("=", 1)
+            properties[key.strip()] = value.strip()
+    return properties
+
+
+@dataclass(frozen=True)
+class Addresses:
+    inference: str
+    management: str
+    metrics: str
+
+    @classmethod
+    def from_properties(cls, properties: dict[str, str]) -> Addresses:
+        return cls(
+            inference=properties.get("inference_address", "http://127.0.0.1:8080"),
+            management=properties.get("management_address", "http://127.0.0.1:8081"),
+            metrics=properties.get("metrics_address", "http://127.0.0.1:8082"),
+        )
+
+
+@dataclass(frozen=True)
+class Keys:
+    inference: str
+    management: str
+
+    @classmethod
+    def from_key_file(cls, path: Path) -> Keys:
+        data = json.loads(path.read_text())
+        return cls(inference=data["inference"]["key"], management=data["management"]["key"])
+
+
+def find_archive(model_store: Path, model_name: str = MODEL_NAME) -> str:
+    """The archive name TorchServe should load: ``NAME.mar`` or the no-archive directory ``NAME``."""
+    if (model_store / f"{model_name}.mar").is_file():
+        return f"{model_name}.mar"
+    if (model_store / model_name / "MAR-INF").is_dir():
+        return model_name
+    raise FileNotFoundError(f"no {model_name}.mar or {model_name}/ in {model_store}; run `make mar` first")
+
+
+class TorchServe:
+    """One TorchServe frontend (and its workers) in its own process group and working directory."""
+
+    def __init__(self, config: Path, model_store: Path, workdir: Path, model_name: str = MODEL_NAME,
+                 env: dict[str, str] | None = None):
+        self.config = config.resolve()
+        self.model_store = model_store.resolve()
+        self.workdir = workdir.resolve()
+        self.model_name = model_name
+        self.addresses = Addresses.from_properties(read_properties(self.config))
+        self.env = {**os.environ, **(env or {})}
+        self.process: subprocess.Popen | None = None
+        self.keys: Keys | None = None
+
+    @property
+    def console_log(self) -> Path:
+        return self.workdir / "logs" / "console.log"
+
+    def start(self) -> None:
+        """Launch ``torchserve --foreground`` with key_file.json and logs in the working directory."""
+        (self.workdir / "logs").mkdir(parents=True, exist_ok=True)
+        (self.workdir / "key_file.json").unlink(missing_ok=True)
+        archive = find_archive(self.model_store, self.model_name)
+        command = [
+            str(Path(sys.executable).parent / "torchserve"), "--start", "--foreground", "--ncs",
+            "--ts-config", str(self.config),
+            "--model-store", str(self.model_store),
+            "--models", f"{self.model_name}={archive}",
+        ]
+        env = {**self.env, "LOG_LOCATION": str(self.workdir / "logs"), "METRICS_LOCATION": str(self.workdir / "logs")}
+        with open(self.console_log, "ab") as log:
+            self.process = subprocess.Popen(
+                command, cwd=self.workdir, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+            )
+        logger.info("TorchServe starting (pid %d), logs in %s", self.process.pid, self.workdir / "logs")
+
+    def _check_alive(self) -> None:
+        if self.process is None or self.process.poll() is not None:
+            tail = self.console_log.read_text(errors="replace")[-3000:] if self.console_log.exists() else ""
+            raise RuntimeError(f"TorchServe exited before it was ready; end of {self.console_log}:\n{tail}")
+
+    def wait_ready(self, timeout: float = 900.0, progress=None) -> Keys:
+        """Wait for key_file.json and a READY worker of the model; return the keys."""
+        deadline = time.monotonic() + timeout
+        key_file = self.workdir / "key_file.json"
+        while time.monotonic() < deadline:
+            self._check_alive()
+            if self.keys is None and key_file.is_file():
+                try:
+                    self.keys = Keys.from_key_file(key_file)
+                except (json.JSONDecodeError, KeyError):
+                    pass  # still being written
+            if self.keys is not None:
+                status = self.worker_status()
+                if progress:
+                    progress(status)
+                if "READY" in status:
+                    return self.keys
+            time.sleep(1.0)
+        raise TimeoutError(f"no READY worker for {self.model_name} after {timeout:.0f} s; see {self.console_log}")
+
+    def worker_status(self) -> list[str]:
+        """Status of each worker of the model, from the management API ([] while unknown)."""
+        try:
+            response = requests.get(
+                f"{self.addresses.management}/models/{self.model_name}",
+                headers=self.auth(management=True), timeout=5,
+            )
+        except requests.ConnectionError:
+            return []
+        if response.status_code != 200:
+            return []
+        return [worker["status"] for model in response.json() for worker in model.get("workers", [])]
+
+    def auth(self, management: bool = False) -> dict[str, str]:
+        if self.keys is None:
+            raise RuntimeError("keys are known once the server has started")
+        return {"Authorization": f"Bearer {self.keys.management if management else self.keys.inference}"}
+
+    def stop(self, grace: float = STOP_GRACE_SECONDS) -> None:
+        """SIGTERM the process group (the frontend stops its workers), SIGKILL what is left."""
+        if self.process is None:
+            return
+        for sig, wait in ((signal.SIGTERM, grace), (signal.SIGKILL, 10)):
+            try:
+                os.killpg(self.process.pid, sig)
+            except ProcessLookupError:
+                break
+            try:
+                self.process.wait(timeout=wait)
+                _wait_group_gone(self.process.pid, wait)
+                break
+            except subprocess.TimeoutExpired:
+                logger.warning("TorchServe did not stop within %.0f s after %s", wait, sig.name)
+        logger.info("TorchServe stopped")
+
+    def __enter__(self) -> TorchServe:
+        self.start()
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.stop()
+
+
+def _wait_group_gone(pgid: int, timeout: float) -> None:
+    """Wait until no process of the group is left (workers may outlive the frontend briefly)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            os.killpg(pgid, 0)
+        except ProcessLookupError:
+            return
+        time.sleep(0.2)
+    raise subprocess.TimeoutExpired(f"process group {pgid}", timeout)
+
+
+def example_curl(server: TorchServe) -> str:
+    """A ready-to-paste request that saves a PNG."""
+    body = json.dumps({"prompt": "a red circle on a white background", "seed": 42})
+    return (
+        f"curl -sS -o image.png -X POST {server.addresses.inference}/predictions/{server.model_name} "
+        f"-H 'Authorization: Bearer {server.keys.inference}' -H 'Content-Type: application/json' "
+        f"-d {shlex.quote(body)}"
+    )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description="Serve the stable-diffusion archive with TorchServe in the foreground.")
+    parser.add_argument("--config", type=Path, default=ROOT / "config.properties")
+    parser.add_argument("--model-store", type=Path, default=ROOT / "model_store")
+    parser.add_argument("--workdir", type=Path, default=ROOT / "runtime", help="key_file.json and logs/ go here")
+    parser.add_argument("--timeout", type=float, default=900.0, help="seconds to wait for a ready worker")
+    args = parser.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
+
+    server = TorchServe(args.config, args.model_store, args.workdir)
+    stop_requested = False
+
+    def request_stop(signum, frame):
+        nonlocal stop_requested
+        stop_requested = True
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, request_stop)
+    pid_file = args.workdir / PID_FILE
+    try:
+        args.workdir.mkdir(parents=True, exist_ok=True)
+        pid_file.write_text(str(os.getpid()))
+        server.start()
+        seen = []
+
+        def progress(status: list[str]) -> None:
+            if status != seen[-1:]:
+                seen.append(status)
+                logger.info("workers: %s", ", ".join(status) or "loading")
+
+        server.wait_ready(args.timeout, progress)
+        parsed = urlparse(server.addresses.inference)
+        print(
+            f"\nstable-diffusion is ready on {parsed.netloc} (management {server.addresses.management}, "
+            f"metrics {server.addresses.metrics}/metrics).\nKeys: {server.workdir / 'key_file.json'}\n"
+            f"Try:\n\n  {example_curl(server)}\n\nCtrl-C stops the server.\n",
+            flush=True,
+        )
+        server.process.wait()
+        if not stop_requested:
+            raise SystemExit(f"TorchServe exited with status {server.process.returncode}; see {server.console_log}")
+    except KeyboardInterrupt:
+        logger.info("stopping TorchServe")
+    finally:
+        server.stop()
+        pid_file.unlink(missing_ok=True)
+
+
+if __name__ == "__main__":
+    main()

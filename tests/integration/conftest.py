@@ -1,0 +1,98 @@
+"""A real TorchServe on loopback serving the real archive, built from the default tiny model."""
+
+from __future__ import annotations
+
+import base64
+import io
+import socket
+from pathlib import Path
+
+import numpy as np
+import pytest
+import requests
+from PIL import Image
+
+from scripts.build_mar import build
+from scripts.server import TorchServe, read_properties
+
+ROOT = Path(__file__).resolve().parents[2]
+MODEL_DIR = ROOT / "models" / "tiny-sd"
+STARTUP_TIMEOUT = 600
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def properties_for_tests(tmp: Path) -> Path:
+    """config.properties as shipped, with free ports so a running `make serve` is not disturbed."""
+    properties = read_properties(ROOT / "config.properties")
+    properties.update(
+        inference_address=f"http://127.0.0.1:{free_port()}",
+        management_address=f"http://127.0.0.1:{free_port()}",
+        metrics_address=f"http://127.0.0.1:{free_port()}",
+        grpc_inference_port=str(free_port()),
+        grpc_management_port=str(free_port()),
+        initial_worker_port=str(free_port()),
+        model_store=str(tmp / "model_store"),
+    )
+    path = tmp / "config.properties"
+    path.write_text("".join(f"{key}={value}\n" for key, value in properties.items()))
+    return path
+
+
+@pytest.fixture(scope="session")
+def server(tmp_path_factory) -> TorchServe:
+    if not (MODEL_DIR / "model_index.json").is_file():
+        pytest.fail(f"{MODEL_DIR} is missing: run `make model` (make test does)")
+    tmp = tmp_path_factory.mktemp("torchserve")
+    build(MODEL_DIR, ROOT / "model-config.yaml", tmp / "model_store")
+    server = TorchServe(properties_for_tests(tmp), tmp / "model_store", tmp / "work", env={"TMPDIR": str(tmp)})
+    server.start()
+    try:
+        server.wait_ready(STARTUP_TIMEOUT)
+        yield server
+    finally:
+        server.stop()
+
+
+class Client:
+    """Small HTTP helper bound to one server and its keys."""
+
+    def __init__(self, server: TorchServe):
+        self.server = server
+        self.url = f"{server.addresses.inference}/predictions/{server.model_name}"
+
+    def predict(self, body=None, *, data=None, content_type="application/json", headers=None, **kwargs) -> requests.Response:
+        all_headers = {**self.server.auth(), **({"Content-Type": content_type} if content_type else {}), **(headers or {})}
+        if body is not None:
+            return requests.post(self.url, json=body, headers=all_headers, timeout=120, **kwargs)
+        return requests.post(self.url, data=data, headers=all_headers, timeout=120, **kwargs)
+
+    def image(self, **fields) -> np.ndarray:
+        """One image as an array, asserting success."""
+        response = self.predict({"num_inference_steps": 4, **fields})
+        assert response.status_code == 200, response.text
+        return decode_png(response.content)
+
+
+@pytest.fixture(scope="session")
+def client(server) -> Client:
+    return Client(server)
+
+
+def decode_png(data: bytes) -> np.ndarray:
+    return np.asarray(Image.open(io.BytesIO(data)).convert("RGB"))
+
+
+def decode_json_images(payload: dict) -> list[np.ndarray]:
+    return [decode_png(base64.b64decode(item)) for item in payload["images"]]
+
+
+def assert_same_image(first: np.ndarray, second: np.ndarray) -> None:
+    """Equal up to float rounding across batch sizes: at most 1 level on at most 1% of values."""
+    difference = np.abs(first.astype(int) - second.astype(int))
+    assert difference.max() <= 1, f"max difference {difference.max()}"
+    assert (difference > 0).mean() <= 0.01, f"{(difference > 0).mean():.2%} of values differ"

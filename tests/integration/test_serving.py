@@ -1,0 +1,231 @@
+"""End to end through a real TorchServe: images, modes, seeds, batching, bad input, auth, scaling, metrics."""
+
+from __future__ import annotations
+
+import json
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+import pytest
+import requests
+from prometheus_client.parser import text_string_to_metric_families
+
+from tests.integration.conftest import assert_same_image, decode_json_images, decode_png
+
+FAST = {"num_inference_steps": 4}
+# Long enough to keep the worker busy while followers queue up behind it (the default model
+# runs ~25 steps/s at 64x64 here; on a faster machine the followers may still be batched).
+BLOCKER = {"prompt": "keep the worker busy", "num_inference_steps": 100, "seed": 0}
+
+
+def test_png_of_requested_size_with_seed_header(client):
+    response = client.predict({"prompt": "a red circle", "width": 128, "height": 64, "seed": 5, **FAST})
+    assert response.status_code == 200
+    assert response.headers["Content-Type"] == "image/png"
+    assert response.headers["X-Seed"] == "5"
+    assert decode_png(response.content).shape == (64, 128, 3)
+
+
+def test_seed_is_reported_when_none_was_sent_and_reproduces_the_image(client):
+    response = client.predict({"prompt": "a red circle", **FAST})
+    seed = int(response.headers["X-Seed"])
+    assert_same_image(decode_png(response.content), client.image(prompt="a red circle", seed=seed))
+
+
+@pytest.mark.parametrize(("output_format", "content_type", "magic"), [
+    ("jpeg", "image/jpeg", b"\xff\xd8\xff"),
+    ("webp", "image/webp", b"RIFF"),
+])
+def test_other_output_formats(client, output_format, content_type, magic):
+    response = client.predict({"prompt": "a square", "output_format": output_format, **FAST})
+    assert response.status_code == 200
+    assert response.headers["Content-Type"] == content_type
+    assert response.content.startswith(magic)
+
+
+def test_json_mode_with_several_images(client):
+    body = {"prompt": "a green triangle", "seed": 100, "num_images_per_prompt": 3, "response_format": "json", **FAST}
+    response = client.predict(body)
+    assert response.status_code == 200 and response.headers["Content-Type"] == "application/json"
+    payload = response.json()
+    images = decode_json_images(payload)
+    assert [image.shape for image in images] == [(64, 64, 3)] * 3
+    assert payload["seed"] == 100
+    assert payload["parameters"]["num_images_per_prompt"] == 3 and payload["parameters"]["width"] == 64
+    assert {"decode_s", "inference_s", "encode_s"} <= set(payload["timings"])
+    for offset, image in enumerate(images):
+        assert_same_image(image, client.image(prompt="a green triangle", seed=100 + offset))
+
+
+def test_more_than_one_image_is_json_even_in_image_mode(client):
+    response = client.predict({"prompt": "x", "num_images_per_prompt": 2, **FAST})
+    assert response.headers["Content-Type"] == "application/json"
+    assert len(response.json()["images"]) == 2
+
+
+def test_text_plain_body_is_the_prompt(client):
+    response = client.predict(data="a blue square".encode(), content_type="text/plain")
+    assert response.status_code == 200 and response.headers["Content-Type"] == "image/png"
+    seed = int(response.headers["X-Seed"])
+    expected = client.predict({"prompt": "a blue square", "seed": seed})
+    assert_same_image(decode_png(response.content), decode_png(expected.content))
+
+
+def test_form_fields(client):
+    response = requests.post(
+        client.url, files={"prompt": (None, "a red circle"), "num_inference_steps": (None, "4"), "seed": (None, "8")},
+        headers=client.server.auth(), timeout=60,
+    )
+    assert response.status_code == 200, response.text
+    assert_same_image(decode_png(response.content), client.image(prompt="a red circle", seed=8))
+
+
+def test_same_seed_same_image_different_seed_different_image(client):
+    first = client.image(prompt="a yellow circle", seed=7)
+    assert np.array_equal(first, client.image(prompt="a yellow circle", seed=7))
+    assert np.abs(first.astype(int) - client.image(prompt="a yellow circle", seed=8).astype(int)).mean() > 5
+
+
+def run_behind_blocker(client, bodies: list[dict]) -> list[requests.Response]:
+    """Send ``bodies`` concurrently while the worker is busy, so TorchServe batches them."""
+    with ThreadPoolExecutor(len(bodies) + 1) as pool:
+        blocker = pool.submit(client.predict, BLOCKER)
+        time.sleep(0.5)
+        followers = [pool.submit(client.predict, body) for body in bodies]
+        assert blocker.result().status_code == 200
+        return [future.result() for future in followers]
+
+
+def test_batched_requests_match_alone_and_a_bad_one_fails_alone(client):
+    good = [
+        {"prompt": "a red circle", "seed": 11, "response_format": "json", **FAST},
+        {"prompt": "a blue square", "negative_prompt": "red", "seed": 12, "response_format": "json", **FAST},
+    ]
+    bad = {"prompt": "x", "width": 100, **FAST}
+    first, rejected, second = run_behind_blocker(client, [good[0], bad, good[1]])
+    assert rejected.status_code == 400 and rejected.json()["errors"][0]["field"] == "width"
+    for response, body in ((first, good[0]), (second, good[1])):
+        assert response.status_code == 200, response.text
+        payload = response.json()
+        assert payload["batch"]["requests"] == 3, "the followers were not batched together"
+        assert payload["batch"]["call_images"] == 2
+        alone = client.predict({**body, "response_format": "image"})
+        assert_same_image(decode_json_images(payload)[0], decode_png(alone.content))
+
+
+def test_mixed_batch_runs_one_call_per_shape(client):
+    bodies = [
+        {"prompt": "wide", "width": 128, "height": 64, "response_format": "json", **FAST},
+        {"prompt": "square", "response_format": "json", **FAST},
+        {"prompt": "square two", "num_images_per_prompt": 2, "response_format": "json", **FAST},
+        {"prompt": "euler", "scheduler": "euler_a", "response_format": "json", **FAST},
+    ]
+    responses = run_behind_blocker(client, bodies)
+    assert [response.status_code for response in responses] == [200] * 4
+    payloads = [response.json() for response in responses]
+    assert [payload["batch"]["requests"] for payload in payloads] == [4] * 4
+    assert [payload["batch"]["call_images"] for payload in payloads] == [1, 3, 3, 1]
+    assert decode_json_images(payloads[0])[0].shape == (64, 128, 3)
+    assert len(payloads[2]["images"]) == 2
+
+
+BAD_INPUTS = [
+    (b'{"prompt": "x", "width": 100}', "application/json", "width"),
+    (b'{"prompt": "x", "height": 4096}', "application/json", "height"),
+    (b'{"prompt": "x", "width": 1024, "height": 1032}', "application/json", "height"),
+    (b'{"prompt": ""}', "application/json", "prompt"),
+    (b'{"negative_prompt": "x"}', "application/json", "prompt"),
+    (b'{"prompt": "x", "num_inference_steps": 0}', "application/json", "num_inference_steps"),
+    (b'{"prompt": "x", "num_inference_steps": 1000}', "application/json", "num_inference_steps"),
+    (b'{"prompt": "x", "num_inference_steps": "4"}', "application/json", "num_inference_steps"),
+    (b'{"prompt": "x", "num_inference_steps": true}', "application/json", "num_inference_steps"),
+    (b'{"prompt": "x", "guidance_scale": NaN}', "application/json", "guidance_scale"),
+    (b'{"prompt": "x", "guidance_scale": -Infinity}', "application/json", "guidance_scale"),
+    (b'{"prompt": "x", "seed": -1}', "application/json", "seed"),
+    (b'{"prompt": "x", "num_images_per_prompt": 50}', "application/json", "num_images_per_prompt"),
+    (b'{"prompt": "x", "scheduler": "lms"}', "application/json", "scheduler"),
+    (b'{"prompt": "x", "output_format": "gif"}', "application/json", "output_format"),
+    (b'{"prompt": "x", "response_format": "url"}', "application/json", "response_format"),
+    (b'{"prompt": "x", "steps": 4}', "application/json", "steps"),
+    (b'{"prompt": "x" ' + b"x" * 10, "application/json", "body"),
+    (b"\xff\xfe\xfd", "application/json", "body"),
+    (b"\xff\xfe\xfd", "text/plain", "body"),
+    (b'["a", "list"]', "application/json", "body"),
+    (b'"just a string"', "application/json", "body"),
+    (b"", "application/json", "body"),
+    (b"[" * 5000 + b"]" * 5000, "application/json", "body"),
+    (("{\"prompt\": \"" + "x" * 1001 + "\"}").encode(), "application/json", "prompt"),
+]
+
+
+@pytest.mark.parametrize(("data", "content_type", "field"), BAD_INPUTS, ids=[f"{case[2]}-{index}" for index, case in enumerate(BAD_INPUTS)])
+def test_bad_input_gets_400_naming_the_field_and_the_server_still_serves(client, data, content_type, field):
+    response = client.predict(data=data, content_type=content_type)
+    assert response.status_code == 400, response.text
+    assert response.headers["Content-Type"] == "application/json"
+    payload = response.json()
+    assert payload["code"] == 400 and payload["type"] == "InvalidRequest"
+    assert field in [error["field"] for error in payload["errors"]]
+    assert all(error["rule"] and error["message"] for error in payload["errors"])
+    assert client.predict({"prompt": "still serving", **FAST}).status_code == 200
+
+
+def test_missing_or_wrong_token_is_refused(client, server):
+    body = json.dumps({"prompt": "x", **FAST})
+    for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": f"Bearer {server.keys.management}"}):
+        response = requests.post(client.url, data=body, headers={"Content-Type": "application/json", **headers}, timeout=30)
+        assert response.status_code == 400 and "Token Authorization failed" in response.text
+    describe = f"{server.addresses.management}/models/{server.model_name}"
+    for headers in ({}, {"Authorization": f"Bearer {server.keys.inference}"}):
+        assert requests.get(describe, headers=headers, timeout=30).status_code == 400
+    assert requests.get(f"{server.addresses.inference}/ping", timeout=30).status_code == 400
+    assert requests.get(f"{server.addresses.inference}/ping", headers=server.auth(), timeout=30).status_code == 200
+
+
+def test_model_api_is_off(server):
+    """Registering and unregistering models is refused even with the management key."""
+    models = f"{server.addresses.management}/models"
+    register = requests.post(models, params={"url": "stable-diffusion.mar"}, headers=server.auth(management=True), timeout=30)
+    unregister = requests.delete(f"{models}/{server.model_name}", headers=server.auth(management=True), timeout=30)
+    assert register.status_code == unregister.status_code == 405
+    assert len(describe_workers(server)) >= 1
+
+
+def describe_workers(server) -> list[dict]:
+    response = requests.get(
+        f"{server.addresses.management}/models/{server.model_name}", headers=server.auth(management=True), timeout=30
+    )
+    assert response.status_code == 200
+    return response.json()[0]["workers"]
+
+
+def test_scaling_workers_up_and_down(client, server):
+    scale = f"{server.addresses.management}/models/{server.model_name}"
+    for count in (2, 1):
+        response = requests.put(
+            scale, params={"min_worker": count, "max_worker": count, "synchronous": "true"},
+            headers=server.auth(management=True), timeout=300,
+        )
+        assert response.status_code == 200, response.text
+        workers = describe_workers(server)
+        assert len(workers) == count
+        assert all(worker["status"] == "READY" for worker in workers)
+        assert client.predict({"prompt": f"with {count} workers", **FAST}).status_code == 200
+
+
+def inference_requests_total(server) -> float:
+    text = requests.get(f"{server.addresses.metrics}/metrics", timeout=30).text
+    return sum(
+        sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+        if sample.name == "ts_inference_requests_total" and sample.labels.get("model_name") == server.model_name
+    )
+
+
+def test_inference_request_counter_grows_with_traffic(client, server):
+    before = inference_requests_total(server)
+    for index in range(3):
+        assert client.predict({"prompt": f"count me {index}", **FAST}).status_code == 200
+    assert inference_requests_total(server) >= before + 3

@@ -1,0 +1,77 @@
+"""Handler settings and the shipped configuration files."""
+
+from pathlib import Path
+
+import pytest
+import yaml
+from pydantic import ValidationError
+
+from handler.config import HandlerSettings
+from scripts.server import read_properties
+
+ROOT = Path(__file__).resolve().parents[2]
+MODEL_CONFIG = yaml.safe_load((ROOT / "model-config.yaml").read_text())
+PROPERTIES = read_properties(ROOT / "config.properties")
+
+
+def test_shipped_model_config_is_valid_and_batches():
+    settings = HandlerSettings.from_model_yaml(MODEL_CONFIG)
+    assert settings.attention == "sdpa" and settings.dtype == "auto"
+    assert MODEL_CONFIG["batchSize"] > 1 and MODEL_CONFIG["maxBatchDelay"] > 0
+    assert MODEL_CONFIG["batchSize"] <= settings.max_images_per_call
+
+
+def test_empty_handler_section_gives_defaults():
+    assert HandlerSettings.from_model_yaml({}) == HandlerSettings()
+    assert HandlerSettings.from_model_yaml(None) == HandlerSettings()
+
+
+@pytest.mark.parametrize(
+    "handler",
+    [
+        {"dtype": "float8"},
+        {"attention": "flash"},
+        {"unknown_setting": 1},
+        {"limits": {"max_side": 100}},
+        {"limits": {"min_side": 512, "max_side": 256}},
+        {"defaults": {"num_inference_steps": 200}},
+        {"defaults": {"width": 2048}},
+        {"defaults": {"width": 1024, "height": 1024}, "limits": {"max_pixels": 65536}},
+        {"limits": {"max_images_per_request": 8}, "max_images_per_call": 4},
+        {"compile": {"mode": "fastest"}},
+    ],
+)
+def test_bad_settings_fail_at_load(handler):
+    with pytest.raises(ValidationError):
+        HandlerSettings.from_model_yaml({"handler": handler})
+
+
+def test_native_size_fills_unset_default_size_and_is_checked():
+    settings = HandlerSettings()
+    assert settings.with_native_size(64, 64).defaults.width == 64
+    pinned = HandlerSettings.model_validate({"defaults": {"width": 256, "height": 128}})
+    assert (pinned.with_native_size(64, 64).defaults.width, pinned.with_native_size(64, 64).defaults.height) == (256, 128)
+    with pytest.raises(ValidationError):
+        HandlerSettings.model_validate({"limits": {"max_side": 512}}).with_native_size(1024, 1024)
+
+
+def test_model_path_is_relative_to_the_archive_unless_absolute():
+    assert HandlerSettings().resolve_model_path("/models/sd") == Path("/models/sd/model")
+    assert HandlerSettings(model_path="/weights/sd15").resolve_model_path("/models/sd") == Path("/weights/sd15")
+
+
+def test_server_binds_loopback_with_auth_on_and_model_api_off():
+    for key in ("inference_address", "management_address", "metrics_address"):
+        assert PROPERTIES[key].startswith("http://127.0.0.1:")
+    assert PROPERTIES["grpc_inference_address"] == PROPERTIES["grpc_management_address"] == "127.0.0.1"
+    assert PROPERTIES["disable_token_authorization"] == "false"
+    assert PROPERTIES["enable_model_api"] == "false"
+    assert PROPERTIES["metrics_mode"] == "prometheus"
+
+
+def test_response_size_fits_the_largest_allowed_response():
+    limits = HandlerSettings.from_model_yaml(MODEL_CONFIG).limits
+    png_bytes = limits.max_pixels * 3 * 1.01 + 4096  # incompressible RGB plus PNG framing
+    base64_bytes = png_bytes * 4 / 3 * limits.max_images_per_request
+    assert int(PROPERTIES["max_response_size"]) >= base64_bytes + 64 * 1024
+    assert int(PROPERTIES["max_request_size"]) >= 4 * limits.max_prompt_chars * 2 + 4096

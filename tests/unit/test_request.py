@@ -1,0 +1,164 @@
+"""The request schema: defaults, bounds, strictness and the messages clients see."""
+
+import math
+
+import pytest
+
+from handler.config import MAX_SEED, RequestDefaults, RequestLimits
+from handler.request import GenerationRequest, RequestError, RequestPolicy, decode_body, decode_form
+
+POLICY = RequestPolicy(
+    RequestLimits(max_prompt_chars=50, max_inference_steps=30, max_side=512, max_pixels=256 * 512, max_images_per_request=3),
+    RequestDefaults(width=64, height=64, num_inference_steps=4),
+)
+
+
+def errors_of(body, content_type="application/json", policy=POLICY):
+    with pytest.raises(RequestError) as caught:
+        decode_body(body, content_type, policy)
+    return [(error.field, error.rule) for error in caught.value.errors], str(caught.value)
+
+
+def test_defaults_fill_what_the_request_leaves_out():
+    request = decode_body({"prompt": "a red circle"}, "application/json", POLICY)
+    assert (request.width, request.height, request.num_inference_steps) == (64, 64, 4)
+    assert (request.scheduler, request.output_format, request.response_format) == ("ddim", "png", "image")
+    assert request.seed is None and request.with_seed().seed is not None
+
+
+def test_every_field_is_taken_as_sent():
+    body = {
+        "prompt": "a cat",
+        "negative_prompt": "blurry",
+        "num_inference_steps": 30,
+        "guidance_scale": 1,
+        "seed": MAX_SEED,
+        "width": 256,
+        "height": 512,
+        "num_images_per_prompt": 3,
+        "scheduler": "euler_a",
+        "output_format": "webp",
+        "response_format": "json",
+    }
+    request = decode_body(body, "application/json", POLICY)
+    assert request.model_dump() == {**body, "guidance_scale": 1.0}
+
+
+@pytest.mark.parametrize(
+    ("body", "field", "rule"),
+    [
+        ({}, "prompt", "missing"),
+        ({"prompt": ""}, "prompt", "non_blank"),
+        ({"prompt": " \n\t"}, "prompt", "non_blank"),
+        ({"prompt": "x" * 51}, "prompt", "string_too_long"),
+        ({"prompt": "x", "negative_prompt": "y" * 51}, "negative_prompt", "string_too_long"),
+        ({"prompt": 5}, "prompt", "string_type"),
+        ({"prompt": "x", "num_inference_steps": 0}, "num_inference_steps", "greater_than_equal"),
+        ({"prompt": "x", "num_inference_steps": 31}, "num_inference_steps", "less_than_equal"),
+        ({"prompt": "x", "num_inference_steps": "4"}, "num_inference_steps", "int_type"),
+        ({"prompt": "x", "num_inference_steps": True}, "num_inference_steps", "int_type"),
+        ({"prompt": "x", "num_inference_steps": 4.5}, "num_inference_steps", "int_type"),
+        ({"prompt": "x", "guidance_scale": math.nan}, "guidance_scale", "finite_number"),
+        ({"prompt": "x", "guidance_scale": math.inf}, "guidance_scale", "finite_number"),
+        ({"prompt": "x", "guidance_scale": -1}, "guidance_scale", "greater_than_equal"),
+        ({"prompt": "x", "guidance_scale": 31}, "guidance_scale", "less_than_equal"),
+        ({"prompt": "x", "seed": -1}, "seed", "greater_than_equal"),
+        ({"prompt": "x", "seed": MAX_SEED + 1}, "seed", "less_than_equal"),
+        ({"prompt": "x", "seed": 1.5}, "seed", "int_type"),
+        ({"prompt": "x", "width": 100}, "width", "multiple_of"),
+        ({"prompt": "x", "height": 36}, "height", "multiple_of"),
+        ({"prompt": "x", "width": 56}, "width", "greater_than_equal"),
+        ({"prompt": "x", "width": 520}, "width", "less_than_equal"),
+        ({"prompt": "x", "width": 512, "height": 512}, "height", "pixel_budget"),
+        ({"prompt": "x", "num_images_per_prompt": 0}, "num_images_per_prompt", "greater_than_equal"),
+        ({"prompt": "x", "num_images_per_prompt": 4}, "num_images_per_prompt", "less_than_equal"),
+        ({"prompt": "x", "scheduler": "lms"}, "scheduler", "literal_error"),
+        ({"prompt": "x", "output_format": "gif"}, "output_format", "literal_error"),
+        ({"prompt": "x", "response_format": "base64"}, "response_format", "literal_error"),
+        ({"prompt": "x", "steps": 4}, "steps", "unknown_field"),
+        ({"prompt": "x", "extra": {"nested": [1]}}, "extra", "unknown_field"),
+    ],
+)
+def test_each_broken_rule_names_its_field(body, field, rule):
+    errors, _ = errors_of(body)
+    assert errors == [(field, rule)]
+
+
+def test_messages_say_what_was_given_and_what_is_allowed():
+    _, message = errors_of({"prompt": "x", "width": 100})
+    assert "multiple of 8" in message and "100" in message
+    _, message = errors_of({"prompt": "x", "num_inference_steps": 31})
+    assert "30" in message and "max_inference_steps" in message and "31" in message
+    _, message = errors_of({"prompt": "x", "width": 512, "height": 512})
+    assert "262144" in message and "131072" in message
+    _, message = errors_of({"prompt": "x", "steps": 4})
+    assert "'steps'" in message and "num_inference_steps" in message
+
+
+def test_all_broken_fields_are_reported_together():
+    errors, _ = errors_of({"prompt": "", "width": 100, "scheduler": "lms"})
+    assert {field for field, _ in errors} == {"prompt", "width", "scheduler"}
+
+
+@pytest.mark.parametrize(
+    ("body", "rule", "words"),
+    [
+        (bytearray(), "required", "empty"),
+        (bytearray(b"  \n"), "required", "empty"),
+        (bytearray(b'{"prompt": '), "json", "not valid JSON"),
+        (bytearray(b"\xff\xfe\x00"), "utf8", "UTF-8"),
+        (bytearray(b"[" * 100000 + b"]" * 100000), "json", "nested too deeply"),
+        ([{"prompt": "x"}], "object", "array"),
+        ("a cat", "object", "string"),
+        (42, "object", "number"),
+        (None, "object", "null"),
+    ],
+)
+def test_bodies_that_are_not_a_json_object(body, rule, words):
+    errors, message = errors_of(body)
+    assert errors == [("body", rule)]
+    assert words in message
+
+
+def test_raw_json_bytes_are_parsed():
+    assert decode_body(bytearray(b'{"prompt": "x", "seed": 3}'), "application/octet-stream", POLICY).seed == 3
+
+
+def test_text_body_is_the_prompt():
+    request = decode_body("a blue square", "text/plain; charset=utf-8", POLICY)
+    assert request.prompt == "a blue square" and request.num_inference_steps == 4
+    assert decode_body(bytearray("un carré bleu".encode()), "text/plain", POLICY).prompt == "un carré bleu"
+    errors, _ = errors_of(bytearray(b"\xff"), "text/plain")
+    assert errors == [("body", "utf8")]
+
+
+def test_form_fields_are_converted_from_text():
+    request = decode_form({"prompt": bytearray(b"a cat"), "num_inference_steps": "7", "guidance_scale": "2.5"}, POLICY)
+    assert (request.prompt, request.num_inference_steps, request.guidance_scale) == ("a cat", 7, 2.5)
+    with pytest.raises(RequestError) as caught:
+        decode_form({"prompt": "a cat", "num_inference_steps": "many"}, POLICY)
+    assert caught.value.errors[0].field == "num_inference_steps"
+
+
+def test_each_image_has_its_own_reproducible_seed():
+    request = decode_body({"prompt": "x", "seed": 10, "num_images_per_prompt": 3}, "application/json", POLICY)
+    assert request.image_seeds() == [10, 11, 12]
+    wrapped = decode_body({"prompt": "x", "seed": MAX_SEED, "num_images_per_prompt": 2}, "application/json", POLICY)
+    assert wrapped.image_seeds() == [MAX_SEED, 0]
+    drawn = {GenerationRequest.model_validate({**request.model_dump(), "seed": None}, context=POLICY).with_seed().seed for _ in range(5)}
+    assert len(drawn) > 1 and all(0 <= seed <= MAX_SEED for seed in drawn)
+
+
+def test_reported_parameters_are_the_effective_ones():
+    request = decode_body({"prompt": "x", "seed": 1}, "application/json", POLICY)
+    assert request.parameters() == {
+        "prompt": "x",
+        "negative_prompt": None,
+        "num_inference_steps": 4,
+        "guidance_scale": 7.5,
+        "seed": 1,
+        "width": 64,
+        "height": 64,
+        "num_images_per_prompt": 1,
+        "scheduler": "ddim",
+    }
