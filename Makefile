@@ -46,7 +46,7 @@ stop:
 test: venv model
 	$(PY) -m pytest tests $(PYTEST_ARGS)
 
-unit-test: venv
+unit-test: venv model
 	$(PY) -m pytest tests/unit $(PYTEST_ARGS)
 
 integration-test: venv model

@@ -79,17 +79,20 @@ def _set_attention(pipeline: DiffusionPipeline, settings: HandlerSettings) -> No
 
 
 def attention_summary(pipeline: DiffusionPipeline, settings: HandlerSettings) -> str:
-    """Check that every attention module runs the configured processor; return a summary."""
-    expected = SlicedAttnProcessor if settings.attention_slicing else ATTENTION_PROCESSORS[settings.attention]
-    processors = {
-        f"{component}.{module}": processor
-        for component in ATTENTION_COMPONENTS
-        for module, processor in getattr(pipeline, component).attn_processors.items()
-    }
-    wrong = sorted(name for name, processor in processors.items() if not isinstance(processor, expected))
+    """Check that every attention module runs the configured processor; return a summary.
+    Attention slicing replaces the UNet's processors only."""
+    configured = ATTENTION_PROCESSORS[settings.attention]
+    expected = {"unet": SlicedAttnProcessor if settings.attention_slicing else configured, "vae": configured}
+    wrong, counts = [], {}
+    for component in ATTENTION_COMPONENTS:
+        for module, processor in getattr(pipeline, component).attn_processors.items():
+            name = expected[component].__name__
+            counts[name] = counts.get(name, 0) + 1
+            if not isinstance(processor, expected[component]):
+                wrong.append(f"{component}.{module} ({type(processor).__name__}, expected {name})")
     if wrong:
-        raise RuntimeError(f"{len(wrong)} attention modules do not use {expected.__name__}: {', '.join(wrong[:5])}")
-    return f"{expected.__name__} on {len(processors)} modules"
+        raise RuntimeError(f"{len(wrong)} attention modules run the wrong processor: {', '.join(sorted(wrong)[:5])}")
+    return "+".join(f"{name} on {count} modules" for name, count in counts.items())
 
 
 def _apply_memory_options(pipeline: DiffusionPipeline, settings: HandlerSettings, device: torch.device) -> None:

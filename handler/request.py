@@ -34,6 +34,12 @@ from handler.config import (
 )
 
 TEXT_CONTENT_PREFIX = "text/"
+# Fields bounded above by an operator setting in RequestLimits.
+UPPER_LIMITS = {
+    "num_inference_steps": "max_inference_steps",
+    "guidance_scale": "max_guidance_scale",
+    "num_images_per_prompt": "max_images_per_request",
+}
 
 
 @dataclass(frozen=True)
@@ -128,28 +134,13 @@ class GenerationRequest(BaseModel):
             )
         return value
 
-    @field_validator("num_inference_steps")
+    @field_validator(*UPPER_LIMITS)
     @classmethod
-    def _steps_within_limit(cls, value: int, info: ValidationInfo) -> int:
-        limit = _policy(info).limits.max_inference_steps
+    def _within_upper_limit(cls, value: float, info: ValidationInfo) -> float:
+        setting = UPPER_LIMITS[info.field_name]
+        limit = getattr(_policy(info).limits, setting)
         if value > limit:
-            raise _above_limit(value, limit, "max_inference_steps")
-        return value
-
-    @field_validator("guidance_scale")
-    @classmethod
-    def _guidance_within_limit(cls, value: float, info: ValidationInfo) -> float:
-        limit = _policy(info).limits.max_guidance_scale
-        if value > limit:
-            raise _above_limit(value, limit, "max_guidance_scale")
-        return value
-
-    @field_validator("num_images_per_prompt")
-    @classmethod
-    def _images_within_limit(cls, value: int, info: ValidationInfo) -> int:
-        limit = _policy(info).limits.max_images_per_request
-        if value > limit:
-            raise _above_limit(value, limit, "max_images_per_request")
+            raise _above_limit(value, limit, setting)
         return value
 
     @field_validator("width", "height")

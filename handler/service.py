@@ -60,10 +60,13 @@ def bad_request(error: RequestError) -> Response:
     return Response(400, error_json(400, "InvalidRequest", str(error), details), JSON_CONTENT_TYPE)
 
 
-def generation_failed(error: Exception) -> Response:
+def internal_error(stage: str, error: Exception) -> Response:
+    """500 (507 for out of memory) naming the stage that failed."""
     if isinstance(error, torch.OutOfMemoryError):
-        return Response(507, error_json(507, "OutOfMemory", "the accelerator ran out of memory generating this request"), JSON_CONTENT_TYPE)
-    return Response(500, error_json(500, "GenerationFailed", f"generation failed: {type(error).__name__}: {error}"), JSON_CONTENT_TYPE)
+        message = f"the accelerator ran out of memory during {stage}"
+        return Response(507, error_json(507, "OutOfMemory", message), JSON_CONTENT_TYPE)
+    message = f"{stage} failed: {type(error).__name__}: {error}"
+    return Response(500, error_json(500, "InternalServerError", message), JSON_CONTENT_TYPE)
 
 
 def encode_response(request: GenerationRequest, images: list[Image], metadata: dict[str, Any]) -> Response:
@@ -96,6 +99,9 @@ class TextToImageService:
             except RequestError as error:
                 logger.info("request %d of %d rejected: %s", index, len(batch), error)
                 responses[index] = bad_request(error)
+            except Exception as error:  # a bug must cost this request only, not its batchmates
+                logger.exception("request %d of %d could not be decoded", index, len(batch))
+                responses[index] = internal_error("decoding", error)
         decode_seconds = time.perf_counter() - started
         for call in group_requests(requests, self.max_images_per_call):
             responses.update(self._run_call(call, requests, len(batch), decode_seconds))
@@ -114,7 +120,7 @@ class TextToImageService:
             images = self.engine.generate(call.key, inputs)
         except Exception as error:  # one failing call must not fail the other calls of the batch
             logger.exception("pipeline call for requests %s failed", list(call.members))
-            return {index: generation_failed(error) for index in call.members}
+            return {index: internal_error("generation", error) for index in call.members}
         inference_seconds = time.perf_counter() - call_started
         responses = {}
         for index, own_images in inputs.split_by_owner(images).items():
@@ -125,5 +131,9 @@ class TextToImageService:
                 "batch": {"requests": batch_size, "call_images": len(inputs.seeds)},
                 "timings": {"decode_s": round(decode_seconds, 6), "inference_s": round(inference_seconds, 6)},
             }
-            responses[index] = encode_response(request, own_images, metadata)
+            try:
+                responses[index] = encode_response(request, own_images, metadata)
+            except Exception as error:
+                logger.exception("request %d could not be encoded", index)
+                responses[index] = internal_error("encoding", error)
         return responses

@@ -229,9 +229,11 @@ def main() -> None:
         seen = []
 
         def progress(status: list[str]) -> None:
-            if status != seen[-1:]:
-                seen.append(status)
-                logger.info("workers: %s", ", ".join(status) or "loading")
+            # The describe API reports a worker that is still loading as UNLOADING.
+            shown = ", ".join("ready" if state == "READY" else "loading" for state in status) or "starting"
+            if shown not in seen:
+                seen.append(shown)
+                logger.info("workers: %s", shown)
 
         server.wait_ready(args.timeout, progress)
         parsed = urlparse(server.addresses.inference)
