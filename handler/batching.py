@@ -41,6 +41,11 @@ class PipelineCall:
     key: CallKey
     members: tuple[int, ...]
 
+    def halves(self) -> tuple[PipelineCall, PipelineCall]:
+        """The call split in two (for a retry after running out of memory); needs two members."""
+        middle = len(self.members) // 2
+        return PipelineCall(self.key, self.members[:middle]), PipelineCall(self.key, self.members[middle:])
+
     def image_count(self, requests: dict[int, GenerationRequest]) -> int:
         return sum(requests[index].num_images_per_prompt for index in self.members)
 

@@ -70,6 +70,15 @@ class WarmupShape(_Section):
     num_inference_steps: int = Field(2, ge=1)
 
 
+class MetricsSettings(_Section):
+    """What the handler's metrics are measured against."""
+
+    latency_sla_seconds: float = Field(10.0, gt=0, description="request latency SLA, published as a gauge")
+    synchronize_steps: bool = Field(
+        True, description="on CUDA, synchronize at each denoising step so step times are device times"
+    )
+
+
 class HandlerSettings(_Section):
     """Everything the handler reads from ``model-config.yaml`` under ``handler:``."""
 
@@ -86,6 +95,7 @@ class HandlerSettings(_Section):
     compile: CompileSettings = CompileSettings()
     warmup: tuple[WarmupShape, ...] = ()
     max_images_per_call: int = Field(16, ge=1, description="most images one pipeline call generates")
+    metrics: MetricsSettings = MetricsSettings()
     defaults: RequestDefaults = RequestDefaults()
     limits: RequestLimits = RequestLimits()
 

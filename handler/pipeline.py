@@ -26,6 +26,7 @@ from PIL.Image import Image
 
 from handler.batching import CallInputs, CallKey
 from handler.config import HandlerSettings
+from handler.metrics import CallTimings
 
 logger = logging.getLogger(__name__)
 
@@ -128,6 +129,34 @@ def native_size(pipeline: DiffusionPipeline) -> tuple[int, int]:
     return side, side
 
 
+class _StepClock:
+    """Times the denoising steps of one call: from the first UNet call to each step's end, then
+    to the end of the call (VAE decode and post-processing). With a device given, it is
+    synchronized at each mark so that GPU time is measured, not launch time."""
+
+    def __init__(self, synchronize: torch.device | None):
+        self.synchronize = synchronize if synchronize is not None and synchronize.type == "cuda" else None
+        self.marks: list[float] = []
+
+    def _mark(self) -> None:
+        if self.synchronize is not None:
+            torch.cuda.synchronize(self.synchronize)
+        self.marks.append(time.perf_counter())
+
+    def unet_called(self, module, args) -> None:
+        if not self.marks:
+            self._mark()
+
+    def step_ended(self, pipeline, step, timestep, callback_kwargs) -> dict:
+        self._mark()
+        return callback_kwargs
+
+    def timings(self) -> CallTimings:
+        self._mark()
+        steps = [end - start for start, end in zip(self.marks, self.marks[1:-1])]
+        return CallTimings(denoise_steps=steps, vae_decode=self.marks[-1] - self.marks[-2])
+
+
 @dataclass
 class TextToImage:
     """A loaded pipeline plus the schedulers requests may choose from."""
@@ -136,6 +165,7 @@ class TextToImage:
     device: torch.device
     dtype: torch.dtype
     description: str
+    synchronize_steps: bool = True
     _schedulers: dict[str, object] = field(default_factory=dict)
 
     def _use_scheduler(self, name: str) -> None:
@@ -143,23 +173,29 @@ class TextToImage:
             self._schedulers[name] = SCHEDULERS[name].from_config(self.pipeline.scheduler.config)
         self.pipeline.scheduler = self._schedulers[name]
 
-    def generate(self, key: CallKey, inputs: CallInputs) -> list[Image]:
+    def generate(self, key: CallKey, inputs: CallInputs) -> tuple[list[Image], CallTimings]:
         """Run one pipeline call; image ``i`` comes from a CPU generator seeded ``inputs.seeds[i]``,
         so it does not depend on its batchmates or on the device."""
         self._use_scheduler(key.scheduler)
         generators = [torch.Generator("cpu").manual_seed(seed) for seed in inputs.seeds]
-        with torch.inference_mode():
-            output = self.pipeline(
-                prompt=inputs.prompts,
-                negative_prompt=inputs.negative_prompts,
-                num_inference_steps=key.num_inference_steps,
-                guidance_scale=key.guidance_scale,
-                width=key.width,
-                height=key.height,
-                generator=generators,
-                output_type="pil",
-            )
-        return output.images
+        clock = _StepClock(self.device if self.synchronize_steps else None)
+        hook = self.pipeline.unet.register_forward_pre_hook(clock.unet_called)
+        try:
+            with torch.inference_mode():
+                output = self.pipeline(
+                    prompt=inputs.prompts,
+                    negative_prompt=inputs.negative_prompts,
+                    num_inference_steps=key.num_inference_steps,
+                    guidance_scale=key.guidance_scale,
+                    width=key.width,
+                    height=key.height,
+                    generator=generators,
+                    output_type="pil",
+                    callback_on_step_end=clock.step_ended,
+                )
+        finally:
+            hook.remove()
+        return output.images, clock.timings()
 
     def warm_up(self, key: CallKey, batch_size: int) -> float:
         """Generate one throw-away batch of this shape; return the seconds it took."""
@@ -195,4 +231,4 @@ def load_text_to_image(settings: HandlerSettings, model_dir: str | Path, gpu_id:
         f"compile={settings.compile.mode if settings.compile.enabled else 'off'}"
         f"{'(' + ','.join(settings.compile.targets) + ')' if settings.compile.enabled else ''}"
     )
-    return TextToImage(pipeline, device, dtype, description)
+    return TextToImage(pipeline, device, dtype, description, settings.metrics.synchronize_steps)

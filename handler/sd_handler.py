@@ -11,10 +11,13 @@ import time
 from http import HTTPStatus
 from typing import Any
 
+from ts.metrics.metric_cache_errors import MetricsCacheKeyError
+from ts.metrics.metric_type_enum import MetricTypes
 from ts.torch_handler.base_handler import BaseHandler
 
 from handler.batching import CallKey
 from handler.config import HandlerSettings, WarmupShape
+from handler.metrics import DiffusionMetrics, MetricSink, MetricSpec
 from handler.pipeline import TextToImage, load_text_to_image, native_size
 from handler.request import RequestPolicy
 from handler.service import IncomingRequest, Response, TextToImageService
@@ -42,6 +45,24 @@ def to_incoming(row: dict[str, Any], context: Any, index: int) -> IncomingReques
     return IncomingRequest(body=body, content_type=_content_type(context, index, body_key), fields=fields)
 
 
+def torchserve_metric_sink(cache: Any, model_name: str) -> MetricSink:
+    """Record into TorchServe's metrics cache (the metrics declared in the ``metrics_config`` file).
+    A function, not a class: TorchServe wants exactly one class in the handler module."""
+    undeclared: set[str] = set()
+
+    def record(spec: MetricSpec, value: float, labels: tuple[str, ...]) -> None:
+        try:
+            metric = cache.get_metric(spec.name, MetricTypes[spec.type.upper()])
+        except MetricsCacheKeyError:
+            if spec.name not in undeclared:
+                undeclared.add(spec.name)
+                logger.warning("metric %s is not declared in the metrics_config file; not recorded", spec.name)
+            return
+        metric.add_or_update(value, [model_name, *labels])
+
+    return record
+
+
 class StableDiffusionHandler(BaseHandler):
     """Text-to-image with a diffusers Stable Diffusion pipeline and request-level batching."""
 
@@ -54,9 +75,13 @@ class StableDiffusionHandler(BaseHandler):
         settings = settings.with_native_size(*native_size(engine.pipeline))
         loaded = time.perf_counter()
         warmup_seconds = self._warm_up(engine, settings)
-        self.service = TextToImageService(
-            engine, RequestPolicy(settings.limits, settings.defaults), settings.max_images_per_call
+        metrics = DiffusionMetrics(
+            torchserve_metric_sink(context.metrics, context.model_name), settings.metrics.latency_sla_seconds
         )
+        self.service = TextToImageService(
+            engine, RequestPolicy(settings.limits, settings.defaults), settings.max_images_per_call, metrics
+        )
+        metrics.worker_ready(time.perf_counter() - started)
         self.initialized = True
         logger.info(
             "stable-diffusion worker ready: %s defaults=%s limits=%s load_s=%.2f warmup_s=%.2f",

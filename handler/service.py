@@ -1,7 +1,7 @@
 """Server-independent request flow for one batch: decode -> group -> generate -> encode.
 
 Every request of a batch gets exactly one ``Response``; a bad or failing request never fails
-its batchmates.
+its batchmates. What happens is recorded through ``DiffusionMetrics``.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from PIL.Image import Image
 
 from handler.batching import CallInputs, PipelineCall, group_requests
 from handler.encode import CONTENT_TYPES, JSON_CONTENT_TYPE, encode_image, error_json, images_json
+from handler.metrics import DiffusionMetrics
 from handler.pipeline import TextToImage
 from handler.request import GenerationRequest, RequestError, RequestPolicy, decode_body, decode_form
 
@@ -81,16 +82,27 @@ def encode_response(request: GenerationRequest, images: list[Image], metadata: d
     return Response(200, images_json(encoded, metadata), JSON_CONTENT_TYPE, headers)
 
 
+@dataclass(frozen=True)
+class _Batch:
+    """What every request of one batch shares, for timings and reporting."""
+
+    started: float
+    size: int
+    decode_seconds: float
+
+
 class TextToImageService:
     """Serves batches of text-to-image requests with one loaded pipeline."""
 
-    def __init__(self, engine: TextToImage, policy: RequestPolicy, max_images_per_call: int):
+    def __init__(self, engine: TextToImage, policy: RequestPolicy, max_images_per_call: int, metrics: DiffusionMetrics):
         self.engine = engine
         self.policy = policy
         self.max_images_per_call = max_images_per_call
+        self.metrics = metrics
 
     def handle_batch(self, batch: list[IncomingRequest]) -> list[Response]:
         started = time.perf_counter()
+        self.metrics.batch_received(len(batch))
         responses: dict[int, Response] = {}
         requests: dict[int, GenerationRequest] = {}
         for index, incoming in enumerate(batch):
@@ -98,42 +110,64 @@ class TextToImageService:
                 requests[index] = decode(incoming, self.policy)
             except RequestError as error:
                 logger.info("request %d of %d rejected: %s", index, len(batch), error)
+                self.metrics.request_rejected([item.field for item in error.errors])
                 responses[index] = bad_request(error)
             except Exception as error:  # a bug must cost this request only, not its batchmates
                 logger.exception("request %d of %d could not be decoded", index, len(batch))
                 responses[index] = internal_error("decoding", error)
-        decode_seconds = time.perf_counter() - started
+        context = _Batch(started, len(batch), time.perf_counter() - started)
         for call in group_requests(requests, self.max_images_per_call):
-            responses.update(self._run_call(call, requests, len(batch), decode_seconds))
+            responses.update(self._run_call(call, requests, context))
         return [responses[index] for index in range(len(batch))]
 
-    def _run_call(
-        self,
-        call: PipelineCall,
-        requests: dict[int, GenerationRequest],
-        batch_size: int,
-        decode_seconds: float,
-    ) -> dict[int, Response]:
+    def _run_call(self, call: PipelineCall, requests: dict[int, GenerationRequest], batch: _Batch) -> dict[int, Response]:
+        """Generate one call and encode its requests. Out of memory splits the call in two and
+        retries each half, down to single requests; only a request that cannot fit alone fails."""
         inputs = CallInputs.of(call, requests)
         call_started = time.perf_counter()
         try:
-            images = self.engine.generate(call.key, inputs)
+            images, timings = self.engine.generate(call.key, inputs)
+        except torch.OutOfMemoryError as error:
+            if len(call.members) == 1:
+                logger.error("request %d does not fit in memory even alone", call.members[0])
+                return {call.members[0]: internal_error("generation", error)}
+            logger.warning("out of memory for requests %s; retrying in two halves", list(call.members))
+            self.metrics.out_of_memory_retry()
+            _release_cached_memory()
+            responses = {}
+            for half in call.halves():
+                responses.update(self._run_call(half, requests, batch))
+            return responses
         except Exception as error:  # one failing call must not fail the other calls of the batch
             logger.exception("pipeline call for requests %s failed", list(call.members))
             return {index: internal_error("generation", error) for index in call.members}
         inference_seconds = time.perf_counter() - call_started
+        self.metrics.pipeline_call(timings, len(images))
         responses = {}
         for index, own_images in inputs.split_by_owner(images).items():
-            request = requests[index]
-            metadata = {
-                "seed": request.seed,
-                "parameters": request.parameters(),
-                "batch": {"requests": batch_size, "call_images": len(inputs.seeds)},
-                "timings": {"decode_s": round(decode_seconds, 6), "inference_s": round(inference_seconds, 6)},
-            }
-            try:
-                responses[index] = encode_response(request, own_images, metadata)
-            except Exception as error:
-                logger.exception("request %d could not be encoded", index)
-                responses[index] = internal_error("encoding", error)
+            responses[index] = self._encode(index, requests[index], own_images, batch, len(inputs.seeds), inference_seconds)
         return responses
+
+    def _encode(
+        self, index: int, request: GenerationRequest, images: list[Image], batch: _Batch, call_images: int, inference_seconds: float
+    ) -> Response:
+        metadata = {
+            "seed": request.seed,
+            "parameters": request.parameters(),
+            "batch": {"requests": batch.size, "call_images": call_images},
+            "timings": {"decode_s": round(batch.decode_seconds, 6), "inference_s": round(inference_seconds, 6)},
+        }
+        encode_started = time.perf_counter()
+        try:
+            response = encode_response(request, images, metadata)
+        except Exception as error:
+            logger.exception("request %d could not be encoded", index)
+            return internal_error("encoding", error)
+        finished = time.perf_counter()
+        self.metrics.request_completed(finished - batch.started, finished - encode_started)
+        return response
+
+
+def _release_cached_memory() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()

@@ -28,7 +28,9 @@ logger = logging.getLogger("server")
 ROOT = Path(__file__).resolve().parent.parent
 MODEL_NAME = "stable-diffusion"
 STOP_GRACE_SECONDS = 60
-PID_FILE = "server.pid"  # `make stop` sends SIGTERM to the process named here
+PATH_PROPERTIES = ("metrics_config", "model_store")
+PID_FILE = "server.pid"
+LOAD_FAILED = "Load model failed"  # logged by the frontend each time a worker dies while loading  # `make stop` sends SIGTERM to the process named here
 
 
 def read_properties(path: Path) -> dict[str, str]:
@@ -90,10 +92,22 @@ class TorchServe:
         self.env = {**os.environ, **(env or {})}
         self.process: subprocess.Popen | None = None
         self.keys: Keys | None = None
+        self._log_offset = 0
 
     @property
     def console_log(self) -> Path:
         return self.workdir / "logs" / "console.log"
+
+    def _effective_config(self) -> Path:
+        """config.properties with file paths made absolute (relative ones are relative to the
+        config file, not to TorchServe's working directory), written into the working directory."""
+        properties = read_properties(self.config)
+        for key in PATH_PROPERTIES:
+            if key in properties and not Path(properties[key]).is_absolute():
+                properties[key] = str((self.config.parent / properties[key]).resolve())
+        path = self.workdir / "config.properties"
+        path.write_text("".join(f"{key}={value}\n" for key, value in properties.items()))
+        return path
 
     def start(self) -> None:
         """Launch ``torchserve --foreground`` with key_file.json and logs in the working directory."""
@@ -102,21 +116,31 @@ class TorchServe:
         archive = find_archive(self.model_store, self.model_name)
         command = [
             str(Path(sys.executable).parent / "torchserve"), "--start", "--foreground", "--ncs",
-            "--ts-config", str(self.config),
+            "--ts-config", str(self._effective_config()),
             "--model-store", str(self.model_store),
             "--models", f"{self.model_name}={archive}",
         ]
         env = {**self.env, "LOG_LOCATION": str(self.workdir / "logs"), "METRICS_LOCATION": str(self.workdir / "logs")}
+        self._log_offset = self.console_log.stat().st_size if self.console_log.exists() else 0
         with open(self.console_log, "ab") as log:
             self.process = subprocess.Popen(
                 command, cwd=self.workdir, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
             )
         logger.info("TorchServe starting (pid %d), logs in %s", self.process.pid, self.workdir / "logs")
 
+    def _log_since_start(self) -> str:
+        with open(self.console_log, "rb") as log:
+            log.seek(self._log_offset)
+            return log.read().decode(errors="replace")
+
     def _check_alive(self) -> None:
+        """Fail fast when TorchServe exited or a worker failed to load the model (it would retry forever)."""
+        log = self._log_since_start()
         if self.process is None or self.process.poll() is not None:
-            tail = self.console_log.read_text(errors="replace")[-3000:] if self.console_log.exists() else ""
-            raise RuntimeError(f"TorchServe exited before it was ready; end of {self.console_log}:\n{tail}")
+            raise RuntimeError(f"TorchServe exited before it was ready; end of {self.console_log}:\n{log[-3000:]}")
+        if LOAD_FAILED in log:
+            worker_lines = [line.split(" - ", 1)[-1] for line in log.splitlines() if "MODEL_LOG" in line]
+            raise RuntimeError(f"a worker failed to load {self.model_name}:\n" + "\n".join(worker_lines[-40:]))
 
     def wait_ready(self, timeout: float = 900.0, progress=None) -> Keys:
         """Wait for key_file.json and a READY worker of the model; return the keys."""

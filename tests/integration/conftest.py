@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 import requests
 from PIL import Image
+from prometheus_client.parser import text_string_to_metric_families
 
 from scripts.build_mar import build
 from scripts.server import TorchServe, read_properties
@@ -37,6 +38,7 @@ def properties_for_tests(tmp: Path) -> Path:
         grpc_management_port=str(free_port()),
         initial_worker_port=str(free_port()),
         model_store=str(tmp / "model_store"),
+        metrics_config=str(ROOT / properties["metrics_config"]),
     )
     path = tmp / "config.properties"
     path.write_text("".join(f"{key}={value}\n" for key, value in properties.items()))
@@ -81,6 +83,21 @@ class Client:
 @pytest.fixture(scope="session")
 def client(server) -> Client:
     return Client(server)
+
+
+def scrape(server) -> dict[tuple[str, frozenset], float]:
+    """Every sample of the model's metrics, keyed by name and labels (without Hostname)."""
+    text = requests.get(f"{server.addresses.metrics}/metrics", timeout=30).text
+    samples = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            labels = {key: value for key, value in sample.labels.items() if key.lower() != "hostname"}
+            samples[(sample.name, frozenset(labels.items()))] = sample.value
+    return samples
+
+
+def value(samples, name: str, **labels) -> float:
+    return samples.get((name, frozenset({"model_name": "stable-diffusion", **labels}.items())), 0.0)
 
 
 def decode_png(data: bytes) -> np.ndarray:

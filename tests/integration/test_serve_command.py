@@ -1,4 +1,5 @@
-"""The `make serve` command itself: ready message with a working curl, clean stop on Ctrl-C."""
+"""The `make serve` command itself (serving a no-archive model directory): ready message with a
+working curl, clean stop on Ctrl-C."""
 
 from __future__ import annotations
 
@@ -55,7 +56,7 @@ def group_members(group: int) -> list[int]:
 
 
 def test_serve_prints_a_working_curl_and_ctrl_c_leaves_no_process(tmp_path):
-    build(MODEL_DIR, ROOT / "model-config.yaml", tmp_path / "model_store")
+    build(MODEL_DIR, ROOT / "model-config.yaml", tmp_path / "model_store", archive_format="no-archive")
     command = [
         sys.executable, "-m", "scripts.server",
         "--config", str(properties_for_tests(tmp_path)),

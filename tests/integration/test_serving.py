@@ -9,9 +9,8 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import pytest
 import requests
-from prometheus_client.parser import text_string_to_metric_families
 
-from tests.integration.conftest import assert_same_image, decode_json_images, decode_png
+from tests.integration.conftest import assert_same_image, decode_json_images, decode_png, scrape, value
 
 FAST = {"num_inference_steps": 4}
 # Long enough to keep the worker busy while followers queue up behind it (the default model
@@ -214,18 +213,8 @@ def test_scaling_workers_up_and_down(client, server):
         assert client.predict({"prompt": f"with {count} workers", **FAST}).status_code == 200
 
 
-def inference_requests_total(server) -> float:
-    text = requests.get(f"{server.addresses.metrics}/metrics", timeout=30).text
-    return sum(
-        sample.value
-        for family in text_string_to_metric_families(text)
-        for sample in family.samples
-        if sample.name == "ts_inference_requests_total" and sample.labels.get("model_name") == server.model_name
-    )
-
-
 def test_inference_request_counter_grows_with_traffic(client, server):
-    before = inference_requests_total(server)
+    before = value(scrape(server), "ts_inference_requests_total", model_version="default")
     for index in range(3):
         assert client.predict({"prompt": f"count me {index}", **FAST}).status_code == 200
-    assert inference_requests_total(server) >= before + 3
+    assert value(scrape(server), "ts_inference_requests_total", model_version="default") == before + 3

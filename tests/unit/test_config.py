@@ -75,3 +75,12 @@ def test_response_size_fits_the_largest_allowed_response():
     base64_bytes = png_bytes * 4 / 3 * limits.max_images_per_request
     assert int(PROPERTIES["max_response_size"]) >= base64_bytes + 64 * 1024
     assert int(PROPERTIES["max_request_size"]) >= 4 * limits.max_prompt_chars * 2 + 4096
+
+
+def test_metrics_yaml_declares_exactly_the_handler_metrics():
+    from handler.metrics import METRICS
+
+    declared = yaml.safe_load((ROOT / "metrics.yaml").read_text())["model_metrics"]
+    ours = {(item["name"], kind, tuple(item["dimensions"])) for kind, items in declared.items() for item in items if item["name"].startswith("sd_")}
+    assert ours == {(spec.name, spec.type, tuple(spec.dimensions)) for spec in METRICS}
+    assert PROPERTIES["metrics_config"] == "metrics.yaml"

@@ -59,8 +59,22 @@ def test_cpu_offload_needs_cuda():
 
 def test_images_come_from_per_image_seeds(engine):
     key = CallKey(64, 64, 3, "euler_a", 7.5)
-    batch = engine.generate(key, CallInputs(["a", "b"], ["", ""], [1, 2], [0, 1]))
-    alone = engine.generate(key, CallInputs(["b"], [""], [2], [0]))
+    batch, timings = engine.generate(key, CallInputs(["a", "b"], ["", ""], [1, 2], [0, 1]))
+    alone, _ = engine.generate(key, CallInputs(["b"], [""], [2], [0]))
+    assert len(timings.denoise_steps) == 3 and all(seconds > 0 for seconds in timings.denoise_steps)
+    assert timings.vae_decode > 0
     assert [image.size for image in batch] == [(64, 64), (64, 64)]
     difference = np.abs(np.asarray(batch[1], dtype=int) - np.asarray(alone[0], dtype=int))
+    assert difference.max() <= 1
+
+
+def test_compiled_pipeline_gives_the_eager_image():
+    """torch.compile (inductor, default mode) of UNet and VAE decoder; slow on a cold cache."""
+    compiled = load(compile={"enabled": True, "mode": "default"})
+    assert type(compiled.pipeline.unet).__name__ == "OptimizedModule"
+    assert "compile=default(unet,vae_decoder)" in compiled.description
+    key, inputs = CallKey(64, 64, 2, "ddim", 7.5), CallInputs(["a"], [""], [1], [0])
+    (eager,), _ = load().generate(key, inputs)
+    (image,), _ = compiled.generate(key, inputs)
+    difference = np.abs(np.asarray(image, dtype=int) - np.asarray(eager, dtype=int))
     assert difference.max() <= 1

@@ -10,6 +10,7 @@ import torch
 from PIL import Image
 
 from handler.batching import CallInputs, CallKey
+from handler.metrics import CallTimings, DiffusionMetrics, MetricSpec
 from handler.request import RequestPolicy
 from handler.service import IncomingRequest, TextToImageService
 
@@ -24,9 +25,10 @@ class SolidColorEngine:
         self.calls.append((key, inputs))
         if "explode" in inputs.prompts:
             raise RuntimeError("boom")
-        if "oom" in inputs.prompts:
+        if "oom" in inputs.prompts or ("oom if batched" in inputs.prompts and len(inputs.seeds) > 1):
             raise torch.OutOfMemoryError("CUDA out of memory")
-        return [Image.new("RGB", (key.width, key.height), (seed % 256,) * 3) for seed in inputs.seeds]
+        images = [Image.new("RGB", (key.width, key.height), (seed % 256,) * 3) for seed in inputs.seeds]
+        return images, CallTimings(denoise_steps=[0.01] * key.num_inference_steps, vae_decode=0.02)
 
 
 @pytest.fixture
@@ -34,9 +36,25 @@ def engine() -> SolidColorEngine:
     return SolidColorEngine()
 
 
+class RecordingSink:
+    def __init__(self) -> None:
+        self.records: list[tuple[str, float, tuple[str, ...]]] = []
+
+    def __call__(self, spec: MetricSpec, value: float, labels: tuple[str, ...]) -> None:
+        self.records.append((spec.name, value, labels))
+
+    def values(self, name: str) -> list[float]:
+        return [value for recorded, value, _ in self.records if recorded == name]
+
+
 @pytest.fixture
-def service(engine) -> TextToImageService:
-    return TextToImageService(engine, RequestPolicy(), max_images_per_call=8)
+def sink() -> RecordingSink:
+    return RecordingSink()
+
+
+@pytest.fixture
+def service(engine, sink) -> TextToImageService:
+    return TextToImageService(engine, RequestPolicy(), 8, DiffusionMetrics(sink, latency_sla_seconds=2.0))
 
 
 def body(**fields) -> IncomingRequest:
@@ -101,3 +119,28 @@ def test_fields_in_both_body_and_form_are_refused(service):
 def test_form_fields_without_body(service):
     (response,) = service.handle_batch([IncomingRequest(None, None, {"prompt": "x", "seed": "9", "width": "64", "height": "64"})])
     assert response.status == 200 and response.headers["X-Seed"] == "9"
+
+
+def test_out_of_memory_splits_the_call_until_it_fits(service, engine, sink):
+    responses = service.handle_batch([body(seed=1), body(prompt="oom if batched", seed=2), body(seed=3)])
+    assert [response.status for response in responses] == [200, 200, 200]
+    assert [len(inputs.seeds) for _, inputs in engine.calls] == [3, 1, 2, 1, 1]
+    assert sink.values("sd_oom_retries_total") == [1, 1]
+    assert [grey_level(response.body) for response in responses] == [1, 2, 3]
+
+
+def test_only_the_request_that_cannot_fit_alone_fails(service, sink):
+    responses = service.handle_batch([body(seed=1), body(prompt="oom", seed=2)])
+    assert [response.status for response in responses] == [200, 507]
+
+
+def test_metrics_follow_the_batch(service, sink):
+    service.handle_batch([body(num_inference_steps=3), body(num_inference_steps=3, num_images_per_prompt=2), body(prompt="", width=100)])
+    assert sink.values("sd_batch_size") == [3]
+    assert sink.values("sd_pipeline_calls_total") == [1] and sink.values("sd_images_total") == [3]
+    assert sink.values("sd_denoise_step_seconds") == [0.01] * 3 and sink.values("sd_vae_decode_seconds") == [0.02]
+    assert sorted(labels for name, _, labels in sink.records if name == "sd_invalid_requests_total") == [("prompt",), ("width",)]
+    latencies = sink.values("sd_request_latency_seconds")
+    assert len(latencies) == 2 and all(latency > 0 for latency in latencies)
+    assert sink.values("sd_request_latency_sla_ratio") == [latency / 2.0 for latency in latencies]
+    assert len(sink.values("sd_encode_seconds")) == 2 and sink.values("sd_latency_sla_seconds") == [2.0]

@@ -1,0 +1,125 @@
+"""Metric names, types and labels in one place, and what the service records.
+
+The service records through ``DiffusionMetrics``; where the numbers go is a ``MetricSink``
+(TorchServe's metrics in the handler, a list in tests). ``METRICS`` is the source of the
+``model_metrics`` section of ``metrics.yaml`` (a unit test keeps the two equal).
+
+TorchServe gives every histogram the fixed buckets 0.005 .. 10 in Prometheus mode. Latencies are
+recorded in seconds; because a request on a CPU or at a large size can take longer than 10 s,
+``sd_request_latency_sla_ratio`` records latency divided by the configured SLA as well, so its
+buckets (0.5%, ..., 100%, 250%, ..., 1000% of the SLA) give a correct p95 up to 10x the SLA,
+and ``sd_latency_sla_seconds`` publishes the SLA to turn the ratio back into seconds.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Literal
+
+MetricType = Literal["counter", "gauge", "histogram"]
+MODEL_LABEL = "model_name"
+
+
+@dataclass(frozen=True)
+class MetricSpec:
+    name: str
+    type: MetricType
+    unit: str
+    help: str
+    labels: tuple[str, ...] = ()
+
+    @property
+    def dimensions(self) -> list[str]:
+        """Label names as TorchServe declares them: the model name first."""
+        return [MODEL_LABEL, *self.labels]
+
+
+REQUEST_LATENCY = MetricSpec(
+    "sd_request_latency_seconds", "histogram", "s", "handler time of one request, batch start to encoded image"
+)
+REQUEST_LATENCY_SLA_RATIO = MetricSpec(
+    "sd_request_latency_sla_ratio", "histogram", "ratio", "request latency divided by the configured SLA"
+)
+LATENCY_SLA = MetricSpec("sd_latency_sla_seconds", "gauge", "s", "the configured request latency SLA")
+DENOISE_STEP = MetricSpec("sd_denoise_step_seconds", "histogram", "s", "one denoising step of one pipeline call")
+VAE_DECODE = MetricSpec(
+    "sd_vae_decode_seconds", "histogram", "s", "VAE decode and post-processing of one pipeline call"
+)
+ENCODE = MetricSpec("sd_encode_seconds", "histogram", "s", "encoding one request's images into the response")
+BATCH_SIZE = MetricSpec("sd_batch_size", "histogram", "requests", "requests in one TorchServe batch")
+PIPELINE_CALLS = MetricSpec("sd_pipeline_calls_total", "counter", "calls", "pipeline calls (one or more per batch)")
+IMAGES = MetricSpec("sd_images_total", "counter", "images", "images generated")
+INVALID_REQUESTS = MetricSpec(
+    "sd_invalid_requests_total", "counter", "requests", "requests rejected with 400, by rejected field", ("field",)
+)
+OOM_RETRIES = MetricSpec(
+    "sd_oom_retries_total", "counter", "retries", "pipeline calls split and retried after running out of memory"
+)
+WORKER_WARMUP = MetricSpec(
+    "sd_worker_warmup_seconds", "gauge", "s", "worker start: pipeline load, optimization, compile and warm-up"
+)
+
+METRICS = (
+    REQUEST_LATENCY,
+    REQUEST_LATENCY_SLA_RATIO,
+    LATENCY_SLA,
+    DENOISE_STEP,
+    VAE_DECODE,
+    ENCODE,
+    BATCH_SIZE,
+    PIPELINE_CALLS,
+    IMAGES,
+    INVALID_REQUESTS,
+    OOM_RETRIES,
+    WORKER_WARMUP,
+)
+
+
+# Where recorded values go: called with the metric, the value and the values of ``spec.labels``.
+MetricSink = Callable[[MetricSpec, float, tuple[str, ...]], None]
+
+
+@dataclass(frozen=True)
+class CallTimings:
+    """Where the time of one pipeline call went."""
+
+    denoise_steps: list[float]
+    vae_decode: float
+
+
+class DiffusionMetrics:
+    """What the service measures, in its own words."""
+
+    def __init__(self, sink: MetricSink, latency_sla_seconds: float):
+        self.sink = sink
+        self.latency_sla_seconds = latency_sla_seconds
+
+    def _record(self, spec: MetricSpec, value: float, *labels: str) -> None:
+        self.sink(spec, value, labels)
+
+    def batch_received(self, size: int) -> None:
+        self._record(BATCH_SIZE, size)
+        self._record(LATENCY_SLA, self.latency_sla_seconds)
+
+    def request_rejected(self, fields: list[str]) -> None:
+        for field in sorted(set(fields)):
+            self._record(INVALID_REQUESTS, 1, field)
+
+    def pipeline_call(self, timings: CallTimings, images: int) -> None:
+        self._record(PIPELINE_CALLS, 1)
+        self._record(IMAGES, images)
+        for seconds in timings.denoise_steps:
+            self._record(DENOISE_STEP, seconds)
+        self._record(VAE_DECODE, timings.vae_decode)
+
+    def out_of_memory_retry(self) -> None:
+        self._record(OOM_RETRIES, 1)
+
+    def request_completed(self, latency_seconds: float, encode_seconds: float) -> None:
+        self._record(REQUEST_LATENCY, latency_seconds)
+        self._record(REQUEST_LATENCY_SLA_RATIO, latency_seconds / self.latency_sla_seconds)
+        self._record(ENCODE, encode_seconds)
+
+    def worker_ready(self, seconds: float) -> None:
+        self._record(WORKER_WARMUP, seconds)
+        self._record(LATENCY_SLA, self.latency_sla_seconds)

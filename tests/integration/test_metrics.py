@@ -1,0 +1,56 @@
+"""The handler's own metrics on TorchServe's Prometheus endpoint, checked against the traffic sent."""
+
+from __future__ import annotations
+
+import pytest
+import yaml
+
+from handler.metrics import METRICS
+from tests.integration.conftest import ROOT, scrape, value
+from tests.integration.test_serving import run_behind_blocker
+
+MODEL_CONFIG = yaml.safe_load((ROOT / "model-config.yaml").read_text())
+
+
+def test_every_declared_metric_is_exported_after_traffic(client, server):
+    assert client.predict({"prompt": "x", "width": 100}).status_code == 400
+    assert client.predict({"prompt": "x", "num_inference_steps": 2}).status_code == 200
+    names = {name for name, _ in scrape(server)}
+    for spec in METRICS:
+        exported = f"{spec.name}_count" if spec.type == "histogram" else spec.name
+        if spec.name == "sd_oom_retries_total":
+            continue  # recorded only when memory runs out (tests/unit/test_service.py)
+        assert exported in names, f"{spec.name} is not exported"
+
+
+def test_metric_values_match_the_traffic(client, server):
+    before = scrape(server)
+    bodies = [
+        {"prompt": "a", "num_inference_steps": 3, "seed": 1},
+        {"prompt": "b", "num_inference_steps": 3, "seed": 2, "num_images_per_prompt": 2},
+        {"prompt": "c", "num_inference_steps": 3, "width": 100},
+    ]
+    responses = run_behind_blocker(client, bodies)
+    assert [response.status_code for response in responses] == [200, 200, 400]
+    after = scrape(server)
+
+    def delta(name: str, **labels) -> float:
+        return value(after, name, **labels) - value(before, name, **labels)
+
+    blocker_steps = 100
+    assert delta("sd_batch_size_count") == 2  # the blocker's batch, then the three followers together
+    assert delta("sd_batch_size_sum") == 4
+    assert delta("sd_pipeline_calls_total") == 2
+    assert delta("sd_images_total") == 1 + 3
+    assert delta("sd_denoise_step_seconds_count") == blocker_steps + 3
+    assert delta("sd_vae_decode_seconds_count") == 2
+    assert delta("sd_request_latency_seconds_count") == delta("sd_request_latency_sla_ratio_count") == 3
+    assert delta("sd_encode_seconds_count") == 3
+    assert delta("sd_invalid_requests_total", field="width") == 1
+    step_mean = delta("sd_denoise_step_seconds_sum") / delta("sd_denoise_step_seconds_count")
+    assert 0 < step_mean < 10
+    sla = value(after, "sd_latency_sla_seconds")
+    assert sla == MODEL_CONFIG["handler"]["metrics"]["latency_sla_seconds"]
+    assert delta("sd_request_latency_sla_ratio_sum") == pytest.approx(delta("sd_request_latency_seconds_sum") / sla)
+    assert value(after, "sd_worker_warmup_seconds") > 0
+    assert delta("ts_inference_requests_total", model_version="default") == 4
