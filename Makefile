@@ -8,7 +8,7 @@ MODEL_DIR ?= $(DEFAULT_MODEL_DIR)
 ARCHIVE_FORMAT ?= auto
 PYTEST_ARGS ?=
 
-.PHONY: help venv model mar serve stop test unit-test integration-test clean
+.PHONY: help venv system-deps model mar serve stop test unit-test integration-test dashboard dashboard-png clean
 
 help:
 	@echo "make serve   set up, build the archive and serve it on 127.0.0.1:8080 (MODEL_DIR=/path for a real model)"
@@ -16,6 +16,8 @@ help:
 	@echo "make stop    stop a server started by make serve elsewhere"
 	@echo "make mar     build model_store/stable-diffusion.mar (or a directory for large models)"
 	@echo "make model   generate the default tiny model into $(DEFAULT_MODEL_DIR)"
+	@echo "make dashboard      rebuild docker/grafana/dashboards/stable-diffusion.json"
+	@echo "make dashboard-png  load a fresh server, render the dashboard panels from Prometheus to docs/img/dashboard.png"
 
 venv: $(VENV)/.installed
 
@@ -26,6 +28,11 @@ $(VENV)/.installed: requirements.txt
 	$(PY) -m pip install --quiet torch==2.13.0
 	$(PY) -m pip install --quiet -r requirements.txt
 	touch $@
+
+# Prometheus and promtool (Debian package) for the observability tests.
+system-deps:
+	@command -v prometheus >/dev/null && command -v promtool >/dev/null || \
+	  { apt-get update && DEBIAN_FRONTEND=noninteractive apt-get install -y prometheus; }
 
 model: $(DEFAULT_MODEL_DIR)/model_index.json
 
@@ -43,14 +50,20 @@ stop:
 	@if [ -f runtime/server.pid ]; then kill -TERM "$$(cat runtime/server.pid)" && echo "stop requested"; \
 	else $(VENV)/bin/torchserve --stop; fi
 
-test: venv model
+test: venv model system-deps
 	$(PY) -m pytest tests $(PYTEST_ARGS)
 
-unit-test: venv model
+unit-test: venv model system-deps
 	$(PY) -m pytest tests/unit $(PYTEST_ARGS)
 
-integration-test: venv model
+integration-test: venv model system-deps
 	$(PY) -m pytest tests/integration $(PYTEST_ARGS)
+
+dashboard: venv
+	$(PY) -m scripts.build_dashboard
+
+dashboard-png: venv model system-deps
+	$(PY) -m scripts.render_dashboard --duration 120 --output docs/img/dashboard.png
 
 clean:
 	rm -rf model_store/*.mar model_store/stable-diffusion model_store/.*.fingerprint runtime build

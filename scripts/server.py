@@ -14,6 +14,7 @@ import logging
 import os
 import shlex
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -42,6 +43,32 @@ def read_properties(path: Path) -> dict[str, str]:
             key, value = line.split("=", 1)
             properties[key.strip()] = value.strip()
     return properties
+
+
+def free_port() -> int:
+    """A TCP port on loopback that is free right now."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def config_on_free_ports(config: Path, directory: Path, **overrides: str) -> Path:
+    """A copy of ``config`` in ``directory`` with every port on a free loopback port (so a second
+    server does not disturb a running one) and ``metrics_config`` made absolute."""
+    properties = read_properties(config)
+    properties.update(
+        inference_address=f"http://127.0.0.1:{free_port()}",
+        management_address=f"http://127.0.0.1:{free_port()}",
+        metrics_address=f"http://127.0.0.1:{free_port()}",
+        grpc_inference_port=str(free_port()),
+        grpc_management_port=str(free_port()),
+        initial_worker_port=str(free_port()),
+        metrics_config=str((config.parent / properties.get("metrics_config", "metrics.yaml")).resolve()),
+        **overrides,
+    )
+    path = directory / "config.properties"
+    path.write_text("".join(f"{key}={value}\n" for key, value in properties.items()))
+    return path
 
 
 @dataclass(frozen=True)

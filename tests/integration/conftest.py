@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import base64
 import io
-import socket
 from pathlib import Path
 
 import numpy as np
@@ -14,35 +13,11 @@ from PIL import Image
 from prometheus_client.parser import text_string_to_metric_families
 
 from scripts.build_mar import build
-from scripts.server import TorchServe, read_properties
+from scripts.server import TorchServe, config_on_free_ports
 
 ROOT = Path(__file__).resolve().parents[2]
 MODEL_DIR = ROOT / "models" / "tiny-sd"
 STARTUP_TIMEOUT = 600
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def properties_for_tests(tmp: Path) -> Path:
-    """config.properties as shipped, with free ports so a running `make serve` is not disturbed."""
-    properties = read_properties(ROOT / "config.properties")
-    properties.update(
-        inference_address=f"http://127.0.0.1:{free_port()}",
-        management_address=f"http://127.0.0.1:{free_port()}",
-        metrics_address=f"http://127.0.0.1:{free_port()}",
-        grpc_inference_port=str(free_port()),
-        grpc_management_port=str(free_port()),
-        initial_worker_port=str(free_port()),
-        model_store=str(tmp / "model_store"),
-        metrics_config=str(ROOT / properties["metrics_config"]),
-    )
-    path = tmp / "config.properties"
-    path.write_text("".join(f"{key}={value}\n" for key, value in properties.items()))
-    return path
 
 
 @pytest.fixture(scope="session")
@@ -51,7 +26,8 @@ def server(tmp_path_factory) -> TorchServe:
         pytest.fail(f"{MODEL_DIR} is missing: run `make model` (make test does)")
     tmp = tmp_path_factory.mktemp("torchserve")
     build(MODEL_DIR, ROOT / "model-config.yaml", tmp / "model_store")
-    server = TorchServe(properties_for_tests(tmp), tmp / "model_store", tmp / "work", env={"TMPDIR": str(tmp)})
+    config = config_on_free_ports(ROOT / "config.properties", tmp)
+    server = TorchServe(config, tmp / "model_store", tmp / "work", env={"TMPDIR": str(tmp)})
     server.start()
     try:
         server.wait_ready(STARTUP_TIMEOUT)

@@ -14,7 +14,8 @@ from pathlib import Path
 import psutil
 
 from scripts.build_mar import build
-from tests.integration.conftest import MODEL_DIR, ROOT, STARTUP_TIMEOUT, decode_png, properties_for_tests
+from scripts.server import config_on_free_ports
+from tests.integration.conftest import MODEL_DIR, ROOT, STARTUP_TIMEOUT, decode_png
 
 
 def read_until_curl(process: subprocess.Popen, timeout: float) -> tuple[str | None, list[str]]:
@@ -59,7 +60,7 @@ def test_serve_prints_a_working_curl_and_ctrl_c_leaves_no_process(tmp_path):
     build(MODEL_DIR, ROOT / "model-config.yaml", tmp_path / "model_store", archive_format="no-archive")
     command = [
         sys.executable, "-m", "scripts.server",
-        "--config", str(properties_for_tests(tmp_path)),
+        "--config", str(config_on_free_ports(ROOT / "config.properties", tmp_path)),
         "--model-store", str(tmp_path / "model_store"),
         "--workdir", str(tmp_path / "runtime"),
     ]

@@ -1,0 +1,120 @@
+"""Run a real Prometheus (the Debian `prometheus` package) against a TorchServe metrics endpoint,
+with the project's recording and alert rules, and query it. Used by the tests and by
+``scripts/render_dashboard.py``.
+"""
+
+from __future__ import annotations
+
+import logging
+import shutil
+import subprocess
+import time
+from pathlib import Path
+from urllib.parse import urlparse
+
+import requests
+import yaml
+
+logger = logging.getLogger("prometheus")
+
+ROOT = Path(__file__).resolve().parent.parent
+PROMETHEUS_DIR = ROOT / "docker" / "prometheus"
+RULE_FILES = sorted((PROMETHEUS_DIR / "rules").glob("*.yml"))
+INSTALL_HINT = "install it with `apt-get install -y prometheus` (.ci/run does)"
+
+
+def binary(name: str = "prometheus") -> str:
+    path = shutil.which(name)
+    if path is None:
+        raise FileNotFoundError(f"{name} is not on PATH; {INSTALL_HINT}")
+    return path
+
+
+class Prometheus:
+    """A Prometheus on loopback scraping one TorchServe metrics address every ``interval``."""
+
+    def __init__(self, metrics_address: str, workdir: Path, port: int, interval: str = "1s"):
+        self.workdir = workdir
+        self.url = f"http://127.0.0.1:{port}"
+        self.port = port
+        self.config = {
+            "global": {"scrape_interval": interval, "evaluation_interval": interval},
+            "rule_files": [str(path) for path in RULE_FILES],
+            "scrape_configs": [
+                {"job_name": "torchserve", "static_configs": [{"targets": [urlparse(metrics_address).netloc]}]}
+            ],
+        }
+        self.process: subprocess.Popen | None = None
+
+    def start(self, timeout: float = 60.0) -> None:
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        config = self.workdir / "prometheus.yml"
+        config.write_text(yaml.safe_dump(self.config))
+        command = [
+            binary(),
+            f"--config.file={config}",
+            f"--storage.tsdb.path={self.workdir / 'data'}",
+            f"--web.listen-address=127.0.0.1:{self.port}",
+        ]
+        with open(self.workdir / "prometheus.log", "ab") as log:
+            self.process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"prometheus exited; see {self.workdir / 'prometheus.log'}")
+            try:
+                if requests.get(f"{self.url}/-/ready", timeout=2).status_code == 200:
+                    return
+            except requests.ConnectionError:
+                pass
+            time.sleep(0.5)
+        raise TimeoutError(f"prometheus not ready after {timeout:.0f} s")
+
+    def stop(self) -> None:
+        if self.process is not None and self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+
+    def query(self, expr: str) -> list[dict]:
+        """Instant query; raises on a PromQL error, returns the (possibly empty) result."""
+        response = requests.get(f"{self.url}/api/v1/query", params={"query": expr}, timeout=30)
+        payload = response.json()
+        if payload.get("status") != "success":
+            raise ValueError(f"query {expr!r} failed: {payload.get('error')}")
+        return payload["data"]["result"]
+
+    def query_range(self, expr: str, start: float, end: float, step: float) -> list[dict]:
+        response = requests.get(
+            f"{self.url}/api/v1/query_range",
+            params={"query": expr, "start": start, "end": end, "step": step},
+            timeout=60,
+        )
+        payload = response.json()
+        if payload.get("status") != "success":
+            raise ValueError(f"query_range {expr!r} failed: {payload.get('error')}")
+        return payload["data"]["result"]
+
+    def wait_for(self, expr: str, timeout: float = 60.0) -> list[dict]:
+        """Poll until ``expr`` returns data (for example until the target has been scraped)."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            result = self.query(expr)
+            if result:
+                return result
+            time.sleep(0.5)
+        raise TimeoutError(f"{expr!r} returned no data within {timeout:.0f} s")
+
+    def rules(self) -> list[dict]:
+        """Every loaded rule (recording and alerting) with its health."""
+        groups = requests.get(f"{self.url}/api/v1/rules", timeout=30).json()["data"]["groups"]
+        return [rule for group in groups for rule in group["rules"]]
+
+    def __enter__(self) -> Prometheus:
+        self.start()
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.stop()
