@@ -8,7 +8,7 @@ MODEL_DIR ?= $(DEFAULT_MODEL_DIR)
 ARCHIVE_FORMAT ?= auto
 PYTEST_ARGS ?=
 
-.PHONY: help venv system-deps model mar serve stop test unit-test integration-test dashboard dashboard-png clean
+.PHONY: help venv system-deps model mar serve stop test unit-test integration-test dashboard dashboard-png loadtest sweep bench-overhead clean
 
 help:
 	@echo "make serve   set up, build the archive and serve it on 127.0.0.1:8080 (MODEL_DIR=/path for a real model)"
@@ -16,6 +16,9 @@ help:
 	@echo "make stop    stop a server started by make serve elsewhere"
 	@echo "make mar     build model_store/stable-diffusion.mar (or a directory for large models)"
 	@echo "make model   generate the default tiny model into $(DEFAULT_MODEL_DIR)"
+	@echo "make loadtest       locust against the running server (make serve), judged against the SLA in benchmark_config.yaml"
+	@echo "make sweep          batch size / delay / workers / concurrency sweep on its own server; report in reports/"
+	@echo "make bench-overhead serving overhead: TorchServe end to end vs the pipeline in-process"
 	@echo "make dashboard      rebuild docker/grafana/dashboards/stable-diffusion.json"
 	@echo "make dashboard-png  load a fresh server, render the dashboard panels from Prometheus to docs/img/dashboard.png"
 
@@ -58,6 +61,15 @@ unit-test: venv model system-deps
 
 integration-test: venv model system-deps
 	$(PY) -m pytest tests/integration $(PYTEST_ARGS)
+
+loadtest: venv
+	$(PY) -m loadtest.run $(LOADTEST_ARGS)
+
+sweep: venv model
+	$(PY) -m loadtest.sweep $(SWEEP_ARGS)
+
+bench-overhead: venv model
+	$(PY) -m loadtest.overhead
 
 dashboard: venv
 	$(PY) -m scripts.build_dashboard

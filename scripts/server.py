@@ -23,6 +23,7 @@ from pathlib import Path
 from urllib.parse import urlparse
 
 import requests
+from prometheus_client.parser import text_string_to_metric_families
 
 logger = logging.getLogger("server")
 
@@ -136,17 +137,18 @@ class TorchServe:
         path.write_text("".join(f"{key}={value}\n" for key, value in properties.items()))
         return path
 
-    def start(self) -> None:
-        """Launch ``torchserve --foreground`` with key_file.json and logs in the working directory."""
+    def start(self, load_model: bool = True) -> None:
+        """Launch ``torchserve --foreground`` with key_file.json and logs in the working directory;
+        with ``load_model`` the model archive is loaded at start."""
         (self.workdir / "logs").mkdir(parents=True, exist_ok=True)
         (self.workdir / "key_file.json").unlink(missing_ok=True)
-        archive = find_archive(self.model_store, self.model_name)
         command = [
             str(Path(sys.executable).parent / "torchserve"), "--start", "--foreground", "--ncs",
             "--ts-config", str(self._effective_config()),
             "--model-store", str(self.model_store),
-            "--models", f"{self.model_name}={archive}",
         ]
+        if load_model:
+            command += ["--models", f"{self.model_name}={find_archive(self.model_store, self.model_name)}"]
         env = {**self.env, "LOG_LOCATION": str(self.workdir / "logs"), "METRICS_LOCATION": str(self.workdir / "logs")}
         self._log_offset = self.console_log.stat().st_size if self.console_log.exists() else 0
         with open(self.console_log, "ab") as log:
@@ -169,8 +171,8 @@ class TorchServe:
             worker_lines = [line.split(" - ", 1)[-1] for line in log.splitlines() if "MODEL_LOG" in line]
             raise RuntimeError(f"a worker failed to load {self.model_name}:\n" + "\n".join(worker_lines[-40:]))
 
-    def wait_ready(self, timeout: float = 900.0, progress=None) -> Keys:
-        """Wait for key_file.json and a READY worker of the model; return the keys."""
+    def wait_started(self, timeout: float = 300.0) -> Keys:
+        """Wait until key_file.json is written and the management API answers; return the keys."""
         deadline = time.monotonic() + timeout
         key_file = self.workdir / "key_file.json"
         while time.monotonic() < deadline:
@@ -181,13 +183,37 @@ class TorchServe:
                 except (json.JSONDecodeError, KeyError):
                     pass  # still being written
             if self.keys is not None:
-                status = self.worker_status()
-                if progress:
-                    progress(status)
-                if "READY" in status:
+                try:
+                    requests.get(f"{self.addresses.management}/models", headers=self.auth(management=True), timeout=5)
                     return self.keys
+                except requests.ConnectionError:
+                    pass
+            time.sleep(0.5)
+        raise TimeoutError(f"TorchServe did not start within {timeout:.0f} s; see {self.console_log}")
+
+    def wait_ready(self, timeout: float = 900.0, progress=None) -> Keys:
+        """Wait for a READY worker of the model; return the keys."""
+        deadline = time.monotonic() + timeout
+        self.wait_started(timeout)
+        while time.monotonic() < deadline:
+            self._check_alive()
+            status = self.worker_status()
+            if progress:
+                progress(status)
+            if "READY" in status:
+                return self.keys
             time.sleep(1.0)
         raise TimeoutError(f"no READY worker for {self.model_name} after {timeout:.0f} s; see {self.console_log}")
+
+    def metric_samples(self) -> dict[tuple[str, frozenset], float]:
+        """Every sample on the metrics endpoint, keyed by name and labels (host label left out)."""
+        text = requests.get(f"{self.addresses.metrics}/metrics", timeout=30).text
+        samples = {}
+        for family in text_string_to_metric_families(text):
+            for sample in family.samples:
+                labels = {key: value for key, value in sample.labels.items() if key.lower() != "hostname"}
+                samples[(sample.name, frozenset(labels.items()))] = sample.value
+        return samples
 
     def worker_status(self) -> list[str]:
         """Status of each worker of the model, from the management API ([] while unknown)."""

@@ -10,7 +10,6 @@ import numpy as np
 import pytest
 import requests
 from PIL import Image
-from prometheus_client.parser import text_string_to_metric_families
 
 from scripts.build_mar import build
 from scripts.server import TorchServe, config_on_free_ports
@@ -59,17 +58,6 @@ class Client:
 @pytest.fixture(scope="session")
 def client(server) -> Client:
     return Client(server)
-
-
-def scrape(server) -> dict[tuple[str, frozenset], float]:
-    """Every sample of the model's metrics, keyed by name and labels (without Hostname)."""
-    text = requests.get(f"{server.addresses.metrics}/metrics", timeout=30).text
-    samples = {}
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            labels = {key: value for key, value in sample.labels.items() if key.lower() != "hostname"}
-            samples[(sample.name, frozenset(labels.items()))] = sample.value
-    return samples
 
 
 def value(samples, name: str, **labels) -> float:

@@ -6,7 +6,7 @@ import pytest
 import yaml
 
 from handler.metrics import METRICS
-from tests.integration.conftest import ROOT, scrape, value
+from tests.integration.conftest import ROOT, value
 from tests.integration.test_serving import run_behind_blocker
 
 MODEL_CONFIG = yaml.safe_load((ROOT / "model-config.yaml").read_text())
@@ -15,7 +15,7 @@ MODEL_CONFIG = yaml.safe_load((ROOT / "model-config.yaml").read_text())
 def test_every_declared_metric_is_exported_after_traffic(client, server):
     assert client.predict({"prompt": "x", "width": 100}).status_code == 400
     assert client.predict({"prompt": "x", "num_inference_steps": 2}).status_code == 200
-    names = {name for name, _ in scrape(server)}
+    names = {name for name, _ in server.metric_samples()}
     for spec in METRICS:
         exported = f"{spec.name}_count" if spec.type == "histogram" else spec.name
         if spec.name == "sd_oom_retries_total":
@@ -24,7 +24,7 @@ def test_every_declared_metric_is_exported_after_traffic(client, server):
 
 
 def test_metric_values_match_the_traffic(client, server):
-    before = scrape(server)
+    before = server.metric_samples()
     bodies = [
         {"prompt": "a", "num_inference_steps": 3, "seed": 1},
         {"prompt": "b", "num_inference_steps": 3, "seed": 2, "num_images_per_prompt": 2},
@@ -32,7 +32,7 @@ def test_metric_values_match_the_traffic(client, server):
     ]
     responses = run_behind_blocker(client, bodies)
     assert [response.status_code for response in responses] == [200, 200, 400]
-    after = scrape(server)
+    after = server.metric_samples()
 
     def delta(name: str, **labels) -> float:
         return value(after, name, **labels) - value(before, name, **labels)

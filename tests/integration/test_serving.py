@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import requests
 
-from tests.integration.conftest import assert_same_image, decode_json_images, decode_png, scrape, value
+from tests.integration.conftest import assert_same_image, decode_json_images, decode_png, value
 
 FAST = {"num_inference_steps": 4}
 # Long enough to keep the worker busy while followers queue up behind it (the default model
@@ -214,7 +214,7 @@ def test_scaling_workers_up_and_down(client, server):
 
 
 def test_inference_request_counter_grows_with_traffic(client, server):
-    before = value(scrape(server), "ts_inference_requests_total", model_version="default")
+    before = value(server.metric_samples(), "ts_inference_requests_total", model_version="default")
     for index in range(3):
         assert client.predict({"prompt": f"count me {index}", **FAST}).status_code == 200
-    assert value(scrape(server), "ts_inference_requests_total", model_version="default") == before + 3
+    assert value(server.metric_samples(), "ts_inference_requests_total", model_version="default") == before + 3

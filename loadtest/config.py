@@ -1,0 +1,98 @@
+"""benchmark_config.yaml as typed settings, shared by the locustfile, `make loadtest` and `make sweep`."""
+
+from __future__ import annotations
+
+import itertools
+from pathlib import Path
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field
+
+ROOT = Path(__file__).resolve().parent.parent
+DEFAULT_CONFIG = ROOT / "benchmark_config.yaml"
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class ModelSection(_Section):
+    name: str = "stable-diffusion"
+    model_dir: Path = Path("models/tiny-sd")
+
+
+class SLA(_Section):
+    p95_seconds: float = Field(gt=0, description="client-side p95 latency")
+    max_error_ratio: float = Field(ge=0, le=1, description="failed requests / all requests")
+
+
+class MixEntry(_Section):
+    """One kind of request and how often users send it."""
+
+    weight: float = Field(gt=0)
+    width: int = Field(ge=8, multiple_of=8)
+    height: int = Field(ge=8, multiple_of=8)
+    num_inference_steps: int = Field(ge=1)
+    num_images_per_prompt: int = Field(1, ge=1)
+
+    @property
+    def name(self) -> str:
+        """The locust request name, one statistics row per kind."""
+        return f"{self.width}x{self.height} {self.num_inference_steps} steps x{self.num_images_per_prompt}"
+
+
+class LoadtestSection(_Section):
+    users: int = Field(ge=1)
+    spawn_rate: float = Field(gt=0)
+    requests: int = Field(ge=1)
+    duration_s: float = Field(gt=0)
+
+
+class SweepPoint(_Section):
+    batch_size: int
+    max_batch_delay_ms: int
+    workers: int
+    concurrency: int
+
+    @property
+    def label(self) -> str:
+        return f"batch {self.batch_size}, delay {self.max_batch_delay_ms} ms, {self.workers} workers, {self.concurrency} users"
+
+
+class SweepSection(_Section):
+    batch_size: list[int] = Field(min_length=1)
+    max_batch_delay_ms: list[int] = Field(min_length=1)
+    workers: list[int] = Field(min_length=1)
+    concurrency: list[int] = Field(min_length=1)
+    requests_per_point: int = Field(ge=1)
+    duration_s_per_point: float = Field(gt=0)
+
+    def points(self) -> list[SweepPoint]:
+        """Every combination, grouped so each registration (batch size, delay) is made once."""
+        return [
+            SweepPoint(batch_size=batch, max_batch_delay_ms=delay, workers=workers, concurrency=users)
+            for batch, delay, workers, users in itertools.product(
+                self.batch_size, self.max_batch_delay_ms, self.workers, self.concurrency
+            )
+        ]
+
+
+class BenchmarkConfig(_Section):
+    model: ModelSection = ModelSection()
+    sla: SLA
+    request_mix: list[MixEntry] = Field(min_length=1)
+    prompts_file: Path
+    warmup_requests: int = Field(0, ge=0)
+    loadtest: LoadtestSection
+    sweep: SweepSection
+
+    @classmethod
+    def load(cls, path: Path = DEFAULT_CONFIG) -> BenchmarkConfig:
+        return cls.model_validate(yaml.safe_load(Path(path).read_text()))
+
+    def prompts(self) -> list[str]:
+        path = self.prompts_file if self.prompts_file.is_absolute() else ROOT / self.prompts_file
+        prompts = [line.strip() for line in path.read_text().splitlines() if line.strip()]
+        if not prompts:
+            raise ValueError(f"{path} has no prompts")
+        return prompts

@@ -1,0 +1,114 @@
+"""`make bench-overhead`: the serving overhead, measured side by side in one run.
+
+The same request (default model, 64x64, 4 steps, fixed seed) is generated N times in-process by
+the handler's own service (decode, pipeline, encode: exactly what a worker runs) and N times over
+HTTP through TorchServe, one at a time, once registered with batch size 1 and once with the
+shipped batch size and delay. Prints medians and ratios and writes reports/overhead.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import requests
+import yaml
+
+from handler.config import HandlerSettings
+from handler.metrics import DiffusionMetrics
+from handler.pipeline import load_text_to_image, native_size
+from handler.request import RequestPolicy
+from handler.service import IncomingRequest, TextToImageService
+from loadtest.sweep import ModelRegistration
+from scripts.build_mar import build
+from scripts.server import ROOT, TorchServe, config_on_free_ports
+
+logger = logging.getLogger("overhead")
+
+MODEL_DIR = ROOT / "models" / "tiny-sd"
+REQUEST = {"prompt": "a red circle", "width": 64, "height": 64, "num_inference_steps": 4, "seed": 7}
+WARMUP = 3
+
+
+def median_seconds(action, repeats: int) -> float:
+    for _ in range(WARMUP):
+        action()
+    timings = []
+    for _ in range(repeats):
+        started = time.perf_counter()
+        action()
+        timings.append(time.perf_counter() - started)
+    return statistics.median(timings)
+
+
+def in_process(repeats: int) -> float:
+    """The worker's own code path without TorchServe: service.handle_batch on one request."""
+    model_config = yaml.safe_load((ROOT / "model-config.yaml").read_text())
+    settings = HandlerSettings.from_model_yaml(model_config).model_copy(update={"model_path": str(MODEL_DIR)})
+    engine = load_text_to_image(settings, ROOT)
+    settings = settings.with_native_size(*native_size(engine.pipeline))
+    service = TextToImageService(engine, RequestPolicy(settings.limits, settings.defaults), settings.max_images_per_call,
+                                 DiffusionMetrics(lambda spec, value, labels: None, settings.metrics.latency_sla_seconds))
+
+    def once() -> None:
+        (response,) = service.handle_batch([IncomingRequest(dict(REQUEST), "application/json")])
+        assert response.status == 200
+
+    return median_seconds(once, repeats)
+
+
+def over_http(server: TorchServe, repeats: int) -> float:
+    url = f"{server.addresses.inference}/predictions/{server.model_name}"
+
+    def once() -> None:
+        requests.post(url, json=REQUEST, headers=server.auth(), timeout=120).raise_for_status()
+
+    return median_seconds(once, repeats)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeats", type=int, default=30)
+    parser.add_argument("--output", type=Path, default=ROOT / "reports" / "overhead.json")
+    args = parser.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
+    shipped = yaml.safe_load((ROOT / "model-config.yaml").read_text())
+    results = {"request": REQUEST, "repeats": args.repeats}
+    with tempfile.TemporaryDirectory(prefix="overhead-") as tmp:
+        workdir = Path(tmp)
+        archive = build(MODEL_DIR, ROOT / "model-config.yaml", workdir / "model_store")
+        config = config_on_free_ports(ROOT / "config.properties", workdir, enable_model_api="true")
+        server = TorchServe(config, workdir / "model_store", workdir / "server", env={"TMPDIR": tmp})
+        server.start(load_model=False)
+        try:
+            server.wait_started()
+            registration = ModelRegistration(server, archive.name)
+            for label, batch_size, delay in (("batch size 1", 1, 0),
+                                             (f"batch size {shipped['batchSize']}, delay {shipped['maxBatchDelay']} ms",
+                                              shipped["batchSize"], shipped["maxBatchDelay"])):
+                registration.register(batch_size, delay, workers=1)
+                logger.info("HTTP through TorchServe, %s", label)
+                results[f"http_median_s ({label})"] = over_http(server, args.repeats)
+                registration.unregister()
+        finally:
+            server.stop()
+    logger.info("in-process")
+    results["in_process_median_s"] = in_process(args.repeats)
+    base = results["in_process_median_s"]
+    print(f"in-process (handler service, no server): median {base * 1000:.1f} ms")
+    for key, value in results.items():
+        if key.startswith("http_median_s"):
+            label = key[len("http_median_s ("):-1]
+            print(f"TorchServe, {label}: median {value * 1000:.1f} ms = {value / base:.2f}x in-process "
+                  f"(+{(value - base) * 1000:.1f} ms)")
+    args.output.parent.mkdir(parents=True, exist_ok=True)
+    args.output.write_text(json.dumps(results, indent=2))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,190 @@
+"""`make sweep`: every batch size / batch delay / workers / concurrency point of benchmark_config.yaml,
+on a TorchServe of its own (loopback, free ports, model API on for registration), each setting
+applied for real and verified through the describe API, then measured with locust and the
+server's metrics. Writes the report under ``reports/sweep-<time>/``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import requests
+from tqdm import tqdm
+
+from loadtest.config import DEFAULT_CONFIG, ROOT, BenchmarkConfig, SweepPoint
+from loadtest.report import write_report
+from loadtest.run import LoadResult, run_locust
+from scripts.build_mar import build
+from scripts.server import TorchServe, config_on_free_ports
+
+logger = logging.getLogger("sweep")
+
+REGISTER_TIMEOUT_S = 600
+
+
+@dataclass(frozen=True)
+class ServerFigures:
+    """What the server measured during one point (from the metrics endpoint, as deltas)."""
+
+    mean_queue_s: float
+    mean_handler_s: float
+    mean_batch_size: float
+    images: float
+
+
+@dataclass(frozen=True)
+class PointResult:
+    point: SweepPoint
+    client: LoadResult
+    server: ServerFigures
+    meets_sla: bool
+    violations: list[str]
+    request_log: str
+
+    def as_row(self) -> dict:
+        return {**self.point.model_dump(), **self.client.as_dict(), **asdict(self.server),
+                "meets_sla": self.meets_sla, "violations": "; ".join(self.violations)}
+
+
+class ModelRegistration:
+    """Register, scale, verify and unregister the model on the sweep's own server."""
+
+    def __init__(self, server: TorchServe, archive: str):
+        self.server = server
+        self.archive = archive
+        self.url = f"{server.addresses.management}/models"
+
+    def _call(self, method: str, endpoint: str, **params) -> dict:
+        response = requests.request(method, endpoint, params=params, headers=self.server.auth(management=True),
+                                     timeout=REGISTER_TIMEOUT_S)
+        if response.status_code != 200:
+            raise RuntimeError(f"{method} {endpoint} {params} -> {response.status_code}: {response.text}")
+        return response.json()
+
+    def describe(self) -> dict:
+        return self._call("GET", f"{self.url}/{self.server.model_name}")[0]
+
+    def register(self, batch_size: int, max_batch_delay_ms: int, workers: int) -> None:
+        self._call("POST", self.url, url=self.archive, model_name=self.server.model_name, batch_size=batch_size,
+                   max_batch_delay=max_batch_delay_ms, initial_workers=workers, synchronous="true")
+        self.verify(batch_size, max_batch_delay_ms, workers)
+
+    def scale(self, workers: int) -> None:
+        self._call("PUT", f"{self.url}/{self.server.model_name}", min_worker=workers, max_worker=workers,
+                   synchronous="true")
+
+    def verify(self, batch_size: int, max_batch_delay_ms: int, workers: int) -> None:
+        """Fail unless the describe API shows exactly these settings and that many READY workers."""
+        described = self.describe()
+        ready = [worker for worker in described["workers"] if worker["status"] == "READY"]
+        shown = (described["batchSize"], described["maxBatchDelay"], described["minWorkers"], len(ready))
+        if shown != (batch_size, max_batch_delay_ms, workers, workers):
+            raise RuntimeError(
+                f"describe shows batchSize/maxBatchDelay/minWorkers/ready workers {shown}, "
+                f"expected {(batch_size, max_batch_delay_ms, workers, workers)}"
+            )
+
+    def unregister(self) -> None:
+        self._call("DELETE", f"{self.url}/{self.server.model_name}")
+
+
+def _delta(before: dict, after: dict, name: str) -> float:
+    def total(samples: dict) -> float:
+        return sum(value for (sample, _), value in samples.items() if sample == name)
+
+    return total(after) - total(before)
+
+
+def server_figures(before: dict, after: dict) -> ServerFigures:
+    requests_served = _delta(before, after, "ts_inference_requests_total") or 1.0
+    handled = _delta(before, after, "sd_request_latency_seconds_count") or 1.0
+    batches = _delta(before, after, "sd_batch_size_count") or 1.0
+    return ServerFigures(
+        mean_queue_s=_delta(before, after, "ts_queue_latency_microseconds") / 1e6 / requests_served,
+        mean_handler_s=_delta(before, after, "sd_request_latency_seconds_sum") / handled,
+        mean_batch_size=_delta(before, after, "sd_batch_size_sum") / batches,
+        images=_delta(before, after, "sd_images_total"),
+    )
+
+
+def warm_up(server: TorchServe, config: BenchmarkConfig) -> None:
+    """Requests of every kind in the mix, not measured."""
+    url = f"{server.addresses.inference}/predictions/{server.model_name}"
+    for index in range(config.warmup_requests):
+        entry = config.request_mix[index % len(config.request_mix)]
+        body = {"prompt": "warm-up", **entry.model_dump(exclude={"weight"})}
+        requests.post(url, json=body, headers=server.auth(), timeout=REGISTER_TIMEOUT_S).raise_for_status()
+
+
+def measure(server: TorchServe, config_path: Path, config: BenchmarkConfig, point: SweepPoint, out: Path) -> PointResult:
+    warm_up(server, config)
+    before = server.metric_samples()
+    slug = f"b{point.batch_size}-d{point.max_batch_delay_ms}-w{point.workers}-c{point.concurrency}"
+    client = run_locust(
+        config_path, server.addresses.inference, server.keys.inference, users=point.concurrency,
+        spawn_rate=point.concurrency, requests=config.sweep.requests_per_point,
+        duration_s=config.sweep.duration_s_per_point, report_prefix=out / "points" / slug,
+        model_name=server.model_name,
+    )
+    violations = client.sla_violations(config.sla)
+    return PointResult(point, client, server_figures(before, server.metric_samples()), not violations, violations,
+                       str(out / "points" / f"{slug}_requests.csv"))
+
+
+def run_sweep(config_path: Path, out: Path) -> list[PointResult]:
+    config = BenchmarkConfig.load(config_path)
+    points = config.sweep.points()
+    results: list[PointResult] = []
+    model_dir = config.model.model_dir if config.model.model_dir.is_absolute() else ROOT / config.model.model_dir
+    with tempfile.TemporaryDirectory(prefix="sweep-") as tmp:
+        workdir = Path(tmp)
+        archive = build(model_dir, ROOT / "model-config.yaml", workdir / "model_store", model_name=config.model.name)
+        server_config = config_on_free_ports(ROOT / "config.properties", workdir, enable_model_api="true")
+        server = TorchServe(server_config, workdir / "model_store", workdir / "server", model_name=config.model.name,
+                            env={"TMPDIR": tmp})
+        server.start(load_model=False)
+        try:
+            server.wait_started()
+            registration = ModelRegistration(server, archive.name)
+            progress = tqdm(points, desc="sweep", unit="point")
+            registered: tuple[int, int] | None = None
+            for point in progress:
+                progress.set_postfix_str(point.label)
+                if registered != (point.batch_size, point.max_batch_delay_ms):
+                    if registered is not None:
+                        registration.unregister()
+                    registration.register(point.batch_size, point.max_batch_delay_ms, point.workers)
+                    registered = (point.batch_size, point.max_batch_delay_ms)
+                registration.scale(point.workers)
+                registration.verify(point.batch_size, point.max_batch_delay_ms, point.workers)
+                result = measure(server, config_path, config, point, out)
+                results.append(result)
+                tqdm.write(
+                    f"{point.label}: {result.client.images_per_s:.2f} images/s, p95 {result.client.p95_s:.2f} s, "
+                    f"errors {result.client.error_ratio:.1%}, {'meets' if result.meets_sla else 'misses'} the SLA"
+                )
+        finally:
+            server.stop()
+    return results
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--config", type=Path, default=DEFAULT_CONFIG)
+    parser.add_argument("--output", type=Path, help="report directory (default reports/sweep-<time>)")
+    args = parser.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
+    out = args.output or ROOT / "reports" / time.strftime("sweep-%Y%m%d-%H%M%S")
+    out.mkdir(parents=True, exist_ok=True)
+    results = run_sweep(args.config.resolve(), out)
+    report = write_report(results, BenchmarkConfig.load(args.config), out)
+    print(f"report: {report}", flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,105 @@
+"""Load-test logic without a server: configuration, exact percentiles, SLA verdicts, the sweep report."""
+
+import csv
+import json
+
+import pytest
+from pydantic import ValidationError
+
+from loadtest.config import DEFAULT_CONFIG, SLA, BenchmarkConfig
+from loadtest.report import best_point, write_report
+from loadtest.run import LoadResult, summarize
+from loadtest.sweep import PointResult, ServerFigures, server_figures
+
+CONFIG = BenchmarkConfig.load(DEFAULT_CONFIG)
+
+
+def test_shipped_config_is_valid_and_sweeps_batching():
+    assert {1, 4} <= set(CONFIG.sweep.batch_size)
+    assert CONFIG.prompts() and all(entry.width % 8 == 0 for entry in CONFIG.request_mix)
+    points = CONFIG.sweep.points()
+    assert len(points) == len(CONFIG.sweep.batch_size) * len(CONFIG.sweep.max_batch_delay_ms) * len(CONFIG.sweep.workers) * len(CONFIG.sweep.concurrency)
+
+
+@pytest.mark.parametrize("change", [{"sla": {"p95_seconds": 0, "max_error_ratio": 0.01}},
+                                    {"request_mix": []},
+                                    {"request_mix": [{"weight": 1, "width": 100, "height": 64, "num_inference_steps": 4}]},
+                                    {"sweep": {"batch_size": []}},
+                                    {"unknown": 1}])
+def test_bad_configs_are_refused(change):
+    data = CONFIG.model_dump(mode="json")
+    data.update(change)
+    with pytest.raises(ValidationError):
+        BenchmarkConfig.model_validate(data)
+
+
+def write_log(path, rows):
+    with open(path, "w", newline="") as handle:
+        writer = csv.writer(handle)
+        writer.writerow(["name", "ok", "latency_s", "images", "end_time"])
+        writer.writerows(rows)
+    return path
+
+
+def test_summary_has_exact_percentiles_and_throughput(tmp_path):
+    rows = [["64x64", 1, (index + 1) / 10, 1, 100 + (index + 1) / 10] for index in range(100)]
+    rows[0] = ["128x128", 1, 0.1, 2, 100.1]
+    rows[1] = ["64x64", 0, 0.2, 0, 100.2]
+    result = summarize(write_log(tmp_path / "log.csv", rows))
+    assert (result.requests, result.failures) == (100, 1)
+    assert result.p50_s == pytest.approx(5.05) and result.p95_s == pytest.approx(9.505) and result.p99_s == pytest.approx(9.901)
+    assert result.requests_per_s == pytest.approx(99 / 10.0)  # first start 100.0, last end 110.0
+    assert result.images_per_s == pytest.approx(100 / 10.0)
+    assert result.error_ratio == pytest.approx(0.01)
+
+
+def result(p95=1.0, failures=0, requests=100, images_per_s=1.0) -> LoadResult:
+    return LoadResult(requests, failures, p95 / 2, p95, p95 * 1.2, 1.0, images_per_s, {"95%": p95})
+
+
+def test_sla_verdicts_name_what_broke():
+    sla = SLA(p95_seconds=2.0, max_error_ratio=0.01)
+    assert result(p95=2.0).sla_violations(sla) == []
+    assert result(p95=2.5).sla_violations(sla) == ["p95 latency 2.500 s exceeds the SLA 2.000 s"]
+    assert "error ratio 5.00% (5 of 100)" in result(failures=5).sla_violations(sla)[0]
+    assert result(requests=0).sla_violations(sla)[0] == "no request was answered"
+
+
+def point(batch, images_per_s, p95, meets, tmp_path):
+    log = write_log(tmp_path / f"b{batch}.csv", [["64x64", 1, 0.5 + index / 100, 1, 100 + index] for index in range(20)])
+    sweep_point = CONFIG.sweep.points()[0].model_copy(update={"batch_size": batch})
+    return PointResult(sweep_point, result(p95=p95, images_per_s=images_per_s), ServerFigures(0.1, 0.5, float(batch), 10),
+                       meets, [] if meets else ["p95 latency too high"], str(log))
+
+
+def test_the_best_point_is_the_fastest_that_meets_the_sla(tmp_path):
+    results = [point(1, 2.0, 1.0, True, tmp_path), point(4, 3.0, 1.5, True, tmp_path), point(8, 5.0, 20.0, False, tmp_path)]
+    assert best_point(results).point.batch_size == 4
+    assert best_point([results[2]]) is None
+
+
+def test_report_names_the_best_configuration_with_a_snippet_and_plots(tmp_path):
+    results = [point(1, 2.0, 1.0, True, tmp_path), point(4, 3.0, 1.5, True, tmp_path)]
+    report = write_report(results, CONFIG, tmp_path).read_text()
+    assert "batch 4, delay" in report.split("## Best configuration")[1]
+    assert "batchSize: 4" in report and (tmp_path / "model-config-snippet.yaml").read_text().startswith("batchSize: 4")
+    assert (tmp_path / "throughput_vs_p95.png").stat().st_size > 1000
+    assert (tmp_path / "best_latency_distribution.png").stat().st_size > 1000
+    assert len(json.loads((tmp_path / "points.json").read_text())) == 2
+    assert report.count("\n| ") == 4  # header, separator and two points
+
+
+def test_report_says_when_nothing_meets_the_sla(tmp_path):
+    report = write_report([point(8, 5.0, 20.0, False, tmp_path)], CONFIG, tmp_path).read_text()
+    assert "No configuration meets the SLA" in report
+
+
+def test_server_figures_are_deltas():
+    def samples(requests, queue_us, latency_sum, latency_count, batch_sum, batch_count, images):
+        return {("ts_inference_requests_total", frozenset()): requests, ("ts_queue_latency_microseconds", frozenset()): queue_us,
+                ("sd_request_latency_seconds_sum", frozenset()): latency_sum, ("sd_request_latency_seconds_count", frozenset()): latency_count,
+                ("sd_batch_size_sum", frozenset()): batch_sum, ("sd_batch_size_count", frozenset()): batch_count,
+                ("sd_images_total", frozenset()): images}
+
+    figures = server_figures(samples(10, 1e6, 5, 10, 10, 5, 10), samples(30, 5e6, 25, 30, 30, 10, 34))
+    assert figures == ServerFigures(mean_queue_s=0.2, mean_handler_s=1.0, mean_batch_size=4.0, images=24)
