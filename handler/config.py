@@ -79,6 +79,14 @@ class MetricsSettings(_Section):
     )
 
 
+class FaultInjection(_Section):
+    """For tests on machines without an accelerator: make failure paths reachable. Off by default."""
+
+    out_of_memory_above_pixels: int | None = Field(
+        None, ge=1, description="raise out-of-memory for a pipeline call whose images x width x height exceed this"
+    )
+
+
 class HandlerSettings(_Section):
     """Everything the handler reads from ``model-config.yaml`` under ``handler:``."""
 
@@ -96,6 +104,8 @@ class HandlerSettings(_Section):
     warmup: tuple[WarmupShape, ...] = ()
     max_images_per_call: int = Field(16, ge=1, description="most images one pipeline call generates")
     metrics: MetricsSettings = MetricsSettings()
+    log_prompts: bool = Field(False, description="log each request's parameters, prompt included, at INFO")
+    fault_injection: FaultInjection = FaultInjection()
     defaults: RequestDefaults = RequestDefaults()
     limits: RequestLimits = RequestLimits()
 

@@ -30,12 +30,15 @@ from handler.metrics import CallTimings
 
 logger = logging.getLogger(__name__)
 
+# Scheduler class and the settings it needs on top of the model's scheduler config. PNDM skips its
+# Runge-Kutta warm-up steps as Stable Diffusion's own PNDM configuration does (with them it needs at
+# least 4 steps and runs 13 UNet calls for 4 steps).
 SCHEDULERS = {
-    "ddim": DDIMScheduler,
-    "euler": EulerDiscreteScheduler,
-    "euler_a": EulerAncestralDiscreteScheduler,
-    "dpmpp_2m": DPMSolverMultistepScheduler,
-    "pndm": PNDMScheduler,
+    "ddim": (DDIMScheduler, {}),
+    "euler": (EulerDiscreteScheduler, {}),
+    "euler_a": (EulerAncestralDiscreteScheduler, {}),
+    "dpmpp_2m": (DPMSolverMultistepScheduler, {}),
+    "pndm": (PNDMScheduler, {"skip_prk_steps": True}),
 }
 DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
 ATTENTION_PROCESSORS = {"sdpa": AttnProcessor2_0, "vanilla": AttnProcessor}
@@ -166,16 +169,24 @@ class TextToImage:
     dtype: torch.dtype
     description: str
     synchronize_steps: bool = True
+    out_of_memory_above_pixels: int | None = None
     _schedulers: dict[str, object] = field(default_factory=dict)
 
     def _use_scheduler(self, name: str) -> None:
         if name not in self._schedulers:
-            self._schedulers[name] = SCHEDULERS[name].from_config(self.pipeline.scheduler.config)
+            scheduler_class, overrides = SCHEDULERS[name]
+            self._schedulers[name] = scheduler_class.from_config(self.pipeline.scheduler.config, **overrides)
         self.pipeline.scheduler = self._schedulers[name]
 
     def generate(self, key: CallKey, inputs: CallInputs) -> tuple[list[Image], CallTimings]:
         """Run one pipeline call; image ``i`` comes from a CPU generator seeded ``inputs.seeds[i]``,
         so it does not depend on its batchmates or on the device."""
+        pixels = len(inputs.seeds) * key.width * key.height
+        if self.out_of_memory_above_pixels is not None and pixels > self.out_of_memory_above_pixels:
+            raise torch.OutOfMemoryError(
+                f"simulated out of memory: {pixels} pixels in one call, fault_injection allows "
+                f"{self.out_of_memory_above_pixels}"
+            )
         self._use_scheduler(key.scheduler)
         generators = [torch.Generator("cpu").manual_seed(seed) for seed in inputs.seeds]
         clock = _StepClock(self.device if self.synchronize_steps else None)
@@ -231,4 +242,7 @@ def load_text_to_image(settings: HandlerSettings, model_dir: str | Path, gpu_id:
         f"compile={settings.compile.mode if settings.compile.enabled else 'off'}"
         f"{'(' + ','.join(settings.compile.targets) + ')' if settings.compile.enabled else ''}"
     )
-    return TextToImage(pipeline, device, dtype, description, settings.metrics.synchronize_steps)
+    return TextToImage(
+        pipeline, device, dtype, description, settings.metrics.synchronize_steps,
+        settings.fault_injection.out_of_memory_above_pixels,
+    )

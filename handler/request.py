@@ -251,7 +251,7 @@ def decode_body(body: Any, content_type: str | None, policy: RequestPolicy) -> G
     is_text = (content_type or "").strip().lower().startswith(TEXT_CONTENT_PREFIX)
     if isinstance(body, (bytes, bytearray)):
         if not body.strip():
-            raise RequestError.single("body", "required", 'body is empty: send a JSON object such as {"prompt": "a red circle"}')
+            raise RequestError.single("body", "required", 'body is empty (or JSON null): send a JSON object such as {"prompt": "a red circle"}')
         body = _decode_text(body) if is_text else _parse_json(body)
     if is_text and isinstance(body, str):
         return validate_fields({"prompt": body}, policy, strict=True)

@@ -79,7 +79,8 @@ class StableDiffusionHandler(BaseHandler):
             torchserve_metric_sink(context.metrics, context.model_name), settings.metrics.latency_sla_seconds
         )
         self.service = TextToImageService(
-            engine, RequestPolicy(settings.limits, settings.defaults), settings.max_images_per_call, metrics
+            engine, RequestPolicy(settings.limits, settings.defaults), settings.max_images_per_call, metrics,
+            settings.log_prompts,
         )
         metrics.worker_ready(time.perf_counter() - started)
         self.initialized = True

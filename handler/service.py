@@ -61,6 +61,14 @@ def bad_request(error: RequestError) -> Response:
     return Response(400, error_json(400, "InvalidRequest", str(error), details), JSON_CONTENT_TYPE)
 
 
+def does_not_fit(request: GenerationRequest) -> Response:
+    message = (
+        f"out of memory generating {request.num_images_per_prompt} image(s) of {request.width}x{request.height} "
+        "even alone; ask for fewer images or fewer pixels"
+    )
+    return Response(507, error_json(507, "OutOfMemory", message), JSON_CONTENT_TYPE)
+
+
 def internal_error(stage: str, error: Exception) -> Response:
     """500 (507 for out of memory) naming the stage that failed."""
     if isinstance(error, torch.OutOfMemoryError):
@@ -94,11 +102,15 @@ class _Batch:
 class TextToImageService:
     """Serves batches of text-to-image requests with one loaded pipeline."""
 
-    def __init__(self, engine: TextToImage, policy: RequestPolicy, max_images_per_call: int, metrics: DiffusionMetrics):
+    def __init__(
+        self, engine: TextToImage, policy: RequestPolicy, max_images_per_call: int, metrics: DiffusionMetrics,
+        log_prompts: bool = False,
+    ):
         self.engine = engine
         self.policy = policy
         self.max_images_per_call = max_images_per_call
         self.metrics = metrics
+        self.log_prompts = log_prompts
 
     def handle_batch(self, batch: list[IncomingRequest]) -> list[Response]:
         started = time.perf_counter()
@@ -109,12 +121,16 @@ class TextToImageService:
             try:
                 requests[index] = decode(incoming, self.policy)
             except RequestError as error:
-                logger.info("request %d of %d rejected: %s", index, len(batch), error)
+                rules = ", ".join(f"{item.field} ({item.rule})" for item in error.errors)
+                logger.info("request %d of %d rejected: %s", index, len(batch), rules)
                 self.metrics.request_rejected([item.field for item in error.errors])
                 responses[index] = bad_request(error)
             except Exception as error:  # a bug must cost this request only, not its batchmates
                 logger.exception("request %d of %d could not be decoded", index, len(batch))
                 responses[index] = internal_error("decoding", error)
+        if self.log_prompts:
+            for index, request in requests.items():
+                logger.info("request %d of %d: %s", index, len(batch), request.parameters())
         context = _Batch(started, len(batch), time.perf_counter() - started)
         for call in group_requests(requests, self.max_images_per_call):
             responses.update(self._run_call(call, requests, context))
@@ -129,8 +145,8 @@ class TextToImageService:
             images, timings = self.engine.generate(call.key, inputs)
         except torch.OutOfMemoryError as error:
             if len(call.members) == 1:
-                logger.error("request %d does not fit in memory even alone", call.members[0])
-                return {call.members[0]: internal_error("generation", error)}
+                logger.error("request %d does not fit in memory even alone: %s", call.members[0], error)
+                return {call.members[0]: does_not_fit(requests[call.members[0]])}
             logger.warning("out of memory for requests %s; retrying in two halves", list(call.members))
             self.metrics.out_of_memory_retry()
             _release_cached_memory()

@@ -104,7 +104,8 @@ def run_locust(
         "PYTHONPATH": str(ROOT),
     }
     logger.info("locust: %d users, at most %d requests or %.0f s against %s", users, requests, duration_s, host)
-    subprocess.run(command, env=env, check=True, cwd=ROOT)
+    with open(f"{report_prefix}_locust.log", "w") as log:
+        subprocess.run(command, env=env, check=True, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
     return summarize(Path(f"{report_prefix}_requests.csv"))
 
 

@@ -101,11 +101,12 @@ def _delta(before: dict, after: dict, name: str) -> float:
 
 
 def server_figures(before: dict, after: dict) -> ServerFigures:
+    """Means over one point. (prometheus-client's parser names counter samples ``*_total``.)"""
     requests_served = _delta(before, after, "ts_inference_requests_total") or 1.0
     handled = _delta(before, after, "sd_request_latency_seconds_count") or 1.0
     batches = _delta(before, after, "sd_batch_size_count") or 1.0
     return ServerFigures(
-        mean_queue_s=_delta(before, after, "ts_queue_latency_microseconds") / 1e6 / requests_served,
+        mean_queue_s=_delta(before, after, "ts_queue_latency_microseconds_total") / 1e6 / requests_served,
         mean_handler_s=_delta(before, after, "sd_request_latency_seconds_sum") / handled,
         mean_batch_size=_delta(before, after, "sd_batch_size_sum") / batches,
         images=_delta(before, after, "sd_images_total"),

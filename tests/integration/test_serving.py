@@ -86,13 +86,13 @@ def test_same_seed_same_image_different_seed_different_image(client):
     assert np.abs(first.astype(int) - client.image(prompt="a yellow circle", seed=8).astype(int)).mean() > 5
 
 
-def run_behind_blocker(client, bodies: list[dict]) -> list[requests.Response]:
+def run_behind_blocker(client, bodies: list[dict], blocker_body: dict = BLOCKER) -> list[requests.Response]:
     """Send ``bodies`` concurrently while the worker is busy, so TorchServe batches them."""
     with ThreadPoolExecutor(len(bodies) + 1) as pool:
-        blocker = pool.submit(client.predict, BLOCKER)
+        blocker = pool.submit(client.predict, blocker_body)
         time.sleep(0.5)
         followers = [pool.submit(client.predict, body) for body in bodies]
-        assert blocker.result().status_code == 200
+        assert blocker.result().status_code == 200, blocker.result().text
         return [future.result() for future in followers]
 
 
@@ -127,47 +127,6 @@ def test_mixed_batch_runs_one_call_per_shape(client):
     assert [payload["batch"]["call_images"] for payload in payloads] == [1, 3, 3, 1]
     assert decode_json_images(payloads[0])[0].shape == (64, 128, 3)
     assert len(payloads[2]["images"]) == 2
-
-
-BAD_INPUTS = [
-    (b'{"prompt": "x", "width": 100}', "application/json", "width"),
-    (b'{"prompt": "x", "height": 4096}', "application/json", "height"),
-    (b'{"prompt": "x", "width": 1024, "height": 1032}', "application/json", "height"),
-    (b'{"prompt": ""}', "application/json", "prompt"),
-    (b'{"negative_prompt": "x"}', "application/json", "prompt"),
-    (b'{"prompt": "x", "num_inference_steps": 0}', "application/json", "num_inference_steps"),
-    (b'{"prompt": "x", "num_inference_steps": 1000}', "application/json", "num_inference_steps"),
-    (b'{"prompt": "x", "num_inference_steps": "4"}', "application/json", "num_inference_steps"),
-    (b'{"prompt": "x", "num_inference_steps": true}', "application/json", "num_inference_steps"),
-    (b'{"prompt": "x", "guidance_scale": NaN}', "application/json", "guidance_scale"),
-    (b'{"prompt": "x", "guidance_scale": -Infinity}', "application/json", "guidance_scale"),
-    (b'{"prompt": "x", "seed": -1}', "application/json", "seed"),
-    (b'{"prompt": "x", "num_images_per_prompt": 50}', "application/json", "num_images_per_prompt"),
-    (b'{"prompt": "x", "scheduler": "lms"}', "application/json", "scheduler"),
-    (b'{"prompt": "x", "output_format": "gif"}', "application/json", "output_format"),
-    (b'{"prompt": "x", "response_format": "url"}', "application/json", "response_format"),
-    (b'{"prompt": "x", "steps": 4}', "application/json", "steps"),
-    (b'{"prompt": "x" ' + b"x" * 10, "application/json", "body"),
-    (b"\xff\xfe\xfd", "application/json", "body"),
-    (b"\xff\xfe\xfd", "text/plain", "body"),
-    (b'["a", "list"]', "application/json", "body"),
-    (b'"just a string"', "application/json", "body"),
-    (b"", "application/json", "body"),
-    (b"[" * 5000 + b"]" * 5000, "application/json", "body"),
-    (("{\"prompt\": \"" + "x" * 1001 + "\"}").encode(), "application/json", "prompt"),
-]
-
-
-@pytest.mark.parametrize(("data", "content_type", "field"), BAD_INPUTS, ids=[f"{case[2]}-{index}" for index, case in enumerate(BAD_INPUTS)])
-def test_bad_input_gets_400_naming_the_field_and_the_server_still_serves(client, data, content_type, field):
-    response = client.predict(data=data, content_type=content_type)
-    assert response.status_code == 400, response.text
-    assert response.headers["Content-Type"] == "application/json"
-    payload = response.json()
-    assert payload["code"] == 400 and payload["type"] == "InvalidRequest"
-    assert field in [error["field"] for error in payload["errors"]]
-    assert all(error["rule"] and error["message"] for error in payload["errors"])
-    assert client.predict({"prompt": "still serving", **FAST}).status_code == 200
 
 
 def test_missing_or_wrong_token_is_refused(client, server):

@@ -84,3 +84,17 @@ def test_metrics_yaml_declares_exactly_the_handler_metrics():
     ours = {(item["name"], kind, tuple(item["dimensions"])) for kind, items in declared.items() for item in items if item["name"].startswith("sd_")}
     assert ours == {(spec.name, spec.type, tuple(spec.dimensions)) for spec in METRICS}
     assert PROPERTIES["metrics_config"] == "metrics.yaml"
+
+
+def test_allowed_urls_match_only_archives_in_a_local_model_store():
+    import re
+
+    patterns = PROPERTIES["allowed_urls"].split(",")
+
+    def allowed(url: str) -> bool:
+        return any(re.fullmatch(pattern, url) for pattern in patterns)
+
+    assert allowed("file:///srv/app/model_store/stable-diffusion.mar")
+    for url in ("https://example.com/model_store/x.mar", "file:///etc/passwd", "file:///srv/model_store/../x.mar/y",
+                "s3://bucket/model_store/x.mar"):
+        assert not allowed(url), url

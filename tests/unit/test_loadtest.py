@@ -6,7 +6,7 @@ import json
 import pytest
 from pydantic import ValidationError
 
-from loadtest.config import DEFAULT_CONFIG, SLA, BenchmarkConfig
+from loadtest.config import DEFAULT_CONFIG, ROOT, SLA, BenchmarkConfig
 from loadtest.report import best_point, write_report
 from loadtest.run import LoadResult, summarize
 from loadtest.sweep import PointResult, ServerFigures, server_figures
@@ -14,11 +14,13 @@ from loadtest.sweep import PointResult, ServerFigures, server_figures
 CONFIG = BenchmarkConfig.load(DEFAULT_CONFIG)
 
 
-def test_shipped_config_is_valid_and_sweeps_batching():
-    assert {1, 4} <= set(CONFIG.sweep.batch_size)
-    assert CONFIG.prompts() and all(entry.width % 8 == 0 for entry in CONFIG.request_mix)
-    points = CONFIG.sweep.points()
-    assert len(points) == len(CONFIG.sweep.batch_size) * len(CONFIG.sweep.max_batch_delay_ms) * len(CONFIG.sweep.workers) * len(CONFIG.sweep.concurrency)
+@pytest.mark.parametrize("path", [DEFAULT_CONFIG, ROOT / "loadtest" / "benchmark_uniform.yaml"])
+def test_shipped_configs_are_valid_and_sweep_batching(path):
+    config = BenchmarkConfig.load(path)
+    assert {1, 4} <= set(config.sweep.batch_size)
+    assert config.prompts() and all(entry.width % 8 == 0 for entry in config.request_mix)
+    sweep = config.sweep
+    assert len(sweep.points()) == len(sweep.batch_size) * len(sweep.max_batch_delay_ms) * len(sweep.workers) * len(sweep.concurrency)
 
 
 @pytest.mark.parametrize("change", [{"sla": {"p95_seconds": 0, "max_error_ratio": 0.01}},
@@ -96,7 +98,7 @@ def test_report_says_when_nothing_meets_the_sla(tmp_path):
 
 def test_server_figures_are_deltas():
     def samples(requests, queue_us, latency_sum, latency_count, batch_sum, batch_count, images):
-        return {("ts_inference_requests_total", frozenset()): requests, ("ts_queue_latency_microseconds", frozenset()): queue_us,
+        return {("ts_inference_requests_total", frozenset()): requests, ("ts_queue_latency_microseconds_total", frozenset()): queue_us,
                 ("sd_request_latency_seconds_sum", frozenset()): latency_sum, ("sd_request_latency_seconds_count", frozenset()): latency_count,
                 ("sd_batch_size_sum", frozenset()): batch_sum, ("sd_batch_size_count", frozenset()): batch_count,
                 ("sd_images_total", frozenset()): images}

@@ -78,3 +78,30 @@ def test_compiled_pipeline_gives_the_eager_image():
     (image,), _ = compiled.generate(key, inputs)
     difference = np.abs(np.asarray(image, dtype=int) - np.asarray(eager, dtype=int))
     assert difference.max() <= 1
+
+
+def test_pickle_only_models_are_refused(tmp_path):
+    import shutil
+
+    copy = tmp_path / "model"
+    shutil.copytree(MODEL_DIR, copy)
+    for weights in copy.rglob("*.safetensors"):
+        weights.rename(weights.with_name(weights.name.replace(".safetensors", ".bin")))
+    with pytest.raises(OSError, match="safetensors"):
+        load_text_to_image(HandlerSettings(model_path=str(copy)), "/unused")
+
+
+def test_fault_injection_simulates_out_of_memory_above_its_pixel_budget():
+    engine = load(fault_injection={"out_of_memory_above_pixels": 64 * 64})
+    key = CallKey(64, 64, 1, "ddim", 7.5)
+    images, _ = engine.generate(key, CallInputs(["a"], [""], [1], [0]))
+    assert len(images) == 1
+    with pytest.raises(torch.OutOfMemoryError, match="simulated out of memory: 8192 pixels"):
+        engine.generate(key, CallInputs(["a", "b"], ["", ""], [1, 2], [0, 1]))
+
+
+@pytest.mark.parametrize("scheduler", ["ddim", "euler", "euler_a", "dpmpp_2m", "pndm"])
+def test_every_scheduler_runs_from_one_step_up_in_any_order(engine, scheduler):
+    for steps in (1, 2, 5, 2):
+        images, timings = engine.generate(CallKey(64, 64, steps, scheduler, 7.5), CallInputs(["a"], [""], [1], [0]))
+        assert images[0].size == (64, 64) and len(timings.denoise_steps) >= steps

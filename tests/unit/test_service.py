@@ -144,3 +144,24 @@ def test_metrics_follow_the_batch(service, sink):
     assert len(latencies) == 2 and all(latency > 0 for latency in latencies)
     assert sink.values("sd_request_latency_sla_ratio") == [latency / 2.0 for latency in latencies]
     assert len(sink.values("sd_encode_seconds")) == 2 and sink.values("sd_latency_sla_seconds") == [2.0]
+
+
+def test_prompts_are_logged_only_when_configured(engine, sink, caplog):
+    import logging
+
+    quiet = TextToImageService(engine, RequestPolicy(), 8, DiffusionMetrics(sink, 2.0))
+    chatty = TextToImageService(engine, RequestPolicy(), 8, DiffusionMetrics(sink, 2.0), log_prompts=True)
+    with caplog.at_level(logging.DEBUG, logger="handler.service"):
+        quiet.handle_batch([body(prompt="private words"), body(prompt="rejected words", width=100)])
+    assert "private words" not in caplog.text and "rejected words" not in caplog.text
+    assert "width (multiple_of)" in caplog.text
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="handler.service"):
+        chatty.handle_batch([body(prompt="shared words")])
+    assert "shared words" in caplog.text
+
+
+def test_the_507_message_says_what_does_not_fit(service):
+    (response,) = service.handle_batch([body(prompt="oom", width=128, height=64, num_images_per_prompt=2)])
+    message = json.loads(response.body)["message"]
+    assert response.status == 507 and "2 image(s) of 128x64 even alone" in message

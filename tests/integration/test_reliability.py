@@ -1,0 +1,169 @@
+"""Faults and security on a server of their own (so killing workers or filling its queue does not
+disturb other tests): a killed worker, overload, out of memory, a response timeout, loopback
+binding, allowed_urls, prompts kept out of the logs."""
+
+from __future__ import annotations
+
+import ipaddress
+import os
+import signal
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import psutil
+import pytest
+import requests
+import yaml
+
+from scripts.build_mar import build
+from scripts.server import TorchServe, config_on_free_ports
+from tests.integration.conftest import MODEL_DIR, ROOT, STARTUP_TIMEOUT, Client, value
+from tests.integration.test_serving import run_behind_blocker
+
+RESPONSE_TIMEOUT_S = 8
+JOB_QUEUE_SIZE = 4
+OOM_ABOVE_PIXELS = 3 * 64 * 64  # a call of up to 3 images of 64x64 fits; 4 do not
+FAST = {"num_inference_steps": 4}
+SHORT_BLOCKER = {"prompt": "keep the worker busy", "num_inference_steps": 30, "seed": 0}
+RECOVERY_TIMEOUT_S = 180
+
+
+@pytest.fixture(scope="module")
+def fault_server(tmp_path_factory) -> TorchServe:
+    tmp = tmp_path_factory.mktemp("faults")
+    model_config = yaml.safe_load((ROOT / "model-config.yaml").read_text())
+    model_config["responseTimeout"] = RESPONSE_TIMEOUT_S
+    model_config["handler"]["fault_injection"] = {"out_of_memory_above_pixels": OOM_ABOVE_PIXELS}
+    (tmp / "model-config.yaml").write_text(yaml.safe_dump(model_config))
+    build(MODEL_DIR, tmp / "model-config.yaml", tmp / "model_store")
+    config = config_on_free_ports(ROOT / "config.properties", tmp, job_queue_size=str(JOB_QUEUE_SIZE), enable_model_api="true")
+    server = TorchServe(config, tmp / "model_store", tmp / "work", env={"TMPDIR": str(tmp)})
+    server.start()
+    try:
+        server.wait_ready(STARTUP_TIMEOUT)
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture(scope="module")
+def fault_client(fault_server) -> Client:
+    return Client(fault_server)
+
+
+def group_processes(server: TorchServe) -> list[psutil.Process]:
+    """The frontend and its workers (they share the server's process group)."""
+    group = os.getpgid(server.process.pid)
+    members = []
+    for process in psutil.process_iter(["cmdline"]):
+        try:
+            if os.getpgid(process.pid) == group:
+                members.append(process)
+        except ProcessLookupError:
+            continue
+    return members
+
+
+def workers(server: TorchServe) -> list[psutil.Process]:
+    return [process for process in group_processes(server) if "model_service_worker" in " ".join(process.info["cmdline"] or [])]
+
+
+def wait_until_serving(client: Client) -> float:
+    """Seconds until a valid request succeeds again."""
+    started = time.monotonic()
+    while time.monotonic() - started < RECOVERY_TIMEOUT_S:
+        try:
+            if client.predict({"prompt": "are you back", **FAST}).status_code == 200:
+                return time.monotonic() - started
+        except requests.RequestException:
+            pass
+        time.sleep(1)
+    raise AssertionError(f"the server did not serve again within {RECOVERY_TIMEOUT_S} s")
+
+
+def test_out_of_memory_splits_the_batch_and_only_a_request_too_large_alone_fails(fault_client, fault_server):
+    before = fault_server.metric_samples()
+    bodies = [{"prompt": f"p{index}", "seed": index, "response_format": "json", **FAST} for index in range(4)]
+    responses = run_behind_blocker(fault_client, bodies, SHORT_BLOCKER)
+    assert [response.status_code for response in responses] == [200] * 4
+    assert all(response.json()["batch"]["requests"] == 4 for response in responses)
+    after = fault_server.metric_samples()
+    assert value(after, "sd_oom_retries_total") - value(before, "sd_oom_retries_total") == 1
+    too_large = fault_client.predict({"prompt": "x", "num_images_per_prompt": 4, **FAST})
+    assert too_large.status_code == 507
+    assert "even alone" in too_large.json()["message"] and "4 image(s) of 64x64" in too_large.json()["message"]
+
+
+def test_a_killed_worker_fails_its_request_clearly_and_is_replaced(fault_client, fault_server, record_property):
+    (victim,) = workers(fault_server)
+    with ThreadPoolExecutor(1) as pool:
+        started = time.monotonic()
+        pending = pool.submit(fault_client.predict, {"prompt": "killed", "num_inference_steps": 60})
+        time.sleep(1.0)
+        victim.send_signal(signal.SIGKILL)
+        response = pending.result(timeout=RESPONSE_TIMEOUT_S + 60)
+        answered_after = time.monotonic() - started
+    assert 500 <= response.status_code < 600, response.text
+    recovery = wait_until_serving(fault_client)
+    record_property("killed_worker_answered_after_s", round(answered_after, 2))
+    record_property("killed_worker_recovery_s", round(recovery, 2))
+    print(f"killed worker: request answered {response.status_code} after {answered_after:.1f} s, serving again after {recovery:.1f} s")
+    assert [process.pid for process in workers(fault_server)] != [victim.pid]
+
+
+def test_a_generation_past_the_response_timeout_fails_clearly_and_the_worker_comes_back(fault_client):
+    started = time.monotonic()
+    response = fault_client.predict({"prompt": "too slow", "num_inference_steps": 100, "num_images_per_prompt": 3})
+    elapsed = time.monotonic() - started
+    assert 500 <= response.status_code < 600, response.text
+    assert elapsed < RESPONSE_TIMEOUT_S + 30
+    recovery = wait_until_serving(fault_client)
+    print(f"response timeout: {response.status_code} after {elapsed:.1f} s, serving again after {recovery:.1f} s")
+
+
+def test_overload_gets_fast_503s_and_the_server_serves_normally_afterwards(fault_client):
+    def timed(index: int) -> tuple[int, float]:
+        started = time.monotonic()
+        status = fault_client.predict({"prompt": f"flood {index}", "num_inference_steps": 8}).status_code
+        return status, time.monotonic() - started
+
+    with ThreadPoolExecutor(32) as pool:
+        results = list(pool.map(timed, range(32)))
+    statuses = [status for status, _ in results]
+    assert set(statuses) <= {200, 503}, statuses
+    assert statuses.count(503) >= 1 and statuses.count(200) >= JOB_QUEUE_SIZE
+    assert max(seconds for status, seconds in results if status == 503) < 5
+    assert max(seconds for _, seconds in results) < RESPONSE_TIMEOUT_S * 4
+    assert wait_until_serving(fault_client) < 30
+
+
+def test_every_port_binds_to_loopback(server):
+    listening = [
+        connection.laddr
+        for process in group_processes(server)
+        for connection in process.net_connections(kind="inet")
+        if connection.status == psutil.CONN_LISTEN
+    ]
+    assert len(listening) >= 5  # inference, management, metrics, gRPC inference and management
+    for address in listening:
+        ip = ipaddress.ip_address(address.ip)
+        assert ip.is_loopback or (ip.version == 6 and ip.ipv4_mapped is not None and ip.ipv4_mapped.is_loopback), address
+
+
+@pytest.mark.parametrize("url", ["https://example.com/stable-diffusion.mar", "file:///etc/passwd",
+                                 "http://127.0.0.1:9/stable-diffusion.mar"])
+def test_allowed_urls_restrict_registration_to_the_local_model_store(fault_server, url):
+    response = requests.post(f"{fault_server.addresses.management}/models", params={"url": url},
+                             headers=fault_server.auth(management=True), timeout=30)
+    assert response.status_code == 404, response.text
+    assert "does not match any allowed URL(s)" in response.json()["message"]
+
+
+def test_prompts_stay_out_of_the_logs(client, server):
+    secret, rejected_secret = "zebra-plaid-unique-4711", "okapi-tartan-unique-4712"
+    assert client.predict({"prompt": secret, **FAST}).status_code == 200
+    assert client.predict({"prompt": rejected_secret, "width": 100, **FAST}).status_code == 400
+    time.sleep(1)
+    logs = "".join(path.read_text(errors="replace") for path in (server.workdir / "logs").glob("*.log"))
+    assert "request 0 of 1 rejected: width (multiple_of)" in logs
+    assert secret not in logs and rejected_secret not in logs
