@@ -45,7 +45,7 @@ class Response:
 
 def decode(incoming: IncomingRequest, policy: RequestPolicy) -> GenerationRequest:
     """Validate one request, with a concrete seed. Raises ``RequestError``."""
-    has_body = incoming.body is not None and incoming.body != bytearray() and incoming.body != b""
+    has_body = not (incoming.body is None or isinstance(incoming.body, (bytes, bytearray)) and not incoming.body)
     if incoming.fields and has_body:
         names = ", ".join(sorted(incoming.fields))
         raise RequestError.single(

@@ -50,18 +50,18 @@ class LoadtestSection(_Section):
 
 class SweepPoint(_Section):
     batch_size: int
-    max_batch_delay_ms: int
+    max_batch_delay: int
     workers: int
     concurrency: int
 
     @property
     def label(self) -> str:
-        return f"batch {self.batch_size}, delay {self.max_batch_delay_ms} ms, {self.workers} workers, {self.concurrency} users"
+        return f"batch {self.batch_size}, delay {self.max_batch_delay} ms, {self.workers} workers, {self.concurrency} users"
 
 
 class SweepSection(_Section):
     batch_size: list[int] = Field(min_length=1)
-    max_batch_delay_ms: list[int] = Field(min_length=1)
+    max_batch_delay: list[int] = Field(min_length=1, description="milliseconds")
     workers: list[int] = Field(min_length=1)
     concurrency: list[int] = Field(min_length=1)
     requests_per_point: int = Field(ge=1)
@@ -70,9 +70,9 @@ class SweepSection(_Section):
     def points(self) -> list[SweepPoint]:
         """Every combination, grouped so each registration (batch size, delay) is made once."""
         return [
-            SweepPoint(batch_size=batch, max_batch_delay_ms=delay, workers=workers, concurrency=users)
+            SweepPoint(batch_size=batch, max_batch_delay=delay, workers=workers, concurrency=users)
             for batch, delay, workers, users in itertools.product(
-                self.batch_size, self.max_batch_delay_ms, self.workers, self.concurrency
+                self.batch_size, self.max_batch_delay, self.workers, self.concurrency
             )
         ]
 

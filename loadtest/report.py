@@ -27,7 +27,7 @@ def model_config_snippet(result: PointResult) -> str:
     point = result.point
     return (
         f"batchSize: {point.batch_size}\n"
-        f"maxBatchDelay: {point.max_batch_delay_ms}\n"
+        f"maxBatchDelay: {point.max_batch_delay}\n"
         f"minWorkers: {point.workers}\n"
         f"maxWorkers: {point.workers}\n"
     )
@@ -40,7 +40,7 @@ def markdown_table(results: list[PointResult]) -> str:
     for result in results:
         point, client, server = result.point, result.client, result.server
         lines.append(
-            f"| {point.batch_size} | {point.max_batch_delay_ms} | {point.workers} | {point.concurrency} "
+            f"| {point.batch_size} | {point.max_batch_delay} | {point.workers} | {point.concurrency} "
             f"| {client.images_per_s:.2f} | {client.requests_per_s:.2f} | {client.p50_s:.2f} | {client.p95_s:.2f} "
             f"| {client.p99_s:.2f} | {client.error_ratio:.1%} | {server.mean_queue_s:.2f} | {server.mean_handler_s:.2f} "
             f"| {server.mean_batch_size:.2f} | {'yes' if result.meets_sla else 'no'} |"

@@ -69,24 +69,24 @@ class ModelRegistration:
     def describe(self) -> dict:
         return self._call("GET", f"{self.url}/{self.server.model_name}")[0]
 
-    def register(self, batch_size: int, max_batch_delay_ms: int, workers: int) -> None:
+    def register(self, batch_size: int, max_batch_delay: int, workers: int) -> None:
         self._call("POST", self.url, url=self.archive, model_name=self.server.model_name, batch_size=batch_size,
-                   max_batch_delay=max_batch_delay_ms, initial_workers=workers, synchronous="true")
-        self.verify(batch_size, max_batch_delay_ms, workers)
+                   max_batch_delay=max_batch_delay, initial_workers=workers, synchronous="true")
+        self.verify(batch_size, max_batch_delay, workers)
 
     def scale(self, workers: int) -> None:
         self._call("PUT", f"{self.url}/{self.server.model_name}", min_worker=workers, max_worker=workers,
                    synchronous="true")
 
-    def verify(self, batch_size: int, max_batch_delay_ms: int, workers: int) -> None:
+    def verify(self, batch_size: int, max_batch_delay: int, workers: int) -> None:
         """Fail unless the describe API shows exactly these settings and that many READY workers."""
         described = self.describe()
         ready = [worker for worker in described["workers"] if worker["status"] == "READY"]
         shown = (described["batchSize"], described["maxBatchDelay"], described["minWorkers"], len(ready))
-        if shown != (batch_size, max_batch_delay_ms, workers, workers):
+        if shown != (batch_size, max_batch_delay, workers, workers):
             raise RuntimeError(
                 f"describe shows batchSize/maxBatchDelay/minWorkers/ready workers {shown}, "
-                f"expected {(batch_size, max_batch_delay_ms, workers, workers)}"
+                f"expected {(batch_size, max_batch_delay, workers, workers)}"
             )
 
     def unregister(self) -> None:
@@ -125,7 +125,7 @@ def warm_up(server: TorchServe, config: BenchmarkConfig) -> None:
 def measure(server: TorchServe, config_path: Path, config: BenchmarkConfig, point: SweepPoint, out: Path) -> PointResult:
     warm_up(server, config)
     before = server.metric_samples()
-    slug = f"b{point.batch_size}-d{point.max_batch_delay_ms}-w{point.workers}-c{point.concurrency}"
+    slug = f"b{point.batch_size}-d{point.max_batch_delay}-w{point.workers}-c{point.concurrency}"
     client = run_locust(
         config_path, server.addresses.inference, server.keys.inference, users=point.concurrency,
         spawn_rate=point.concurrency, requests=config.sweep.requests_per_point,
@@ -156,13 +156,13 @@ def run_sweep(config_path: Path, out: Path) -> list[PointResult]:
             registered: tuple[int, int] | None = None
             for point in progress:
                 progress.set_postfix_str(point.label)
-                if registered != (point.batch_size, point.max_batch_delay_ms):
+                if registered != (point.batch_size, point.max_batch_delay):
                     if registered is not None:
                         registration.unregister()
-                    registration.register(point.batch_size, point.max_batch_delay_ms, point.workers)
-                    registered = (point.batch_size, point.max_batch_delay_ms)
+                    registration.register(point.batch_size, point.max_batch_delay, point.workers)
+                    registered = (point.batch_size, point.max_batch_delay)
                 registration.scale(point.workers)
-                registration.verify(point.batch_size, point.max_batch_delay_ms, point.workers)
+                registration.verify(point.batch_size, point.max_batch_delay, point.workers)
                 result = measure(server, config_path, config, point, out)
                 results.append(result)
                 tqdm.write(

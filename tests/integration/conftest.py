@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import base64
 import io
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
@@ -19,13 +21,14 @@ MODEL_DIR = ROOT / "models" / "tiny-sd"
 STARTUP_TIMEOUT = 600
 
 
-@pytest.fixture(scope="session")
-def server(tmp_path_factory) -> TorchServe:
+@contextmanager
+def serving(tmp: Path, model_config: Path = ROOT / "model-config.yaml", **properties: str) -> Iterator[TorchServe]:
+    """The real archive, built from ``model_config``, served on free loopback ports (config.properties
+    plus ``properties``) until the block ends."""
     if not (MODEL_DIR / "model_index.json").is_file():
         pytest.fail(f"{MODEL_DIR} is missing: run `make model` (make test does)")
-    tmp = tmp_path_factory.mktemp("torchserve")
-    build(MODEL_DIR, ROOT / "model-config.yaml", tmp / "model_store")
-    config = config_on_free_ports(ROOT / "config.properties", tmp)
+    build(MODEL_DIR, model_config, tmp / "model_store")
+    config = config_on_free_ports(ROOT / "config.properties", tmp, **properties)
     server = TorchServe(config, tmp / "model_store", tmp / "work", env={"TMPDIR": str(tmp)})
     server.start()
     try:
@@ -33,6 +36,12 @@ def server(tmp_path_factory) -> TorchServe:
         yield server
     finally:
         server.stop()
+
+
+@pytest.fixture(scope="session")
+def server(tmp_path_factory) -> Iterator[TorchServe]:
+    with serving(tmp_path_factory.mktemp("torchserve")) as instance:
+        yield instance
 
 
 class Client:

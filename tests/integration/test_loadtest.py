@@ -41,7 +41,7 @@ def test_an_impossible_sla_fails_the_loadtest_and_says_why(server, tmp_path):
 
 def test_sweep_over_two_points_writes_a_report_naming_the_best(tmp_path):
     config = yaml.safe_load(DEFAULT_CONFIG.read_text())
-    config["sweep"] = {"batch_size": [1, 4], "max_batch_delay_ms": [50], "workers": [1], "concurrency": [4],
+    config["sweep"] = {"batch_size": [1, 4], "max_batch_delay": [50], "workers": [1], "concurrency": [4],
                        "requests_per_point": 8, "duration_s_per_point": 90}
     config["sla"] = {"p95_seconds": 60.0, "max_error_ratio": 0.0}
     config["warmup_requests"] = 2

@@ -8,6 +8,7 @@ import ipaddress
 import os
 import signal
 import time
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 
 import psutil
@@ -15,9 +16,8 @@ import pytest
 import requests
 import yaml
 
-from scripts.build_mar import build
-from scripts.server import TorchServe, config_on_free_ports
-from tests.integration.conftest import MODEL_DIR, ROOT, STARTUP_TIMEOUT, Client, value
+from scripts.server import TorchServe
+from tests.integration.conftest import ROOT, Client, serving, value
 from tests.integration.test_serving import run_behind_blocker
 
 RESPONSE_TIMEOUT_S = 8
@@ -29,21 +29,14 @@ RECOVERY_TIMEOUT_S = 180
 
 
 @pytest.fixture(scope="module")
-def fault_server(tmp_path_factory) -> TorchServe:
+def fault_server(tmp_path_factory) -> Iterator[TorchServe]:
     tmp = tmp_path_factory.mktemp("faults")
     model_config = yaml.safe_load((ROOT / "model-config.yaml").read_text())
     model_config["responseTimeout"] = RESPONSE_TIMEOUT_S
     model_config["handler"]["fault_injection"] = {"out_of_memory_above_pixels": OOM_ABOVE_PIXELS}
     (tmp / "model-config.yaml").write_text(yaml.safe_dump(model_config))
-    build(MODEL_DIR, tmp / "model-config.yaml", tmp / "model_store")
-    config = config_on_free_ports(ROOT / "config.properties", tmp, job_queue_size=str(JOB_QUEUE_SIZE), enable_model_api="true")
-    server = TorchServe(config, tmp / "model_store", tmp / "work", env={"TMPDIR": str(tmp)})
-    server.start()
-    try:
-        server.wait_ready(STARTUP_TIMEOUT)
+    with serving(tmp, tmp / "model-config.yaml", job_queue_size=str(JOB_QUEUE_SIZE), enable_model_api="true") as server:
         yield server
-    finally:
-        server.stop()
 
 
 @pytest.fixture(scope="module")

@@ -20,7 +20,7 @@ def test_shipped_configs_are_valid_and_sweep_batching(path):
     assert {1, 4} <= set(config.sweep.batch_size)
     assert config.prompts() and all(entry.width % 8 == 0 for entry in config.request_mix)
     sweep = config.sweep
-    assert len(sweep.points()) == len(sweep.batch_size) * len(sweep.max_batch_delay_ms) * len(sweep.workers) * len(sweep.concurrency)
+    assert len(sweep.points()) == len(sweep.batch_size) * len(sweep.max_batch_delay) * len(sweep.workers) * len(sweep.concurrency)
 
 
 @pytest.mark.parametrize("change", [{"sla": {"p95_seconds": 0, "max_error_ratio": 0.01}},
