@@ -17,10 +17,9 @@ from ts.torch_handler.base_handler import BaseHandler
 
 from handler.batching import CallKey
 from handler.config import HandlerSettings, WarmupShape
-from handler.metrics import DiffusionMetrics, MetricSink, MetricSpec
-from handler.pipeline import TextToImage, load_text_to_image, native_size
-from handler.request import RequestPolicy
-from handler.service import IncomingRequest, Response, TextToImageService
+from handler.metrics import MetricSink, MetricSpec
+from handler.pipeline import TextToImage
+from handler.service import IncomingRequest, Response, build_service
 
 logger = logging.getLogger(__name__)
 
@@ -71,18 +70,12 @@ class StableDiffusionHandler(BaseHandler):
         properties = context.system_properties
         self.manifest = context.manifest
         settings = HandlerSettings.from_model_yaml(getattr(context, "model_yaml_config", None))
-        engine = load_text_to_image(settings, properties["model_dir"], properties.get("gpu_id"))
-        settings = settings.with_native_size(*native_size(engine.pipeline))
+        sink = torchserve_metric_sink(context.metrics, context.model_name)
+        self.service, settings = build_service(settings, properties["model_dir"], sink, properties.get("gpu_id"))
+        engine = self.service.engine
         loaded = time.perf_counter()
         warmup_seconds = self._warm_up(engine, settings)
-        metrics = DiffusionMetrics(
-            torchserve_metric_sink(context.metrics, context.model_name), settings.metrics.latency_sla_seconds
-        )
-        self.service = TextToImageService(
-            engine, RequestPolicy(settings.limits, settings.defaults), settings.max_images_per_call, metrics,
-            settings.log_prompts,
-        )
-        metrics.worker_ready(time.perf_counter() - started)
+        self.service.metrics.worker_ready(time.perf_counter() - started)
         self.initialized = True
         logger.info(
             "stable-diffusion worker ready: %s defaults=%s limits=%s load_s=%.2f warmup_s=%.2f",

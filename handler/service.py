@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -16,8 +17,9 @@ from PIL.Image import Image
 
 from handler.batching import CallInputs, PipelineCall, group_requests
 from handler.encode import CONTENT_TYPES, JSON_CONTENT_TYPE, encode_image, error_json, images_json
-from handler.metrics import DiffusionMetrics
-from handler.pipeline import TextToImage
+from handler.config import HandlerSettings
+from handler.metrics import DiffusionMetrics, MetricSink
+from handler.pipeline import TextToImage, load_text_to_image, native_size
 from handler.request import GenerationRequest, RequestError, RequestPolicy, decode_body, decode_form
 
 logger = logging.getLogger(__name__)
@@ -182,6 +184,23 @@ class TextToImageService:
         finished = time.perf_counter()
         self.metrics.request_completed(finished - batch.started, finished - encode_started)
         return response
+
+
+def build_service(
+    settings: HandlerSettings, model_dir: str | Path, sink: MetricSink, gpu_id: int | None = None
+) -> tuple[TextToImageService, HandlerSettings]:
+    """Load the pipeline and build the service exactly as a worker does (the handler and the
+    benchmarks share this); return it with the settings resolved to the model's native size."""
+    engine = load_text_to_image(settings, model_dir, gpu_id)
+    settings = settings.with_native_size(*native_size(engine.pipeline))
+    service = TextToImageService(
+        engine,
+        RequestPolicy(settings.limits, settings.defaults),
+        settings.max_images_per_call,
+        DiffusionMetrics(sink, settings.metrics.latency_sla_seconds),
+        settings.log_prompts,
+    )
+    return service, settings
 
 
 def _release_cached_memory() -> None:

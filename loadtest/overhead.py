@@ -20,10 +20,7 @@ import requests
 import yaml
 
 from handler.config import HandlerSettings
-from handler.metrics import DiffusionMetrics
-from handler.pipeline import load_text_to_image, native_size
-from handler.request import RequestPolicy
-from handler.service import IncomingRequest, TextToImageService
+from handler.service import IncomingRequest, build_service
 from loadtest.sweep import ModelRegistration
 from scripts.build_mar import build
 from scripts.server import ROOT, TorchServe, config_on_free_ports
@@ -50,10 +47,7 @@ def in_process(repeats: int) -> float:
     """The worker's own code path without TorchServe: service.handle_batch on one request."""
     model_config = yaml.safe_load((ROOT / "model-config.yaml").read_text())
     settings = HandlerSettings.from_model_yaml(model_config).model_copy(update={"model_path": str(MODEL_DIR)})
-    engine = load_text_to_image(settings, ROOT)
-    settings = settings.with_native_size(*native_size(engine.pipeline))
-    service = TextToImageService(engine, RequestPolicy(settings.limits, settings.defaults), settings.max_images_per_call,
-                                 DiffusionMetrics(lambda spec, value, labels: None, settings.metrics.latency_sla_seconds))
+    service, _ = build_service(settings, ROOT, lambda spec, value, labels: None)
 
     def once() -> None:
         (response,) = service.handle_batch([IncomingRequest(dict(REQUEST), "application/json")])

@@ -31,8 +31,8 @@ ROOT = Path(__file__).resolve().parent.parent
 MODEL_NAME = "stable-diffusion"
 STOP_GRACE_SECONDS = 60
 PATH_PROPERTIES = ("metrics_config", "model_store")
-PID_FILE = "server.pid"
-LOAD_FAILED = "Load model failed"  # logged by the frontend each time a worker dies while loading  # `make stop` sends SIGTERM to the process named here
+PID_FILE = "server.pid"  # `make stop` sends SIGTERM to the process named here
+LOAD_FAILED = "Load model failed"  # logged by the frontend each time a worker dies while loading
 
 
 def read_properties(path: Path) -> dict[str, str]:
@@ -46,6 +46,20 @@ def read_properties(path: Path) -> dict[str, str]:
     return properties
 
 
+def write_properties(path: Path, properties: dict[str, str]) -> Path:
+    path.write_text("".join(f"{key}={value}\n" for key, value in properties.items()))
+    return path
+
+
+def with_absolute_paths(properties: dict[str, str], base: Path) -> dict[str, str]:
+    """``properties`` with relative file paths (PATH_PROPERTIES) taken relative to ``base``."""
+    resolved = dict(properties)
+    for key in PATH_PROPERTIES:
+        if key in resolved and not Path(resolved[key]).is_absolute():
+            resolved[key] = str((base / resolved[key]).resolve())
+    return resolved
+
+
 def free_port() -> int:
     """A TCP port on loopback that is free right now."""
     with socket.socket() as sock:
@@ -55,8 +69,8 @@ def free_port() -> int:
 
 def config_on_free_ports(config: Path, directory: Path, **overrides: str) -> Path:
     """A copy of ``config`` in ``directory`` with every port on a free loopback port (so a second
-    server does not disturb a running one) and ``metrics_config`` made absolute."""
-    properties = read_properties(config)
+    server does not disturb a running one) and its file paths made absolute."""
+    properties = with_absolute_paths(read_properties(config), config.parent)
     properties.update(
         inference_address=f"http://127.0.0.1:{free_port()}",
         management_address=f"http://127.0.0.1:{free_port()}",
@@ -64,12 +78,9 @@ def config_on_free_ports(config: Path, directory: Path, **overrides: str) -> Pat
         grpc_inference_port=str(free_port()),
         grpc_management_port=str(free_port()),
         initial_worker_port=str(free_port()),
-        metrics_config=str((config.parent / properties.get("metrics_config", "metrics.yaml")).resolve()),
         **overrides,
     )
-    path = directory / "config.properties"
-    path.write_text("".join(f"{key}={value}\n" for key, value in properties.items()))
-    return path
+    return write_properties(directory / "config.properties", properties)
 
 
 @dataclass(frozen=True)
@@ -129,13 +140,8 @@ class TorchServe:
     def _effective_config(self) -> Path:
         """config.properties with file paths made absolute (relative ones are relative to the
         config file, not to TorchServe's working directory), written into the working directory."""
-        properties = read_properties(self.config)
-        for key in PATH_PROPERTIES:
-            if key in properties and not Path(properties[key]).is_absolute():
-                properties[key] = str((self.config.parent / properties[key]).resolve())
-        path = self.workdir / "config.properties"
-        path.write_text("".join(f"{key}={value}\n" for key, value in properties.items()))
-        return path
+        properties = with_absolute_paths(read_properties(self.config), self.config.parent)
+        return write_properties(self.workdir / "config.properties", properties)
 
     def start(self, load_model: bool = True) -> None:
         """Launch ``torchserve --foreground`` with key_file.json and logs in the working directory;
