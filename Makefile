@@ -3,23 +3,29 @@ SHELL := /bin/bash
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
-DEFAULT_MODEL_DIR := models/tiny-sd
+# The default model is trained here (make train-default-model) and committed; the random-weight
+# model of the same architecture (make model) serves tests that need no image quality.
+DEFAULT_MODEL_DIR := models/shapes-sd
+RANDOM_MODEL_DIR := models/tiny-sd
 MODEL_DIR ?= $(DEFAULT_MODEL_DIR)
 ARCHIVE_FORMAT ?= auto
 PYTEST_ARGS ?=
 
-.PHONY: help venv system-deps model mar serve stop test unit-test integration-test dashboard dashboard-png loadtest sweep bench-overhead clean
+.PHONY: help venv system-deps model train-default-model model-grid prometheus-rule mar serve stop test unit-test integration-test dashboard dashboard-png loadtest sweep bench-overhead clean
 
 help:
 	@echo "make serve   set up, build the archive and serve it on 127.0.0.1:8080 (MODEL_DIR=/path for a real model)"
 	@echo "make test    set up and run the whole test suite"
 	@echo "make stop    stop a server started by make serve elsewhere"
 	@echo "make mar     build model_store/stable-diffusion.mar (or a directory for large models)"
-	@echo "make model   generate the default tiny model into $(DEFAULT_MODEL_DIR)"
+	@echo "make model   generate the random-weight tiny model into $(RANDOM_MODEL_DIR) (for tests)"
+	@echo "make train-default-model  retrain the default model into $(DEFAULT_MODEL_DIR) (about 26 min on 2 CPU cores)"
+	@echo "make model-grid     prompt x seed grid of the default model through TorchServe: docs/img/default-model-grid.png"
 	@echo "make loadtest       locust against the running server (make serve), judged against the SLA in benchmark_config.yaml"
 	@echo "make sweep          batch size / delay / workers / concurrency sweep on its own server; report in reports/"
 	@echo "make bench-overhead serving overhead: TorchServe end to end vs the pipeline in-process"
 	@echo "make dashboard      rebuild docker/grafana/dashboards/stable-diffusion.json"
+	@echo "make prometheus-rule  rebuild deploy/k8s/prometheusrule.yaml from docker/prometheus/rules/"
 	@echo "make dashboard-png  load a fresh server, render the dashboard panels from Prometheus to docs/img/dashboard.png"
 
 venv: $(VENV)/.installed
@@ -32,22 +38,31 @@ $(VENV)/.installed: requirements.txt
 	$(PY) -m pip install --quiet -r requirements.txt
 	touch $@
 
-# Prometheus and promtool (Debian package) for the observability tests.
+# Debian packages for the tests: prometheus and promtool (observability), kubectl for its built-in
+# kustomize (deployment manifests).
 system-deps:
-	@command -v prometheus >/dev/null && command -v promtool >/dev/null || \
-	  { apt-get update && DEBIAN_FRONTEND=noninteractive apt-get install -y prometheus; }
+	@command -v prometheus >/dev/null && command -v promtool >/dev/null && command -v kubectl >/dev/null || \
+	  { apt-get update && DEBIAN_FRONTEND=noninteractive apt-get install -y \
+	      $$(command -v promtool >/dev/null || echo prometheus) $$(command -v kubectl >/dev/null || echo kubernetes-client); }
 
-model: $(DEFAULT_MODEL_DIR)/model_index.json
+model: $(RANDOM_MODEL_DIR)/model_index.json
 
-$(DEFAULT_MODEL_DIR)/model_index.json: scripts/make_tiny_model.py | $(VENV)/.installed
-	$(PY) -m scripts.make_tiny_model $(DEFAULT_MODEL_DIR)
+$(RANDOM_MODEL_DIR)/model_index.json: scripts/make_tiny_model.py | $(VENV)/.installed
+	$(PY) -m scripts.make_tiny_model $(RANDOM_MODEL_DIR)
+
+train-default-model: venv
+	$(PY) -m scripts.train_default_model $(DEFAULT_MODEL_DIR)
+
+model-grid: venv
+	$(PY) -m scripts.render_model_grid --output docs/img/default-model-grid.png
 
 # build_mar.py skips the work when handler, config and weights are unchanged.
-mar: venv $(if $(filter $(DEFAULT_MODEL_DIR),$(MODEL_DIR)),model)
+mar: venv
 	$(PY) -m scripts.build_mar --model-dir "$(MODEL_DIR)" --archive-format $(ARCHIVE_FORMAT)
 
-serve: mar
-	$(PY) -m scripts.server
+# The container runs the same script (docker/Dockerfile).
+serve: venv
+	PYTHON=$(PY) MODEL_DIR="$(MODEL_DIR)" ARCHIVE_FORMAT=$(ARCHIVE_FORMAT) scripts/start.sh
 
 stop:
 	@if [ -f runtime/server.pid ]; then kill -TERM "$$(cat runtime/server.pid)" && echo "stop requested"; \
@@ -65,16 +80,19 @@ integration-test: venv model system-deps
 loadtest: venv
 	$(PY) -m loadtest.run $(LOADTEST_ARGS)
 
-sweep: venv model
+sweep: venv
 	$(PY) -m loadtest.sweep $(SWEEP_ARGS)
 
-bench-overhead: venv model
+bench-overhead: venv
 	$(PY) -m loadtest.overhead
+
+prometheus-rule: venv
+	$(PY) -m scripts.build_prometheus_rule
 
 dashboard: venv
 	$(PY) -m scripts.build_dashboard
 
-dashboard-png: venv model system-deps
+dashboard-png: venv system-deps
 	$(PY) -m scripts.render_dashboard --duration 120 --output docs/img/dashboard.png
 
 clean:

@@ -18,7 +18,7 @@ class _Section(BaseModel):
 
 class ModelSection(_Section):
     name: str = "stable-diffusion"
-    model_dir: Path = Path("models/tiny-sd")
+    model_dir: Path = Path("models/shapes-sd")
 
 
 class SLA(_Section):

@@ -22,12 +22,11 @@ import yaml
 from handler.config import HandlerSettings
 from handler.service import IncomingRequest, build_service
 from loadtest.sweep import ModelRegistration
-from scripts.build_mar import build
+from scripts.build_mar import DEFAULT_MODEL_DIR, build
 from scripts.server import ROOT, TorchServe, config_on_free_ports
 
 logger = logging.getLogger("overhead")
 
-MODEL_DIR = ROOT / "models" / "tiny-sd"
 REQUEST = {"prompt": "a red circle", "width": 64, "height": 64, "num_inference_steps": 4, "seed": 7}
 WARMUP = 3
 
@@ -46,7 +45,7 @@ def median_seconds(action, repeats: int) -> float:
 def in_process(repeats: int) -> float:
     """The worker's own code path without TorchServe: service.handle_batch on one request."""
     model_config = yaml.safe_load((ROOT / "model-config.yaml").read_text())
-    settings = HandlerSettings.from_model_yaml(model_config).model_copy(update={"model_path": str(MODEL_DIR)})
+    settings = HandlerSettings.from_model_yaml(model_config).model_copy(update={"model_path": str(DEFAULT_MODEL_DIR)})
     service, _ = build_service(settings, ROOT, lambda spec, value, labels: None)
 
     def once() -> None:
@@ -75,7 +74,7 @@ def main() -> None:
     results = {"request": REQUEST, "repeats": args.repeats}
     with tempfile.TemporaryDirectory(prefix="overhead-") as tmp:
         workdir = Path(tmp)
-        archive = build(MODEL_DIR, ROOT / "model-config.yaml", workdir / "model_store")
+        archive = build(DEFAULT_MODEL_DIR, ROOT / "model-config.yaml", workdir / "model_store")
         config = config_on_free_ports(ROOT / "config.properties", workdir, enable_model_api="true")
         server = TorchServe(config, workdir / "model_store", workdir / "server", env={"TMPDIR": tmp})
         server.start(load_model=False)

@@ -22,6 +22,10 @@ logger = logging.getLogger("build_mar")
 ROOT = Path(__file__).resolve().parent.parent
 HANDLER_PACKAGE = ROOT / "handler"
 MODEL_NAME = "stable-diffusion"
+# The default model: trained on shapes and colours (make train-default-model), committed.
+DEFAULT_MODEL_DIR = ROOT / "models" / "shapes-sd"
+# The same architecture with random weights (make model), for tests that need no image quality.
+RANDOM_MODEL_DIR = ROOT / "models" / "tiny-sd"
 PICKLE_SUFFIXES = {".bin", ".ckpt", ".pt", ".pth", ".pkl", ".pickle"}
 NO_ARCHIVE_ABOVE_BYTES = 1 << 30
 

@@ -1,8 +1,10 @@
-"""Generate the default model: a tiny Stable Diffusion 1.x pipeline with random weights.
+"""Generate a tiny Stable Diffusion 1.x pipeline with random weights (the untrained default model).
 
 Real architecture (CLIP tokenizer + text encoder, UNet2DConditionModel with cross-attention,
-AutoencoderKL, DDIM scheduler), small sizes, fixed seed, no downloads. Saved in diffusers
-format with safetensors weights.
+AutoencoderKL, DDIM scheduler), small sizes: 64x64 images, a VAE that downsamples 8x (as Stable
+Diffusion's does) to 8x8 latents. Fixed seed, no downloads, saved in diffusers format with
+safetensors weights. Tests that need no image quality use it; ``train_default_model`` starts
+from it.
 """
 
 from __future__ import annotations
@@ -46,7 +48,7 @@ def build_pipeline(seed: int) -> StableDiffusionPipeline:
         )
     )
     unet = UNet2DConditionModel(
-        sample_size=32,
+        sample_size=8,
         in_channels=4,
         out_channels=4,
         block_out_channels=(32, 64),
@@ -60,11 +62,11 @@ def build_pipeline(seed: int) -> StableDiffusionPipeline:
     vae = AutoencoderKL(
         in_channels=3,
         out_channels=3,
-        block_out_channels=(32, 64),
-        down_block_types=("DownEncoderBlock2D", "DownEncoderBlock2D"),
-        up_block_types=("UpDecoderBlock2D", "UpDecoderBlock2D"),
+        block_out_channels=(16, 32, 64, 64),
+        down_block_types=("DownEncoderBlock2D",) * 4,
+        up_block_types=("UpDecoderBlock2D",) * 4,
         latent_channels=4,
-        norm_num_groups=32,
+        norm_num_groups=16,
         sample_size=64,
     )
     scheduler = DDIMScheduler(

@@ -20,13 +20,12 @@ import matplotlib.pyplot as plt
 import requests
 
 from scripts.build_dashboard import GPU_ONLY, OUTPUT as DASHBOARD
-from scripts.build_mar import build
+from scripts.build_mar import DEFAULT_MODEL_DIR, build
 from scripts.prometheus import Prometheus
 from scripts.server import ROOT, TorchServe, config_on_free_ports, free_port
 
 logger = logging.getLogger("render_dashboard")
 
-MODEL_DIR = ROOT / "models" / "tiny-sd"
 # A mix like the one users send: sizes, steps, image counts; every 20th request is invalid.
 SIZES = [64, 64, 64, 128]
 STEPS = [4, 8, 12, 20]
@@ -107,7 +106,7 @@ def main() -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
     with tempfile.TemporaryDirectory(prefix="render-dashboard-") as tmp:
         workdir = Path(tmp)
-        build(MODEL_DIR, ROOT / "model-config.yaml", workdir / "model_store")
+        build(DEFAULT_MODEL_DIR, ROOT / "model-config.yaml", workdir / "model_store")
         config = config_on_free_ports(ROOT / "config.properties", workdir, metric_time_interval="10")
         with TorchServe(config, workdir / "model_store", workdir / "server", env={"TMPDIR": tmp}) as server:
             server.wait_ready()

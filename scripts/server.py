@@ -31,6 +31,8 @@ ROOT = Path(__file__).resolve().parent.parent
 MODEL_NAME = "stable-diffusion"
 STOP_GRACE_SECONDS = 60
 PATH_PROPERTIES = ("metrics_config", "model_store")
+KEY_FILE = "key_file.json"  # written by TorchServe into its working directory
+EFFECTIVE_CONFIG = "config.properties"  # in the working directory, beside the key file
 PID_FILE = "server.pid"  # `make stop` sends SIGTERM to the process named here
 LOAD_FAILED = "Load model failed"  # logged by the frontend each time a worker dies while loading
 
@@ -83,6 +85,32 @@ def config_on_free_ports(config: Path, directory: Path, **overrides: str) -> Pat
     return write_properties(directory / "config.properties", properties)
 
 
+# TorchServe's listeners and their defaults.
+DEFAULT_ADDRESSES = {
+    "inference_address": "http://127.0.0.1:8080",
+    "management_address": "http://127.0.0.1:8081",
+    "metrics_address": "http://127.0.0.1:8082",
+}
+GRPC_ADDRESS_PROPERTIES = ("grpc_inference_address", "grpc_management_address")
+ALL_INTERFACES = "0.0.0.0"
+
+
+def bound_to(properties: dict[str, str], host: str) -> dict[str, str]:
+    """``properties`` with the HTTP and gRPC listeners on ``host``, ports kept."""
+    bound = dict(properties)
+    for key, default in DEFAULT_ADDRESSES.items():
+        parsed = urlparse(properties.get(key, default))
+        bound[key] = f"{parsed.scheme}://{host}:{parsed.port}"
+    bound.update({key: host for key in GRPC_ADDRESS_PROPERTIES})
+    return bound
+
+
+def reachable(properties: dict[str, str]) -> dict[str, str]:
+    """``properties`` as a local client reaches them: a server on all interfaces via loopback."""
+    hosts = {urlparse(properties.get(key, default)).hostname for key, default in DEFAULT_ADDRESSES.items()}
+    return bound_to(properties, "127.0.0.1") if ALL_INTERFACES in hosts else properties
+
+
 @dataclass(frozen=True)
 class Addresses:
     inference: str
@@ -91,11 +119,8 @@ class Addresses:
 
     @classmethod
     def from_properties(cls, properties: dict[str, str]) -> Addresses:
-        return cls(
-            inference=properties.get("inference_address", "http://127.0.0.1:8080"),
-            management=properties.get("management_address", "http://127.0.0.1:8081"),
-            metrics=properties.get("metrics_address", "http://127.0.0.1:8082"),
-        )
+        inference, management, metrics = (properties.get(key, default) for key, default in DEFAULT_ADDRESSES.items())
+        return cls(inference=inference, management=management, metrics=metrics)
 
 
 @dataclass(frozen=True)
@@ -122,12 +147,15 @@ class TorchServe:
     """One TorchServe frontend (and its workers) in its own process group and working directory."""
 
     def __init__(self, config: Path, model_store: Path, workdir: Path, model_name: str = MODEL_NAME,
-                 env: dict[str, str] | None = None):
+                 env: dict[str, str] | None = None, bind: str | None = None):
         self.config = config.resolve()
         self.model_store = model_store.resolve()
         self.workdir = workdir.resolve()
         self.model_name = model_name
-        self.addresses = Addresses.from_properties(read_properties(self.config))
+        self.bind = bind
+        properties = self._properties()
+        self.addresses = Addresses.from_properties(reachable(properties))
+        self.token_authorization = properties.get("disable_token_authorization", "false").lower() != "true"
         self.env = {**os.environ, **(env or {})}
         self.process: subprocess.Popen | None = None
         self.keys: Keys | None = None
@@ -137,17 +165,22 @@ class TorchServe:
     def console_log(self) -> Path:
         return self.workdir / "logs" / "console.log"
 
-    def _effective_config(self) -> Path:
+    def _properties(self) -> dict[str, str]:
         """config.properties with file paths made absolute (relative ones are relative to the
-        config file, not to TorchServe's working directory), written into the working directory."""
+        config file, not to TorchServe's working directory), listening on ``bind`` if given."""
         properties = with_absolute_paths(read_properties(self.config), self.config.parent)
-        return write_properties(self.workdir / "config.properties", properties)
+        return bound_to(properties, self.bind) if self.bind else properties
+
+    def _effective_config(self) -> Path:
+        """The configuration TorchServe runs with, written into the working directory (the
+        health check reads it there)."""
+        return write_properties(self.workdir / EFFECTIVE_CONFIG, self._properties())
 
     def start(self, load_model: bool = True) -> None:
         """Launch ``torchserve --foreground`` with key_file.json and logs in the working directory;
         with ``load_model`` the model archive is loaded at start."""
         (self.workdir / "logs").mkdir(parents=True, exist_ok=True)
-        (self.workdir / "key_file.json").unlink(missing_ok=True)
+        (self.workdir / KEY_FILE).unlink(missing_ok=True)
         command = [
             str(Path(sys.executable).parent / "torchserve"), "--start", "--foreground", "--ncs",
             "--ts-config", str(self._effective_config()),
@@ -177,18 +210,19 @@ class TorchServe:
             worker_lines = [line.split(" - ", 1)[-1] for line in log.splitlines() if "MODEL_LOG" in line]
             raise RuntimeError(f"a worker failed to load {self.model_name}:\n" + "\n".join(worker_lines[-40:]))
 
-    def wait_started(self, timeout: float = 300.0) -> Keys:
-        """Wait until key_file.json is written and the management API answers; return the keys."""
+    def wait_started(self, timeout: float = 300.0) -> Keys | None:
+        """Wait until key_file.json is written (with token authorization) and the management API
+        answers; return the keys."""
         deadline = time.monotonic() + timeout
-        key_file = self.workdir / "key_file.json"
+        key_file = self.workdir / KEY_FILE
         while time.monotonic() < deadline:
             self._check_alive()
-            if self.keys is None and key_file.is_file():
+            if self.token_authorization and self.keys is None and key_file.is_file():
                 try:
                     self.keys = Keys.from_key_file(key_file)
                 except (json.JSONDecodeError, KeyError):
                     pass  # still being written
-            if self.keys is not None:
+            if self.keys is not None or not self.token_authorization:
                 try:
                     requests.get(f"{self.addresses.management}/models", headers=self.auth(management=True), timeout=5)
                     return self.keys
@@ -197,7 +231,7 @@ class TorchServe:
             time.sleep(0.5)
         raise TimeoutError(f"TorchServe did not start within {timeout:.0f} s; see {self.console_log}")
 
-    def wait_ready(self, timeout: float = 900.0, progress=None) -> Keys:
+    def wait_ready(self, timeout: float = 900.0, progress=None) -> Keys | None:
         """Wait for a READY worker of the model; return the keys."""
         deadline = time.monotonic() + timeout
         self.wait_started(timeout)
@@ -235,6 +269,9 @@ class TorchServe:
         return [worker["status"] for model in response.json() for worker in model.get("workers", [])]
 
     def auth(self, management: bool = False) -> dict[str, str]:
+        """The Authorization header for the inference (or management) API; none without token authorization."""
+        if not self.token_authorization:
+            return {}
         if self.keys is None:
             raise RuntimeError("keys are known once the server has started")
         return {"Authorization": f"Bearer {self.keys.management if management else self.keys.inference}"}
@@ -278,11 +315,12 @@ def _wait_group_gone(pgid: int, timeout: float) -> None:
 
 def example_curl(server: TorchServe) -> str:
     """A ready-to-paste request that saves a PNG."""
-    body = json.dumps({"prompt": "a red circle on a white background", "seed": 42})
+    body = json.dumps({"prompt": "a red circle", "seed": 42})
+    headers = [f"{name}: {value}" for name, value in server.auth().items()] + ["Content-Type: application/json"]
     return (
         f"curl -sS -o image.png -X POST {server.addresses.inference}/predictions/{server.model_name} "
-        f"-H 'Authorization: Bearer {server.keys.inference}' -H 'Content-Type: application/json' "
-        f"-d {shlex.quote(body)}"
+        + " ".join(f"-H {shlex.quote(header)}" for header in headers)
+        + f" -d {shlex.quote(body)}"
     )
 
 
@@ -292,10 +330,11 @@ def main() -> None:
     parser.add_argument("--model-store", type=Path, default=ROOT / "model_store")
     parser.add_argument("--workdir", type=Path, default=ROOT / "runtime", help="key_file.json and logs/ go here")
     parser.add_argument("--timeout", type=float, default=900.0, help="seconds to wait for a ready worker")
+    parser.add_argument("--bind", help="listen on this host instead of the config's (0.0.0.0 in a container)")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
 
-    server = TorchServe(args.config, args.model_store, args.workdir)
+    server = TorchServe(args.config, args.model_store, args.workdir, bind=args.bind)
     stop_requested = False
 
     def request_stop(signum, frame):
@@ -304,6 +343,7 @@ def main() -> None:
         raise KeyboardInterrupt
 
     signal.signal(signal.SIGTERM, request_stop)
+    signal.signal(signal.SIGINT, request_stop)  # also when started with SIGINT ignored (a background job)
     pid_file = args.workdir / PID_FILE
     try:
         args.workdir.mkdir(parents=True, exist_ok=True)
@@ -320,9 +360,10 @@ def main() -> None:
 
         server.wait_ready(args.timeout, progress)
         parsed = urlparse(server.addresses.inference)
+        keys = f"Keys: {server.workdir / KEY_FILE}" if server.token_authorization else "Token authorization is off."
         print(
             f"\nstable-diffusion is ready on {parsed.netloc} (management {server.addresses.management}, "
-            f"metrics {server.addresses.metrics}/metrics).\nKeys: {server.workdir / 'key_file.json'}\n"
+            f"metrics {server.addresses.metrics}/metrics).\n{keys}\n"
             f"Try:\n\n  {example_curl(server)}\n\nCtrl-C stops the server.\n",
             flush=True,
         )

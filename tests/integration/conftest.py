@@ -1,4 +1,4 @@
-"""A real TorchServe on loopback serving the real archive, built from the default tiny model."""
+"""A real TorchServe on loopback serving the real archive, built from the default (trained) model."""
 
 from __future__ import annotations
 
@@ -13,11 +13,11 @@ import pytest
 import requests
 from PIL import Image
 
-from scripts.build_mar import build
+from scripts.build_mar import DEFAULT_MODEL_DIR, build
 from scripts.server import TorchServe, config_on_free_ports
 
 ROOT = Path(__file__).resolve().parents[2]
-MODEL_DIR = ROOT / "models" / "tiny-sd"
+MODEL_DIR = DEFAULT_MODEL_DIR
 STARTUP_TIMEOUT = 600
 
 
@@ -26,7 +26,7 @@ def serving(tmp: Path, model_config: Path = ROOT / "model-config.yaml", **proper
     """The real archive, built from ``model_config``, served on free loopback ports (config.properties
     plus ``properties``) until the block ends."""
     if not (MODEL_DIR / "model_index.json").is_file():
-        pytest.fail(f"{MODEL_DIR} is missing: run `make model` (make test does)")
+        pytest.fail(f"{MODEL_DIR} is missing: it is committed; `make train-default-model` rebuilds it")
     build(MODEL_DIR, model_config, tmp / "model_store")
     config = config_on_free_ports(ROOT / "config.properties", tmp, **properties)
     server = TorchServe(config, tmp / "model_store", tmp / "work", env={"TMPDIR": str(tmp)})

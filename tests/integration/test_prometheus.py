@@ -13,7 +13,7 @@ import yaml
 
 from scripts.build_dashboard import GPU_ONLY, OUTPUT
 from scripts.prometheus import RULE_FILES, Prometheus
-from scripts.server import free_port
+from scripts.server import ROOT, free_port
 from tests.integration.test_serving import run_behind_blocker
 
 MODEL = "stable-diffusion"
@@ -105,3 +105,19 @@ def test_latency_quantiles_are_consistent(prometheus):
     assert 0 < p50 <= p95 <= p99
     assert scalar(f"model_name:sd_latency_sla_seconds:max{selector}") == 10
     assert scalar(f"model_name:sd_batch_size:mean5m{selector}") >= 1
+
+
+def test_autoscaler_metric_query_reads_queueing_per_instance(prometheus):
+    """The prometheus-adapter rule behind the HPA (deploy/k8s/prometheus-adapter/values.yaml), its
+    template filled in as the adapter does (here the per-instance label is hostname, in a cluster
+    it is pod): one series per instance, above zero after requests queued behind a busy worker."""
+    values = yaml.safe_load((ROOT / "deploy" / "k8s" / "prometheus-adapter" / "values.yaml").read_text())
+    [rule] = values["rules"]["custom"]
+    series = rule["seriesQuery"].split("{")[0]
+    query = (
+        rule["metricsQuery"].replace("<<.Series>>", series)
+        .replace("<<.LabelMatchers>>", f'model_name="{MODEL}"').replace("<<.GroupBy>>", "hostname")
+    )
+    [result] = prometheus.query(query)
+    assert set(result["metric"]) == {"hostname"}
+    assert float(result["value"][1]) > 0, f"{query} read no queueing"

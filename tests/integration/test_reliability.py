@@ -26,6 +26,9 @@ OOM_ABOVE_PIXELS = 3 * 64 * 64  # a call of up to 3 images of 64x64 fits; 4 do n
 FAST = {"num_inference_steps": 4}
 SHORT_BLOCKER = {"prompt": "keep the worker busy", "num_inference_steps": 30, "seed": 0}
 RECOVERY_TIMEOUT_S = 180
+# Far past RESPONSE_TIMEOUT_S (about 20 s of work here) without tripping the OOM injection; the
+# fault server allows this many steps.
+TOO_SLOW = {"prompt": "too slow", "num_inference_steps": 600, "num_images_per_prompt": 3}
 
 
 @pytest.fixture(scope="module")
@@ -34,6 +37,7 @@ def fault_server(tmp_path_factory) -> Iterator[TorchServe]:
     model_config = yaml.safe_load((ROOT / "model-config.yaml").read_text())
     model_config["responseTimeout"] = RESPONSE_TIMEOUT_S
     model_config["handler"]["fault_injection"] = {"out_of_memory_above_pixels": OOM_ABOVE_PIXELS}
+    model_config["handler"]["limits"]["max_inference_steps"] = TOO_SLOW["num_inference_steps"]
     (tmp / "model-config.yaml").write_text(yaml.safe_dump(model_config))
     with serving(tmp, tmp / "model-config.yaml", job_queue_size=str(JOB_QUEUE_SIZE), enable_model_api="true") as server:
         yield server
@@ -106,7 +110,7 @@ def test_a_killed_worker_fails_its_request_clearly_and_is_replaced(fault_client,
 
 def test_a_generation_past_the_response_timeout_fails_clearly_and_the_worker_comes_back(fault_client):
     started = time.monotonic()
-    response = fault_client.predict({"prompt": "too slow", "num_inference_steps": 100, "num_images_per_prompt": 3})
+    response = fault_client.predict(TOO_SLOW)
     elapsed = time.monotonic() - started
     assert 500 <= response.status_code < 600, response.text
     assert elapsed < RESPONSE_TIMEOUT_S + 30

@@ -1,5 +1,5 @@
-"""The `make serve` command itself (serving a no-archive model directory): ready message with a
-working curl, clean stop on Ctrl-C."""
+"""The start script that `make serve` and the container run (serving a no-archive model directory):
+ready message with a working curl, the health check, clean stop on Ctrl-C or SIGTERM."""
 
 from __future__ import annotations
 
@@ -10,11 +10,12 @@ import subprocess
 import sys
 import threading
 from pathlib import Path
+from urllib.parse import urlparse
 
 import psutil
+import pytest
 
-from scripts.build_mar import build
-from scripts.server import config_on_free_ports
+from scripts.server import EFFECTIVE_CONFIG, config_on_free_ports, read_properties
 from tests.integration.conftest import MODEL_DIR, ROOT, STARTUP_TIMEOUT, decode_png
 
 
@@ -56,17 +57,31 @@ def group_members(group: int) -> list[int]:
     return members
 
 
-def test_serve_prints_a_working_curl_and_ctrl_c_leaves_no_process(tmp_path):
-    build(MODEL_DIR, ROOT / "model-config.yaml", tmp_path / "model_store", archive_format="no-archive")
-    command = [
-        sys.executable, "-m", "scripts.server",
-        "--config", str(config_on_free_ports(ROOT / "config.properties", tmp_path)),
-        "--model-store", str(tmp_path / "model_store"),
-        "--workdir", str(tmp_path / "runtime"),
-    ]
+def healthcheck(workdir: Path) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "scripts.healthcheck", "--workdir", str(workdir)], cwd=ROOT, capture_output=True, text=True
+    )
+
+
+@pytest.mark.parametrize(("bind_address", "stop_signal"), [
+    (None, signal.SIGINT),             # make serve, stopped with Ctrl-C
+    ("0.0.0.0", signal.SIGTERM),       # the container, stopped by `docker stop`
+], ids=["make-serve", "container"])
+def test_start_script_serves_a_working_curl_and_stops_leaving_no_process(tmp_path, bind_address, stop_signal):
+    """scripts/start.sh as `make serve` and the container run it, in a temporary directory: it
+    packages the model (no-archive), serves it, prints a working curl, passes the health check
+    (which reads the key itself), and stops cleanly."""
+    runtime = tmp_path / "runtime"
+    env = {
+        **os.environ, "TMPDIR": str(tmp_path), "PYTHON": sys.executable, "MODEL_DIR": str(MODEL_DIR),
+        "MODEL_STORE": str(tmp_path / "model_store"), "ARCHIVE_FORMAT": "no-archive", "WORKDIR": str(runtime),
+        "CONFIG": str(config_on_free_ports(ROOT / "config.properties", tmp_path)),
+    }
+    if bind_address:
+        env["BIND_ADDRESS"] = bind_address
     serve = subprocess.Popen(
-        command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        env={**os.environ, "TMPDIR": str(tmp_path)},
+        [str(ROOT / "scripts" / "start.sh")], cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+        text=True, env=env,
     )
     try:
         curl, output = read_until_curl(serve, STARTUP_TIMEOUT)
@@ -75,10 +90,15 @@ def test_serve_prints_a_working_curl_and_ctrl_c_leaves_no_process(tmp_path):
         result = subprocess.run(shlex.split(curl), cwd=tmp_path, capture_output=True, timeout=120)
         assert result.returncode == 0, result.stderr
         assert decode_png((tmp_path / "image.png").read_bytes()).shape == (64, 64, 3)
+        check = healthcheck(runtime)
+        assert check.returncode == 0 and "Healthy" in check.stdout, check.stdout
+        effective = read_properties(runtime / EFFECTIVE_CONFIG)
+        assert urlparse(effective["inference_address"]).hostname == (bind_address or "127.0.0.1")
         group = server_process_group(tmp_path / "model_store")
         assert len(group_members(group)) >= 2, "the frontend and a worker should be running"
     finally:
-        serve.send_signal(signal.SIGINT)
+        serve.send_signal(stop_signal)
         assert serve.wait(timeout=120) == 0
-    assert group_members(group) == [], "TorchServe processes outlived the serve command"
-    assert not (tmp_path / "runtime" / "server.pid").exists()
+    assert group_members(group) == [], "TorchServe processes outlived the start script"
+    assert not (runtime / "server.pid").exists()
+    assert healthcheck(runtime).returncode == 1, "the health check passes with no server"

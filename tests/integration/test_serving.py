@@ -14,7 +14,7 @@ from tests.integration.conftest import assert_same_image, decode_json_images, de
 
 FAST = {"num_inference_steps": 4}
 # Long enough to keep the worker busy while followers queue up behind it (the default model
-# runs ~25 steps/s at 64x64 here; on a faster machine the followers may still be batched).
+# runs ~30 steps/s at 64x64 here; on a faster machine the followers may still be batched).
 BLOCKER = {"prompt": "keep the worker busy", "num_inference_steps": 100, "seed": 0}
 
 

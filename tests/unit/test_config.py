@@ -7,7 +7,7 @@ import yaml
 from pydantic import ValidationError
 
 from handler.config import HandlerSettings
-from scripts.server import read_properties
+from scripts.server import bound_to, reachable, read_properties
 
 ROOT = Path(__file__).resolve().parents[2]
 MODEL_CONFIG = yaml.safe_load((ROOT / "model-config.yaml").read_text())
@@ -98,3 +98,15 @@ def test_allowed_urls_match_only_archives_in_a_local_model_store():
     for url in ("https://example.com/model_store/x.mar", "file:///etc/passwd", "file:///srv/model_store/../x.mar/y",
                 "s3://bucket/model_store/x.mar"):
         assert not allowed(url), url
+
+
+def test_bind_moves_every_listener_and_clients_reach_all_interfaces_via_loopback():
+    properties = read_properties(ROOT / "config.properties")
+    bound = bound_to(properties, "0.0.0.0")
+    assert [bound[key] for key in ("inference_address", "management_address", "metrics_address")] == [
+        "http://0.0.0.0:8080", "http://0.0.0.0:8081", "http://0.0.0.0:8082"]
+    assert bound["grpc_inference_address"] == bound["grpc_management_address"] == "0.0.0.0"
+    assert {key: value for key, value in bound.items() if "address" not in key} == \
+        {key: value for key, value in properties.items() if "address" not in key}
+    assert reachable(bound)["inference_address"] == "http://127.0.0.1:8080"
+    assert reachable(properties) == properties

@@ -1,0 +1,261 @@
+"""Static checks of the deployment files (no Docker engine and no cluster here): the Dockerfile,
+the Compose file against the Compose schema, the Kubernetes manifests (kustomize output) against a
+pinned Kubernetes version and the custom resources' published schemas, and the KServe variant."""
+
+from __future__ import annotations
+
+import copy
+import gzip
+import io
+import json
+import re
+import shutil
+import subprocess
+from functools import cache
+from pathlib import Path
+
+import jsonschema
+import kubernetes_validate
+import pytest
+import yaml
+from dockerfile_parse import DockerfileParser
+
+from scripts.build_prometheus_rule import render as render_prometheus_rule
+from scripts.server import read_properties
+
+ROOT = Path(__file__).resolve().parents[2]
+DOCKER = ROOT / "docker"
+K8S = ROOT / "deploy" / "k8s"
+KSERVE = ROOT / "deploy" / "kserve"
+SCHEMAS = ROOT / "tests" / "schemas"
+KUBERNETES_VERSION = "1.33"
+PORTS = {"8080", "8081", "8082"}
+# What a pod's or KServe's TorchServe config may differ in from config.properties.
+DEPLOYMENT_KEYS = {
+    "inference_address", "management_address", "metrics_address", "grpc_inference_address",
+    "grpc_management_address", "disable_token_authorization", "model_store", "metrics_config",
+}
+CUSTOM_RESOURCE_SCHEMAS = {
+    ("monitoring.coreos.com/v1", "ServiceMonitor"): "servicemonitor-monitoring.coreos.com-v1",
+    ("monitoring.coreos.com/v1", "PrometheusRule"): "prometheusrule-monitoring.coreos.com-v1",
+    ("serving.kserve.io/v1beta1", "InferenceService"): "inferenceservice-serving.kserve.io-v1beta1",
+    ("serving.kserve.io/v1alpha1", "ServingRuntime"): "servingruntime-serving.kserve.io-v1alpha1",
+}
+
+
+def schema(name: str) -> dict:
+    return json.loads(gzip.decompress((SCHEMAS / f"{name}.json.gz").read_bytes()))
+
+
+def validate_manifest(document: dict) -> None:
+    """Built-in kinds against Kubernetes' schemas (strict: unknown fields fail), custom resources
+    against their CRD's schema."""
+    custom = CUSTOM_RESOURCE_SCHEMAS.get((document["apiVersion"], document["kind"]))
+    if custom:
+        # A CRD's openAPIV3Schema is OpenAPI's JSON Schema subset (draft 4); some of its patterns are
+        # Go regular expressions, so the schema itself is not checked, only the document.
+        jsonschema.Draft4Validator(schema(custom)).validate(document)
+    else:
+        kubernetes_validate.validate(document, KUBERNETES_VERSION, strict=True)
+
+
+@cache
+def kustomized() -> tuple[dict, ...]:
+    kubectl = shutil.which("kubectl")
+    if kubectl is None:
+        pytest.fail("kubectl is missing: `make system-deps` installs it (Debian kubernetes-client)")
+    output = subprocess.run([kubectl, "kustomize", str(K8S)], capture_output=True, text=True, check=True).stdout
+    return tuple(yaml.safe_load_all(output))
+
+
+def by_kind(kind: str) -> dict:
+    [document] = [doc for doc in kustomized() if doc["kind"] == kind]
+    return document
+
+
+# --- Dockerfile ---------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def dockerfile() -> DockerfileParser:
+    return DockerfileParser(fileobj=io.BytesIO((DOCKER / "Dockerfile").read_bytes()))
+
+
+def instructions(parser: DockerfileParser, name: str) -> list[str]:
+    return [item["value"] for item in parser.structure if item["instruction"] == name]
+
+
+def test_dockerfile_base_is_a_pinned_cuda_runtime(dockerfile):
+    [base_arg] = [value for value in instructions(dockerfile, "ARG") if value.startswith("BASE_IMAGE=")]
+    image = base_arg.split("=", 1)[1]
+    name, _, tag = image.partition(":")
+    assert name == "nvidia/cuda" and "runtime" in tag, image
+    assert re.fullmatch(r"\d+\.\d+\.\d+-[a-z0-9.-]+", tag), f"base image tag not pinned: {image}"
+    assert instructions(dockerfile, "FROM") == ["${BASE_IMAGE}"]
+
+
+def test_dockerfile_installs_the_pinned_dependencies_and_java_17(dockerfile):
+    runs = "\n".join(instructions(dockerfile, "RUN"))
+    assert "pip install pip==26.3" in runs and "torch==2.13.0" in runs and "-r requirements.txt" in runs
+    assert "openjdk-17-jre-headless" in runs and "python3.11" in runs
+
+
+def test_dockerfile_runs_as_non_root_with_healthcheck_ports_and_the_start_script(dockerfile):
+    users = instructions(dockerfile, "USER")
+    assert users and users[-1] not in {"root", "0"}, users
+    [healthcheck] = instructions(dockerfile, "HEALTHCHECK")
+    assert "scripts.healthcheck" in healthcheck and "Authorization" not in healthcheck
+    assert set(" ".join(instructions(dockerfile, "EXPOSE")).split()) == PORTS
+    assert json.loads(instructions(dockerfile, "ENTRYPOINT")[-1]) == ["scripts/start.sh"]
+    for source in " ".join(value.rsplit(" ", 1)[0] for value in instructions(dockerfile, "COPY")).split():
+        assert (ROOT / source).exists(), f"COPY source {source} does not exist"
+
+
+def test_dockerfile_holds_no_secrets(dockerfile):
+    for item in dockerfile.structure:
+        if item["instruction"] in {"ENV", "ARG", "LABEL"}:
+            assert not re.search(r"(KEY|TOKEN|PASSWORD|SECRET)\w*=", item["value"], re.IGNORECASE), item["content"]
+        if item["instruction"] == "COPY":
+            assert "key_file" not in item["value"], item["content"]
+    assert "Bearer" not in (DOCKER / "Dockerfile").read_text()
+
+
+# --- Compose ------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def compose() -> dict:
+    return yaml.safe_load((DOCKER / "compose.yaml").read_text())
+
+
+def test_compose_file_matches_the_compose_schema(compose):
+    jsonschema.validate(compose, schema("compose-spec"))
+    broken = copy.deepcopy(compose)
+    broken["services"]["torchserve"]["ports"] = "8080"
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate(broken, schema("compose-spec"))
+
+
+def test_compose_stack_publishes_on_loopback_reserves_a_gpu_and_mounts_what_exists(compose):
+    services = compose["services"]
+    assert set(services) == {"torchserve", "prometheus", "grafana"}
+    for name, service in services.items():
+        for port in service.get("ports", []):
+            assert port.startswith("127.0.0.1:"), f"{name} publishes {port} beyond loopback"
+        image = service["image"]
+        assert ":" in image and not image.endswith(":latest"), f"{name}: unpinned image {image}"
+        for volume in service.get("volumes", []):
+            source = volume.split(":", 1)[0]
+            if source.startswith("."):
+                assert (DOCKER / source).exists(), f"{name} mounts missing {source}"
+            else:
+                assert source in compose["volumes"], f"{name} uses undeclared volume {source}"
+    ts = services["torchserve"]
+    assert {p.rsplit(":", 1)[1] for p in ts["ports"]} == PORTS
+    [device] = ts["deploy"]["resources"]["reservations"]["devices"]
+    assert device["capabilities"] == ["gpu"] and device["driver"] == "nvidia"
+    assert ts["build"] == {"context": "..", "dockerfile": "docker/Dockerfile"}
+
+
+def test_compose_prometheus_scrapes_the_torchserve_service_with_the_rules():
+    config = yaml.safe_load((DOCKER / "prometheus" / "prometheus.yml").read_text())
+    [job] = config["scrape_configs"]
+    assert job["static_configs"][0]["targets"] == ["torchserve:8082"]
+    assert all((DOCKER / "prometheus" / path).is_file() for path in config["rule_files"])
+
+
+# --- Kubernetes ---------------------------------------------------------------------------------
+
+def test_every_kustomized_manifest_validates():
+    kinds = [document["kind"] for document in kustomized()]
+    assert sorted(kinds) == sorted([
+        "Namespace", "ConfigMap", "ConfigMap", "Service", "Deployment", "PodDisruptionBudget",
+        "HorizontalPodAutoscaler", "ServiceMonitor", "PrometheusRule",
+    ])
+    for document in kustomized():
+        validate_manifest(document)
+
+
+@pytest.mark.parametrize(("kind", "mutate"), [
+    ("Deployment", lambda doc: doc["spec"].update(replica=2)),
+    ("Deployment", lambda doc: doc["spec"]["template"]["spec"]["containers"][0].update(ports="8080")),
+    ("HorizontalPodAutoscaler", lambda doc: doc["spec"].update(minReplicas="one")),
+    ("ServiceMonitor", lambda doc: doc["spec"].update(endpoints="metrics")),
+])
+def test_validation_catches_a_broken_manifest(kind, mutate):
+    document = copy.deepcopy(by_kind(kind))
+    mutate(document)
+    with pytest.raises((kubernetes_validate.ValidationError, jsonschema.ValidationError)):
+        validate_manifest(document)
+
+
+def test_selectors_and_ports_line_up():
+    deployment, service = by_kind("Deployment"), by_kind("Service")
+    pod_labels = deployment["spec"]["template"]["metadata"]["labels"]
+    for selector in (service["spec"]["selector"], by_kind("PodDisruptionBudget")["spec"]["selector"]["matchLabels"]):
+        assert selector.items() <= pod_labels.items()
+    assert by_kind("ServiceMonitor")["spec"]["selector"]["matchLabels"].items() <= service["metadata"]["labels"].items()
+    container_ports = {port["name"] for c in deployment["spec"]["template"]["spec"]["containers"] for port in c.get("ports", [])}
+    assert {port["targetPort"] for port in service["spec"]["ports"]} <= container_ports
+    assert by_kind("ServiceMonitor")["spec"]["endpoints"][0]["port"] in {port["name"] for port in service["spec"]["ports"]}
+
+
+def test_pod_has_gpu_probes_without_keys_and_runs_as_non_root():
+    pod = by_kind("Deployment")["spec"]["template"]["spec"]
+    torchserve = next(c for c in pod["containers"] if c["name"] == "torchserve")
+    assert torchserve["resources"]["limits"]["nvidia.com/gpu"] == 1
+    for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+        assert probe in torchserve
+    assert "scripts.healthcheck" in torchserve["readinessProbe"]["exec"]["command"]
+    assert "Authorization" not in json.dumps(pod), "a key or auth header in the pod spec"
+    assert pod["securityContext"]["runAsNonRoot"] is True
+    proxy = next(c for c in pod["containers"] if c["name"] == "auth-proxy")
+    assert proxy["env"][0]["valueFrom"]["secretKeyRef"]["name"] == "stable-diffusion-auth"
+
+
+def test_autoscaler_metric_is_served_by_the_adapter_rule_as_a_rate():
+    hpa = by_kind("HorizontalPodAutoscaler")
+    [metric] = hpa["spec"]["metrics"]
+    adapter = yaml.safe_load((K8S / "prometheus-adapter" / "values.yaml").read_text())
+    [rule] = adapter["rules"]["custom"]
+    assert rule["name"]["as"] == metric["pods"]["metric"]["name"]
+    assert "rate(<<.Series>>" in rule["metricsQuery"], "a counter must be read through rate()"
+    assert rule["resources"]["overrides"]["pod"] == {"resource": "pod"}
+    assert hpa["spec"]["scaleTargetRef"]["name"] == by_kind("Deployment")["metadata"]["name"]
+
+
+def test_prometheus_rule_is_the_generated_one():
+    assert (K8S / "prometheusrule.yaml").read_text() == render_prometheus_rule(), "run `make prometheus-rule`"
+
+
+def test_auth_proxy_checks_the_key_and_reaches_torchserve_on_loopback():
+    template = (K8S / "auth-proxy" / "default.conf.template").read_text()
+    pod_config = read_properties(K8S / "config.properties")
+    assert '"Bearer ${INFERENCE_KEY}" 1;' in template and "return 401" in template
+    assert f"proxy_pass {pod_config['inference_address']};" in template
+    assert pod_config["inference_address"].startswith("http://127.0.0.1:")
+    assert pod_config["management_address"].startswith("http://127.0.0.1:")
+
+
+@pytest.mark.parametrize("config", [K8S / "config.properties", KSERVE / "config" / "config.properties"],
+                         ids=["kubernetes", "kserve"])
+def test_deployment_configs_differ_from_config_properties_only_where_documented(config):
+    base, deployed = read_properties(ROOT / "config.properties"), read_properties(config)
+    changed = {key for key in base.keys() | deployed.keys() if base.get(key) != deployed.get(key)}
+    assert changed <= DEPLOYMENT_KEYS, changed - DEPLOYMENT_KEYS
+    assert deployed["enable_model_api"] == "false"
+
+
+# --- KServe -------------------------------------------------------------------------------------
+
+def test_kserve_variant_validates_and_uses_the_torchserve_layout():
+    runtime = yaml.safe_load((KSERVE / "servingruntime.yaml").read_text())
+    service = yaml.safe_load((KSERVE / "inferenceservice.yaml").read_text())
+    for document in (runtime, service):
+        validate_manifest(document)
+    model = service["spec"]["predictor"]["model"]
+    assert model["runtime"] == runtime["metadata"]["name"]
+    assert model["modelFormat"]["name"] in {item["name"] for item in runtime["spec"]["supportedModelFormats"]}
+    env = {item["name"]: item["value"] for item in runtime["spec"]["containers"][0]["env"]}
+    assert env["MODEL_STORE"] == "/mnt/models/model-store" and env["CONFIG"] == "/mnt/models/config/config.properties"
+    kserve_config = read_properties(KSERVE / "config" / "config.properties")
+    assert kserve_config["model_store"] == env["MODEL_STORE"]
+    assert kserve_config["inference_address"].endswith(f":{runtime['spec']['containers'][0]['ports'][0]['containerPort']}")
