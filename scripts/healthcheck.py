@@ -15,7 +15,7 @@ from pathlib import Path
 
 import requests
 
-from scripts.server import EFFECTIVE_CONFIG, KEY_FILE, Addresses, Keys, read_properties, reachable
+from scripts.server import EFFECTIVE_CONFIG, KEY_FILE, Addresses, Keys, reachable, read_properties, token_authorization
 
 
 def ping(workdir: Path, timeout: float) -> tuple[bool, str]:
@@ -25,7 +25,7 @@ def ping(workdir: Path, timeout: float) -> tuple[bool, str]:
         return False, f"{config} is missing: the server has not started"
     properties = read_properties(config)
     headers = {}
-    if properties.get("disable_token_authorization", "false").lower() != "true":
+    if token_authorization(properties):
         try:
             headers["Authorization"] = f"Bearer {Keys.from_key_file(workdir / KEY_FILE).inference}"
         except (OSError, ValueError, KeyError) as error:

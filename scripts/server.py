@@ -105,6 +105,11 @@ def bound_to(properties: dict[str, str], host: str) -> dict[str, str]:
     return bound
 
 
+def token_authorization(properties: dict[str, str]) -> bool:
+    """Whether TorchServe with these properties demands keys (it does unless disabled)."""
+    return properties.get("disable_token_authorization", "false").lower() != "true"
+
+
 def reachable(properties: dict[str, str]) -> dict[str, str]:
     """``properties`` as a local client reaches them: a server on all interfaces via loopback."""
     hosts = {urlparse(properties.get(key, default)).hostname for key, default in DEFAULT_ADDRESSES.items()}
@@ -155,7 +160,7 @@ class TorchServe:
         self.bind = bind
         properties = self._properties()
         self.addresses = Addresses.from_properties(reachable(properties))
-        self.token_authorization = properties.get("disable_token_authorization", "false").lower() != "true"
+        self.token_authorization = token_authorization(properties)
         self.env = {**os.environ, **(env or {})}
         self.process: subprocess.Popen | None = None
         self.keys: Keys | None = None
