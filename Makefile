@@ -11,7 +11,7 @@ MODEL_DIR ?= $(DEFAULT_MODEL_DIR)
 ARCHIVE_FORMAT ?= auto
 PYTEST_ARGS ?=
 
-.PHONY: help venv system-deps model train-default-model model-grid prometheus-rule mar serve stop test unit-test integration-test dashboard dashboard-png loadtest sweep bench-overhead clean
+.PHONY: help venv system-deps model train-default-model model-grid prometheus-rule mar serve stop test unit-test integration-test dashboard dashboard-png loadtest sweep bench-overhead bench-pipeline clean
 
 help:
 	@echo "make serve   set up, build the archive and serve it on 127.0.0.1:8080 (MODEL_DIR=/path for a real model)"
@@ -24,6 +24,8 @@ help:
 	@echo "make loadtest       locust against the running server (make serve), judged against the SLA in benchmark_config.yaml"
 	@echo "make sweep          batch size / delay / workers / concurrency sweep on its own server; report in reports/"
 	@echo "make bench-overhead serving overhead: TorchServe end to end vs the pipeline in-process"
+	@echo "make bench-pipeline attention / precision / channels_last / compile / slicing variants side by side; report in reports/"
+	@echo "                    BENCH_ARGS='--model sd15' for SD 1.5's architecture with random weights, '--quick' for CI"
 	@echo "make dashboard      rebuild docker/grafana/dashboards/stable-diffusion.json"
 	@echo "make prometheus-rule  rebuild deploy/k8s/prometheusrule.yaml from docker/prometheus/rules/"
 	@echo "make dashboard-png  load a fresh server, render the dashboard panels from Prometheus to docs/img/dashboard.png"
@@ -85,6 +87,9 @@ sweep: venv
 
 bench-overhead: venv
 	$(PY) -m loadtest.overhead
+
+bench-pipeline: venv
+	$(PY) -m bench.pipeline $(BENCH_ARGS)
 
 prometheus-rule: venv
 	$(PY) -m scripts.build_prometheus_rule

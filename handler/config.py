@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 SchedulerName = Literal["ddim", "euler", "euler_a", "dpmpp_2m", "pndm"]
 OutputFormat = Literal["png", "jpeg", "webp"]
@@ -59,6 +60,25 @@ class CompileSettings(_Section):
     targets: tuple[Literal["unet", "vae_decoder"], ...] = ("unet", "vae_decoder")
     fullgraph: bool = False
     dynamic: bool | None = None
+    cache_dir: str | None = Field(
+        None,
+        description="absolute directory for inductor's compiled-code cache (TORCHINDUCTOR_CACHE_DIR), kept across "
+        "worker restarts so a new worker loads kernels instead of compiling them; None: the environment's "
+        "TORCHINDUCTOR_CACHE_DIR, else torch's default under the temp directory",
+    )
+
+    @field_validator("cache_dir")
+    @classmethod
+    def _cache_dir_is_absolute(cls, value: str | None) -> str | None:
+        if value is None:
+            return None
+        expanded = os.path.expanduser(os.path.expandvars(value))
+        if not os.path.isabs(expanded):
+            raise ValueError(
+                f"compile.cache_dir must be an absolute path (got {value!r}); a worker runs in the archive's "
+                "temporary unpack directory, which does not survive a restart"
+            )
+        return expanded
 
 
 class WarmupShape(_Section):

@@ -18,7 +18,7 @@ from ts.torch_handler.base_handler import BaseHandler
 from handler.batching import CallKey
 from handler.config import HandlerSettings, WarmupShape
 from handler.metrics import MetricSink, MetricSpec
-from handler.pipeline import TextToImage
+from handler.pipeline import TextToImage, compile_cache_summary
 from handler.service import IncomingRequest, Response, build_service
 
 logger = logging.getLogger(__name__)
@@ -77,6 +77,8 @@ class StableDiffusionHandler(BaseHandler):
         warmup_seconds = self._warm_up(engine, settings)
         self.service.metrics.worker_ready(time.perf_counter() - started)
         self.initialized = True
+        if settings.compile.enabled:
+            logger.info("compile cache: %s", compile_cache_summary())
         logger.info(
             "stable-diffusion worker ready: %s defaults=%s limits=%s load_s=%.2f warmup_s=%.2f",
             engine.description,

@@ -38,12 +38,21 @@ def test_empty_handler_section_gives_defaults():
         {"defaults": {"width": 2048}},
         {"defaults": {"width": 1024, "height": 1024}, "limits": {"max_pixels": 65536}},
         {"limits": {"max_images_per_request": 8}, "max_images_per_call": 4},
+        {"compile": {"enabled": True, "cache_dir": "relative/cache"}},
         {"compile": {"mode": "fastest"}},
     ],
 )
 def test_bad_settings_fail_at_load(handler):
     with pytest.raises(ValidationError):
         HandlerSettings.from_model_yaml({"handler": handler})
+
+
+def test_compile_cache_dir_is_absolute_after_expanding_home_and_variables(monkeypatch):
+    monkeypatch.setenv("SD_CACHE", "/srv/cache")
+    assert HandlerSettings.model_validate({"compile": {"cache_dir": "${SD_CACHE}/inductor"}}).compile.cache_dir == "/srv/cache/inductor"
+    assert HandlerSettings.model_validate({"compile": {"cache_dir": "~/inductor"}}).compile.cache_dir == str(Path.home() / "inductor")
+    with pytest.raises(ValidationError, match="must be an absolute path.*'cache'"):
+        HandlerSettings.model_validate({"compile": {"cache_dir": "cache"}})
 
 
 def test_native_size_fills_unset_default_size_and_is_checked():

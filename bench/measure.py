@@ -1,0 +1,215 @@
+"""Measure one pipeline variant in this process (the benchmark runs each variant in its own).
+
+A fresh process per variant keeps measurements apart: peak memory starts from the loaded model,
+``torch.compile`` starts from an empty in-memory cache (cold, or warm from the inductor cache on
+disk), and a variant that crashes or runs out of memory costs only its own row.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import re
+import resource
+import statistics
+import sys
+import time
+import traceback
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+from diffusers import UNet2DConditionModel
+from diffusers.models.attention_processor import AttnProcessor
+from torch.utils.flop_counter import FlopCounterMode
+
+from handler.batching import CallInputs, CallKey
+from handler.config import HandlerSettings
+from handler.pipeline import TextToImage, load_text_to_image
+from bench.variants import VARIANTS
+
+logger = logging.getLogger(__name__)
+
+PROMPTS = ("a red circle", "a small blue square", "a green triangle", "a large yellow circle")
+MIB = 2**20
+
+
+@dataclass(frozen=True)
+class Workload:
+    """What every variant generates: the same prompts, seeds, size, steps and scheduler."""
+
+    model_dir: str
+    device: str
+    width: int
+    height: int
+    steps: int
+    batch: int
+    repeats: int
+    guidance_scale: float = 7.5
+    scheduler: str = "ddim"
+    max_batch_limit: int = 0
+
+    def key(self, steps: int | None = None) -> CallKey:
+        return CallKey(self.width, self.height, steps or self.steps, self.scheduler, self.guidance_scale)
+
+    def inputs(self, batch: int | None = None) -> CallInputs:
+        size = batch or self.batch
+        prompts = [PROMPTS[index % len(PROMPTS)] for index in range(size)]
+        return CallInputs(prompts, [""] * size, list(range(size)), [0] * size)
+
+    def base_settings(self) -> HandlerSettings:
+        return HandlerSettings(model_path=self.model_dir, device=self.device)
+
+
+class PeakMemory:
+    """Peak memory of the code run between ``reset`` and ``peak_mib``: the CUDA allocator's peak
+    (weights included) on a GPU, the growth of the process's peak resident set on the CPU."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.measure = "cuda_max_allocated" if device.type == "cuda" else "rss_peak_growth"
+        self._rss_before = 0
+
+    def reset(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)
+            return
+        self._rss_before = _status_kib("VmRSS")
+        try:
+            Path("/proc/self/clear_refs").write_text("5")  # resets VmHWM, the peak resident set
+        except OSError:
+            self.measure = "rss_lifetime_peak_growth"
+
+    def peak_mib(self) -> float:
+        if self.device.type == "cuda":
+            return torch.cuda.max_memory_allocated(self.device) / MIB
+        return max(_status_kib("VmHWM") - self._rss_before, 0) / 1024
+
+
+def _status_kib(field: str) -> int:
+    """A memory field of /proc/self/status in KiB (ru_maxrss where /proc is missing)."""
+    try:
+        match = re.search(rf"^{field}:\s+(\d+) kB", Path("/proc/self/status").read_text(), re.MULTILINE)
+        return int(match.group(1))
+    except (OSError, AttributeError):
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+
+
+def unet_flops(config: dict, rows: int, latent_height: int, latent_width: int, text_tokens: int) -> int:
+    """FLOPs of one call of the UNet described by ``config``, counted with FlopCounterMode on the
+    meta device (no weights, no arithmetic). Attention goes through the vanilla processor: the
+    arithmetic is the same for SDPA, whose CPU kernel the counter has no formula for."""
+    with torch.device("meta"):
+        unet = UNet2DConditionModel.from_config(config)
+    unet.set_attn_processor(AttnProcessor())
+    latents = torch.empty(rows, unet.config.in_channels, latent_height, latent_width, device="meta")
+    text = torch.empty(rows, text_tokens, unet.config.cross_attention_dim, device="meta")
+    with FlopCounterMode(display=False) as counter:
+        unet(latents, torch.zeros(rows, device="meta"), text)
+    return counter.get_total_flops()
+
+
+def unet_call_flops(engine: TextToImage, workload: Workload) -> int:
+    """FLOPs of one UNet call of the workload: its batch (doubled for guidance) at its latent size."""
+    pipeline = engine.pipeline
+    scale = pipeline.vae_scale_factor
+    rows = workload.batch * (2 if workload.guidance_scale > 1 else 1)
+    return unet_flops(pipeline.unet.config, rows, workload.height // scale, workload.width // scale,
+                      pipeline.tokenizer.model_max_length)
+
+
+def largest_batch(engine: TextToImage, workload: Workload) -> dict:
+    """The most images one call of this shape fits (CUDA): doubling until out of memory, then
+    bisection. Two steps per try: memory peaks the same at every step."""
+    def fits(size: int) -> bool:
+        try:
+            engine.generate(workload.key(steps=2), workload.inputs(size))
+            return True
+        except torch.OutOfMemoryError:
+            return False
+        finally:
+            torch.cuda.empty_cache()
+
+    fitting, failing = 0, None
+    size = workload.batch
+    while size <= workload.max_batch_limit:
+        if not fits(size):
+            failing = size
+            break
+        fitting, size = size, size * 2
+    if failing is None:
+        return {"max_batch": fitting, "max_batch_bounded_by_limit": True}
+    while failing - fitting > 1:
+        middle = (fitting + failing) // 2
+        fitting, failing = (middle, failing) if fits(middle) else (fitting, middle)
+    return {"max_batch": fitting, "max_batch_bounded_by_limit": False}
+
+
+def run_variant(variant_name: str, workload: Workload, images_path: Path, count_flops: bool) -> dict:
+    """Load, warm up (compiling, for compiled variants) and time one variant; save its images."""
+    variant = next(variant for variant in VARIANTS if variant.name == variant_name)
+    started = time.perf_counter()
+    engine = load_text_to_image(variant.settings(workload.base_settings()), ".")
+    engine.synchronize_steps = True
+    load_s = time.perf_counter() - started
+    key, inputs = workload.key(), workload.inputs()
+    memory = PeakMemory(engine.device)
+
+    first_started = time.perf_counter()
+    engine.generate(key, inputs)
+    first_call_s = time.perf_counter() - first_started
+    latencies, step_times = [], []
+    memory.reset()
+    for _ in range(workload.repeats):
+        call_started = time.perf_counter()
+        images, timings = engine.generate(key, inputs)
+        latencies.append(time.perf_counter() - call_started)
+        step_times.extend(timings.denoise_steps)
+    peak_mib = memory.peak_mib()
+    np.save(images_path, np.stack([np.asarray(image) for image in images]))
+    median_latency = statistics.median(latencies)
+    result = {
+        "description": engine.description,
+        "dtype": str(engine.dtype).removeprefix("torch."),
+        "load_s": load_s,
+        "first_call_s": first_call_s,
+        "warmup_overhead_s": max(first_call_s - median_latency, 0.0),
+        "latency_s": median_latency,
+        "latencies_s": latencies,
+        "images_per_s": workload.batch / median_latency,
+        "unet_it_s": 1 / statistics.median(step_times),
+        "peak_memory_mib": peak_mib,
+        "memory_measure": memory.measure,
+        "compile_counters": {name: count for name, count in torch._dynamo.utils.counters["inductor"].items() if "cache" in name},
+    }
+    if count_flops:
+        result["unet_call_flops"] = unet_call_flops(engine, workload)
+    if engine.device.type == "cuda" and workload.max_batch_limit and not variant.compiled:
+        result.update(largest_batch(engine, workload))
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description="measure one pipeline variant (run by bench.pipeline)")
+    parser.add_argument("--variant", required=True)
+    parser.add_argument("--workload", required=True, help="Workload as JSON")
+    parser.add_argument("--images", type=Path, required=True, help=".npy file for the generated images")
+    parser.add_argument("--result", type=Path, required=True, help="JSON file for the measurements")
+    parser.add_argument("--count-flops", action="store_true")
+    args = parser.parse_args()
+    logging.basicConfig(level=logging.WARNING)
+    workload = Workload(**json.loads(args.workload))
+    try:
+        result = {"status": "ok", **run_variant(args.variant, workload, args.images, args.count_flops)}
+    except Exception as error:  # the benchmark reports a failed variant and goes on with the next
+        traceback.print_exc()
+        result = {"status": "failed", "error": f"{type(error).__name__}: {error}".strip()[:2000]}
+    args.result.write_text(json.dumps(result, indent=2))
+    sys.exit(0 if result["status"] == "ok" else 1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,206 @@
+"""`make bench-pipeline`: what each pipeline optimization buys, measured side by side in one run.
+
+Every variant (``bench.variants``) generates the same prompts and seeds, each in its own process
+(``bench.measure``); compiled variants run twice, cold (empty inductor cache) and warm (the cache
+the cold run persisted, as a restarted worker finds it). Then an attention micro-benchmark at SD
+1.5's shapes. Writes JSON, a Markdown table and a PNG chart under ``reports/``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict
+from datetime import datetime, timezone
+from pathlib import Path
+
+import diffusers
+import numpy as np
+import torch
+
+from bench import sd15
+from bench.measure import Workload
+from bench.report import write_report
+from bench.variants import BASELINE, VARIANT_NAMES, Variant, select
+from handler.pipeline import resolve_device
+from scripts.build_mar import DEFAULT_MODEL_DIR, RANDOM_MODEL_DIR, ROOT
+
+logger = logging.getLogger("bench-pipeline")
+
+MODELS = {"default": DEFAULT_MODEL_DIR, "tiny": RANDOM_MODEL_DIR, "sd15": sd15.MODEL_DIR}
+
+
+def image_distance(images: np.ndarray, baseline: np.ndarray) -> dict:
+    """Max absolute difference (0-255) and PSNR (dB; None when identical) of uint8 images."""
+    difference = images.astype(np.float64) - baseline.astype(np.float64)
+    mse = float(np.mean(difference**2))
+    return {
+        "max_abs_diff": int(np.abs(difference).max()),
+        "psnr_db": None if mse == 0 else float(10 * np.log10(255.0**2 / mse)),
+    }
+
+
+def _python_module(module: str, arguments: list[str], env: dict[str, str], timeout: float) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", module, *arguments], cwd=ROOT, env={**os.environ, **env}, timeout=timeout,
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )
+
+
+class Runner:
+    """Runs variants in fresh processes and collects their results."""
+
+    def __init__(self, workload: Workload, scratch: Path, timeout: float):
+        self.workload = workload
+        self.scratch = scratch
+        self.timeout = timeout
+
+    def measure(self, variant: Variant, run: str, env: dict[str, str], count_flops: bool = False) -> dict:
+        result_path = self.scratch / f"{variant.name}-{run}.json"
+        arguments = [
+            "--variant", variant.name, "--workload", json.dumps(asdict(self.workload)),
+            "--images", str(self.scratch / f"{variant.name}.npy"), "--result", str(result_path),
+        ] + (["--count-flops"] if count_flops else [])
+        try:
+            finished = _python_module("bench.measure", arguments, env, self.timeout)
+        except subprocess.TimeoutExpired:
+            return {"status": "failed", "error": f"timed out after {self.timeout:.0f} s"}
+        if not result_path.is_file():
+            return {"status": "failed", "error": f"exit {finished.returncode}: {finished.stdout[-2000:]}"}
+        result = json.loads(result_path.read_text())
+        if result["status"] != "ok":
+            logger.warning("%s (%s) failed:\n%s", variant.name, run, finished.stdout[-4000:])
+        return result
+
+    def variant(self, variant: Variant, device: torch.device) -> dict:
+        reason = variant.skip_reason(device)
+        if reason:
+            return {"status": "skipped", "reason": reason}
+        env = {"TORCHINDUCTOR_CACHE_DIR": str(self.scratch / f"inductor-{variant.name}")}
+        result = self.measure(variant, "cold", env, count_flops=variant.name == BASELINE)
+        if variant.compiled and result["status"] == "ok":
+            warm = self.measure(variant, "warm", env)
+            if warm["status"] == "ok":
+                result["warm"] = {key: warm[key] for key in ("first_call_s", "warmup_overhead_s", "latency_s", "compile_counters")}
+            else:
+                result["warm"] = warm
+        return result
+
+
+def compare_with_baseline(results: dict[str, dict], scratch: Path) -> None:
+    """Speed-up, image distance and achieved TFLOP/s of each measured variant, in place."""
+    baseline = results.get(BASELINE, {})
+    if baseline.get("status") != "ok":
+        return
+    baseline_images = np.load(scratch / f"{BASELINE}.npy")
+    flops = baseline.get("unet_call_flops")
+    for name, result in results.items():
+        if result["status"] != "ok":
+            continue
+        result["speedup"] = baseline["latency_s"] / result["latency_s"]
+        result.update(image_distance(np.load(scratch / f"{name}.npy"), baseline_images))
+        if flops:
+            result["unet_tflops"] = flops * result["unet_it_s"] / 1e12
+
+
+def environment(device: torch.device) -> dict:
+    if device.type == "cuda":
+        name = torch.cuda.get_device_name(device)
+    else:
+        cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                    if line.startswith("model name")), platform.processor()) if Path("/proc/cpuinfo").exists() else platform.processor()
+        name = f"{cpu}, {os.cpu_count()} cores"
+    return {
+        "device": str(device), "device_name": name, "date": datetime.now(timezone.utc).strftime("%Y-%m-%d"),
+        "torch": torch.__version__, "diffusers": diffusers.__version__, "python": platform.python_version(),
+    }
+
+
+def build_workload(args: argparse.Namespace, device: torch.device) -> Workload:
+    """The command line's workload; unset sizes follow the model (SD 1.5 on a CPU: reduced)."""
+    model_dir = MODELS.get(args.model, Path(args.model))
+    if args.model == "sd15":
+        model_dir = sd15.ensure_model()
+        side, steps = (sd15.NATIVE_SIDE, 50) if device.type == "cuda" else (256, 4)
+    elif args.quick:
+        side, steps = 64, 2
+    else:
+        side, steps = 64, 25
+    return Workload(
+        model_dir=str(Path(model_dir).resolve()), device=args.device, width=args.resolution or side,
+        height=args.resolution or side, steps=args.steps or steps, batch=args.batch,
+        repeats=args.repeats or (1 if args.quick else 3), max_batch_limit=args.max_batch_limit,
+    )
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="default", help=f"{', '.join(MODELS)} or a diffusers directory (default: default)")
+    parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda", "mps"])
+    parser.add_argument("--resolution", type=int, help="image side in pixels (default: 64; sd15: 512 on GPU, 256 on CPU)")
+    parser.add_argument("--steps", type=int, help="denoising steps (default: 25; sd15: 50 on GPU, 4 on CPU)")
+    parser.add_argument("--batch", type=int, default=1, help="images per pipeline call")
+    parser.add_argument("--repeats", type=int, help="timed calls per variant after the warm-up call (default 3)")
+    parser.add_argument("--variants", nargs="*", help=f"subset of {', '.join(VARIANT_NAMES)} (the baseline always runs)")
+    parser.add_argument("--max-batch-limit", type=int, default=64, help="largest batch the GPU max-batch search tries; 0: skip")
+    parser.add_argument("--attention-repeats", type=int, default=5)
+    parser.add_argument("--timeout", type=float, default=3600, help="seconds one variant process may take")
+    parser.add_argument("--quick", action="store_true", help="CI mode: the random tiny model, 64x64, 2 steps, 1 repeat")
+    parser.add_argument("--output-dir", type=Path, default=ROOT / "reports")
+    parser.add_argument("--name", help="report file stem (default: pipeline-<model>-<device>)")
+    args = parser.parse_args(argv)
+    if args.quick and args.model == "default":
+        args.model = "tiny"
+    return args
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
+    device = resolve_device(args.device)
+    workload = build_workload(args, device)
+    variants = select(args.variants)
+    name = args.name or f"pipeline-{args.model if args.model in MODELS else Path(args.model).name}-{device.type}"
+    logger.info("workload: %s on %s; %d variants", workload, device, len(variants))
+    results: dict[str, dict] = {}
+    with tempfile.TemporaryDirectory(prefix="bench-pipeline-") as scratch:
+        runner = Runner(workload, Path(scratch), args.timeout)
+        for number, variant in enumerate(variants, 1):
+            started = time.perf_counter()
+            results[variant.name] = result = runner.variant(variant, device)
+            logger.info("[%d/%d] %-28s %s (%.0f s)", number, len(variants), variant.name, _summary(result), time.perf_counter() - started)
+        compare_with_baseline(results, Path(scratch))
+        logger.info("attention micro-benchmark at SD 1.5 shapes")
+        attention_path = Path(scratch) / "attention.json"
+        _python_module("bench.attention", ["--device", str(device), "--repeats", str(args.attention_repeats),
+                                           "--result", str(attention_path)], {}, args.timeout).check_returncode()
+        attention = json.loads(attention_path.read_text())
+    report = {
+        "workload": asdict(workload), "model": args.model, "quick": args.quick, "environment": environment(device),
+        "baseline": BASELINE, "variants": [{"name": variant.name, "summary": variant.summary, **results[variant.name]} for variant in variants],
+        "attention": attention,
+    }
+    paths = write_report(report, args.output_dir, name)
+    logger.info("report: %s", ", ".join(str(path) for path in paths))
+
+
+def _summary(result: dict) -> str:
+    if result["status"] == "skipped":
+        return f"skipped: {result['reason']}"
+    if result["status"] != "ok":
+        return f"FAILED: {result['error'][:200]}"
+    warm = result.get("warm", {})
+    compile_note = f", compile cold {result['warmup_overhead_s']:.1f} s warm {warm.get('warmup_overhead_s', float('nan')):.1f} s" if warm else ""
+    return (f"{result['latency_s']:.3f} s/call, {result['unet_it_s']:.1f} UNet it/s, "
+            f"peak {result['peak_memory_mib']:.0f} MiB{compile_note}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,59 @@
+"""torch.compile in serving: a worker persists inductor's cache in ``compile.cache_dir``, and the
+worker TorchServe starts after a crash loads the compiled graphs from it instead of compiling."""
+
+from __future__ import annotations
+
+import re
+import time
+
+import yaml
+
+from tests.integration.conftest import ROOT, Client, serving
+from tests.integration.test_reliability import wait_until_serving, workers
+
+COMPILE_LOG = re.compile(r"compile cache: dir=(\S+) fxgraph_cache_hit=(\d+) fxgraph_cache_miss=(\d+)")
+READY_LOG = re.compile(r"stable-diffusion worker ready: .* load_s=([\d.]+) warmup_s=([\d.]+)")
+
+
+def _worker_starts(log: str) -> list[dict]:
+    """Per worker start, in order: its compile-cache line and its load and warm-up seconds."""
+    caches, ready = COMPILE_LOG.findall(log), READY_LOG.findall(log)
+    return [
+        {"dir": directory, "hits": int(hits), "misses": int(misses), "load_s": float(load), "warmup_s": float(warmup)}
+        for (directory, hits, misses), (load, warmup) in zip(caches, ready)
+    ]
+
+
+def _wait_for_starts(server, count: int, timeout: float = 600) -> list[dict]:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        starts = _worker_starts(server.console_log.read_text(errors="replace"))
+        if len(starts) >= count:
+            return starts
+        time.sleep(1)
+    raise AssertionError(f"fewer than {count} compiled worker starts logged within {timeout} s")
+
+
+def test_a_restarted_compiled_worker_loads_its_kernels_from_the_persisted_cache(tmp_path, record_property):
+    cache = tmp_path / "inductor-cache"
+    model_config = yaml.safe_load((ROOT / "model-config.yaml").read_text())
+    # The VAE decoder alone keeps the cold compilation short on a CPU; the cache works the same for the UNet.
+    model_config["handler"]["compile"] = {"enabled": True, "mode": "default", "targets": ["vae_decoder"], "cache_dir": str(cache)}
+    (tmp_path / "model-config.yaml").write_text(yaml.safe_dump(model_config))
+    with serving(tmp_path, tmp_path / "model-config.yaml") as server:
+        client = Client(server)
+        (cold,) = _wait_for_starts(server, 1)
+        assert cold["dir"] == str(cache) and cold["hits"] == 0 and cold["misses"] > 0
+        assert any(cache.rglob("*")), "the cold worker left nothing in the cache directory"
+        before = client.image(prompt="a red circle", seed=3, num_inference_steps=4)
+
+        (worker,) = workers(server)
+        worker.kill()
+        wait_until_serving(client)
+        warm = _wait_for_starts(server, 2)[1]
+        assert warm["dir"] == str(cache) and warm["misses"] == 0 and warm["hits"] == cold["misses"]
+        after = client.image(prompt="a red circle", seed=3, num_inference_steps=4)
+    assert (before == after).all(), "the cached kernels must give the image the freshly compiled ones gave"
+    record_property("compile_cold_warmup_s", cold["warmup_s"])
+    record_property("compile_warm_warmup_s", warm["warmup_s"])
+    print(f"compiled VAE decoder worker start: warm-up {cold['warmup_s']:.1f} s cold, {warm['warmup_s']:.1f} s from the cache")

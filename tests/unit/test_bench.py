@@ -1,0 +1,97 @@
+"""The pipeline benchmark's pure parts: variants, image distance, FLOP counting, the report."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+from diffusers import UNet2DConditionModel
+from diffusers.models.attention_processor import AttnProcessor
+from torch.utils.flop_counter import FlopCounterMode
+
+from bench import sd15
+from bench.measure import Workload, unet_flops
+from bench.pipeline import image_distance
+from bench.report import markdown
+from bench.variants import BASELINE, VARIANT_NAMES, VARIANTS, select
+from handler.config import HandlerSettings
+from scripts.build_mar import RANDOM_MODEL_DIR
+
+
+def test_every_variant_is_valid_handler_settings_and_differs_from_the_baseline():
+    base = HandlerSettings(model_path="model")
+    settings = {variant.name: variant.settings(base) for variant in VARIANTS}
+    assert settings[BASELINE].attention == "vanilla" and settings[BASELINE].dtype == "float32"
+    assert len({value.model_dump_json() for value in settings.values()}) == len(VARIANTS)
+    compiled = {name for name, value in settings.items() if value.compile.enabled}
+    assert compiled == {"compile-default", "compile-reduce-overhead", "compile-max-autotune", "compile-max-autotune-no-cudagraphs"}
+    assert {settings[name].compile.mode for name in compiled} == {name.removeprefix("compile-") for name in compiled}
+
+
+def test_on_a_cpu_only_the_cuda_graph_variants_are_skipped_and_say_why():
+    skipped = {variant.name: variant.skip_reason(torch.device("cpu")) for variant in VARIANTS}
+    assert {name for name, reason in skipped.items() if reason} == {"compile-reduce-overhead", "compile-max-autotune-no-cudagraphs"}
+    assert skipped["compile-reduce-overhead"] == "CUDA only"
+
+
+def test_selection_keeps_catalogue_order_and_always_the_baseline():
+    assert [variant.name for variant in select(["vae-tiling", "sdpa-fp32"])] == [BASELINE, "sdpa-fp32", "vae-tiling"]
+    assert [variant.name for variant in select(None)] == list(VARIANT_NAMES)
+    with pytest.raises(ValueError, match="unknown variant\\(s\\) flash.*choose from vanilla-fp32"):
+        select(["flash"])
+
+
+def test_workload_gives_every_variant_the_same_prompts_and_seeds():
+    workload = Workload("model", "cpu", 64, 64, 2, 6, 1)
+    inputs = workload.inputs()
+    assert inputs.seeds == list(range(6)) and inputs.prompts[0] == inputs.prompts[4] != inputs.prompts[1]
+    assert workload.key().num_inference_steps == 2 and workload.key(steps=5).num_inference_steps == 5
+
+
+def test_image_distance_is_zero_for_identical_images_and_psnr_otherwise():
+    images = np.zeros((2, 8, 8, 3), dtype=np.uint8)
+    assert image_distance(images, images.copy()) == {"max_abs_diff": 0, "psnr_db": None}
+    changed = images.copy()
+    changed[1, 3, 3, 0] = 3
+    distance = image_distance(changed, images)
+    assert distance["max_abs_diff"] == 3
+    assert distance["psnr_db"] == pytest.approx(10 * math.log10(255**2 / (9 / images.size)))
+
+
+def test_meta_device_flop_count_equals_the_count_on_real_weights():
+    config = UNet2DConditionModel.load_config(RANDOM_MODEL_DIR / "unet")
+    unet = UNet2DConditionModel.from_config(config)
+    unet.set_attn_processor(AttnProcessor())
+    with FlopCounterMode(display=False) as counter, torch.inference_mode():
+        unet(torch.randn(2, 4, 8, 8), torch.zeros(2), torch.randn(2, 77, 32))
+    assert counter.get_total_flops() > 0
+    assert unet_flops(config, 2, 8, 8, 77) == counter.get_total_flops()
+
+
+def test_sd15_architecture_has_sd15s_parameter_count():
+    with torch.device("meta"):
+        unet = sd15.build_unet()
+    assert sum(parameter.numel() for parameter in unet.parameters()) == 859_520_964
+    # 512x512 with guidance: counted once here so docs/performance.md can quote it
+    assert unet_flops(unet.config, 2, 64, 64, 77) / 1e12 == pytest.approx(1.6065, abs=1e-3)
+
+
+def test_markdown_has_one_full_row_per_variant_whatever_its_status():
+    ok = {"name": BASELINE, "status": "ok", "dtype": "float32", "latency_s": 0.5, "speedup": 1.0, "images_per_s": 2.0,
+          "unet_it_s": 50.0, "peak_memory_mib": 3.2, "memory_measure": "rss_peak_growth", "max_abs_diff": 0, "psnr_db": None,
+          "warmup_overhead_s": 0.1, "unet_call_flops": 1e9}
+    report = {
+        "model": "tiny", "baseline": BASELINE,
+        "workload": {"width": 64, "height": 64, "steps": 2, "scheduler": "ddim", "batch": 1, "guidance_scale": 7.5, "repeats": 1},
+        "environment": {"device_name": "cpu", "date": "2026-11-23", "torch": "2.13.0", "diffusers": "0.42.1"},
+        "variants": [ok, {"name": "compile-reduce-overhead", "status": "skipped", "reason": "CUDA only"},
+                     {"name": "sdpa-fp16", "status": "failed", "error": "RuntimeError: boom"}],
+        "attention": [],
+    }
+    table = [line for line in markdown(report).splitlines() if line.startswith("| ")]
+    assert [line.count("|") for line in table[:4]] == [14] * 4
+    assert "| vanilla-fp32 | float32 | 0.500 | 1.00x |" in table[2] and "identical" in table[2]
+    assert "skipped: CUDA only" in table[3] and "failed: RuntimeError: boom" in table[4]
+    assert "1.000 GFLOP" in markdown(report)
