@@ -11,7 +11,7 @@ MODEL_DIR ?= $(DEFAULT_MODEL_DIR)
 ARCHIVE_FORMAT ?= auto
 PYTEST_ARGS ?=
 
-.PHONY: help venv system-deps model train-default-model model-grid prometheus-rule mar serve stop test unit-test integration-test dashboard dashboard-png loadtest sweep bench-overhead bench-pipeline clean
+.PHONY: help venv system-deps model train-default-model model-grid prometheus-rule mar serve stop test unit-test integration-test dashboard dashboard-png loadtest sweep bench-overhead bench-pipeline bench-continuous clean
 
 help:
 	@echo "make serve   set up, build the archive and serve it on 127.0.0.1:8080 (MODEL_DIR=/path for a real model)"
@@ -26,6 +26,7 @@ help:
 	@echo "make bench-overhead serving overhead: TorchServe end to end vs the pipeline in-process"
 	@echo "make bench-pipeline attention / precision / channels_last / compile / slicing variants side by side; report in reports/"
 	@echo "                    BENCH_ARGS='--model sd15' for SD 1.5's architecture with random weights, '--quick' for CI"
+	@echo "make bench-continuous step-level continuous vs request-level batching, Poisson load; report in reports/continuous/"
 	@echo "make dashboard      rebuild docker/grafana/dashboards/stable-diffusion.json"
 	@echo "make prometheus-rule  rebuild deploy/k8s/prometheusrule.yaml from docker/prometheus/rules/"
 	@echo "make dashboard-png  load a fresh server, render the dashboard panels from Prometheus to docs/img/dashboard.png"
@@ -90,6 +91,9 @@ bench-overhead: venv
 
 bench-pipeline: venv
 	$(PY) -m bench.pipeline $(BENCH_ARGS)
+
+bench-continuous: venv
+	$(PY) -m loadtest.continuous
 
 prometheus-rule: venv
 	$(PY) -m scripts.build_prometheus_rule

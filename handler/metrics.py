@@ -58,6 +58,15 @@ OOM_RETRIES = MetricSpec(
 WORKER_WARMUP = MetricSpec(
     "sd_worker_warmup_seconds", "gauge", "s", "worker start: pipeline load, optimization, compile and warm-up"
 )
+IN_FLIGHT = MetricSpec(
+    "sd_in_flight_requests", "gauge", "requests", "requests in the continuous-batching loop (started, not finished)"
+)
+ITERATION_BATCH_SIZE = MetricSpec(
+    "sd_iteration_batch_size", "histogram", "images", "images stepped by one UNet forward (continuous batching)"
+)
+DEADLINE_MISSES = MetricSpec(
+    "sd_deadline_misses_total", "counter", "requests", "requests that finished later than the latency SLA (continuous batching)"
+)
 
 METRICS = (
     REQUEST_LATENCY,
@@ -72,8 +81,13 @@ METRICS = (
     INVALID_REQUESTS,
     OOM_RETRIES,
     WORKER_WARMUP,
+    IN_FLIGHT,
+    ITERATION_BATCH_SIZE,
+    DEADLINE_MISSES,
 )
 
+# Recorded by the continuous-batching engine only.
+CONTINUOUS_ONLY = (IN_FLIGHT, ITERATION_BATCH_SIZE, DEADLINE_MISSES)
 
 # Where recorded values go: called with the metric, the value and the values of ``spec.labels``.
 MetricSink = Callable[[MetricSpec, float, tuple[str, ...]], None]
@@ -119,6 +133,21 @@ class DiffusionMetrics:
         self._record(REQUEST_LATENCY, latency_seconds)
         self._record(REQUEST_LATENCY_SLA_RATIO, latency_seconds / self.latency_sla_seconds)
         self._record(ENCODE, encode_seconds)
+
+    def in_flight(self, requests: int) -> None:
+        self._record(IN_FLIGHT, requests)
+        self._record(LATENCY_SLA, self.latency_sla_seconds)
+
+    def iteration(self, images: int, step_seconds: float) -> None:
+        """One continuous-batching step: one UNet forward over ``images`` images."""
+        self._record(ITERATION_BATCH_SIZE, images)
+        self._record(DENOISE_STEP, step_seconds)
+
+    def images_generated(self, images: int) -> None:
+        self._record(IMAGES, images)
+
+    def deadline_missed(self) -> None:
+        self._record(DEADLINE_MISSES, 1)
 
     def worker_ready(self, seconds: float) -> None:
         self._record(WORKER_WARMUP, seconds)

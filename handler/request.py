@@ -72,6 +72,7 @@ class RequestPolicy:
 
     limits: RequestLimits = RequestLimits()
     defaults: RequestDefaults = RequestDefaults(width=512, height=512)
+    streaming: bool = False  # the continuous-batching engine streams progress; request-level does not
 
 
 def _policy(info: ValidationInfo) -> RequestPolicy:
@@ -102,6 +103,9 @@ class GenerationRequest(BaseModel):
     scheduler: SchedulerName = Field(description="sampler used for denoising")
     output_format: OutputFormat = Field(description="encoding of the returned images")
     response_format: ResponseFormat = Field(description="'image' returns raw bytes, 'json' base64 with metadata")
+    stream: bool = Field(
+        False, description="newline-delimited JSON progress events, then the images (continuous-batching engine)"
+    )
 
     @model_validator(mode="before")
     @classmethod
@@ -166,6 +170,17 @@ class GenerationRequest(BaseModel):
                 )
         return value
 
+    @field_validator("stream")
+    @classmethod
+    def _stream_needs_the_step_engine(cls, value: bool, info: ValidationInfo) -> bool:
+        if value and not _policy(info).streaming:
+            raise PydanticCustomError(
+                "streaming_unavailable",
+                "stream needs the continuous-batching engine (continuousBatching: true in model-config.yaml); "
+                "this model runs request-level batching",
+            )
+        return value
+
     def with_seed(self) -> GenerationRequest:
         """This request with a concrete seed, drawn at random when the client sent none."""
         if self.seed is not None:
@@ -180,7 +195,7 @@ class GenerationRequest(BaseModel):
 
     def parameters(self) -> dict[str, Any]:
         """The effective parameters, as reported back to the client."""
-        return self.model_dump(exclude={"output_format", "response_format"})
+        return self.model_dump(exclude={"output_format", "response_format", "stream"})
 
 
 def _field_errors(error: ValidationError) -> list[FieldError]:

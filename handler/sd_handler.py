@@ -17,6 +17,7 @@ from ts.torch_handler.base_handler import BaseHandler
 
 from handler.batching import CallKey
 from handler.config import HandlerSettings, WarmupShape
+from handler.continuous import Chunk, ContinuousService, build_continuous_service
 from handler.metrics import MetricSink, MetricSpec
 from handler.pipeline import TextToImage, compile_cache_summary
 from handler.service import IncomingRequest, Response, build_service
@@ -44,6 +45,21 @@ def to_incoming(row: dict[str, Any], context: Any, index: int) -> IncomingReques
     return IncomingRequest(body=body, content_type=_content_type(context, index, body_key), fields=fields)
 
 
+def _warmup_keys(settings: HandlerSettings) -> list[tuple[WarmupShape, CallKey]]:
+    """The configured warm-up shapes (by default the default size, one image) as pipeline keys."""
+    defaults = settings.defaults
+    shapes = settings.warmup or (WarmupShape(width=defaults.width, height=defaults.height),)
+    return [
+        (shape, CallKey(shape.width, shape.height, shape.num_inference_steps, defaults.scheduler, defaults.guidance_scale))
+        for shape in shapes
+    ]
+
+
+def _stopping_criterion(chunk: Chunk):
+    done = None if chunk.final and chunk.first else chunk.final
+    return lambda _response: done
+
+
 def torchserve_metric_sink(cache: Any, model_name: str) -> MetricSink:
     """Record into TorchServe's metrics cache (the metrics declared in the ``metrics_config`` file).
     A function, not a class: TorchServe wants exactly one class in the handler module."""
@@ -63,18 +79,24 @@ def torchserve_metric_sink(cache: Any, model_name: str) -> MetricSink:
 
 
 class StableDiffusionHandler(BaseHandler):
-    """Text-to-image with a diffusers Stable Diffusion pipeline and request-level batching."""
+    """Text-to-image with a diffusers Stable Diffusion pipeline: request-level batching, or
+    step-level continuous batching with ``continuousBatching: true`` in model-config.yaml."""
 
     def initialize(self, context: Any) -> None:
         started = time.perf_counter()
         properties = context.system_properties
         self.manifest = context.manifest
-        settings = HandlerSettings.from_model_yaml(getattr(context, "model_yaml_config", None))
+        model_yaml = getattr(context, "model_yaml_config", None) or {}
+        settings = HandlerSettings.from_model_yaml(model_yaml)
         sink = torchserve_metric_sink(context.metrics, context.model_name)
-        self.service, settings = build_service(settings, properties["model_dir"], sink, properties.get("gpu_id"))
-        engine = self.service.engine
+        self.continuous = bool(model_yaml.get("continuousBatching"))
+        build = build_continuous_service if self.continuous else build_service
+        self.service, settings = build(settings, properties["model_dir"], sink, properties.get("gpu_id"))
+        engine = self.service.stepper.engine if self.continuous else self.service.engine
         loaded = time.perf_counter()
         warmup_seconds = self._warm_up(engine, settings)
+        if self.continuous:
+            warmup_seconds += self._profile_steps(self.service, settings)
         self.service.metrics.worker_ready(time.perf_counter() - started)
         self.initialized = True
         if settings.compile.enabled:
@@ -91,26 +113,44 @@ class StableDiffusionHandler(BaseHandler):
     @staticmethod
     def _warm_up(engine: TextToImage, settings: HandlerSettings) -> float:
         """Generate each configured warm-up shape (by default the default size, one image)."""
-        defaults = settings.defaults
-        shapes = settings.warmup or (WarmupShape(width=defaults.width, height=defaults.height),)
-        return sum(
-            engine.warm_up(
-                CallKey(shape.width, shape.height, shape.num_inference_steps, defaults.scheduler, defaults.guidance_scale),
-                shape.batch_size,
-            )
-            for shape in shapes
-        )
+        return sum(engine.warm_up(key, shape.batch_size) for shape, key in _warmup_keys(settings))
+
+    @staticmethod
+    def _profile_steps(service: ContinuousService, settings: HandlerSettings) -> float:
+        """Measure the step-time profile (the batch cap) at each warm-up shape."""
+        started = time.perf_counter()
+        for _, key in _warmup_keys(settings):
+            service.profile.measure(key)
+        return time.perf_counter() - started
 
     def handle(self, data: list[dict[str, Any]], context: Any) -> list[bytes]:
         self.context = context
+        if self.continuous:
+            return self._iterate(data, context)
         batch = [to_incoming(row, context, index) for index, row in enumerate(data)]
         responses = self.service.handle_batch(batch)
         for index, response in enumerate(responses):
             self._set_response_meta(context, index, response)
         return [response.body for response in responses]
 
+    def _iterate(self, data: list[dict[str, Any]], context: Any) -> list[bytes]:
+        """One continuous-batching iteration: new requests bring their rows, running ones an
+        empty row. A request's stopping criterion is whether its chunk is final; None for a
+        request answered in its first iteration, so it gets an ordinary (not chunked) response."""
+        ids = [context.request_ids[index] for index in range(len(data))]
+        new = {
+            rid: to_incoming(row, context, index)
+            for index, (rid, row) in enumerate(zip(ids, data))
+            if rid not in self.service.flights
+        }
+        chunks = self.service.iterate(new, ids)
+        for index, rid in enumerate(ids):
+            self._set_response_meta(context, index, chunks[rid])
+        context.stopping_criteria = [_stopping_criterion(chunks[rid]) for rid in ids]
+        return [chunks[rid].body for rid in ids]
+
     @staticmethod
-    def _set_response_meta(context: Any, index: int, response: Response) -> None:
+    def _set_response_meta(context: Any, index: int, response: Response | Chunk) -> None:
         context.set_response_status(response.status, HTTPStatus(response.status).phrase, index)
         context.set_response_content_type(index, response.content_type)
         for name, value in response.headers.items():

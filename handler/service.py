@@ -151,7 +151,7 @@ class TextToImageService:
                 return {call.members[0]: does_not_fit(requests[call.members[0]])}
             logger.warning("out of memory for requests %s; retrying in two halves", list(call.members))
             self.metrics.out_of_memory_retry()
-            _release_cached_memory()
+            release_cached_memory()
             responses = {}
             for half in call.halves():
                 responses.update(self._run_call(half, requests, batch))
@@ -186,13 +186,20 @@ class TextToImageService:
         return response
 
 
+def load_engine(
+    settings: HandlerSettings, model_dir: str | Path, gpu_id: int | None = None
+) -> tuple[TextToImage, HandlerSettings]:
+    """Load the pipeline; return it with the settings resolved to the model's native size."""
+    engine = load_text_to_image(settings, model_dir, gpu_id)
+    return engine, settings.with_native_size(*native_size(engine.pipeline))
+
+
 def build_service(
     settings: HandlerSettings, model_dir: str | Path, sink: MetricSink, gpu_id: int | None = None
 ) -> tuple[TextToImageService, HandlerSettings]:
     """Load the pipeline and build the service exactly as a worker does (the handler and the
     benchmarks share this); return it with the settings resolved to the model's native size."""
-    engine = load_text_to_image(settings, model_dir, gpu_id)
-    settings = settings.with_native_size(*native_size(engine.pipeline))
+    engine, settings = load_engine(settings, model_dir, gpu_id)
     service = TextToImageService(
         engine,
         RequestPolicy(settings.limits, settings.defaults),
@@ -203,6 +210,6 @@ def build_service(
     return service, settings
 
 
-def _release_cached_memory() -> None:
+def release_cached_memory() -> None:
     if torch.cuda.is_available():
         torch.cuda.empty_cache()

@@ -78,17 +78,22 @@ class StepEngine:
                 inputs.prompts, self.device, 1, guided, inputs.negative_prompts
             )
             embeddings = torch.cat([negative, positive]) if guided else positive
-            scale = pipeline.vae_scale_factor
-            shape = (len(inputs.seeds), pipeline.unet.config.in_channels, key.height // scale, key.width // scale)
+            shape = (len(inputs.seeds), *self.latent_shape(key))
             latents = randn_tensor(shape, generator=generators, device=self.device, dtype=embeddings.dtype)
             latents = latents * scheduler.init_noise_sigma
         return DenoiseJob(key, scheduler, scheduler.timesteps, latents, embeddings, _step_kwargs(scheduler, generators))
+
+    def latent_shape(self, key: CallKey) -> tuple[int, int, int]:
+        """Channels, height and width of one image's latents."""
+        scale = self.pipeline.vae_scale_factor
+        return self.pipeline.unet.config.in_channels, key.height // scale, key.width // scale
 
     def step(self, jobs: list[DenoiseJob]) -> None:
         """Advance every job one step with ONE UNet forward. All jobs must share a latent shape."""
         shapes = {job.latent_shape for job in jobs}
         if len(shapes) != 1:
             raise ValueError(f"one UNet forward needs one latent shape, got {sorted(shapes)}")
+        self._check_simulated_memory(jobs)
         with torch.inference_mode():
             inputs, embeddings, timesteps = [], [], []
             for job in jobs:
@@ -107,6 +112,13 @@ class StepEngine:
                 timestep = job.timesteps[job.step]
                 job.latents = job.scheduler.step(job_noise, timestep, job.latents, **job.step_kwargs, return_dict=False)[0]
                 job.step += 1
+
+    def _check_simulated_memory(self, jobs: list[DenoiseJob]) -> None:
+        """The fault injection the request-level engine has: out of memory above a pixel count."""
+        limit = self.engine.out_of_memory_above_pixels
+        pixels = sum(job.latents.shape[0] * job.key.width * job.key.height for job in jobs)
+        if limit is not None and pixels > limit:
+            raise torch.OutOfMemoryError(f"simulated out of memory: {pixels} pixels in one step, fault_injection allows {limit}")
 
     def finish(self, jobs: list[DenoiseJob]) -> list[list[Image]]:
         """Decode finished jobs of one latent shape with one VAE call; images per job."""

@@ -28,6 +28,8 @@ UID = "stable-diffusion"
 DATASOURCE = DataSourceRef(type_val="prometheus", uid="${datasource}")
 MODEL = 'model_name=~"$model"'
 GPU_ONLY = "GPU hosts only: TorchServe reports GPU metrics where nvidia-smi runs."
+CONTINUOUS_ONLY = ("With continuousBatching: requests in flight, mean images per UNet forward (the step-time "
+                   "profile caps it), and requests finished later than the SLA per second.")
 
 
 def query(expr: str, legend: str) -> prometheus.Dataquery:
@@ -101,6 +103,16 @@ def panels() -> list[list[timeseries.Panel | stat.Panel]]:
                 query(f"model_name:sd_denoise_step_seconds:mean5m{{{MODEL}}}", "step mean {{model_name}}"),
                 query(f"model_name:sd_denoise_step_seconds:p95_5m{{{MODEL}}}", "step p95 {{model_name}}"),
                 query(f"model_name:sd_vae_decode_seconds:mean5m{{{MODEL}}}", "VAE decode mean {{model_name}}"),
+            ],
+        ),
+        series_panel(
+            "Continuous batching", CONTINUOUS_ONLY, "short",
+            [
+                query(f"sd_in_flight_requests{{{MODEL}}}", "in flight {{model_name}}"),
+                query(f"sum by (model_name) (rate(sd_iteration_batch_size_sum{{{MODEL}}}[5m])) / "
+                      f"sum by (model_name) (rate(sd_iteration_batch_size_count{{{MODEL}}}[5m]))",
+                      "images per forward {{model_name}}"),
+                query(f"sum by (model_name) (rate(sd_deadline_misses_total{{{MODEL}}}[5m]))", "deadline misses/s {{model_name}}"),
             ],
         ),
         series_panel(

@@ -1,6 +1,7 @@
 """The request schema: defaults, bounds, strictness and the messages clients see."""
 
 import math
+from dataclasses import replace
 
 import pytest
 
@@ -39,9 +40,18 @@ def test_every_field_is_taken_as_sent():
         "scheduler": "euler_a",
         "output_format": "webp",
         "response_format": "json",
+        "stream": True,
     }
-    request = decode_body(body, "application/json", POLICY)
+    request = decode_body(body, "application/json", replace(POLICY, streaming=True))
     assert request.model_dump() == {**body, "guidance_scale": 1.0}
+
+
+def test_stream_is_a_rule_of_the_engine_not_of_the_client():
+    with pytest.raises(RequestError) as error:
+        decode_body({"prompt": "a cat", "stream": True}, "application/json", POLICY)
+    (item,) = error.value.errors
+    assert item.field == "stream" and item.rule == "streaming_unavailable" and "continuousBatching" in item.message
+    assert not decode_body({"prompt": "a cat", "stream": False}, "application/json", POLICY).stream
 
 
 @pytest.mark.parametrize(

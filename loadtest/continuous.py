@@ -1,0 +1,205 @@
+"""`make bench-continuous`: step-level continuous batching vs request-level batching, one run.
+
+Both engines serve the default model on their own TorchServe (request-level: the shipped
+model-config.yaml; continuous: the same with ``continuousBatching: true``). Each engine's capacity
+(requests/s, closed loop at saturation) is measured; then both get the same Poisson arrivals
+(seeded) at 50%, 70% and 90% of the request-level capacity, with a mix of step counts, and a
+mixed-resolution run at 70%. Client-side p50/p95/p99 latency and images/s per point go to
+``reports/continuous/`` as JSON, a Markdown table and a latency-vs-load plot.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import random
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import matplotlib.pyplot as plt
+import numpy as np
+import requests
+import yaml
+
+from scripts.build_mar import DEFAULT_MODEL_DIR, build
+from scripts.server import ROOT, TorchServe, config_on_free_ports
+
+logger = logging.getLogger("bench-continuous")
+
+STEP_MIX = (4, 8, 20, 30)
+SIDES = {"uniform": (64,), "mixed resolution": (64, 128)}
+LOADS = (0.5, 0.7, 0.9)
+ENGINES = ("request-level", "continuous")
+
+
+@dataclass(frozen=True)
+class Point:
+    engine: str
+    mix: str
+    load: float
+    offered_rps: float
+    requests: int
+    errors: int
+    p50_s: float
+    p95_s: float
+    p99_s: float
+    images_per_s: float
+
+
+def request_bodies(count: int, sides: tuple[int, ...], seed: int) -> list[dict]:
+    draw = random.Random(seed)
+    bodies = []
+    for index in range(count):
+        side = draw.choice(sides)
+        bodies.append({"prompt": draw.choice(["a red circle", "a blue square", "a green triangle", "a yellow circle"]),
+                       "seed": index, "num_inference_steps": draw.choice(STEP_MIX), "width": side, "height": side})
+    return bodies
+
+
+def _post(server: TorchServe, body: dict) -> tuple[float, bool]:
+    url = f"{server.addresses.inference}/predictions/{server.model_name}"
+    started = time.monotonic()
+    try:
+        ok = requests.post(url, json=body, headers=server.auth(), timeout=600).status_code == 200
+    except requests.RequestException:
+        ok = False
+    return time.monotonic() - started, ok
+
+
+def capacity(server: TorchServe, requests_count: int, concurrency: int) -> float:
+    """Requests/s at saturation: ``concurrency`` clients sending back to back."""
+    bodies = request_bodies(requests_count, SIDES["uniform"], seed=99)
+    started = time.monotonic()
+    with ThreadPoolExecutor(concurrency) as pool:
+        results = list(pool.map(lambda body: _post(server, body), bodies))
+    if not all(ok for _, ok in results):
+        raise RuntimeError("requests failed while measuring capacity")
+    return len(bodies) / (time.monotonic() - started)
+
+
+def poisson(server: TorchServe, engine: str, mix: str, load: float, rate: float, count: int, seed: int) -> Point:
+    """Open-loop Poisson arrivals at ``rate`` requests/s; latency per request from its arrival."""
+    bodies = request_bodies(count, SIDES[mix], seed)
+    gaps = np.random.default_rng(seed).exponential(1 / rate, size=count)
+    begin = time.monotonic()
+    with ThreadPoolExecutor(max_workers=128) as pool:
+        futures, arrival = [], begin
+        for body, gap in zip(bodies, gaps):
+            arrival += gap
+            time.sleep(max(0.0, arrival - time.monotonic()))
+            futures.append(pool.submit(_post, server, body))
+        results = [future.result() for future in futures]
+    makespan = time.monotonic() - begin
+    latencies = [seconds for seconds, ok in results if ok]
+    quantiles = np.quantile(latencies, [0.5, 0.95, 0.99]) if latencies else [float("nan")] * 3
+    return Point(engine, mix, load, rate, count, sum(not ok for _, ok in results), *map(float, quantiles),
+                 len(latencies) / makespan)
+
+
+def _model_config(directory: Path, continuous: bool) -> Path:
+    config = yaml.safe_load((ROOT / "model-config.yaml").read_text())
+    if continuous:
+        config.update({"continuousBatching": True, "batchSize": 8, "maxBatchDelay": 10})
+    path = directory / "model-config.yaml"
+    path.write_text(yaml.safe_dump(config))
+    return path
+
+
+def run_engine(engine: str, work: Path, measure) -> list[Point]:
+    directory = work / engine
+    directory.mkdir()
+    build(DEFAULT_MODEL_DIR, _model_config(directory, engine == "continuous"), directory / "model_store")
+    config = config_on_free_ports(ROOT / "config.properties", directory)
+    server = TorchServe(config, directory / "model_store", directory / "server", env={"TMPDIR": str(work)})
+    server.start()
+    try:
+        server.wait_ready(900)
+        return measure(server)
+    finally:
+        server.stop()
+
+
+def markdown(points: list[Point], capacity_rps: dict[str, float]) -> str:
+    """Per-point table, then the ratios the engines are judged by."""
+    ratio = capacity_rps["continuous"] / capacity_rps["request-level"]
+    lines = [f"Capacity (saturated, {', '.join(f'{engine} {rps:.2f}' for engine, rps in capacity_rps.items())} requests/s): "
+             f"continuous / request-level = {ratio:.2f}x. Loads are fractions of the request-level capacity.", "",
+             "| mix | load | engine | offered (req/s) | p50 (s) | p95 (s) | p99 (s) | images/s | errors |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for point in points:
+        lines.append(f"| {point.mix} | {point.load:.0%} | {point.engine} | {point.offered_rps:.2f} | {point.p50_s:.2f} "
+                     f"| {point.p95_s:.2f} | {point.p99_s:.2f} | {point.images_per_s:.2f} | {point.errors} |")
+    lines += ["", "| mix | load | p95 request-level / continuous | images/s continuous / request-level |", "| --- | --- | --- | --- |"]
+    for mix in SIDES:
+        for load in LOADS:
+            pair = {p.engine: p for p in points if p.mix == mix and p.load == load}
+            if len(pair) == 2:
+                lines.append(f"| {mix} | {load:.0%} | {pair['request-level'].p95_s / pair['continuous'].p95_s:.2f}x "
+                             f"| {pair['continuous'].images_per_s / pair['request-level'].images_per_s:.2f}x |")
+    return "\n".join(lines) + "\n"
+
+
+def plot(points: list[Point], path: Path) -> None:
+    figure, (latency, throughput) = plt.subplots(1, 2, figsize=(11, 4.5))
+    for engine, color in zip(ENGINES, ("tab:blue", "tab:orange")):
+        for mix, (style, marker) in zip(SIDES, (("-", "o"), ("--", "s"))):
+            series = sorted((p for p in points if p.engine == engine and p.mix == mix), key=lambda p: p.load)
+            if not series:
+                continue
+            loads = [p.load * 100 for p in series]
+            latency.plot(loads, [p.p95_s for p in series], style, marker=marker, color=color, label=f"{engine}, {mix}")
+            throughput.plot(loads, [p.images_per_s for p in series], style, marker=marker, color=color, label=f"{engine}, {mix}")
+    latency.set_xlabel("offered load (% of request-level capacity)")
+    latency.set_ylabel("p95 latency (s)")
+    throughput.set_xlabel("offered load (% of request-level capacity)")
+    throughput.set_ylabel("images/s")
+    latency.legend(fontsize=8)
+    figure.suptitle("Poisson arrivals, steps drawn from " + ", ".join(map(str, STEP_MIX)))
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
+    plt.close(figure)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--requests", type=int, default=80, help="requests per load point")
+    parser.add_argument("--capacity-requests", type=int, default=48)
+    parser.add_argument("--concurrency", type=int, default=8, help="closed-loop clients for the capacity measurement")
+    parser.add_argument("--output", type=Path, default=ROOT / "reports" / "continuous")
+    args = parser.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
+    points: list[Point] = []
+    measured: dict[str, float] = {}
+
+    def measure(engine: str):
+        def on(server: TorchServe) -> list[Point]:
+            capacity(server, 8, args.concurrency)  # warm-up
+            measured[engine] = capacity(server, args.capacity_requests, args.concurrency)
+            logger.info("%s capacity: %.2f requests/s", engine, measured[engine])
+            results = []
+            for mix in SIDES:
+                for load in LOADS if mix == "uniform" else (0.7,):
+                    point = poisson(server, engine, mix, load, load * measured["request-level"], args.requests, seed=int(load * 100))
+                    logger.info("%s", point)
+                    results.append(point)
+            return results
+        return on
+
+    with tempfile.TemporaryDirectory(prefix="bench-continuous-") as tmp:
+        for engine in ENGINES:
+            points += run_engine(engine, Path(tmp), measure(engine))
+    args.output.mkdir(parents=True, exist_ok=True)
+    (args.output / "points.json").write_text(json.dumps({"capacity_rps": measured, "step_mix": STEP_MIX,
+                                                         "points": [asdict(p) for p in points]}, indent=2))
+    table = markdown(points, measured)
+    (args.output / "report.md").write_text(table)
+    plot(points, args.output / "latency_vs_load.png")
+    print(table)
+
+
+if __name__ == "__main__":
+    main()
