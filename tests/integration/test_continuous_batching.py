@@ -1,5 +1,6 @@
 """A real TorchServe in continuous-batching mode (``continuousBatching: true``): requests with
-different step counts arrive staggered and each gets the image the request-level engine gives it;
+different step counts arrive staggered and each gets the image the request-level engine gives it
+(for every scheduler);
 a short request overtakes a long one; streamed progress ends with the image; a bad request
 mid-flight fails alone."""
 
@@ -16,6 +17,7 @@ import pytest
 import requests
 import yaml
 
+from handler.pipeline import SCHEDULERS
 from scripts.server import TorchServe
 from tests.integration.conftest import ROOT, Client, decode_png, serving, value
 
@@ -59,6 +61,20 @@ def test_staggered_requests_match_the_request_level_engine_and_short_ones_overta
         expected = client.image(**body)
         difference = np.abs(decode_png(results[name][0].content).astype(np.int16) - expected.astype(np.int16))
         assert difference.max() <= 1, f"{name}: differs from the request-level engine by {difference.max()}"
+
+
+@pytest.mark.parametrize("scheduler", sorted(SCHEDULERS))
+def test_every_scheduler_gives_the_request_level_image_while_requests_join(continuous, client, scheduler):
+    guidance = 1.0 if scheduler == "pndm" else 7.5  # pndm diverges at 7.5 on the default model
+    body = {"prompt": "a yellow circle", "seed": 11, "num_inference_steps": 12, "scheduler": scheduler, "guidance_scale": guidance}
+    with ThreadPoolExecutor(2) as pool:
+        first = pool.submit(continuous.image, **body)
+        time.sleep(0.1)
+        joining = pool.submit(continuous.image, **{**body, "seed": 12, "num_inference_steps": 6})
+        images = {"first": first.result(), "joining": joining.result()}
+    for name, expected in {"first": client.image(**body), "joining": client.image(**{**body, "seed": 12, "num_inference_steps": 6})}.items():
+        difference = np.abs(images[name].astype(np.int16) - expected.astype(np.int16))
+        assert difference.max() <= 1, f"{scheduler} {name}: differs from the request-level engine by {difference.max()}"
 
 
 def test_streamed_progress_parses_and_ends_with_the_image(continuous, client):
