@@ -148,3 +148,31 @@ def test_out_of_memory_halves_the_step_and_only_a_request_too_large_alone_fails(
     assert "sd_oom_retries_total" in recorded and service.profile.cap((4, 8, 8)) == 1
     (too_large,) = run(service, {0: {"big": incoming(num_images_per_prompt=3)}})["big"]
     assert too_large.first and too_large.final and too_large.status == 507
+
+
+def test_a_failing_step_fails_only_its_requests_after_their_status_was_sent(service, monkeypatch):
+    service.profile.seconds[(4, 8, 8)] = {1: 0.1, 2: 0.2}  # cap 1: one request per step
+    first = service.iterate({"s": incoming(num_inference_steps=4, stream=True), "n": incoming(num_inference_steps=40)}, ["s", "n"])
+    assert first["s"].first and not first["s"].final and first["n"].status == 200
+    stepped = next(rid for rid in ("s", "n") if service.flights[rid].job.step == 1)
+    waiting = "n" if stepped == "s" else "s"
+    real_step = service.stepper.step
+
+    def failing(jobs):
+        raise RuntimeError("device lost")
+
+    monkeypatch.setattr(service.stepper, "step", failing)
+    chunks = service.iterate({}, ["s", "n"])
+    failed = chunks[stepped]
+    assert failed.final and not failed.first and stepped not in service.flights
+    body = json.loads(failed.body.decode().splitlines()[-1])
+    assert "device lost" in body["message"] and (body.get("event") == "error") == (stepped == "s")
+    monkeypatch.setattr(service.stepper, "step", real_step)
+    while waiting in service.flights:
+        chunks = service.iterate({}, [waiting])
+    final = chunks[waiting]
+    assert final.final
+    if waiting == "s":
+        assert json.loads(final.body.decode().splitlines()[-1])["event"] == "done"
+    else:
+        assert final.body.startswith(b"\x89PNG")
