@@ -25,8 +25,8 @@ import numpy as np
 import requests
 import yaml
 
-from scripts.build_mar import DEFAULT_MODEL_DIR, build
-from scripts.server import ROOT, TorchServe, config_on_free_ports
+from scripts.build_mar import DEFAULT_MODEL_DIR
+from scripts.server import ROOT, TorchServe, serve_archive
 
 logger = logging.getLogger("bench-continuous")
 
@@ -112,15 +112,8 @@ def _model_config(directory: Path, continuous: bool) -> Path:
 def run_engine(engine: str, work: Path, measure) -> list[Point]:
     directory = work / engine
     directory.mkdir()
-    build(DEFAULT_MODEL_DIR, _model_config(directory, engine == "continuous"), directory / "model_store")
-    config = config_on_free_ports(ROOT / "config.properties", directory)
-    server = TorchServe(config, directory / "model_store", directory / "server", env={"TMPDIR": str(work)})
-    server.start()
-    try:
-        server.wait_ready(900)
+    with serve_archive(DEFAULT_MODEL_DIR, _model_config(directory, engine == "continuous"), directory) as server:
         return measure(server)
-    finally:
-        server.stop()
 
 
 def markdown(points: list[Point], capacity_rps: dict[str, float]) -> str:

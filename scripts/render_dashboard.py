@@ -20,9 +20,9 @@ import matplotlib.pyplot as plt
 import requests
 
 from scripts.build_dashboard import CONTINUOUS_ONLY, GPU_ONLY, OUTPUT as DASHBOARD
-from scripts.build_mar import DEFAULT_MODEL_DIR, build
+from scripts.build_mar import DEFAULT_MODEL_DIR
 from scripts.prometheus import Prometheus
-from scripts.server import ROOT, TorchServe, config_on_free_ports, free_port
+from scripts.server import ROOT, TorchServe, free_port, serve_archive
 
 logger = logging.getLogger("render_dashboard")
 
@@ -108,10 +108,7 @@ def main() -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
     with tempfile.TemporaryDirectory(prefix="render-dashboard-") as tmp:
         workdir = Path(tmp)
-        build(DEFAULT_MODEL_DIR, ROOT / "model-config.yaml", workdir / "model_store")
-        config = config_on_free_ports(ROOT / "config.properties", workdir, metric_time_interval="10")
-        with TorchServe(config, workdir / "model_store", workdir / "server", env={"TMPDIR": tmp}) as server:
-            server.wait_ready()
+        with serve_archive(DEFAULT_MODEL_DIR, ROOT / "model-config.yaml", workdir, metric_time_interval="10") as server:
             with Prometheus(server.addresses.metrics, workdir / "prometheus", free_port()) as prometheus:
                 prometheus.wait_for('up{job="torchserve"} == 1')
                 start = time.time()

@@ -20,8 +20,8 @@ import numpy as np
 import requests
 from PIL import Image
 
-from scripts.build_mar import DEFAULT_MODEL_DIR, build
-from scripts.server import ROOT, TorchServe, config_on_free_ports
+from scripts.build_mar import DEFAULT_MODEL_DIR
+from scripts.server import ROOT, TorchServe, serve_archive
 from scripts.shapes import COLOURS, SHAPES, Judgement, accuracy, dominant_colour, shape_of
 
 logger = logging.getLogger("render_model_grid")
@@ -67,11 +67,7 @@ def main() -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
     seeds = list(range(args.seeds))
     with tempfile.TemporaryDirectory(prefix="model-grid-") as tmp:
-        workdir = Path(tmp)
-        build(args.model_dir, ROOT / "model-config.yaml", workdir / "model_store")
-        config = config_on_free_ports(ROOT / "config.properties", workdir)
-        with TorchServe(config, workdir / "model_store", workdir / "server", env={"TMPDIR": tmp}) as server:
-            server.wait_ready()
+        with serve_archive(args.model_dir, ROOT / "model-config.yaml", Path(tmp)) as server:
             asked = [(prompt, seed) for prompt in PROMPTS for seed in seeds]
             with ThreadPoolExecutor(4) as pool:
                 images = dict(zip(asked, pool.map(lambda item: generate(server, *item), asked)))

@@ -18,12 +18,16 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import urlparse
 
 import requests
 from prometheus_client.parser import text_string_to_metric_families
+
+from scripts.build_mar import build
 
 logger = logging.getLogger("server")
 
@@ -304,6 +308,19 @@ class TorchServe:
 
     def __exit__(self, *exc_info) -> None:
         self.stop()
+
+
+@contextmanager
+def serve_archive(
+    model_dir: Path, model_config: Path, workdir: Path, startup_timeout: float = 900.0, **properties: str
+) -> Iterator[TorchServe]:
+    """Build the archive from ``model_dir`` and ``model_config`` and serve it from ``workdir`` on
+    free loopback ports (config.properties plus ``properties``) until the block ends."""
+    build(model_dir, model_config, workdir / "model_store")
+    config = config_on_free_ports(ROOT / "config.properties", workdir, **properties)
+    with TorchServe(config, workdir / "model_store", workdir / "server", env={"TMPDIR": str(workdir)}) as server:
+        server.wait_ready(startup_timeout)
+        yield server
 
 
 def _wait_group_gone(pgid: int, timeout: float) -> None:

@@ -13,8 +13,8 @@ import pytest
 import requests
 from PIL import Image
 
-from scripts.build_mar import DEFAULT_MODEL_DIR, build
-from scripts.server import TorchServe, config_on_free_ports
+from scripts.build_mar import DEFAULT_MODEL_DIR
+from scripts.server import TorchServe, serve_archive
 
 ROOT = Path(__file__).resolve().parents[2]
 MODEL_DIR = DEFAULT_MODEL_DIR
@@ -27,15 +27,8 @@ def serving(tmp: Path, model_config: Path = ROOT / "model-config.yaml", **proper
     plus ``properties``) until the block ends."""
     if not (MODEL_DIR / "model_index.json").is_file():
         pytest.fail(f"{MODEL_DIR} is missing: it is committed; `make train-default-model` rebuilds it")
-    build(MODEL_DIR, model_config, tmp / "model_store")
-    config = config_on_free_ports(ROOT / "config.properties", tmp, **properties)
-    server = TorchServe(config, tmp / "model_store", tmp / "work", env={"TMPDIR": str(tmp)})
-    server.start()
-    try:
-        server.wait_ready(STARTUP_TIMEOUT)
+    with serve_archive(MODEL_DIR, model_config, tmp, STARTUP_TIMEOUT, **properties) as server:
         yield server
-    finally:
-        server.stop()
 
 
 @pytest.fixture(scope="session")
