@@ -20,6 +20,7 @@ import torch
 from diffusers.models.attention_processor import Attention, AttnProcessor, AttnProcessor2_0
 
 from bench.measure import MIB, PeakMemory
+from handler.pipeline import synchronize
 
 PROCESSORS = {"vanilla": AttnProcessor, "sdpa": AttnProcessor2_0}
 
@@ -73,12 +74,10 @@ def _timed(module: Attention, hidden: torch.Tensor, context: torch.Tensor | None
     with torch.inference_mode():
         output = module(hidden, encoder_hidden_states=context)  # warm-up
         for _ in range(repeats):
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
+            synchronize(device)
             started = time.perf_counter()
             output = module(hidden, encoder_hidden_states=context)
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
+            synchronize(device)
             times.append(time.perf_counter() - started)
     return output, times
 

@@ -10,7 +10,6 @@ streaming requests, or nothing yet.
 
 from __future__ import annotations
 
-import base64
 import json
 import logging
 import time
@@ -22,8 +21,9 @@ import torch
 
 from handler.batching import CallInputs, CallKey, PipelineCall
 from handler.config import HandlerSettings
-from handler.encode import CONTENT_TYPES, JSON_CONTENT_TYPE, encode_image
+from handler.encode import JSON_CONTENT_TYPE, encode_image, images_json, json_body
 from handler.metrics import DiffusionMetrics, MetricSink
+from handler.pipeline import synchronize
 from handler.request import GenerationRequest, RequestError, RequestPolicy
 from handler.service import (
     SEED_HEADER,
@@ -35,6 +35,7 @@ from handler.service import (
     internal_error,
     load_engine,
     release_cached_memory,
+    success_content_type,
 )
 from handler.stepping import DenoiseJob, StepEngine
 
@@ -69,11 +70,7 @@ class Flight:
     chunks_sent: int = 0
 
     def content_type(self) -> str:
-        if self.request.stream:
-            return STREAM_CONTENT_TYPE
-        if self.request.response_format == "image" and self.request.num_images_per_prompt == 1:
-            return CONTENT_TYPES[self.request.output_format]
-        return JSON_CONTENT_TYPE
+        return STREAM_CONTENT_TYPE if self.request.stream else success_content_type(self.request)
 
 
 class StepProfile:
@@ -102,7 +99,7 @@ class StepProfile:
                 self.stepper.step([job])  # first call at a size may allocate or compile
                 started = time.perf_counter()
                 self.stepper.step([job])
-                _synchronize(self.stepper.device)
+                synchronize(self.stepper.device)
             except torch.OutOfMemoryError:
                 release_cached_memory()
                 self.lower_cap(shape, max(1, size // 2))
@@ -235,7 +232,7 @@ class ContinuousService:
         jobs = [self.flights[rid].job for rid in chosen]
         try:
             self.stepper.step(jobs)
-            _synchronize(self.stepper.device)
+            synchronize(self.stepper.device)
             return {}
         except torch.OutOfMemoryError as error:
             if len(chosen) == 1:
@@ -279,9 +276,9 @@ class ContinuousService:
         encode_started = time.perf_counter()
         try:
             if flight.request.stream:
-                encoded = [base64.b64encode(encode_image(image, flight.request.output_format)).decode("ascii") for image in images]
-                body = _event({"event": "done", "images": encoded, "format": flight.request.output_format, **metadata})
-                response = Response(200, body, STREAM_CONTENT_TYPE, {})
+                encoded = [encode_image(image, flight.request.output_format) for image in images]
+                done = {"event": "done", "format": flight.request.output_format, **metadata}
+                response = Response(200, images_json(encoded, done) + b"\n", STREAM_CONTENT_TYPE, {})
             else:
                 response = encode_response(flight.request, images, metadata)
         except Exception as error:
@@ -296,10 +293,8 @@ class ContinuousService:
     def _fail(self, rid: str, stage: str, error: Exception) -> Chunk:
         flight = self.flights.pop(rid)
         response = internal_error(stage, error)
-        if flight.request.stream:
-            body = _event({"event": "error", **json.loads(response.body)})
-            return self._chunk(flight, body, True, response)
-        return self._chunk(flight, response.body, True, response)
+        body = _event({"event": "error", **json.loads(response.body)}) if flight.request.stream else response.body
+        return self._chunk(flight, body, True, response)
 
     def _progress(self, flight: Flight, now: float) -> Chunk:
         event = {"event": "progress", "step": flight.job.step, "total_steps": flight.job.total_steps,
@@ -343,9 +338,4 @@ def _as_chunk(response: Response) -> Chunk:
 
 
 def _event(payload: dict) -> bytes:
-    return json.dumps(payload).encode() + b"\n"
-
-
-def _synchronize(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+    return json_body(payload) + b"\n"

@@ -139,6 +139,12 @@ def compile_cache_summary() -> str:
     return f"dir={cache_dir()} fxgraph_cache_hit={counters['fxgraph_cache_hit']} fxgraph_cache_miss={counters['fxgraph_cache_miss']}"
 
 
+def synchronize(device: torch.device) -> None:
+    """Wait for the device's queued work (CUDA), so that a clock read after it measures device time."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 def native_size(pipeline: DiffusionPipeline) -> tuple[int, int]:
     """The resolution the model was trained at: UNet sample size times the VAE scale factor."""
     side = pipeline.unet.config.sample_size * pipeline.vae_scale_factor

@@ -80,14 +80,23 @@ def internal_error(stage: str, error: Exception) -> Response:
     return Response(500, error_json(500, "InternalServerError", message), JSON_CONTENT_TYPE)
 
 
+def success_content_type(request: GenerationRequest) -> str:
+    """The Content-Type of a request's images: the image type for one image in ``image`` mode,
+    JSON (base64 images) otherwise."""
+    if request.response_format == "image" and request.num_images_per_prompt == 1:
+        return CONTENT_TYPES[request.output_format]
+    return JSON_CONTENT_TYPE
+
+
 def encode_response(request: GenerationRequest, images: list[Image], metadata: dict[str, Any]) -> Response:
     """Raw image bytes for one image in ``image`` mode, JSON with base64 images otherwise.
     ``metadata["timings"]`` gains ``encode_s``."""
     started = time.perf_counter()
     encoded = [encode_image(image, request.output_format) for image in images]
     headers = {SEED_HEADER: str(request.seed)}
-    if request.response_format == "image" and len(encoded) == 1:
-        return Response(200, encoded[0], CONTENT_TYPES[request.output_format], headers)
+    content_type = success_content_type(request)
+    if content_type != JSON_CONTENT_TYPE:
+        return Response(200, encoded[0], content_type, headers)
     metadata["timings"]["encode_s"] = round(time.perf_counter() - started, 6)
     return Response(200, images_json(encoded, metadata), JSON_CONTENT_TYPE, headers)
 
