@@ -42,11 +42,12 @@ $(VENV)/.installed: requirements.txt
 	touch $@
 
 # Debian packages for the tests: prometheus and promtool (observability), kubectl for its built-in
-# kustomize (deployment manifests).
+# kustomize (deployment manifests), g++ for torch.compile's CPU backend (compile benchmark and cache tests).
 system-deps:
-	@command -v prometheus >/dev/null && command -v promtool >/dev/null && command -v kubectl >/dev/null || \
+	@command -v prometheus >/dev/null && command -v promtool >/dev/null && command -v kubectl >/dev/null && command -v g++ >/dev/null || \
 	  { apt-get update && DEBIAN_FRONTEND=noninteractive apt-get install -y \
-	      $$(command -v promtool >/dev/null || echo prometheus) $$(command -v kubectl >/dev/null || echo kubernetes-client); }
+	      $$(command -v promtool >/dev/null || echo prometheus) $$(command -v kubectl >/dev/null || echo kubernetes-client) \
+	      $$(command -v g++ >/dev/null || echo g++); }
 
 model: $(RANDOM_MODEL_DIR)/model_index.json
 
