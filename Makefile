@@ -3,22 +3,28 @@ SHELL := /bin/bash
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
-# The default model is trained here (make train-default-model) and committed; the random-weight
-# model of the same architecture (make model) serves tests that need no image quality.
+# The default model is trained here (make train-default-model) and committed; random-weight tiny
+# models of every served family (make model) serve tests that need no image quality.
 DEFAULT_MODEL_DIR := models/shapes-sd
 RANDOM_MODEL_DIR := models/tiny-sd
+# models/tiny-<name> is built as family FAMILY_<name> of scripts/make_tiny_model.py.
+FAMILY_sd := sd1
+FAMILY_sd2 := sd2
+FAMILY_sdxl := sdxl
+FAMILY_sd-safety := sd1-safety
+TINY_MODELS := $(foreach name,sd sd2 sdxl sd-safety,models/tiny-$(name)/model_index.json)
 MODEL_DIR ?= $(DEFAULT_MODEL_DIR)
 ARCHIVE_FORMAT ?= auto
 PYTEST_ARGS ?=
 
-.PHONY: help venv system-deps model train-default-model model-grid prometheus-rule mar serve stop test unit-test integration-test dashboard dashboard-png loadtest sweep bench-overhead bench-pipeline bench-continuous clean
+.PHONY: help venv system-deps model train-default-model model-grid prometheus-rule mar serve stop test unit-test integration-test dashboard dashboard-png loadtest sweep bench-overhead bench-pipeline bench-continuous bench-engine clean
 
 help:
 	@echo "make serve   set up, build the archive and serve it on 127.0.0.1:8080 (MODEL_DIR=/path for a real model)"
 	@echo "make test    set up and run the whole test suite"
 	@echo "make stop    stop a server started by make serve elsewhere"
 	@echo "make mar     build model_store/stable-diffusion.mar (or a directory for large models)"
-	@echo "make model   generate the random-weight tiny model into $(RANDOM_MODEL_DIR) (for tests)"
+	@echo "make model   generate the random-weight tiny models of every family into models/tiny-* (for tests)"
 	@echo "make train-default-model  retrain the default model into $(DEFAULT_MODEL_DIR) (about 26 min on 2 CPU cores)"
 	@echo "make model-grid     prompt x seed grid of the default model through TorchServe: docs/img/default-model-grid.png"
 	@echo "make loadtest       locust against the running server (make serve), judged against the SLA in benchmark_config.yaml"
@@ -27,6 +33,7 @@ help:
 	@echo "make bench-pipeline attention / precision / channels_last / compile / slicing variants side by side; report in reports/"
 	@echo "                    BENCH_ARGS='--model sd15' for SD 1.5's architecture with random weights, '--quick' for CI"
 	@echo "make bench-continuous step-level continuous vs request-level batching, Poisson load; report in reports/continuous/"
+	@echo "make bench-engine   the step engine against the diffusers call it mirrors, per family, batch 1 and 8; reports/engine/"
 	@echo "make dashboard      rebuild docker/grafana/dashboards/stable-diffusion.json"
 	@echo "make prometheus-rule  rebuild deploy/k8s/prometheusrule.yaml from docker/prometheus/rules/"
 	@echo "make dashboard-png  load a fresh server, render the dashboard panels from Prometheus to docs/img/dashboard.png"
@@ -49,10 +56,11 @@ system-deps:
 	      $$(command -v promtool >/dev/null || echo prometheus) $$(command -v kubectl >/dev/null || echo kubernetes-client) \
 	      $$(command -v g++ >/dev/null || echo g++); }
 
-model: $(RANDOM_MODEL_DIR)/model_index.json
+model: $(TINY_MODELS)
 
-$(RANDOM_MODEL_DIR)/model_index.json: scripts/make_tiny_model.py | $(VENV)/.installed
-	$(PY) -m scripts.make_tiny_model $(RANDOM_MODEL_DIR)
+models/tiny-%/model_index.json: scripts/make_tiny_model.py | $(VENV)/.installed
+	rm -rf models/tiny-$*
+	$(PY) -m scripts.make_tiny_model models/tiny-$* --family $(FAMILY_$*)
 
 train-default-model: venv
 	$(PY) -m scripts.train_default_model $(DEFAULT_MODEL_DIR)
@@ -95,6 +103,9 @@ bench-pipeline: venv
 
 bench-continuous: venv
 	$(PY) -m loadtest.continuous
+
+bench-engine: venv model
+	$(PY) -m bench.engine $(BENCH_ARGS)
 
 prometheus-rule: venv
 	$(PY) -m scripts.build_prometheus_rule

@@ -25,10 +25,11 @@ from diffusers import UNet2DConditionModel
 from diffusers.models.attention_processor import AttnProcessor
 from torch.utils.flop_counter import FlopCounterMode
 
-from handler.batching import CallInputs, CallKey
-from handler.config import HandlerSettings
-from handler.pipeline import TextToImage, load_text_to_image
+from bench.jobs import generate
 from bench.variants import VARIANTS
+from handler.config import HandlerSettings
+from handler.engine import JobSpec, StepEngine
+from handler.pipeline import load_engine
 
 logger = logging.getLogger(__name__)
 
@@ -51,13 +52,13 @@ class Workload:
     scheduler: str = "ddim"
     max_batch_limit: int = 0
 
-    def key(self, steps: int | None = None) -> CallKey:
-        return CallKey(self.width, self.height, steps or self.steps, self.scheduler, self.guidance_scale)
-
-    def inputs(self, batch: int | None = None) -> CallInputs:
-        size = batch or self.batch
-        prompts = [PROMPTS[index % len(PROMPTS)] for index in range(size)]
-        return CallInputs(prompts, [""] * size, list(range(size)), [0] * size)
+    def specs(self, batch: int | None = None, steps: int | None = None) -> list[JobSpec]:
+        """One job per image, as ``batch`` one-image requests: image k has prompt k (cycling) and seed k."""
+        return [
+            JobSpec(PROMPTS[index % len(PROMPTS)], None, (index,), self.width, self.height, steps or self.steps,
+                    self.scheduler, self.guidance_scale)
+            for index in range(batch or self.batch)
+        ]
 
     def base_settings(self) -> HandlerSettings:
         return HandlerSettings(model_path=self.model_dir, device=self.device)
@@ -112,7 +113,7 @@ def unet_flops(config: dict, rows: int, latent_height: int, latent_width: int, t
     return counter.get_total_flops()
 
 
-def unet_call_flops(engine: TextToImage, workload: Workload) -> int:
+def unet_call_flops(engine: StepEngine, workload: Workload) -> int:
     """FLOPs of one UNet call of the workload: its batch (doubled for guidance) at its latent size."""
     pipeline = engine.pipeline
     scale = pipeline.vae_scale_factor
@@ -121,12 +122,12 @@ def unet_call_flops(engine: TextToImage, workload: Workload) -> int:
                       pipeline.tokenizer.model_max_length)
 
 
-def largest_batch(engine: TextToImage, workload: Workload) -> dict:
-    """The most images one call of this shape fits (CUDA): doubling until out of memory, then
+def largest_batch(engine: StepEngine, workload: Workload) -> dict:
+    """The most images one forward of this shape fits (CUDA): doubling until out of memory, then
     bisection. Two steps per try: memory peaks the same at every step."""
     def fits(size: int) -> bool:
         try:
-            engine.generate(workload.key(steps=2), workload.inputs(size))
+            generate(engine, workload.specs(size, steps=2))
             return True
         except torch.OutOfMemoryError:
             return False
@@ -152,24 +153,23 @@ def run_variant(variant_name: str, workload: Workload, images_path: Path, count_
     """Load, warm up (compiling, for compiled variants) and time one variant; save its images."""
     variant = next(variant for variant in VARIANTS if variant.name == variant_name)
     started = time.perf_counter()
-    engine = load_text_to_image(variant.settings(workload.base_settings()), ".")
-    engine.synchronize_steps = True
+    engine = load_engine(variant.settings(workload.base_settings()), ".")
     load_s = time.perf_counter() - started
-    key, inputs = workload.key(), workload.inputs()
+    specs = workload.specs()
     memory = PeakMemory(engine.device)
 
     first_started = time.perf_counter()
-    engine.generate(key, inputs)
+    generate(engine, specs)
     first_call_s = time.perf_counter() - first_started
     latencies, step_times = [], []
     memory.reset()
     for _ in range(workload.repeats):
         call_started = time.perf_counter()
-        images, timings = engine.generate(key, inputs)
+        decoded, seconds = generate(engine, specs)
         latencies.append(time.perf_counter() - call_started)
-        step_times.extend(timings.denoise_steps)
+        step_times.extend(seconds)
     peak_mib = memory.peak_mib()
-    np.save(images_path, np.stack([np.asarray(image) for image in images]))
+    np.save(images_path, np.stack([np.asarray(image) for job in decoded for image in job.images]))
     median_latency = statistics.median(latencies)
     result = {
         "description": engine.description,

@@ -146,7 +146,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda", "mps"])
     parser.add_argument("--resolution", type=int, help="image side in pixels (default: 64; sd15: 512 on GPU, 256 on CPU)")
     parser.add_argument("--steps", type=int, help="denoising steps (default: 25; sd15: 50 on GPU, 4 on CPU)")
-    parser.add_argument("--batch", type=int, default=1, help="images per pipeline call")
+    parser.add_argument("--batch", type=int, default=1, help="one-image requests stepped together")
     parser.add_argument("--repeats", type=int, help="timed calls per variant after the warm-up call (default 3)")
     parser.add_argument("--variants", nargs="*", help=f"subset of {', '.join(VARIANT_NAMES)} (the baseline always runs)")
     parser.add_argument("--max-batch-limit", type=int, default=64, help="largest batch the GPU max-batch search tries; 0: skip")

@@ -103,7 +103,10 @@ class FaultInjection(_Section):
     """For tests on machines without an accelerator: make failure paths reachable. Off by default."""
 
     out_of_memory_above_pixels: int | None = Field(
-        None, ge=1, description="raise out-of-memory for a pipeline call whose images x width x height exceed this"
+        None, ge=1, description="raise out-of-memory for a UNet step whose images x width x height exceed this"
+    )
+    vae_out_of_memory_above_pixels: int | None = Field(
+        None, ge=1, description="raise out-of-memory for an untiled VAE decode whose images x width x height exceed this"
     )
 
 
@@ -121,8 +124,11 @@ class HandlerSettings(_Section):
     vae_tiling: bool = False
     cpu_offload: Literal["none", "model", "sequential"] = "none"
     compile: CompileSettings = CompileSettings()
+    safety_checker: bool = Field(
+        True, description="run the model's safety checker where the model directory ships one (SD 1.x); false: off"
+    )
     warmup: tuple[WarmupShape, ...] = ()
-    max_images_per_call: int = Field(16, ge=1, description="most images one pipeline call generates")
+    max_images_per_call: int = Field(16, ge=1, description="most images one UNet forward steps")
     metrics: MetricsSettings = MetricsSettings()
     log_prompts: bool = Field(False, description="log each request's parameters, prompt included, at INFO")
     fault_injection: FaultInjection = FaultInjection()
@@ -158,6 +164,15 @@ class HandlerSettings(_Section):
         defaults["width"] = defaults["width"] or width
         defaults["height"] = defaults["height"] or height
         return type(self).model_validate({**self.model_dump(), "defaults": defaults})
+
+    def warmup_shapes(self) -> tuple[WarmupShape, ...]:
+        """The configured warm-up shapes; none configured: the default size (resolved by
+        ``with_native_size``), one image."""
+        if self.warmup:
+            return self.warmup
+        if self.defaults.width is None or self.defaults.height is None:
+            raise ValueError("the default size is unresolved; call with_native_size first")
+        return (WarmupShape(width=self.defaults.width, height=self.defaults.height),)
 
     def resolve_model_path(self, model_dir: str | Path) -> Path:
         """The pipeline directory: ``model_path`` taken relative to the unpacked archive."""

@@ -7,23 +7,30 @@ import io
 import json
 from typing import Any
 
-from PIL.Image import Image
+from PIL.Image import Exif, Image
 
 CONTENT_TYPES = {"png": "image/png", "jpeg": "image/jpeg", "webp": "image/webp"}
 JSON_CONTENT_TYPE = "application/json"
 JPEG_QUALITY = 90
 WEBP_QUALITY = 90
+# EXIF tag ImageDescription: where an encoded image says whether the safety checker flagged it.
+EXIF_IMAGE_DESCRIPTION = 0x010E
+NSFW_DESCRIPTION = "nsfw_content_detected={}"
 
 
-def encode_image(image: Image, output_format: str) -> bytes:
-    """PNG (lossless), JPEG or WebP bytes of one image."""
+def encode_image(image: Image, output_format: str, nsfw_content_detected: bool | None = None) -> bytes:
+    """PNG (lossless), JPEG or WebP bytes of one image. Where a safety checker ran, the image's
+    EXIF ImageDescription reads ``nsfw_content_detected=true`` (or ``false``)."""
     buffer = io.BytesIO()
+    exif = Exif()
+    if nsfw_content_detected is not None:
+        exif[EXIF_IMAGE_DESCRIPTION] = NSFW_DESCRIPTION.format(str(nsfw_content_detected).lower())
     if output_format == "png":
-        image.save(buffer, format="PNG")
+        image.save(buffer, format="PNG", exif=exif)
     elif output_format == "jpeg":
-        image.convert("RGB").save(buffer, format="JPEG", quality=JPEG_QUALITY)
+        image.convert("RGB").save(buffer, format="JPEG", quality=JPEG_QUALITY, exif=exif)
     elif output_format == "webp":
-        image.save(buffer, format="WEBP", quality=WEBP_QUALITY)
+        image.save(buffer, format="WEBP", quality=WEBP_QUALITY, exif=exif)
     else:
         raise ValueError(f"unsupported output_format {output_format!r}; allowed: {', '.join(CONTENT_TYPES)}")
     return buffer.getvalue()

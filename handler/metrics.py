@@ -1,8 +1,10 @@
 """Metric names, types and labels in one place, and what the service records.
 
-The service records through ``DiffusionMetrics``; where the numbers go is a ``MetricSink``
-(TorchServe's metrics in the handler, a list in tests). ``METRICS`` is the source of the
-``model_metrics`` section of ``metrics.yaml`` (a unit test keeps the two equal).
+Every metric means the same with TorchServe's dynamic batching and with its continuous batching:
+both run the same step engine. The service records through ``DiffusionMetrics``; where the
+numbers go is a ``MetricSink`` (TorchServe's metrics in the handler, a list in tests). ``METRICS``
+is the source of the ``model_metrics`` section of ``metrics.yaml`` (a unit test keeps the two
+equal).
 
 TorchServe gives every histogram the fixed buckets 0.005 .. 10 in Prometheus mode. Latencies are
 recorded in seconds; because a request on a CPU or at a large size can take longer than 10 s,
@@ -35,37 +37,45 @@ class MetricSpec:
 
 
 REQUEST_LATENCY = MetricSpec(
-    "sd_request_latency_seconds", "histogram", "s", "handler time of one request, batch start to encoded image"
+    "sd_request_latency_seconds", "histogram", "s", "handler time of one request, from admission to its response"
 )
 REQUEST_LATENCY_SLA_RATIO = MetricSpec(
     "sd_request_latency_sla_ratio", "histogram", "ratio", "request latency divided by the configured SLA"
 )
 LATENCY_SLA = MetricSpec("sd_latency_sla_seconds", "gauge", "s", "the configured request latency SLA")
-DENOISE_STEP = MetricSpec("sd_denoise_step_seconds", "histogram", "s", "one denoising step of one pipeline call")
+DENOISE_STEP = MetricSpec(
+    "sd_denoise_step_seconds", "histogram", "s", "one denoising step: one UNet forward over the jobs stepped together"
+)
 VAE_DECODE = MetricSpec(
-    "sd_vae_decode_seconds", "histogram", "s", "VAE decode and post-processing of one pipeline call"
+    "sd_vae_decode_seconds", "histogram", "s", "VAE decode, safety check and post-processing of the jobs that finished together"
 )
 ENCODE = MetricSpec("sd_encode_seconds", "histogram", "s", "encoding one request's images into the response")
-BATCH_SIZE = MetricSpec("sd_batch_size", "histogram", "requests", "requests in one TorchServe batch")
-PIPELINE_CALLS = MetricSpec("sd_pipeline_calls_total", "counter", "calls", "pipeline calls (one or more per batch)")
+BATCH_SIZE = MetricSpec(
+    "sd_batch_size", "histogram", "requests", "requests admitted together (one TorchServe batch, or the requests joining one iteration)"
+)
+PIPELINE_CALLS = MetricSpec(
+    "sd_pipeline_calls_total", "counter", "calls", "pipeline runs completed: groups of jobs of one shape decoded together"
+)
 IMAGES = MetricSpec("sd_images_total", "counter", "images", "images generated")
 INVALID_REQUESTS = MetricSpec(
     "sd_invalid_requests_total", "counter", "requests", "requests rejected with 400, by rejected field", ("field",)
 )
 OOM_RETRIES = MetricSpec(
-    "sd_oom_retries_total", "counter", "retries", "pipeline calls split and retried after running out of memory"
+    "sd_oom_retries_total", "counter", "retries",
+    "retries after running out of memory, by stage: a step split in halves, a VAE decode per image or in tiles", ("stage",),
 )
+OOM_STAGES = ("step", "vae_decode")
 WORKER_WARMUP = MetricSpec(
-    "sd_worker_warmup_seconds", "gauge", "s", "worker start: pipeline load, optimization, compile and warm-up"
+    "sd_worker_warmup_seconds", "gauge", "s", "worker start: pipeline load, optimization, compile, warm-up and step profile"
 )
 IN_FLIGHT = MetricSpec(
-    "sd_in_flight_requests", "gauge", "requests", "requests in the continuous-batching loop (started, not finished)"
+    "sd_in_flight_requests", "gauge", "requests", "requests in the denoising loop (admitted, not finished)"
 )
 ITERATION_BATCH_SIZE = MetricSpec(
-    "sd_iteration_batch_size", "histogram", "images", "images stepped by one UNet forward (continuous batching)"
+    "sd_iteration_batch_size", "histogram", "images", "images stepped by one UNet forward"
 )
 DEADLINE_MISSES = MetricSpec(
-    "sd_deadline_misses_total", "counter", "requests", "requests that finished later than the latency SLA (continuous batching)"
+    "sd_deadline_misses_total", "counter", "requests", "requests that finished later than the latency SLA after admission"
 )
 
 METRICS = (
@@ -86,19 +96,8 @@ METRICS = (
     DEADLINE_MISSES,
 )
 
-# Recorded by the continuous-batching engine only.
-CONTINUOUS_ONLY = (IN_FLIGHT, ITERATION_BATCH_SIZE, DEADLINE_MISSES)
-
 # Where recorded values go: called with the metric, the value and the values of ``spec.labels``.
 MetricSink = Callable[[MetricSpec, float, tuple[str, ...]], None]
-
-
-@dataclass(frozen=True)
-class CallTimings:
-    """Where the time of one pipeline call went."""
-
-    denoise_steps: list[float]
-    vae_decode: float
 
 
 class DiffusionMetrics:
@@ -112,6 +111,7 @@ class DiffusionMetrics:
         self.sink(spec, value, labels)
 
     def batch_received(self, size: int) -> None:
+        """Requests admitted together: a TorchServe batch, or the requests joining one iteration."""
         self._record(BATCH_SIZE, size)
         self._record(LATENCY_SLA, self.latency_sla_seconds)
 
@@ -119,36 +119,32 @@ class DiffusionMetrics:
         for field in sorted(set(fields)):
             self._record(INVALID_REQUESTS, 1, field)
 
-    def pipeline_call(self, timings: CallTimings, images: int) -> None:
+    def in_flight(self, requests: int) -> None:
+        self._record(IN_FLIGHT, requests)
+
+    def step(self, images: int, seconds: float) -> None:
+        """One UNet forward over ``images`` images."""
+        self._record(ITERATION_BATCH_SIZE, images)
+        self._record(DENOISE_STEP, seconds)
+
+    def decoded(self, images: int, seconds: float) -> None:
+        """Jobs of one shape that finished together, decoded (one pipeline run's end)."""
         self._record(PIPELINE_CALLS, 1)
         self._record(IMAGES, images)
-        for seconds in timings.denoise_steps:
-            self._record(DENOISE_STEP, seconds)
-        self._record(VAE_DECODE, timings.vae_decode)
+        self._record(VAE_DECODE, seconds)
 
-    def out_of_memory_retry(self) -> None:
-        self._record(OOM_RETRIES, 1)
+    def out_of_memory_retry(self, stage: str) -> None:
+        self._record(OOM_RETRIES, 1, stage)
 
     def request_completed(self, latency_seconds: float, encode_seconds: float) -> None:
         self._record(REQUEST_LATENCY, latency_seconds)
         self._record(REQUEST_LATENCY_SLA_RATIO, latency_seconds / self.latency_sla_seconds)
         self._record(ENCODE, encode_seconds)
-
-    def in_flight(self, requests: int) -> None:
-        self._record(IN_FLIGHT, requests)
-        self._record(LATENCY_SLA, self.latency_sla_seconds)
-
-    def iteration(self, images: int, step_seconds: float) -> None:
-        """One continuous-batching step: one UNet forward over ``images`` images."""
-        self._record(ITERATION_BATCH_SIZE, images)
-        self._record(DENOISE_STEP, step_seconds)
-
-    def images_generated(self, images: int) -> None:
-        self._record(IMAGES, images)
-
-    def deadline_missed(self) -> None:
-        self._record(DEADLINE_MISSES, 1)
+        # 0 for a request in time, so the counter exists (and its rate is 0) before the first miss
+        self._record(DEADLINE_MISSES, 1 if latency_seconds > self.latency_sla_seconds else 0)
 
     def worker_ready(self, seconds: float) -> None:
         self._record(WORKER_WARMUP, seconds)
         self._record(LATENCY_SLA, self.latency_sla_seconds)
+        for stage in OOM_STAGES:  # the counters exist from the start: their rate reads 0, not nothing
+            self._record(OOM_RETRIES, 0, stage)

@@ -1,47 +1,26 @@
-"""Build, optimize and run the diffusers text-to-image pipeline.
+"""Load and optimize the diffusers text-to-image pipeline for the step engine.
 
-One function (``load_text_to_image``) builds the pipeline for the handler, the benchmarks and the
-tests, so what is measured is what is served.
+One function (``load_engine``) builds the engine for the handler, the benchmarks and the tests,
+so what is measured is what is served.
 """
 
 from __future__ import annotations
 
 import logging
 import os
-import time
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from diffusers import (
-    AutoPipelineForText2Image,
-    DDIMScheduler,
-    DiffusionPipeline,
-    DPMSolverMultistepScheduler,
-    EulerAncestralDiscreteScheduler,
-    EulerDiscreteScheduler,
-    PNDMScheduler,
-)
+from diffusers import AutoPipelineForText2Image, DiffusionPipeline
 from diffusers.models.attention_processor import AttnProcessor, AttnProcessor2_0, SlicedAttnProcessor
-from PIL.Image import Image
 from torch._inductor.runtime.cache_dir_utils import cache_dir
 
-from handler.batching import CallInputs, CallKey
 from handler.config import HandlerSettings
-from handler.metrics import CallTimings
+from handler.engine import StepEngine
+from handler.families import family_of
 
 logger = logging.getLogger(__name__)
 
-# Scheduler class and the settings it needs on top of the model's scheduler config. PNDM skips its
-# Runge-Kutta warm-up steps as Stable Diffusion's own PNDM configuration does (with them it needs at
-# least 4 steps and runs 13 UNet calls for 4 steps).
-SCHEDULERS = {
-    "ddim": (DDIMScheduler, {}),
-    "euler": (EulerDiscreteScheduler, {}),
-    "euler_a": (EulerAncestralDiscreteScheduler, {}),
-    "dpmpp_2m": (DPMSolverMultistepScheduler, {}),
-    "pndm": (PNDMScheduler, {"skip_prk_steps": True}),
-}
 DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
 ATTENTION_PROCESSORS = {"sdpa": AttnProcessor2_0, "vanilla": AttnProcessor}
 ATTENTION_COMPONENTS = ("unet", "vae")
@@ -145,98 +124,32 @@ def synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def release_cached_memory() -> None:
+    """Hand cached blocks back to the device after running out of memory, before a retry."""
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
 def native_size(pipeline: DiffusionPipeline) -> tuple[int, int]:
     """The resolution the model was trained at: UNet sample size times the VAE scale factor."""
     side = pipeline.unet.config.sample_size * pipeline.vae_scale_factor
     return side, side
 
 
-class _StepClock:
-    """Times the denoising steps of one call: from the first UNet call to each step's end, then
-    to the end of the call (VAE decode and post-processing). With a device given, it is
-    synchronized at each mark so that GPU time is measured, not launch time."""
-
-    def __init__(self, synchronize: torch.device | None):
-        self.synchronize = synchronize if synchronize is not None and synchronize.type == "cuda" else None
-        self.marks: list[float] = []
-
-    def _mark(self) -> None:
-        if self.synchronize is not None:
-            torch.cuda.synchronize(self.synchronize)
-        self.marks.append(time.perf_counter())
-
-    def unet_called(self, module, args) -> None:
-        if not self.marks:
-            self._mark()
-
-    def step_ended(self, pipeline, step, timestep, callback_kwargs) -> dict:
-        self._mark()
-        return callback_kwargs
-
-    def timings(self) -> CallTimings:
-        self._mark()
-        steps = [end - start for start, end in zip(self.marks, self.marks[1:-1])]
-        return CallTimings(denoise_steps=steps, vae_decode=self.marks[-1] - self.marks[-2])
+def _apply_safety_checker(pipeline: DiffusionPipeline, settings: HandlerSettings) -> str:
+    """Keep the model's safety checker unless ``handler.safety_checker`` is false; say which."""
+    if getattr(pipeline, "safety_checker", None) is None:
+        return "none (the model ships none)"
+    if not settings.safety_checker:
+        pipeline.safety_checker = None
+        logger.warning("the model's safety checker is OFF (handler.safety_checker: false)")
+        return "off (handler.safety_checker: false)"
+    return "on"
 
 
-@dataclass
-class TextToImage:
-    """A loaded pipeline plus the schedulers requests may choose from."""
-
-    pipeline: DiffusionPipeline
-    device: torch.device
-    dtype: torch.dtype
-    description: str
-    synchronize_steps: bool = True
-    out_of_memory_above_pixels: int | None = None
-    _schedulers: dict[str, object] = field(default_factory=dict)
-
-    def _use_scheduler(self, name: str) -> None:
-        if name not in self._schedulers:
-            scheduler_class, overrides = SCHEDULERS[name]
-            self._schedulers[name] = scheduler_class.from_config(self.pipeline.scheduler.config, **overrides)
-        self.pipeline.scheduler = self._schedulers[name]
-
-    def generate(self, key: CallKey, inputs: CallInputs) -> tuple[list[Image], CallTimings]:
-        """Run one pipeline call; image ``i`` comes from a CPU generator seeded ``inputs.seeds[i]``,
-        so it does not depend on its batchmates or on the device."""
-        pixels = len(inputs.seeds) * key.width * key.height
-        if self.out_of_memory_above_pixels is not None and pixels > self.out_of_memory_above_pixels:
-            raise torch.OutOfMemoryError(
-                f"simulated out of memory: {pixels} pixels in one call, fault_injection allows "
-                f"{self.out_of_memory_above_pixels}"
-            )
-        self._use_scheduler(key.scheduler)
-        generators = [torch.Generator("cpu").manual_seed(seed) for seed in inputs.seeds]
-        clock = _StepClock(self.device if self.synchronize_steps else None)
-        hook = self.pipeline.unet.register_forward_pre_hook(clock.unet_called)
-        try:
-            with torch.inference_mode():
-                output = self.pipeline(
-                    prompt=inputs.prompts,
-                    negative_prompt=inputs.negative_prompts,
-                    num_inference_steps=key.num_inference_steps,
-                    guidance_scale=key.guidance_scale,
-                    width=key.width,
-                    height=key.height,
-                    generator=generators,
-                    output_type="pil",
-                    callback_on_step_end=clock.step_ended,
-                )
-        finally:
-            hook.remove()
-        return output.images, clock.timings()
-
-    def warm_up(self, key: CallKey, batch_size: int) -> float:
-        """Generate one throw-away batch of this shape; return the seconds it took."""
-        started = time.perf_counter()
-        inputs = CallInputs(["warm-up"] * batch_size, [""] * batch_size, list(range(batch_size)), [0] * batch_size)
-        self.generate(key, inputs)
-        return time.perf_counter() - started
-
-
-def load_text_to_image(settings: HandlerSettings, model_dir: str | Path, gpu_id: int | None = None) -> TextToImage:
-    """Load the pipeline (safetensors only) and apply the configured optimizations."""
+def load_engine(settings: HandlerSettings, model_dir: str | Path, gpu_id: int | None = None) -> StepEngine:
+    """Load the pipeline (safetensors only), detect its family (refusing any other pipeline),
+    apply the configured optimizations and return the step engine over it."""
     device = resolve_device(settings.device, gpu_id)
     dtype = resolve_dtype(settings.dtype, device)
     if device.type == "cuda" and settings.tf32:
@@ -246,6 +159,8 @@ def load_text_to_image(settings: HandlerSettings, model_dir: str | Path, gpu_id:
         _pipeline_source(settings, model_dir), dtype=dtype, use_safetensors=True
     )
     pipeline.set_progress_bar_config(disable=True)
+    family = family_of(pipeline, device, dtype)
+    safety = _apply_safety_checker(pipeline, settings)
     _set_attention(pipeline, settings)
     if settings.channels_last:
         pipeline.unet.to(memory_format=torch.channels_last)
@@ -254,14 +169,12 @@ def load_text_to_image(settings: HandlerSettings, model_dir: str | Path, gpu_id:
     attention = attention_summary(pipeline, settings)
     _apply_compile(pipeline, settings)
     description = (
-        f"pipeline={type(pipeline).__name__} device={device} dtype={str(dtype).removeprefix('torch.')} "
-        f"attention={attention} channels_last={settings.channels_last} "
+        f"family={family.name} pipeline={type(pipeline).__name__} device={device} "
+        f"dtype={str(dtype).removeprefix('torch.')} vae_dtype={str(pipeline.vae.dtype).removeprefix('torch.')} "
+        f"safety_checker={safety} attention={attention} channels_last={settings.channels_last} "
         f"tf32={settings.tf32 and device.type == 'cuda'} attention_slicing={settings.attention_slicing} "
         f"vae_slicing={settings.vae_slicing} vae_tiling={settings.vae_tiling} cpu_offload={settings.cpu_offload} "
         f"compile={settings.compile.mode if settings.compile.enabled else 'off'}"
         f"{'(' + ','.join(settings.compile.targets) + ')' if settings.compile.enabled else ''}"
     )
-    return TextToImage(
-        pipeline, device, dtype, description, settings.metrics.synchronize_steps,
-        settings.fault_injection.out_of_memory_above_pixels,
-    )
+    return StepEngine(pipeline, family, device, dtype, description, settings.fault_injection)

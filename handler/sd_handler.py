@@ -1,13 +1,15 @@
 """TorchServe adapter: the only module that knows TorchServe.
 
-It maps TorchServe's batch and context onto ``TextToImageService`` and the service's responses
-back onto per-request status, content type and headers.
+It maps TorchServe's batch and context onto ``DiffusionService`` (one loop per batching mode,
+picked once at ``initialize``) and the service's responses back onto per-request status, content
+type, headers and, with continuous batching, stopping criteria.
 """
 
 from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from http import HTTPStatus
 from typing import Any
 
@@ -15,12 +17,11 @@ from ts.metrics.metric_cache_errors import MetricsCacheKeyError
 from ts.metrics.metric_type_enum import MetricTypes
 from ts.torch_handler.base_handler import BaseHandler
 
-from handler.batching import CallKey
-from handler.config import HandlerSettings, WarmupShape
-from handler.continuous import Chunk, ContinuousService, build_continuous_service
+from handler.config import HandlerSettings
 from handler.metrics import MetricSink, MetricSpec
-from handler.pipeline import TextToImage, compile_cache_summary
-from handler.service import IncomingRequest, Response, build_service
+from handler.pipeline import compile_cache_summary
+from handler.protocol import IncomingRequest, Response
+from handler.service import build_service
 
 logger = logging.getLogger(__name__)
 
@@ -45,18 +46,10 @@ def to_incoming(row: dict[str, Any], context: Any, index: int) -> IncomingReques
     return IncomingRequest(body=body, content_type=_content_type(context, index, body_key), fields=fields)
 
 
-def _warmup_keys(settings: HandlerSettings) -> list[tuple[WarmupShape, CallKey]]:
-    """The configured warm-up shapes (by default the default size, one image) as pipeline keys."""
-    defaults = settings.defaults
-    shapes = settings.warmup or (WarmupShape(width=defaults.width, height=defaults.height),)
-    return [
-        (shape, CallKey(shape.width, shape.height, shape.num_inference_steps, defaults.scheduler, defaults.guidance_scale))
-        for shape in shapes
-    ]
-
-
-def _stopping_criterion(chunk: Chunk):
-    done = None if chunk.final and chunk.first else chunk.final
+def _stopping_criterion(response: Response) -> Callable[[Any], bool | None]:
+    """Whether TorchServe should stop streaming this request: its final part ends it, and None
+    for an answer in one part (TorchServe then sends an ordinary, unchunked response)."""
+    done = None if response.final and response.first else response.final
     return lambda _response: done
 
 
@@ -79,8 +72,8 @@ def torchserve_metric_sink(cache: Any, model_name: str) -> MetricSink:
 
 
 class StableDiffusionHandler(BaseHandler):
-    """Text-to-image with a diffusers Stable Diffusion pipeline: request-level batching, or
-    step-level continuous batching with ``continuousBatching: true`` in model-config.yaml."""
+    """Text-to-image with a diffusers Stable Diffusion pipeline on the step engine, under
+    TorchServe's dynamic batching or, with ``continuousBatching: true``, its continuous batching."""
 
     def initialize(self, context: Any) -> None:
         started = time.perf_counter()
@@ -88,71 +81,51 @@ class StableDiffusionHandler(BaseHandler):
         self.manifest = context.manifest
         model_yaml = getattr(context, "model_yaml_config", None) or {}
         settings = HandlerSettings.from_model_yaml(model_yaml)
-        sink = torchserve_metric_sink(context.metrics, context.model_name)
-        self.continuous = bool(model_yaml.get("continuousBatching"))
-        build = build_continuous_service if self.continuous else build_service
-        self.service, settings = build(settings, properties["model_dir"], sink, properties.get("gpu_id"))
-        engine = self.service.stepper.engine if self.continuous else self.service.engine
+        continuous = bool(model_yaml.get("continuousBatching"))
+        self.service, settings = build_service(
+            settings, properties["model_dir"], torchserve_metric_sink(context.metrics, context.model_name),
+            properties.get("gpu_id"), streaming=continuous,
+        )
+        self._loop = self._iterate if continuous else self._run_batch
         loaded = time.perf_counter()
-        warmup_seconds = self._warm_up(engine, settings)
-        if self.continuous:
-            warmup_seconds += self._profile_steps(self.service, settings)
+        warmup_seconds = self.service.warm_up(settings.warmup_shapes())
         self.service.metrics.worker_ready(time.perf_counter() - started)
         self.initialized = True
         if settings.compile.enabled:
             logger.info("compile cache: %s", compile_cache_summary())
         logger.info(
-            "stable-diffusion worker ready: %s defaults=%s limits=%s load_s=%.2f warmup_s=%.2f",
-            engine.description,
+            "stable-diffusion worker ready: %s batching=%s defaults=%s limits=%s load_s=%.2f warmup_s=%.2f",
+            self.service.engine.description,
+            "continuous" if continuous else "dynamic",
             settings.defaults.model_dump(),
             settings.limits.model_dump(),
             loaded - started,
             warmup_seconds,
         )
 
-    @staticmethod
-    def _warm_up(engine: TextToImage, settings: HandlerSettings) -> float:
-        """Generate each configured warm-up shape (by default the default size, one image)."""
-        return sum(engine.warm_up(key, shape.batch_size) for shape, key in _warmup_keys(settings))
-
-    @staticmethod
-    def _profile_steps(service: ContinuousService, settings: HandlerSettings) -> float:
-        """Measure the step-time profile (the batch cap) at each warm-up shape."""
-        started = time.perf_counter()
-        for _, key in _warmup_keys(settings):
-            service.profile.measure(key)
-        return time.perf_counter() - started
-
     def handle(self, data: list[dict[str, Any]], context: Any) -> list[bytes]:
         self.context = context
-        if self.continuous:
-            return self._iterate(data, context)
-        batch = [to_incoming(row, context, index) for index, row in enumerate(data)]
-        responses = self.service.handle_batch(batch)
-        for index, response in enumerate(responses):
-            self._set_response_meta(context, index, response)
-        return [response.body for response in responses]
-
-    def _iterate(self, data: list[dict[str, Any]], context: Any) -> list[bytes]:
-        """One continuous-batching iteration: new requests bring their rows, running ones an
-        empty row. A request's stopping criterion is whether its chunk is final; None for a
-        request answered in its first iteration, so it gets an ordinary (not chunked) response."""
         ids = [context.request_ids[index] for index in range(len(data))]
-        new = {
-            rid: to_incoming(row, context, index)
-            for index, (rid, row) in enumerate(zip(ids, data))
-            if rid not in self.service.flights
-        }
-        chunks = self.service.iterate(new, ids)
+        requests = {rid: to_incoming(row, context, index) for index, (rid, row) in enumerate(zip(ids, data))}
+        responses = self._loop(requests, context)
         for index, rid in enumerate(ids):
-            self._set_response_meta(context, index, chunks[rid])
-        context.stopping_criteria = [_stopping_criterion(chunks[rid]) for rid in ids]
-        return [chunks[rid].body for rid in ids]
+            self._set_response_meta(context, index, responses[rid])
+        return [responses[rid].body for rid in ids]
+
+    def _run_batch(self, requests: dict[str, IncomingRequest], context: Any) -> dict[str, Response]:
+        """Dynamic batching: the whole batch, every request answered once."""
+        return self.service.run_batch(requests)
+
+    def _iterate(self, requests: dict[str, IncomingRequest], context: Any) -> dict[str, Response]:
+        """Continuous batching: one iteration; new requests bring their rows, running ones an
+        empty row. Each request's stopping criterion says whether its part was the last."""
+        responses = self.service.iterate(requests)
+        context.stopping_criteria = [_stopping_criterion(responses[rid]) for rid in requests]
+        return responses
 
     @staticmethod
-    def _set_response_meta(context: Any, index: int, response: Response | Chunk) -> None:
+    def _set_response_meta(context: Any, index: int, response: Response) -> None:
         context.set_response_status(response.status, HTTPStatus(response.status).phrase, index)
         context.set_response_content_type(index, response.content_type)
         for name, value in response.headers.items():
             context.set_response_header(index, name, value)
-

@@ -1,224 +1,348 @@
-"""Server-independent request flow for one batch: decode -> group -> generate -> encode.
+"""One service for both TorchServe batching modes: admit, step, finish, answer.
 
-Every request of a batch gets exactly one ``Response``; a bad or failing request never fails
-its batchmates. What happens is recorded through ``DiffusionMetrics``.
+Requests become jobs of the step engine at admission: decoding and validation, the memory check,
+text encoding, the job's scheduler and latents. Everything that can fail for a request's own
+reasons fails there, with its own status. Then iterations: ``choose`` picks the jobs of one latent
+shape for ONE UNet forward whatever their steps, scheduler and guidance, and finished jobs are
+decoded together and answered. TorchServe's two modes are two loops over the same iteration:
+
+- dynamic batching (``run_batch``): a batch is admitted, then iterated until every job is done;
+- continuous batching (``iterate``): one iteration per call; requests join and leave between
+  steps, and streamed requests get a progress line per step.
+
+Every request gets exactly one final ``Response``; a bad or failing request never fails the others.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
 
 import torch
-from PIL.Image import Image
 
-from handler.batching import CallInputs, PipelineCall, group_requests
-from handler.encode import CONTENT_TYPES, JSON_CONTENT_TYPE, encode_image, error_json, images_json
-from handler.config import HandlerSettings
+from handler.config import HandlerSettings, WarmupShape
+from handler.engine import DenoiseJob, JobSpec, StepEngine
+from handler.families import Decoded
 from handler.metrics import DiffusionMetrics, MetricSink
-from handler.pipeline import TextToImage, load_text_to_image, native_size
-from handler.request import GenerationRequest, RequestError, RequestPolicy, decode_body, decode_form
+from handler.pipeline import load_engine, native_size, release_cached_memory, synchronize
+from handler.protocol import (
+    IncomingRequest,
+    Response,
+    as_stream_error,
+    bad_request,
+    content_type,
+    decode,
+    does_not_fit,
+    headers,
+    internal_error,
+    stream_event,
+    success,
+)
+from handler.request import GenerationRequest, RequestError, RequestPolicy
+from handler.scheduling import StepProfile, choose, slack
 
 logger = logging.getLogger(__name__)
 
-SEED_HEADER = "X-Seed"
 
-
-@dataclass(frozen=True)
-class IncomingRequest:
-    """One request as the server hands it over: the body (pre-decoded or raw), its Content-Type,
-    and any form or query fields."""
-
-    body: Any
-    content_type: str | None = None
-    fields: dict[str, Any] = field(default_factory=dict)
-
-
-@dataclass(frozen=True)
-class Response:
-    status: int
-    body: bytes
-    content_type: str
-    headers: dict[str, str] = field(default_factory=dict)
-
-
-def decode(incoming: IncomingRequest, policy: RequestPolicy) -> GenerationRequest:
-    """Validate one request, with a concrete seed. Raises ``RequestError``."""
-    has_body = not (incoming.body is None or isinstance(incoming.body, (bytes, bytearray)) and not incoming.body)
-    if incoming.fields and has_body:
-        names = ", ".join(sorted(incoming.fields))
-        raise RequestError.single(
-            "body", "one_source", f"send fields either in the body or as form/query fields, not both (got fields {names})"
-        )
-    if incoming.fields:
-        return decode_form(incoming.fields, policy).with_seed()
-    return decode_body(incoming.body if has_body else bytearray(), incoming.content_type, policy).with_seed()
-
-
-def bad_request(error: RequestError) -> Response:
-    details = [item.as_dict() for item in error.errors]
-    return Response(400, error_json(400, "InvalidRequest", str(error), details), JSON_CONTENT_TYPE)
-
-
-def does_not_fit(request: GenerationRequest) -> Response:
-    message = (
-        f"out of memory generating {request.num_images_per_prompt} image(s) of {request.width}x{request.height} "
-        "even alone; ask for fewer images or fewer pixels"
+def job_spec(request: GenerationRequest) -> JobSpec:
+    """What the engine generates for a validated request (image k from seed + k)."""
+    return JobSpec(
+        request.prompt, request.negative_prompt, tuple(request.image_seeds()), request.width, request.height,
+        request.num_inference_steps, request.scheduler, request.guidance_scale,
     )
-    return Response(507, error_json(507, "OutOfMemory", message), JSON_CONTENT_TYPE)
 
 
-def internal_error(stage: str, error: Exception) -> Response:
-    """500 (507 for out of memory) naming the stage that failed."""
-    if isinstance(error, torch.OutOfMemoryError):
-        message = f"the accelerator ran out of memory during {stage}"
-        return Response(507, error_json(507, "OutOfMemory", message), JSON_CONTENT_TYPE)
-    message = f"{stage} failed: {type(error).__name__}: {error}"
-    return Response(500, error_json(500, "InternalServerError", message), JSON_CONTENT_TYPE)
+@dataclass
+class Flight:
+    """One admitted request on its way through the denoising loop."""
+
+    request: GenerationRequest
+    job: DenoiseJob
+    arrived: float
+    admitted: float
+    deadline: float
+    admitted_with: int  # requests admitted together, itself included
+    denoised: float = 0.0
+    max_step_images: int = 0
+    parts_sent: int = 0
 
 
-def success_content_type(request: GenerationRequest) -> str:
-    """The Content-Type of a request's images: the image type for one image in ``image`` mode,
-    JSON (base64 images) otherwise."""
-    if request.response_format == "image" and request.num_images_per_prompt == 1:
-        return CONTENT_TYPES[request.output_format]
-    return JSON_CONTENT_TYPE
-
-
-def encode_response(request: GenerationRequest, images: list[Image], metadata: dict[str, Any]) -> Response:
-    """Raw image bytes for one image in ``image`` mode, JSON with base64 images otherwise.
-    ``metadata["timings"]`` gains ``encode_s``."""
-    started = time.perf_counter()
-    encoded = [encode_image(image, request.output_format) for image in images]
-    headers = {SEED_HEADER: str(request.seed)}
-    content_type = success_content_type(request)
-    if content_type != JSON_CONTENT_TYPE:
-        return Response(200, encoded[0], content_type, headers)
-    metadata["timings"]["encode_s"] = round(time.perf_counter() - started, 6)
-    return Response(200, images_json(encoded, metadata), JSON_CONTENT_TYPE, headers)
-
-
-@dataclass(frozen=True)
-class _Batch:
-    """What every request of one batch shares, for timings and reporting."""
-
-    started: float
-    size: int
-    decode_seconds: float
-
-
-class TextToImageService:
-    """Serves batches of text-to-image requests with one loaded pipeline."""
+class DiffusionService:
+    """Serves text-to-image requests with one step engine, in either batching mode."""
 
     def __init__(
-        self, engine: TextToImage, policy: RequestPolicy, max_images_per_call: int, metrics: DiffusionMetrics,
-        log_prompts: bool = False,
+        self, engine: StepEngine, policy: RequestPolicy, profile: StepProfile, metrics: DiffusionMetrics,
+        latency_sla_seconds: float, log_prompts: bool = False, clock: Callable[[], float] = time.perf_counter,
     ):
         self.engine = engine
         self.policy = policy
-        self.max_images_per_call = max_images_per_call
+        self.profile = profile
         self.metrics = metrics
+        self.sla = latency_sla_seconds
         self.log_prompts = log_prompts
+        self.clock = clock
+        self.flights: dict[str, Flight] = {}
+        self._answered: list[tuple[float, float]] = []  # (arrived, encode seconds) since the last delivery
 
-    def handle_batch(self, batch: list[IncomingRequest]) -> list[Response]:
-        started = time.perf_counter()
-        self.metrics.batch_received(len(batch))
-        responses: dict[int, Response] = {}
-        requests: dict[int, GenerationRequest] = {}
-        for index, incoming in enumerate(batch):
-            try:
-                requests[index] = decode(incoming, self.policy)
-            except RequestError as error:
-                rules = ", ".join(f"{item.field} ({item.rule})" for item in error.errors)
-                logger.info("request %d of %d rejected: %s", index, len(batch), rules)
-                self.metrics.request_rejected([item.field for item in error.errors])
-                responses[index] = bad_request(error)
-            except Exception as error:  # a bug must cost this request only, not its batchmates
-                logger.exception("request %d of %d could not be decoded", index, len(batch))
-                responses[index] = internal_error("decoding", error)
-        if self.log_prompts:
-            for index, request in requests.items():
-                logger.info("request %d of %d: %s", index, len(batch), request.parameters())
-        context = _Batch(started, len(batch), time.perf_counter() - started)
-        for call in group_requests(requests, self.max_images_per_call):
-            responses.update(self._run_call(call, requests, context))
-        return [responses[index] for index in range(len(batch))]
+    # The two loops TorchServe's modes run.
 
-    def _run_call(self, call: PipelineCall, requests: dict[int, GenerationRequest], batch: _Batch) -> dict[int, Response]:
-        """Generate one call and encode its requests. Out of memory splits the call in two and
-        retries each half, down to single requests; only a request that cannot fit alone fails."""
-        inputs = CallInputs.of(call, requests)
-        call_started = time.perf_counter()
-        try:
-            images, timings = self.engine.generate(call.key, inputs)
-        except torch.OutOfMemoryError as error:
-            if len(call.members) == 1:
-                logger.error("request %d does not fit in memory even alone: %s", call.members[0], error)
-                return {call.members[0]: does_not_fit(requests[call.members[0]])}
-            logger.warning("out of memory for requests %s; retrying in two halves", list(call.members))
-            self.metrics.out_of_memory_retry()
-            release_cached_memory()
-            responses = {}
-            for half in call.halves():
-                responses.update(self._run_call(half, requests, batch))
-            return responses
-        except Exception as error:  # one failing call must not fail the other calls of the batch
-            logger.exception("pipeline call for requests %s failed", list(call.members))
-            return {index: internal_error("generation", error) for index in call.members}
-        inference_seconds = time.perf_counter() - call_started
-        self.metrics.pipeline_call(timings, len(images))
-        responses = {}
-        for index, own_images in inputs.split_by_owner(images).items():
-            responses[index] = self._encode(index, requests[index], own_images, batch, len(inputs.seeds), inference_seconds)
+    def run_batch(self, requests: dict[str, IncomingRequest]) -> dict[str, Response]:
+        """Dynamic batching: admit the batch and iterate until every job is done."""
+        responses = self._admit(requests)
+        while self.flights:
+            responses.update(self._iteration())
+        self._delivered()
         return responses
 
-    def _encode(
-        self, index: int, request: GenerationRequest, images: list[Image], batch: _Batch, call_images: int, inference_seconds: float
-    ) -> Response:
-        metadata = {
-            "seed": request.seed,
-            "parameters": request.parameters(),
-            "batch": {"requests": batch.size, "call_images": call_images},
-            "timings": {"decode_s": round(batch.decode_seconds, 6), "inference_s": round(inference_seconds, 6)},
-        }
-        encode_started = time.perf_counter()
+    def iterate(self, requests: dict[str, IncomingRequest]) -> dict[str, Response]:
+        """Continuous batching: one iteration for the requests TorchServe has in flight (by id);
+        ids not seen before are admitted. One ``Response`` per id: an empty body while a request
+        that is not streamed is still denoising."""
+        for gone in set(self.flights) - set(requests):
+            logger.info("request %s left before it finished (client gone); dropping it", gone)
+            del self.flights[gone]
+        responses = self._admit({rid: incoming for rid, incoming in requests.items() if rid not in self.flights})
+        responses.update(self._iteration())
+        for rid in requests:
+            if rid not in responses:
+                responses[rid] = self._part(self.flights[rid], b"", final=False)
+        self._delivered()
+        return responses
+
+    def warm_up(self, shapes: tuple[WarmupShape, ...]) -> float:
+        """Profile each shape's step times, then run one job of it through start, steps and
+        decode, so that the first request pays no allocation or compilation. Returns seconds."""
+        started = time.perf_counter()
+        defaults = self.policy.defaults
+        for shape in shapes:
+            self.profile.measure(shape.width, shape.height)
+            if not self.profile.fits(self.engine.latent_shape(shape.width, shape.height), shape.batch_size):
+                logger.warning("warm-up shape %s does not fit in memory; skipped", shape.model_dump())
+                continue
+            job = self.engine.start(JobSpec(
+                "warm-up", None, tuple(range(shape.batch_size)), shape.width, shape.height, shape.num_inference_steps,
+                defaults.scheduler, defaults.guidance_scale,
+            ))
+            while not job.done:
+                self.engine.step([job])
+            self.engine.decode(job.latents, shape.width, shape.height)
+        return time.perf_counter() - started
+
+    # Admission.
+
+    def _admit(self, new: dict[str, IncomingRequest]) -> dict[str, Response]:
+        """Decode, validate and start new requests; those that cannot start get their answer now."""
+        if not new:
+            return {}
+        self.metrics.batch_received(len(new))
+        responses = {}
+        for rid, incoming in new.items():
+            arrived = self.clock()
+            try:
+                request = decode(incoming, self.policy)
+            except RequestError as error:
+                logger.info("request %s rejected: %s", rid, ", ".join(f"{item.field} ({item.rule})" for item in error.errors))
+                self.metrics.request_rejected([item.field for item in error.errors])
+                responses[rid] = bad_request(error)
+                continue
+            except Exception as error:  # a bug must cost this request only, not its batchmates
+                logger.exception("request %s could not be decoded", rid)
+                responses[rid] = internal_error("decoding", error)
+                continue
+            if self.log_prompts:
+                logger.info("request %s: %s", rid, request.parameters())
+            try:
+                job = self._start(request)
+            except Exception as error:  # out of memory (507) or a failure in text encoding (500)
+                logger.exception("request %s could not be started", rid)
+                release_cached_memory()
+                responses[rid] = internal_error("admission", error)
+                continue
+            if job is None:
+                logger.warning("request %s does not fit in memory (%d image(s) of %dx%d)", rid,
+                               request.num_images_per_prompt, request.width, request.height)
+                responses[rid] = does_not_fit(request)
+                continue
+            self.flights[rid] = Flight(request, job, arrived, self.clock(), arrived + self.sla, len(new))
+        return responses
+
+    def _start(self, request: GenerationRequest) -> DenoiseJob | None:
+        """The request's job; None when a job of its shape and image count already ran out of
+        memory alone. A shape seen for the first time is profiled first."""
+        spec = job_spec(request)
+        shape = self.engine.latent_shape(spec.width, spec.height)
+        if not self.profile.measured(shape):
+            self.profile.measure(spec.width, spec.height)
+        if not self.profile.fits(shape, spec.images):
+            return None
+        return self.engine.start(spec)
+
+    # One iteration: step the chosen jobs, decode the finished ones.
+
+    def _iteration(self) -> dict[str, Response]:
+        self.metrics.in_flight(len(self.flights))
+        responses = {}
+        waiting = {rid: flight.job for rid, flight in self.flights.items() if not flight.job.done}
+        if waiting:
+            now = self.clock()
+            slacks = {rid: slack(job, self.flights[rid].deadline, now, self.profile) for rid, job in waiting.items()}
+            responses.update(self._step(choose(waiting, slacks, self.profile.cap)))
+        responses.update(self._finish([rid for rid, flight in self.flights.items() if flight.job.done]))
+        return responses
+
+    def _step(self, chosen: list[str]) -> dict[str, Response]:
+        """One UNet forward for ``chosen``. Out of memory halves the group (and the shape's cap)
+        and retries each half, so only a job that does not fit alone fails. Returns failures and
+        progress lines by id."""
+        jobs = [self.flights[rid].job for rid in chosen]
+        images = sum(job.images for job in jobs)
+        started = time.perf_counter()
         try:
-            response = encode_response(request, images, metadata)
+            self.engine.step(jobs)
+            synchronize(self.engine.device)
+        except torch.OutOfMemoryError as error:
+            release_cached_memory()
+            self.profile.ran_out_of_memory(jobs[0].latent_shape, images, alone=len(chosen) == 1)
+            if len(chosen) == 1:
+                logger.error("request %s does not fit in memory even alone: %s", chosen[0], error)
+                return {chosen[0]: self._fail(chosen[0], does_not_fit(self.flights[chosen[0]].request))}
+            logger.warning("out of memory stepping requests %s; retrying in two halves", chosen)
+            self.metrics.out_of_memory_retry("step")
+            middle = len(chosen) // 2
+            return {**self._step(chosen[:middle]), **self._step(chosen[middle:])}
+        except Exception as error:  # one failing step must not fail the requests that did not take it
+            logger.exception("denoising step for requests %s failed", chosen)
+            return {rid: self._fail(rid, internal_error("denoising", error)) for rid in chosen}
+        self.metrics.step(images, time.perf_counter() - started)
+        now, responses = self.clock(), {}
+        for rid in chosen:
+            flight = self.flights[rid]
+            flight.max_step_images = max(flight.max_step_images, images)
+            if flight.job.done:
+                flight.denoised = now
+            elif flight.request.stream:
+                progress = {"event": "progress", "step": flight.job.step, "total_steps": flight.job.total_steps,
+                            "elapsed_s": round(now - flight.arrived, 6)}
+                responses[rid] = self._part(flight, stream_event(progress), final=False)
+        return responses
+
+    def _finish(self, done: list[str]) -> dict[str, Response]:
+        """Decode finished jobs, one VAE call per latent shape, and answer them."""
+        by_shape: dict[tuple, list[str]] = {}
+        for rid in done:
+            by_shape.setdefault(self.flights[rid].job.latent_shape, []).append(rid)
+        responses = {}
+        for rids in by_shape.values():
+            started = time.perf_counter()
+            decoded = self._decode(rids)
+            seconds = time.perf_counter() - started
+            images = sum(len(result.images) for result in decoded.values() if isinstance(result, Decoded))
+            if images:
+                self.metrics.decoded(images, seconds)
+            for rid, result in decoded.items():
+                responses[rid] = self._final(rid, result, seconds) if isinstance(result, Decoded) else self._fail(rid, result)
+        return responses
+
+    def _decode(self, rids: list[str]) -> dict[str, Decoded | Response]:
+        """One decode for jobs of one shape; out of memory decodes image by image, then in tiles.
+        An error response for a job that could not be decoded."""
+        jobs = [self.flights[rid].job for rid in rids]
+        width, height = jobs[0].spec.width, jobs[0].spec.height
+        try:
+            decoded = self.engine.decode(torch.cat([job.latents for job in jobs]), width, height)
+            return dict(zip(rids, decoded.split([job.images for job in jobs])))
+        except torch.OutOfMemoryError:
+            release_cached_memory()
+            self.metrics.out_of_memory_retry("vae_decode")
+            logger.warning("out of memory decoding requests %s together; decoding one image at a time", rids)
+            return {rid: self._decode_alone(self.flights[rid].job) for rid in rids}
         except Exception as error:
-            logger.exception("request %d could not be encoded", index)
-            return internal_error("encoding", error)
-        finished = time.perf_counter()
-        self.metrics.request_completed(finished - batch.started, finished - encode_started)
-        return response
+            logger.exception("VAE decode for requests %s failed", rids)
+            return {rid: internal_error("VAE decode", error) for rid in rids}
 
+    def _decode_alone(self, job: DenoiseJob) -> Decoded | Response:
+        parts = []
+        for latents in job.latents.split(1):
+            try:
+                try:
+                    parts.append(self.engine.decode(latents, job.spec.width, job.spec.height))
+                except torch.OutOfMemoryError:
+                    release_cached_memory()
+                    self.metrics.out_of_memory_retry("vae_decode")
+                    logger.warning("out of memory decoding one %dx%d image; decoding it in tiles", job.spec.width, job.spec.height)
+                    parts.append(self.engine.decode(latents, job.spec.width, job.spec.height, tiled=True))
+            except Exception as error:
+                logger.exception("VAE decode of one image failed, even alone and tiled")
+                release_cached_memory()
+                return internal_error("VAE decode", error)
+        return Decoded.join(parts)
 
-def load_engine(
-    settings: HandlerSettings, model_dir: str | Path, gpu_id: int | None = None
-) -> tuple[TextToImage, HandlerSettings]:
-    """Load the pipeline; return it with the settings resolved to the model's native size."""
-    engine = load_text_to_image(settings, model_dir, gpu_id)
-    return engine, settings.with_native_size(*native_size(engine.pipeline))
+    # Answers.
+
+    def _final(self, rid: str, decoded: Decoded, decode_seconds: float) -> Response:
+        flight = self.flights[rid]
+        metadata = {
+            "seed": flight.request.seed,
+            "parameters": flight.request.parameters(),
+            "nsfw_content_detected": decoded.nsfw_content_detected,
+            "batch": {"requests": flight.admitted_with, "max_step_images": flight.max_step_images},
+            "timings": {
+                "admission_s": round(flight.admitted - flight.arrived, 6),
+                "denoise_s": round(flight.denoised - flight.admitted, 6),
+                "vae_decode_s": round(decode_seconds, 6),
+            },
+        }
+        try:
+            response = success(flight.request, decoded.images, metadata)
+        except Exception as error:
+            logger.exception("request %s could not be encoded", rid)
+            return self._fail(rid, internal_error("encoding", error))
+        del self.flights[rid]
+        self._answered.append((flight.arrived, metadata["timings"]["encode_s"]))
+        return self._part(flight, response.body, final=True, response=response)
+
+    def _fail(self, rid: str, response: Response) -> Response:
+        flight = self.flights.pop(rid)
+        body = as_stream_error(response) if flight.request.stream else response.body
+        return self._part(flight, body, final=True, response=response)
+
+    def _part(self, flight: Flight, body: bytes, final: bool, response: Response | None = None) -> Response:
+        """A part of a request's answer. Its first part carries the status, content type and
+        headers: those of ``response`` when it ends the request, else 200 and the type of the
+        request's answer (TorchServe has sent them when a later part fails)."""
+        first = flight.parts_sent == 0
+        flight.parts_sent += 1
+        if first and response is not None:
+            return replace(response, body=body, final=final, first=True)
+        return Response(200, body, content_type(flight.request), headers(flight.request) if first else {}, final, first)
+
+    def _delivered(self) -> None:
+        """Record the latency of the requests answered since the last call, now that their
+        answers leave the worker (with dynamic batching, with their whole batch)."""
+        now = self.clock()
+        for arrived, encode_seconds in self._answered:
+            self.metrics.request_completed(now - arrived, encode_seconds)
+        self._answered.clear()
 
 
 def build_service(
-    settings: HandlerSettings, model_dir: str | Path, sink: MetricSink, gpu_id: int | None = None
-) -> tuple[TextToImageService, HandlerSettings]:
-    """Load the pipeline and build the service exactly as a worker does (the handler and the
-    benchmarks share this); return it with the settings resolved to the model's native size."""
-    engine, settings = load_engine(settings, model_dir, gpu_id)
-    service = TextToImageService(
+    settings: HandlerSettings, model_dir: str | Path, sink: MetricSink, gpu_id: int | None = None, streaming: bool = False
+) -> tuple[DiffusionService, HandlerSettings]:
+    """Load the pipeline and build the service exactly as a worker does (the handler, the
+    benchmarks and the tests share this); return it with the settings resolved to the model's
+    native size. ``streaming``: continuous batching, which can stream progress."""
+    engine = load_engine(settings, model_dir, gpu_id)
+    settings = settings.with_native_size(*native_size(engine.pipeline))
+    sla = settings.metrics.latency_sla_seconds
+    service = DiffusionService(
         engine,
-        RequestPolicy(settings.limits, settings.defaults),
-        settings.max_images_per_call,
-        DiffusionMetrics(sink, settings.metrics.latency_sla_seconds),
+        RequestPolicy(settings.limits, settings.defaults, streaming=streaming),
+        StepProfile(engine, settings.max_images_per_call),
+        DiffusionMetrics(sink, sla),
+        sla,
         settings.log_prompts,
     )
     return service, settings
-
-
-def release_cached_memory() -> None:
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()

@@ -49,18 +49,27 @@ class LoadtestSection(_Section):
 
 
 class SweepPoint(_Section):
+    continuous_batching: bool
     batch_size: int
     max_batch_delay: int
     workers: int
     concurrency: int
 
     @property
+    def mode(self) -> str:
+        return "continuous" if self.continuous_batching else "dynamic"
+
+    @property
     def label(self) -> str:
-        return f"batch {self.batch_size}, delay {self.max_batch_delay} ms, {self.workers} workers, {self.concurrency} users"
+        return (f"{self.mode}, batch {self.batch_size}, delay {self.max_batch_delay} ms, {self.workers} workers, "
+                f"{self.concurrency} users")
 
 
 class SweepSection(_Section):
-    batch_size: list[int] = Field(min_length=1)
+    continuous_batching: list[bool] = Field(
+        [False], min_length=1, description="TorchServe batching modes: false dynamic batching, true continuous batching"
+    )
+    batch_size: list[int] = Field(min_length=1, description="continuous batching: most requests in flight")
     max_batch_delay: list[int] = Field(min_length=1, description="milliseconds")
     workers: list[int] = Field(min_length=1)
     concurrency: list[int] = Field(min_length=1)
@@ -68,11 +77,11 @@ class SweepSection(_Section):
     duration_s_per_point: float = Field(gt=0)
 
     def points(self) -> list[SweepPoint]:
-        """Every combination, grouped so each registration (batch size, delay) is made once."""
+        """Every combination, grouped so each registration (mode, batch size, delay) is made once."""
         return [
-            SweepPoint(batch_size=batch, max_batch_delay=delay, workers=workers, concurrency=users)
-            for batch, delay, workers, users in itertools.product(
-                self.batch_size, self.max_batch_delay, self.workers, self.concurrency
+            SweepPoint(continuous_batching=mode, batch_size=batch, max_batch_delay=delay, workers=workers, concurrency=users)
+            for mode, batch, delay, workers, users in itertools.product(
+                self.continuous_batching, self.batch_size, self.max_batch_delay, self.workers, self.concurrency
             )
         ]
 

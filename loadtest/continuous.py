@@ -1,7 +1,8 @@
-"""`make bench-continuous`: step-level continuous batching vs request-level batching, one run.
+"""`make bench-continuous`: continuous batching vs request-level (dynamic) batching, one run.
 
-Both engines serve the default model on their own TorchServe (request-level: the shipped
-model-config.yaml; continuous: the same with ``continuousBatching: true``). Each engine's capacity
+Both modes run the same step engine on the default model, each on its own TorchServe, with the
+shipped model-config.yaml and the frontend settings in ``MODES``: request-level batching as it was
+tuned (batch 4, 50 ms), continuous batching with up to 8 requests in flight. Each mode's capacity
 (requests/s, closed loop at saturation) is measured; then both get the same Poisson arrivals
 (seeded) at 50%, 70% and 90% of the request-level capacity, with a mix of step counts, and a
 mixed-resolution run at 70%. Client-side p50/p95/p99 latency and images/s per point go to
@@ -23,9 +24,8 @@ from pathlib import Path
 import matplotlib.pyplot as plt
 import numpy as np
 import requests
-import yaml
 
-from scripts.build_mar import DEFAULT_MODEL_DIR
+from scripts.build_mar import DEFAULT_MODEL_DIR, write_model_config
 from scripts.server import ROOT, TorchServe, serve_archive
 
 logger = logging.getLogger("bench-continuous")
@@ -34,6 +34,10 @@ STEP_MIX = (4, 8, 20, 30)
 SIDES = {"uniform": (64,), "mixed resolution": (64, 128)}
 LOADS = (0.5, 0.7, 0.9)
 ENGINES = ("request-level", "continuous")
+MODES = {
+    "request-level": {"continuousBatching": False, "batchSize": 4, "maxBatchDelay": 50},
+    "continuous": {"continuousBatching": True, "batchSize": 8, "maxBatchDelay": 10},
+}
 
 
 @dataclass(frozen=True)
@@ -100,19 +104,9 @@ def poisson(server: TorchServe, engine: str, mix: str, load: float, rate: float,
                  len(latencies) / makespan)
 
 
-def _model_config(directory: Path, continuous: bool) -> Path:
-    config = yaml.safe_load((ROOT / "model-config.yaml").read_text())
-    if continuous:
-        config.update({"continuousBatching": True, "batchSize": 8, "maxBatchDelay": 10})
-    path = directory / "model-config.yaml"
-    path.write_text(yaml.safe_dump(config))
-    return path
-
-
 def run_engine(engine: str, work: Path, measure) -> list[Point]:
     directory = work / engine
-    directory.mkdir()
-    with serve_archive(DEFAULT_MODEL_DIR, _model_config(directory, engine == "continuous"), directory) as server:
+    with serve_archive(DEFAULT_MODEL_DIR, write_model_config(directory, **MODES[engine]), directory) as server:
         return measure(server)
 
 

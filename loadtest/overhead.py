@@ -1,7 +1,7 @@
 """`make bench-overhead`: the serving overhead, measured side by side in one run.
 
 The same request (default model, 64x64, 4 steps, fixed seed) is generated N times in-process by
-the handler's own service (decode, pipeline, encode: exactly what a worker runs) and N times over
+the handler's own service (decode, step engine, encode: exactly what a worker runs) and N times over
 HTTP through TorchServe, one at a time, once registered with batch size 1 and once with the
 shipped batch size and delay. Prints medians and ratios and writes reports/overhead.json.
 """
@@ -20,7 +20,8 @@ import requests
 import yaml
 
 from handler.config import HandlerSettings
-from handler.service import IncomingRequest, build_service
+from handler.protocol import IncomingRequest
+from handler.service import build_service
 from loadtest.sweep import ModelRegistration
 from scripts.build_mar import DEFAULT_MODEL_DIR, build
 from scripts.server import ROOT, TorchServe, config_on_free_ports
@@ -43,13 +44,13 @@ def median_seconds(action, repeats: int) -> float:
 
 
 def in_process(repeats: int) -> float:
-    """The worker's own code path without TorchServe: service.handle_batch on one request."""
+    """The worker's own code path without TorchServe: service.run_batch on one request."""
     model_config = yaml.safe_load((ROOT / "model-config.yaml").read_text())
     settings = HandlerSettings.from_model_yaml(model_config).model_copy(update={"model_path": str(DEFAULT_MODEL_DIR)})
     service, _ = build_service(settings, ROOT, lambda spec, value, labels: None)
 
     def once() -> None:
-        (response,) = service.handle_batch([IncomingRequest(dict(REQUEST), "application/json")])
+        response = service.run_batch({"overhead": IncomingRequest(dict(REQUEST), "application/json")})["overhead"]
         assert response.status == 200
 
     return median_seconds(once, repeats)
@@ -80,11 +81,11 @@ def main() -> None:
         server.start(load_model=False)
         try:
             server.wait_started()
-            registration = ModelRegistration(server, archive.name)
+            registration = ModelRegistration(server)
             for label, batch_size, delay in (("batch size 1", 1, 0),
                                              (f"batch size {shipped['batchSize']}, delay {shipped['maxBatchDelay']} ms",
                                               shipped["batchSize"], shipped["maxBatchDelay"])):
-                registration.register(batch_size, delay, workers=1)
+                registration.register(archive.name, batch_size, delay, workers=1)
                 logger.info("HTTP through TorchServe, %s", label)
                 results[f"http_median_s ({label})"] = over_http(server, args.repeats)
                 registration.unregister()

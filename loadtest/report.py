@@ -26,6 +26,7 @@ def best_point(results: list[PointResult]) -> PointResult | None:
 def model_config_snippet(result: PointResult) -> str:
     point = result.point
     return (
+        f"continuousBatching: {str(point.continuous_batching).lower()}\n"
         f"batchSize: {point.batch_size}\n"
         f"maxBatchDelay: {point.max_batch_delay}\n"
         f"minWorkers: {point.workers}\n"
@@ -34,16 +35,16 @@ def model_config_snippet(result: PointResult) -> str:
 
 
 def markdown_table(results: list[PointResult]) -> str:
-    header = ("| batch size | delay (ms) | workers | users | images/s | requests/s | p50 (s) | p95 (s) | p99 (s) "
-              "| errors | queue (s) | handler (s) | mean batch | meets SLA |")
+    header = ("| batching | batch size | delay (ms) | workers | users | images/s | requests/s | p50 (s) | p95 (s) | p99 (s) "
+              "| errors | queue (s) | handler (s) | mean batch | images per forward | meets SLA |")
     lines = [header, "|" + "|".join([" --- "] * (header.count("|") - 1)) + "|"]
     for result in results:
         point, client, server = result.point, result.client, result.server
         lines.append(
-            f"| {point.batch_size} | {point.max_batch_delay} | {point.workers} | {point.concurrency} "
+            f"| {point.mode} | {point.batch_size} | {point.max_batch_delay} | {point.workers} | {point.concurrency} "
             f"| {client.images_per_s:.2f} | {client.requests_per_s:.2f} | {client.p50_s:.2f} | {client.p95_s:.2f} "
             f"| {client.p99_s:.2f} | {client.error_ratio:.1%} | {server.mean_queue_s:.2f} | {server.mean_handler_s:.2f} "
-            f"| {server.mean_batch_size:.2f} | {'yes' if result.meets_sla else 'no'} |"
+            f"| {server.mean_batch_size:.2f} | {server.mean_step_images:.2f} | {'yes' if result.meets_sla else 'no'} |"
         )
     return "\n".join(lines)
 
@@ -99,8 +100,8 @@ def write_report(results: list[PointResult], config: BenchmarkConfig, out: Path)
         f"Model `{config.model.name}` from `{config.model.model_dir}`. SLA: p95 <= {config.sla.p95_seconds:g} s, "
         f"error ratio <= {config.sla.max_error_ratio:.1%}. Up to {config.sweep.requests_per_point} requests or "
         f"{config.sweep.duration_s_per_point:g} s per point after {config.warmup_requests} warm-up requests. "
-        "Client figures from locust (exact percentiles from every request); queue, handler time and batch size "
-        "from the server's metrics.",
+        "Client figures from locust (exact percentiles from every request); queue, handler time, batch size "
+        "(requests admitted together) and images per UNet forward from the server's metrics.",
         "",
         markdown_table(results),
         "",

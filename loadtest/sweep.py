@@ -19,7 +19,7 @@ from tqdm import tqdm
 from loadtest.config import DEFAULT_CONFIG, ROOT, BenchmarkConfig, SweepPoint
 from loadtest.report import write_report
 from loadtest.run import LoadResult, run_locust
-from scripts.build_mar import build
+from scripts.build_mar import build, write_model_config
 from scripts.server import TorchServe, config_on_free_ports
 
 logger = logging.getLogger("sweep")
@@ -34,6 +34,7 @@ class ServerFigures:
     mean_queue_s: float
     mean_handler_s: float
     mean_batch_size: float
+    mean_step_images: float
     images: float
 
 
@@ -54,9 +55,8 @@ class PointResult:
 class ModelRegistration:
     """Register, scale, verify and unregister the model on the sweep's own server."""
 
-    def __init__(self, server: TorchServe, archive: str):
+    def __init__(self, server: TorchServe):
         self.server = server
-        self.archive = archive
         self.url = f"{server.addresses.management}/models"
 
     def _call(self, method: str, endpoint: str, **params) -> dict:
@@ -69,8 +69,9 @@ class ModelRegistration:
     def describe(self) -> dict:
         return self._call("GET", f"{self.url}/{self.server.model_name}")[0]
 
-    def register(self, batch_size: int, max_batch_delay: int, workers: int) -> None:
-        self._call("POST", self.url, url=self.archive, model_name=self.server.model_name, batch_size=batch_size,
+    def register(self, archive: str, batch_size: int, max_batch_delay: int, workers: int) -> None:
+        """Register ``archive`` (a file in the model store) under the server's model name."""
+        self._call("POST", self.url, url=archive, model_name=self.server.model_name, batch_size=batch_size,
                    max_batch_delay=max_batch_delay, initial_workers=workers, synchronous="true")
         self.verify(batch_size, max_batch_delay, workers)
 
@@ -105,10 +106,12 @@ def server_figures(before: dict, after: dict) -> ServerFigures:
     requests_served = _delta(before, after, "ts_inference_requests_total") or 1.0
     handled = _delta(before, after, "sd_request_latency_seconds_count") or 1.0
     batches = _delta(before, after, "sd_batch_size_count") or 1.0
+    forwards = _delta(before, after, "sd_iteration_batch_size_count") or 1.0
     return ServerFigures(
         mean_queue_s=_delta(before, after, "ts_queue_latency_microseconds_total") / 1e6 / requests_served,
         mean_handler_s=_delta(before, after, "sd_request_latency_seconds_sum") / handled,
         mean_batch_size=_delta(before, after, "sd_batch_size_sum") / batches,
+        mean_step_images=_delta(before, after, "sd_iteration_batch_size_sum") / forwards,
         images=_delta(before, after, "sd_images_total"),
     )
 
@@ -125,7 +128,7 @@ def warm_up(server: TorchServe, config: BenchmarkConfig) -> None:
 def measure(server: TorchServe, config_path: Path, config: BenchmarkConfig, point: SweepPoint, out: Path) -> PointResult:
     warm_up(server, config)
     before = server.metric_samples()
-    slug = f"b{point.batch_size}-d{point.max_batch_delay}-w{point.workers}-c{point.concurrency}"
+    slug = f"{point.mode}-b{point.batch_size}-d{point.max_batch_delay}-w{point.workers}-c{point.concurrency}"
     client = run_locust(
         config_path, server.addresses.inference, server.keys.inference, users=point.concurrency,
         spawn_rate=point.concurrency, requests=config.sweep.requests_per_point,
@@ -144,23 +147,28 @@ def run_sweep(config_path: Path, out: Path) -> list[PointResult]:
     model_dir = config.model.model_dir if config.model.model_dir.is_absolute() else ROOT / config.model.model_dir
     with tempfile.TemporaryDirectory(prefix="sweep-") as tmp:
         workdir = Path(tmp)
-        archive = build(model_dir, ROOT / "model-config.yaml", workdir / "model_store", model_name=config.model.name)
+        archives = {
+            mode: build(model_dir, write_model_config(workdir / f"config-{mode}", continuousBatching=mode),
+                        workdir / "model_store", model_name=f"{config.model.name}-{'continuous' if mode else 'dynamic'}").name
+            for mode in sorted(set(config.sweep.continuous_batching))
+        }
         server_config = config_on_free_ports(ROOT / "config.properties", workdir, enable_model_api="true")
         server = TorchServe(server_config, workdir / "model_store", workdir / "server", model_name=config.model.name,
                             env={"TMPDIR": tmp})
         server.start(load_model=False)
         try:
             server.wait_started()
-            registration = ModelRegistration(server, archive.name)
+            registration = ModelRegistration(server)
             progress = tqdm(points, desc="sweep", unit="point")
-            registered: tuple[int, int] | None = None
+            registered: tuple[bool, int, int] | None = None
             for point in progress:
                 progress.set_postfix_str(point.label)
-                if registered != (point.batch_size, point.max_batch_delay):
+                if registered != (point.continuous_batching, point.batch_size, point.max_batch_delay):
                     if registered is not None:
                         registration.unregister()
-                    registration.register(point.batch_size, point.max_batch_delay, point.workers)
-                    registered = (point.batch_size, point.max_batch_delay)
+                    registration.register(archives[point.continuous_batching], point.batch_size, point.max_batch_delay,
+                                          point.workers)
+                    registered = (point.continuous_batching, point.batch_size, point.max_batch_delay)
                 registration.scale(point.workers)
                 registration.verify(point.batch_size, point.max_batch_delay, point.workers)
                 result = measure(server, config_path, config, point, out)

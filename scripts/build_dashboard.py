@@ -28,8 +28,6 @@ UID = "stable-diffusion"
 DATASOURCE = DataSourceRef(type_val="prometheus", uid="${datasource}")
 MODEL = 'model_name=~"$model"'
 GPU_ONLY = "GPU hosts only: TorchServe reports GPU metrics where nvidia-smi runs."
-CONTINUOUS_ONLY = ("With continuousBatching: requests in flight, mean images per UNet forward (the step-time "
-                   "profile caps it), and requests finished later than the SLA per second.")
 
 
 def query(expr: str, legend: str) -> prometheus.Dataquery:
@@ -88,17 +86,17 @@ def panels() -> list[list[timeseries.Panel | stat.Panel]]:
     ]
     pipeline = [
         series_panel(
-            "Batch size", "Mean requests per TorchServe batch, and pipeline calls per batch (calls > 1: the batch "
-            "mixed sizes, steps, schedulers or guidance scales).", "short",
+            "Batch size", "Mean requests admitted together (a TorchServe batch, or the requests joining one "
+            "continuous-batching iteration), and mean images per UNet forward (jobs of one latent shape share a "
+            "forward whatever their steps; the step-time profile caps it).", "short",
             [
                 query(f"model_name:sd_batch_size:mean5m{{{MODEL}}}", "requests per batch {{model_name}}"),
-                query(f"model_name:sd_pipeline_calls:rate5m{{{MODEL}}} / on (model_name) "
-                      f"sum by (model_name) (rate(sd_batch_size_count{{{MODEL}}}[5m]))", "calls per batch {{model_name}}"),
+                query(f"model_name:sd_iteration_batch_size:mean5m{{{MODEL}}}", "images per forward {{model_name}}"),
             ],
         ),
         series_panel(
-            "Denoising step time", "Time of one denoising step of one pipeline call (all images of the call), "
-            "and the VAE decode of a call.", "s",
+            "Denoising step time", "Time of one denoising step (one UNet forward over the jobs stepped together), "
+            "and the VAE decode of the jobs that finished together.", "s",
             [
                 query(f"model_name:sd_denoise_step_seconds:mean5m{{{MODEL}}}", "step mean {{model_name}}"),
                 query(f"model_name:sd_denoise_step_seconds:p95_5m{{{MODEL}}}", "step p95 {{model_name}}"),
@@ -106,13 +104,12 @@ def panels() -> list[list[timeseries.Panel | stat.Panel]]:
             ],
         ),
         series_panel(
-            "Continuous batching", CONTINUOUS_ONLY, "short",
+            "In flight and deadlines", "Requests in the denoising loop, requests finished later than the SLA per "
+            "second, and steps or decodes retried after running out of memory per second.", "short",
             [
                 query(f"sd_in_flight_requests{{{MODEL}}}", "in flight {{model_name}}"),
-                query(f"sum by (model_name) (rate(sd_iteration_batch_size_sum{{{MODEL}}}[5m])) / "
-                      f"sum by (model_name) (rate(sd_iteration_batch_size_count{{{MODEL}}}[5m]))",
-                      "images per forward {{model_name}}"),
                 query(f"sum by (model_name) (rate(sd_deadline_misses_total{{{MODEL}}}[5m]))", "deadline misses/s {{model_name}}"),
+                query(f"sum by (model_name) (rate(sd_oom_retries_total{{{MODEL}}}[5m]))", "OOM retries/s {{model_name}}"),
             ],
         ),
         series_panel(
@@ -163,7 +160,7 @@ def build() -> dict:
             .multi(True)
         )
     )
-    titles = ["Traffic and latency", "Batching and the pipeline", "Resources"]
+    titles = ["Traffic and latency", "Batching and the step engine", "Resources"]
     for title, row in zip(titles, panels(), strict=True):
         board = board.with_row(dashboard.Row(title))
         for panel in row:

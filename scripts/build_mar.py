@@ -17,6 +17,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+import yaml
+
 logger = logging.getLogger("build_mar")
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -24,10 +26,32 @@ HANDLER_PACKAGE = ROOT / "handler"
 MODEL_NAME = "stable-diffusion"
 # The default model: trained on shapes and colours (make train-default-model), committed.
 DEFAULT_MODEL_DIR = ROOT / "models" / "shapes-sd"
-# The same architecture with random weights (make model), for tests that need no image quality.
-RANDOM_MODEL_DIR = ROOT / "models" / "tiny-sd"
+# Random-weight tiny models of every family the engine serves (make model), for tests that need no
+# image quality; sd1 is the default model's architecture.
+TINY_MODEL_DIRS = {
+    "sd1": ROOT / "models" / "tiny-sd",
+    "sd2": ROOT / "models" / "tiny-sd2",
+    "sdxl": ROOT / "models" / "tiny-sdxl",
+    "sd1-safety": ROOT / "models" / "tiny-sd-safety",
+}
+RANDOM_MODEL_DIR = TINY_MODEL_DIRS["sd1"]
 PICKLE_SUFFIXES = {".bin", ".ckpt", ".pt", ".pth", ".pkl", ".pickle"}
 NO_ARCHIVE_ABOVE_BYTES = 1 << 30
+
+
+def write_model_config(directory: Path, handler: dict | None = None, **frontend) -> Path:
+    """The shipped model-config.yaml with frontend keys (``continuousBatching``, ``batchSize``, ...)
+    and ``handler:`` settings replaced (sections such as ``limits`` key by key), written into
+    ``directory`` for an archive built from it."""
+    config = yaml.safe_load((ROOT / "model-config.yaml").read_text())
+    config.update(frontend)
+    shipped = config["handler"]
+    for key, setting in (handler or {}).items():
+        shipped[key] = {**shipped[key], **setting} if isinstance(setting, dict) and isinstance(shipped.get(key), dict) else setting
+    directory.mkdir(parents=True, exist_ok=True)
+    path = directory / "model-config.yaml"
+    path.write_text(yaml.safe_dump(config))
+    return path
 
 
 def _model_files(model_dir: Path) -> list[Path]:

@@ -19,7 +19,7 @@ from pathlib import Path
 import matplotlib.pyplot as plt
 import requests
 
-from scripts.build_dashboard import CONTINUOUS_ONLY, GPU_ONLY, OUTPUT as DASHBOARD
+from scripts.build_dashboard import GPU_ONLY, OUTPUT as DASHBOARD
 from scripts.build_mar import DEFAULT_MODEL_DIR
 from scripts.prometheus import Prometheus
 from scripts.server import ROOT, TorchServe, free_port, serve_archive
@@ -64,11 +64,11 @@ def drive_load(server: TorchServe, duration: float, concurrency: int) -> dict[in
 
 
 def plot(prometheus: Prometheus, start: float, end: float, output: Path, model: str) -> None:
-    """One subplot per dashboard time-series panel (GPU and continuous-batching panels left out: the
-    rendered server runs request-level batching on a CPU)."""
+    """One subplot per dashboard time-series panel (the GPU panel left out: the rendered server runs
+    on a CPU)."""
     dashboard = json.loads(DASHBOARD.read_text())
     panels = [panel for panel in dashboard["panels"]
-              if panel["type"] == "timeseries" and panel.get("description") not in (GPU_ONLY, CONTINUOUS_ONLY)]
+              if panel["type"] == "timeseries" and panel.get("description") != GPU_ONLY]
     columns = 3
     rows = -(-len(panels) // columns)
     figure, axes = plt.subplots(rows, columns, figsize=(6 * columns, 3.6 * rows), squeeze=False)

@@ -1,4 +1,6 @@
-"""A real TorchServe on loopback serving the real archive, built from the default (trained) model."""
+"""A real TorchServe on loopback serving the real archive, built from the default (trained) model:
+with the shipped model-config.yaml (``server``), and in each TorchServe batching mode explicitly
+(``dynamic_server``, ``continuous_server``; one of them is the shipped server)."""
 
 from __future__ import annotations
 
@@ -11,23 +13,28 @@ from pathlib import Path
 import numpy as np
 import pytest
 import requests
+import yaml
 from PIL import Image
 
-from scripts.build_mar import DEFAULT_MODEL_DIR
+from scripts.build_mar import DEFAULT_MODEL_DIR, write_model_config as model_config
 from scripts.server import TorchServe, serve_archive
 
 ROOT = Path(__file__).resolve().parents[2]
 MODEL_DIR = DEFAULT_MODEL_DIR
 STARTUP_TIMEOUT = 600
+SHIPPED_CONFIG = yaml.safe_load((ROOT / "model-config.yaml").read_text())
+SHIPPED_CONTINUOUS = bool(SHIPPED_CONFIG.get("continuousBatching"))
 
 
 @contextmanager
-def serving(tmp: Path, model_config: Path = ROOT / "model-config.yaml", **properties: str) -> Iterator[TorchServe]:
-    """The real archive, built from ``model_config``, served on free loopback ports (config.properties
-    plus ``properties``) until the block ends."""
-    if not (MODEL_DIR / "model_index.json").is_file():
-        pytest.fail(f"{MODEL_DIR} is missing: it is committed; `make train-default-model` rebuilds it")
-    with serve_archive(MODEL_DIR, model_config, tmp, STARTUP_TIMEOUT, **properties) as server:
+def serving(tmp: Path, config: Path = ROOT / "model-config.yaml", model_dir: Path = MODEL_DIR,
+            **properties: str) -> Iterator[TorchServe]:
+    """The real archive of ``model_dir``, built with ``config``, served on free loopback ports
+    (config.properties plus ``properties``) until the block ends."""
+    if not (model_dir / "model_index.json").is_file():
+        pytest.fail(f"{model_dir} is missing: the default model is committed (`make train-default-model` rebuilds "
+                    "it); the tiny ones come from `make model`")
+    with serve_archive(model_dir, config, tmp, STARTUP_TIMEOUT, **properties) as server:
         yield server
 
 
@@ -35,6 +42,26 @@ def serving(tmp: Path, model_config: Path = ROOT / "model-config.yaml", **proper
 def server(tmp_path_factory) -> Iterator[TorchServe]:
     with serving(tmp_path_factory.mktemp("torchserve")) as instance:
         yield instance
+
+
+def _mode_server(request, tmp_path_factory, continuous: bool) -> Iterator[TorchServe]:
+    """The shipped server when it runs this batching mode, else one of its own."""
+    if SHIPPED_CONTINUOUS == continuous:
+        yield request.getfixturevalue("server")
+        return
+    tmp = tmp_path_factory.mktemp("continuous" if continuous else "dynamic")
+    with serving(tmp, model_config(tmp, continuousBatching=continuous)) as instance:
+        yield instance
+
+
+@pytest.fixture(scope="session")
+def dynamic_server(request, tmp_path_factory) -> Iterator[TorchServe]:
+    yield from _mode_server(request, tmp_path_factory, continuous=False)
+
+
+@pytest.fixture(scope="session")
+def continuous_server(request, tmp_path_factory) -> Iterator[TorchServe]:
+    yield from _mode_server(request, tmp_path_factory, continuous=True)
 
 
 class Client:
@@ -60,6 +87,16 @@ class Client:
 @pytest.fixture(scope="session")
 def client(server) -> Client:
     return Client(server)
+
+
+@pytest.fixture(scope="session")
+def dynamic_client(dynamic_server) -> Client:
+    return Client(dynamic_server)
+
+
+@pytest.fixture(scope="session")
+def continuous_client(continuous_server) -> Client:
+    return Client(continuous_server)
 
 
 def value(samples, name: str, **labels) -> float:

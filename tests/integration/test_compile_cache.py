@@ -6,9 +6,7 @@ from __future__ import annotations
 import re
 import time
 
-import yaml
-
-from tests.integration.conftest import ROOT, Client, serving
+from tests.integration.conftest import Client, model_config, serving
 from tests.integration.test_reliability import wait_until_serving, workers
 
 COMPILE_LOG = re.compile(r"compile cache: dir=(\S+) fxgraph_cache_hit=(\d+) fxgraph_cache_miss=(\d+)")
@@ -36,11 +34,9 @@ def _wait_for_starts(server, count: int, timeout: float = 600) -> list[dict]:
 
 def test_a_restarted_compiled_worker_loads_its_kernels_from_the_persisted_cache(tmp_path, record_property):
     cache = tmp_path / "inductor-cache"
-    model_config = yaml.safe_load((ROOT / "model-config.yaml").read_text())
     # The VAE decoder alone keeps the cold compilation short on a CPU; the cache works the same for the UNet.
-    model_config["handler"]["compile"] = {"enabled": True, "mode": "default", "targets": ["vae_decoder"], "cache_dir": str(cache)}
-    (tmp_path / "model-config.yaml").write_text(yaml.safe_dump(model_config))
-    with serving(tmp_path, tmp_path / "model-config.yaml") as server:
+    compiled = {"compile": {"enabled": True, "mode": "default", "targets": ["vae_decoder"], "cache_dir": str(cache)}}
+    with serving(tmp_path, model_config(tmp_path, handler=compiled)) as server:
         client = Client(server)
         (cold,) = _wait_for_starts(server, 1)
         assert cold["dir"] == str(cache) and cold["hits"] == 0 and cold["misses"] > 0

@@ -39,10 +39,10 @@ def test_an_impossible_sla_fails_the_loadtest_and_says_why(server, tmp_path):
     assert "SLA NOT MET: p95 latency" in result.stdout and "exceeds the SLA 0.001 s" in result.stdout
 
 
-def test_sweep_over_two_points_writes_a_report_naming_the_best(tmp_path):
+def test_sweep_over_both_modes_writes_a_report_naming_the_best(tmp_path):
     config = yaml.safe_load(DEFAULT_CONFIG.read_text())
-    config["sweep"] = {"batch_size": [1, 4], "max_batch_delay": [50], "workers": [1], "concurrency": [4],
-                       "requests_per_point": 8, "duration_s_per_point": 90}
+    config["sweep"] = {"continuous_batching": [False, True], "batch_size": [1, 4], "max_batch_delay": [50], "workers": [1],
+                       "concurrency": [4], "requests_per_point": 8, "duration_s_per_point": 90}
     config["sla"] = {"p95_seconds": 60.0, "max_error_ratio": 0.0}
     config["warmup_requests"] = 2
     config_path = tmp_path / "benchmark_config.yaml"
@@ -52,10 +52,13 @@ def test_sweep_over_two_points_writes_a_report_naming_the_best(tmp_path):
                             cwd=ROOT, capture_output=True, text=True, timeout=900)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     points = json.loads((out / "points.json").read_text())
-    assert [(point["batch_size"], point["concurrency"]) for point in points] == [(1, 4), (4, 4)]
+    assert [(point["continuous_batching"], point["batch_size"]) for point in points] == [(False, 1), (False, 4), (True, 1), (True, 4)]
     assert all(point["requests"] >= 8 and point["failures"] == 0 and point["meets_sla"] for point in points)
     assert points[0]["mean_batch_size"] == 1.0 and points[1]["mean_batch_size"] > 1.0
+    assert points[3]["mean_step_images"] > 1.0, "continuous batching with 4 in flight never shared a forward"
     report = (out / "report.md").read_text()
     assert "## Best configuration" in report and "No configuration meets the SLA" not in report
-    assert "batchSize:" in (out / "model-config-snippet.yaml").read_text()
+    assert "| continuous | 4 |" in report
+    snippet = (out / "model-config-snippet.yaml").read_text()
+    assert "continuousBatching:" in snippet and "batchSize:" in snippet
     assert (out / "throughput_vs_p95.png").is_file() and (out / "best_latency_distribution.png").is_file()

@@ -1,38 +1,37 @@
-"""The handler's own metrics on TorchServe's Prometheus endpoint, checked against the traffic sent."""
+"""The handler's own metrics on TorchServe's Prometheus endpoint, in both batching modes, checked
+against the traffic sent."""
 
 from __future__ import annotations
 
 import pytest
-import yaml
 
-from handler.metrics import CONTINUOUS_ONLY, METRICS
-from tests.integration.conftest import ROOT, value
+from handler.metrics import METRICS
+from tests.integration.conftest import SHIPPED_CONFIG, Client, value
 from tests.integration.test_serving import run_behind_blocker
 
-MODEL_CONFIG = yaml.safe_load((ROOT / "model-config.yaml").read_text())
 
-
-def test_every_declared_metric_is_exported_after_traffic(client, server):
+@pytest.mark.parametrize("mode", ["dynamic_server", "continuous_server"])
+def test_every_declared_metric_is_exported_after_traffic_in_both_modes(request, mode):
+    server = request.getfixturevalue(mode)
+    client = Client(server)
     assert client.predict({"prompt": "x", "width": 100}).status_code == 400
     assert client.predict({"prompt": "x", "num_inference_steps": 2}).status_code == 200
     names = {name for name, _ in server.metric_samples()}
     for spec in METRICS:
         exported = f"{spec.name}_count" if spec.type == "histogram" else spec.name
-        if spec.name == "sd_oom_retries_total" or spec in CONTINUOUS_ONLY:
-            continue  # only when memory runs out (tests/unit/test_service.py); continuous batching (test_continuous_batching.py)
-        assert exported in names, f"{spec.name} is not exported"
+        assert exported in names, f"{spec.name} is not exported ({mode})"
 
 
-def test_metric_values_match_the_traffic(client, server):
-    before = server.metric_samples()
+def test_metric_values_match_the_traffic_of_a_dynamic_batch(dynamic_client, dynamic_server):
+    before = dynamic_server.metric_samples()
     bodies = [
         {"prompt": "a", "num_inference_steps": 3, "seed": 1},
         {"prompt": "b", "num_inference_steps": 3, "seed": 2, "num_images_per_prompt": 2},
         {"prompt": "c", "num_inference_steps": 3, "width": 100},
     ]
-    responses = run_behind_blocker(client, bodies)
+    responses = run_behind_blocker(dynamic_client, bodies)
     assert [response.status_code for response in responses] == [200, 200, 400]
-    after = server.metric_samples()
+    after = dynamic_server.metric_samples()
 
     def delta(name: str, **labels) -> float:
         return value(after, name, **labels) - value(before, name, **labels)
@@ -40,17 +39,18 @@ def test_metric_values_match_the_traffic(client, server):
     blocker_steps = 100
     assert delta("sd_batch_size_count") == 2  # the blocker's batch, then the three followers together
     assert delta("sd_batch_size_sum") == 4
-    assert delta("sd_pipeline_calls_total") == 2
+    assert delta("sd_iteration_batch_size_sum") == blocker_steps + 3 * (1 + 2)  # image-steps
+    assert delta("sd_iteration_batch_size_count") == delta("sd_denoise_step_seconds_count")
+    assert blocker_steps + 3 <= delta("sd_denoise_step_seconds_count") <= blocker_steps + 6
+    assert delta("sd_pipeline_calls_total") == delta("sd_vae_decode_seconds_count") == 2  # the followers finish together
     assert delta("sd_images_total") == 1 + 3
-    assert delta("sd_denoise_step_seconds_count") == blocker_steps + 3
-    assert delta("sd_vae_decode_seconds_count") == 2
     assert delta("sd_request_latency_seconds_count") == delta("sd_request_latency_sla_ratio_count") == 3
-    assert delta("sd_encode_seconds_count") == 3
+    assert delta("sd_encode_seconds_count") == 3 and delta("sd_deadline_misses_total") == 0
     assert delta("sd_invalid_requests_total", field="width") == 1
     step_mean = delta("sd_denoise_step_seconds_sum") / delta("sd_denoise_step_seconds_count")
     assert 0 < step_mean < 10
     sla = value(after, "sd_latency_sla_seconds")
-    assert sla == MODEL_CONFIG["handler"]["metrics"]["latency_sla_seconds"]
+    assert sla == SHIPPED_CONFIG["handler"]["metrics"]["latency_sla_seconds"]
     assert delta("sd_request_latency_sla_ratio_sum") == pytest.approx(delta("sd_request_latency_seconds_sum") / sla)
     assert value(after, "sd_worker_warmup_seconds") > 0
     assert delta("ts_inference_requests_total", model_version="default") == 4

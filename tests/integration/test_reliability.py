@@ -1,6 +1,6 @@
-"""Faults and security on a server of their own (so killing workers or filling its queue does not
-disturb other tests): a killed worker, overload, out of memory, a response timeout, loopback
-binding, allowed_urls, prompts kept out of the logs."""
+"""Faults and security on servers of their own (so killing workers or filling a queue does not
+disturb other tests): a killed worker, overload, out of memory in steps and decodes, the response
+timeout in both batching modes, loopback binding, allowed_urls, prompts kept out of the logs."""
 
 from __future__ import annotations
 
@@ -14,32 +14,30 @@ from concurrent.futures import ThreadPoolExecutor
 import psutil
 import pytest
 import requests
-import yaml
 
 from scripts.server import TorchServe
-from tests.integration.conftest import ROOT, Client, serving, value
+from tests.integration.conftest import SHIPPED_CONTINUOUS, Client, assert_same_image, decode_json_images, model_config, serving, value
 from tests.integration.test_serving import run_behind_blocker
 
 RESPONSE_TIMEOUT_S = 8
 JOB_QUEUE_SIZE = 4
-OOM_ABOVE_PIXELS = 3 * 64 * 64  # a call of up to 3 images of 64x64 fits; 4 do not
+# A UNet forward of up to 3 images of 64x64 fits, 4 do not (the step profile finds it at start);
+# a VAE decode of more than one 64x64 image runs out of memory.
+FAULTS = {"out_of_memory_above_pixels": 3 * 64 * 64, "vae_out_of_memory_above_pixels": 64 * 64}
 FAST = {"num_inference_steps": 4}
 SHORT_BLOCKER = {"prompt": "keep the worker busy", "num_inference_steps": 30, "seed": 0}
 RECOVERY_TIMEOUT_S = 180
-# Far past RESPONSE_TIMEOUT_S (about 20 s of work here) without tripping the OOM injection; the
-# fault server allows this many steps.
-TOO_SLOW = {"prompt": "too slow", "num_inference_steps": 600, "num_images_per_prompt": 3}
+# Well past RESPONSE_TIMEOUT_S (about 15 s of work here) without tripping the OOM injection; the
+# timeout servers allow this many steps.
+TOO_SLOW = {"prompt": "too slow", "num_inference_steps": 400, "num_images_per_prompt": 3}
 
 
 @pytest.fixture(scope="module")
 def fault_server(tmp_path_factory) -> Iterator[TorchServe]:
     tmp = tmp_path_factory.mktemp("faults")
-    model_config = yaml.safe_load((ROOT / "model-config.yaml").read_text())
-    model_config["responseTimeout"] = RESPONSE_TIMEOUT_S
-    model_config["handler"]["fault_injection"] = {"out_of_memory_above_pixels": OOM_ABOVE_PIXELS}
-    model_config["handler"]["limits"]["max_inference_steps"] = TOO_SLOW["num_inference_steps"]
-    (tmp / "model-config.yaml").write_text(yaml.safe_dump(model_config))
-    with serving(tmp, tmp / "model-config.yaml", job_queue_size=str(JOB_QUEUE_SIZE), enable_model_api="true") as server:
+    config = model_config(tmp, handler={"fault_injection": FAULTS, "limits": {"max_inference_steps": TOO_SLOW["num_inference_steps"]}},
+                          responseTimeout=RESPONSE_TIMEOUT_S)
+    with serving(tmp, config, job_queue_size=str(JOB_QUEUE_SIZE), enable_model_api="true") as server:
         yield server
 
 
@@ -78,17 +76,32 @@ def wait_until_serving(client: Client) -> float:
     raise AssertionError(f"the server did not serve again within {RECOVERY_TIMEOUT_S} s")
 
 
-def test_out_of_memory_splits_the_batch_and_only_a_request_too_large_alone_fails(fault_client, fault_server):
+def test_a_request_too_large_alone_is_refused_at_admission_with_507(fault_client):
+    too_large = fault_client.predict({"prompt": "x", "num_images_per_prompt": 4, **FAST})
+    assert too_large.status_code == 507, "the status must be the request's own, also with continuous batching"
+    assert "even alone" in too_large.json()["message"] and "4 image(s) of 64x64" in too_large.json()["message"]
+
+
+def test_concurrent_requests_are_stepped_within_the_measured_memory_cap(fault_client, fault_server):
     before = fault_server.metric_samples()
     bodies = [{"prompt": f"p{index}", "seed": index, "response_format": "json", **FAST} for index in range(4)]
     responses = run_behind_blocker(fault_client, bodies, SHORT_BLOCKER)
     assert [response.status_code for response in responses] == [200] * 4
-    assert all(response.json()["batch"]["requests"] == 4 for response in responses)
+    assert all(response.json()["batch"]["max_step_images"] <= 2 for response in responses)
     after = fault_server.metric_samples()
-    assert value(after, "sd_oom_retries_total") - value(before, "sd_oom_retries_total") == 1
-    too_large = fault_client.predict({"prompt": "x", "num_images_per_prompt": 4, **FAST})
-    assert too_large.status_code == 507
-    assert "even alone" in too_large.json()["message"] and "4 image(s) of 64x64" in too_large.json()["message"]
+    assert value(after, "sd_oom_retries_total", stage="step") == value(before, "sd_oom_retries_total", stage="step"), \
+        "a forward ran out of memory"
+
+
+def test_a_decode_that_runs_out_of_memory_is_retried_image_by_image(fault_client, fault_server, client):
+    before = fault_server.metric_samples()
+    body = {"prompt": "two at once", "seed": 9, "num_images_per_prompt": 2, "response_format": "json", **FAST}
+    response = fault_client.predict(body)
+    assert response.status_code == 200, response.text
+    retries = value(fault_server.metric_samples(), "sd_oom_retries_total", stage="vae_decode")
+    assert retries - value(before, "sd_oom_retries_total", stage="vae_decode") == 1
+    for retried, expected in zip(decode_json_images(response.json()), decode_json_images(client.predict(body).json()), strict=True):
+        assert_same_image(retried, expected)
 
 
 def test_a_killed_worker_fails_its_request_clearly_and_is_replaced(fault_client, fault_server, record_property):
@@ -108,14 +121,36 @@ def test_a_killed_worker_fails_its_request_clearly_and_is_replaced(fault_client,
     assert [process.pid for process in workers(fault_server)] != [victim.pid]
 
 
-def test_a_generation_past_the_response_timeout_fails_clearly_and_the_worker_comes_back(fault_client):
+@pytest.fixture(scope="module", params=["dynamic", "continuous"])
+def timeout_client(request, tmp_path_factory, fault_client) -> Iterator[tuple[str, Client]]:
+    """A server with the short response timeout in each batching mode (the fault server is one)."""
+    continuous = request.param == "continuous"
+    if continuous == SHIPPED_CONTINUOUS:
+        yield request.param, fault_client
+        return
+    tmp = tmp_path_factory.mktemp(f"timeout-{request.param}")
+    config = model_config(tmp, handler={"limits": {"max_inference_steps": TOO_SLOW["num_inference_steps"]}},
+                          continuousBatching=continuous, responseTimeout=RESPONSE_TIMEOUT_S)
+    with serving(tmp, config) as server:
+        yield request.param, Client(server)
+
+
+def test_the_response_timeout_bounds_a_dynamic_batch_and_one_continuous_iteration(timeout_client):
+    """With dynamic batching a generation longer than the timeout fails clearly and the worker is
+    replaced; with continuous batching TorchServe waits for each iteration (one step), so it
+    finishes."""
+    mode, client = timeout_client
     started = time.monotonic()
-    response = fault_client.predict(TOO_SLOW)
+    response = client.predict(TOO_SLOW)
     elapsed = time.monotonic() - started
+    if mode == "continuous":
+        assert response.status_code == 200 and elapsed > RESPONSE_TIMEOUT_S, (response.status_code, elapsed)
+        print(f"response timeout, continuous batching: 200 after {elapsed:.1f} s")
+        return
     assert 500 <= response.status_code < 600, response.text
     assert elapsed < RESPONSE_TIMEOUT_S + 30
-    recovery = wait_until_serving(fault_client)
-    print(f"response timeout: {response.status_code} after {elapsed:.1f} s, serving again after {recovery:.1f} s")
+    recovery = wait_until_serving(client)
+    print(f"response timeout, dynamic batching: {response.status_code} after {elapsed:.1f} s, serving again after {recovery:.1f} s")
 
 
 def test_overload_gets_fast_503s_and_the_server_serves_normally_afterwards(fault_client):
@@ -162,5 +197,5 @@ def test_prompts_stay_out_of_the_logs(client, server):
     assert client.predict({"prompt": rejected_secret, "width": 100, **FAST}).status_code == 400
     time.sleep(1)
     logs = "".join(path.read_text(errors="replace") for path in (server.workdir / "logs").glob("*.log"))
-    assert "request 0 of 1 rejected: width (multiple_of)" in logs
+    assert "rejected: width (multiple_of)" in logs
     assert secret not in logs and rejected_secret not in logs

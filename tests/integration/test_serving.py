@@ -1,4 +1,5 @@
-"""End to end through a real TorchServe: images, modes, seeds, batching, bad input, auth, scaling, metrics."""
+"""End to end through a real TorchServe: images, response modes, seeds, dynamic batching, bad
+input, auth, scaling, metrics."""
 
 from __future__ import annotations
 
@@ -52,7 +53,8 @@ def test_json_mode_with_several_images(client):
     assert [image.shape for image in images] == [(64, 64, 3)] * 3
     assert payload["seed"] == 100
     assert payload["parameters"]["num_images_per_prompt"] == 3 and payload["parameters"]["width"] == 64
-    assert {"decode_s", "inference_s", "encode_s"} <= set(payload["timings"])
+    assert set(payload["timings"]) == {"admission_s", "denoise_s", "vae_decode_s", "encode_s"}
+    assert payload["nsfw_content_detected"] is None  # the default model ships no safety checker
     for offset, image in enumerate(images):
         assert_same_image(image, client.image(prompt="a green triangle", seed=100 + offset))
 
@@ -96,35 +98,35 @@ def run_behind_blocker(client, bodies: list[dict], blocker_body: dict = BLOCKER)
         return [future.result() for future in followers]
 
 
-def test_batched_requests_match_alone_and_a_bad_one_fails_alone(client):
+def test_batched_requests_match_alone_and_a_bad_one_fails_alone(dynamic_client):
     good = [
         {"prompt": "a red circle", "seed": 11, "response_format": "json", **FAST},
         {"prompt": "a blue square", "negative_prompt": "red", "seed": 12, "response_format": "json", **FAST},
     ]
     bad = {"prompt": "x", "width": 100, **FAST}
-    first, rejected, second = run_behind_blocker(client, [good[0], bad, good[1]])
+    first, rejected, second = run_behind_blocker(dynamic_client, [good[0], bad, good[1]])
     assert rejected.status_code == 400 and rejected.json()["errors"][0]["field"] == "width"
     for response, body in ((first, good[0]), (second, good[1])):
         assert response.status_code == 200, response.text
         payload = response.json()
-        assert payload["batch"]["requests"] == 3, "the followers were not batched together"
-        assert payload["batch"]["call_images"] == 2
-        alone = client.predict({**body, "response_format": "image"})
+        assert payload["batch"] == {"requests": 3, "max_step_images": 2}, "the followers did not share each forward"
+        alone = dynamic_client.predict({**body, "response_format": "image"})
         assert_same_image(decode_json_images(payload)[0], decode_png(alone.content))
 
 
-def test_mixed_batch_runs_one_call_per_shape(client):
+def test_a_mixed_batch_shares_one_forward_per_shape_whatever_steps_scheduler_and_guidance(dynamic_client):
     bodies = [
         {"prompt": "wide", "width": 128, "height": 64, "response_format": "json", **FAST},
         {"prompt": "square", "response_format": "json", **FAST},
-        {"prompt": "square two", "num_images_per_prompt": 2, "response_format": "json", **FAST},
-        {"prompt": "euler", "scheduler": "euler_a", "response_format": "json", **FAST},
+        {"prompt": "square two", "num_images_per_prompt": 2, "response_format": "json", "num_inference_steps": 6},
+        {"prompt": "euler", "scheduler": "euler_a", "guidance_scale": 1.0, "response_format": "json", **FAST},
     ]
-    responses = run_behind_blocker(client, bodies)
+    responses = run_behind_blocker(dynamic_client, bodies)
     assert [response.status_code for response in responses] == [200] * 4
     payloads = [response.json() for response in responses]
     assert [payload["batch"]["requests"] for payload in payloads] == [4] * 4
-    assert [payload["batch"]["call_images"] for payload in payloads] == [1, 3, 3, 1]
+    assert payloads[0]["batch"]["max_step_images"] == 1, "the 128x64 request has a latent shape of its own"
+    assert [payload["batch"]["max_step_images"] for payload in payloads[1:]] == [4] * 3, "one forward for the 64x64 group"
     assert decode_json_images(payloads[0])[0].shape == (64, 128, 3)
     assert len(payloads[2]["images"]) == 2
 

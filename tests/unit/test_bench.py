@@ -45,9 +45,10 @@ def test_selection_keeps_catalogue_order_and_always_the_baseline():
 
 def test_workload_gives_every_variant_the_same_prompts_and_seeds():
     workload = Workload("model", "cpu", 64, 64, 2, 6, 1)
-    inputs = workload.inputs()
-    assert inputs.seeds == list(range(6)) and inputs.prompts[0] == inputs.prompts[4] != inputs.prompts[1]
-    assert workload.key().num_inference_steps == 2 and workload.key(steps=5).num_inference_steps == 5
+    specs = workload.specs()
+    assert [spec.seeds for spec in specs] == [(index,) for index in range(6)]
+    assert specs[0].prompt == specs[4].prompt != specs[1].prompt
+    assert {spec.num_inference_steps for spec in specs} == {2} and workload.specs(3, steps=5)[2].num_inference_steps == 5
 
 
 def test_image_distance_is_zero_for_identical_images_and_psnr_otherwise():
@@ -95,3 +96,12 @@ def test_markdown_has_one_full_row_per_variant_whatever_its_status():
     assert "| vanilla-fp32 | float32 | 0.500 | 1.00x |" in table[2] and "identical" in table[2]
     assert "skipped: CUDA only" in table[3] and "failed: RuntimeError: boom" in table[4]
     assert "1.000 GFLOP" in markdown(report)
+
+
+def test_engine_overhead_table_states_the_ratio_per_family_and_batch():
+    from bench.engine import Row, markdown as engine_markdown
+
+    rows = [Row("sd1", "shapes-sd", 1, 64, 25, 0.200, 0.210, 0), Row("sdxl", "tiny-sdxl", 8, 64, 25, 0.400, 0.380, 1)]
+    table = engine_markdown(rows, {"device_name": "cpu", "torch": "2.13.0", "diffusers": "0.42.1", "date": "2026-11-23"})
+    assert "| sd1 | shapes-sd | 1 | 64x64 | 25 | 0.2000 | 0.2100 | 1.050x | 0 |" in table
+    assert "| sdxl | tiny-sdxl | 8 | 64x64 | 25 | 0.4000 | 0.3800 | 0.950x | 1 |" in table

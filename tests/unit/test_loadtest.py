@@ -20,7 +20,14 @@ def test_shipped_configs_are_valid_and_sweep_batching(path):
     assert {1, 4} <= set(config.sweep.batch_size)
     assert config.prompts() and all(entry.width % 8 == 0 for entry in config.request_mix)
     sweep = config.sweep
-    assert len(sweep.points()) == len(sweep.batch_size) * len(sweep.max_batch_delay) * len(sweep.workers) * len(sweep.concurrency)
+    assert len(sweep.points()) == (len(sweep.continuous_batching) * len(sweep.batch_size) * len(sweep.max_batch_delay)
+                                   * len(sweep.workers) * len(sweep.concurrency))
+
+
+def test_the_shipped_sweep_measures_both_batching_modes():
+    points = CONFIG.sweep.points()
+    assert {point.continuous_batching for point in points} == {False, True}
+    assert points[0].label.startswith("dynamic, batch") and points[-1].label.startswith("continuous, batch")
 
 
 @pytest.mark.parametrize("change", [{"sla": {"p95_seconds": 0, "max_error_ratio": 0.01}},
@@ -67,10 +74,10 @@ def test_sla_verdicts_name_what_broke():
     assert result(requests=0).sla_violations(sla)[0] == "no request was answered"
 
 
-def point(batch, images_per_s, p95, meets, tmp_path):
+def point(batch, images_per_s, p95, meets, tmp_path, continuous=False):
     log = write_log(tmp_path / f"b{batch}.csv", [["64x64", 1, 0.5 + index / 100, 1, 100 + index] for index in range(20)])
-    sweep_point = CONFIG.sweep.points()[0].model_copy(update={"batch_size": batch})
-    return PointResult(sweep_point, result(p95=p95, images_per_s=images_per_s), ServerFigures(0.1, 0.5, float(batch), 10),
+    sweep_point = CONFIG.sweep.points()[0].model_copy(update={"batch_size": batch, "continuous_batching": continuous})
+    return PointResult(sweep_point, result(p95=p95, images_per_s=images_per_s), ServerFigures(0.1, 0.5, float(batch), 2.5, 10),
                        meets, [] if meets else ["p95 latency too high"], str(log))
 
 
@@ -81,10 +88,12 @@ def test_the_best_point_is_the_fastest_that_meets_the_sla(tmp_path):
 
 
 def test_report_names_the_best_configuration_with_a_snippet_and_plots(tmp_path):
-    results = [point(1, 2.0, 1.0, True, tmp_path), point(4, 3.0, 1.5, True, tmp_path)]
+    results = [point(1, 2.0, 1.0, True, tmp_path), point(4, 3.0, 1.5, True, tmp_path, continuous=True)]
     report = write_report(results, CONFIG, tmp_path).read_text()
-    assert "batch 4, delay" in report.split("## Best configuration")[1]
-    assert "batchSize: 4" in report and (tmp_path / "model-config-snippet.yaml").read_text().startswith("batchSize: 4")
+    assert "continuous, batch 4, delay" in report.split("## Best configuration")[1]
+    snippet = (tmp_path / "model-config-snippet.yaml").read_text()
+    assert snippet.startswith("continuousBatching: true\nbatchSize: 4") and "batchSize: 4" in report
+    assert "| dynamic | 1 |" in report and "| 2.50 |" in report
     assert (tmp_path / "throughput_vs_p95.png").stat().st_size > 1000
     assert (tmp_path / "best_latency_distribution.png").stat().st_size > 1000
     assert len(json.loads((tmp_path / "points.json").read_text())) == 2
@@ -97,11 +106,12 @@ def test_report_says_when_nothing_meets_the_sla(tmp_path):
 
 
 def test_server_figures_are_deltas():
-    def samples(requests, queue_us, latency_sum, latency_count, batch_sum, batch_count, images):
+    def samples(requests, queue_us, latency_sum, latency_count, batch_sum, batch_count, step_sum, step_count, images):
         return {("ts_inference_requests_total", frozenset()): requests, ("ts_queue_latency_microseconds_total", frozenset()): queue_us,
                 ("sd_request_latency_seconds_sum", frozenset()): latency_sum, ("sd_request_latency_seconds_count", frozenset()): latency_count,
                 ("sd_batch_size_sum", frozenset()): batch_sum, ("sd_batch_size_count", frozenset()): batch_count,
+                ("sd_iteration_batch_size_sum", frozenset()): step_sum, ("sd_iteration_batch_size_count", frozenset()): step_count,
                 ("sd_images_total", frozenset()): images}
 
-    figures = server_figures(samples(10, 1e6, 5, 10, 10, 5, 10), samples(30, 5e6, 25, 30, 30, 10, 34))
-    assert figures == ServerFigures(mean_queue_s=0.2, mean_handler_s=1.0, mean_batch_size=4.0, images=24)
+    figures = server_figures(samples(10, 1e6, 5, 10, 10, 5, 40, 20, 10), samples(30, 5e6, 25, 30, 30, 10, 100, 40, 34))
+    assert figures == ServerFigures(mean_queue_s=0.2, mean_handler_s=1.0, mean_batch_size=4.0, mean_step_images=3.0, images=24)

@@ -1,20 +1,22 @@
-"""Pipeline loading and optimization on the default tiny model, in-process."""
-
-from pathlib import Path
+"""Pipeline loading and optimization on the tiny SD 1.x model, in-process."""
 
 import numpy as np
 import pytest
 import torch
 
-from handler.batching import CallInputs, CallKey
+from bench.jobs import generate
 from handler.config import HandlerSettings
-from handler.pipeline import attention_summary, load_text_to_image, native_size, resolve_dtype
-
-MODEL_DIR = Path(__file__).resolve().parents[2] / "models" / "tiny-sd"
+from handler.engine import SCHEDULERS, JobSpec
+from handler.pipeline import attention_summary, load_engine, native_size, resolve_dtype
+from scripts.build_mar import RANDOM_MODEL_DIR as MODEL_DIR
 
 
 def load(**settings):
-    return load_text_to_image(HandlerSettings.model_validate({"model_path": str(MODEL_DIR), **settings}), "/unused")
+    return load_engine(HandlerSettings.model_validate({"model_path": str(MODEL_DIR), **settings}), "/unused")
+
+
+def spec(steps: int = 2, scheduler: str = "ddim", images: int = 1) -> JobSpec:
+    return JobSpec("a", None, tuple(range(1, images + 1)), 64, 64, steps, scheduler, 7.5)
 
 
 @pytest.fixture(scope="module")
@@ -57,26 +59,14 @@ def test_cpu_offload_needs_cuda():
         load(cpu_offload="model")
 
 
-def test_images_come_from_per_image_seeds(engine):
-    key = CallKey(64, 64, 3, "euler_a", 7.5)
-    batch, timings = engine.generate(key, CallInputs(["a", "b"], ["", ""], [1, 2], [0, 1]))
-    alone, _ = engine.generate(key, CallInputs(["b"], [""], [2], [0]))
-    assert len(timings.denoise_steps) == 3 and all(seconds > 0 for seconds in timings.denoise_steps)
-    assert timings.vae_decode > 0
-    assert [image.size for image in batch] == [(64, 64), (64, 64)]
-    difference = np.abs(np.asarray(batch[1], dtype=int) - np.asarray(alone[0], dtype=int))
-    assert difference.max() <= 1
-
-
 def test_compiled_pipeline_gives_the_eager_image():
     """torch.compile (inductor, default mode) of UNet and VAE decoder; slow on a cold cache."""
     compiled = load(compile={"enabled": True, "mode": "default"})
     assert type(compiled.pipeline.unet).__name__ == "OptimizedModule"
     assert "compile=default(unet,vae_decoder)" in compiled.description
-    key, inputs = CallKey(64, 64, 2, "ddim", 7.5), CallInputs(["a"], [""], [1], [0])
-    (eager,), _ = load().generate(key, inputs)
-    (image,), _ = compiled.generate(key, inputs)
-    difference = np.abs(np.asarray(image, dtype=int) - np.asarray(eager, dtype=int))
+    (eager,), _ = generate(load(), [spec()])
+    (image,), _ = generate(compiled, [spec()])
+    difference = np.abs(np.asarray(image.images[0], dtype=int) - np.asarray(eager.images[0], dtype=int))
     assert difference.max() <= 1
 
 
@@ -88,20 +78,23 @@ def test_pickle_only_models_are_refused(tmp_path):
     for weights in copy.rglob("*.safetensors"):
         weights.rename(weights.with_name(weights.name.replace(".safetensors", ".bin")))
     with pytest.raises(OSError, match="safetensors"):
-        load_text_to_image(HandlerSettings(model_path=str(copy)), "/unused")
+        load_engine(HandlerSettings(model_path=str(copy)), "/unused")
 
 
-def test_fault_injection_simulates_out_of_memory_above_its_pixel_budget():
-    engine = load(fault_injection={"out_of_memory_above_pixels": 64 * 64})
-    key = CallKey(64, 64, 1, "ddim", 7.5)
-    images, _ = engine.generate(key, CallInputs(["a"], [""], [1], [0]))
-    assert len(images) == 1
-    with pytest.raises(torch.OutOfMemoryError, match="simulated out of memory: 8192 pixels"):
-        engine.generate(key, CallInputs(["a", "b"], ["", ""], [1, 2], [0, 1]))
+def test_fault_injection_simulates_out_of_memory_above_its_pixel_budgets():
+    engine = load(fault_injection={"out_of_memory_above_pixels": 64 * 64, "vae_out_of_memory_above_pixels": 64 * 64})
+    (decoded,), _ = generate(engine, [spec()])
+    assert len(decoded.images) == 1
+    with pytest.raises(torch.OutOfMemoryError, match="simulated out of memory: 8192 pixels in one step"):
+        generate(engine, [spec(), spec()])
+    job = engine.start(spec(images=2))
+    with pytest.raises(torch.OutOfMemoryError, match="8192 pixels in one VAE decode"):
+        engine.decode(job.latents, 64, 64)
+    assert len(engine.decode(job.latents, 64, 64, tiled=True).images) == 2
 
 
-@pytest.mark.parametrize("scheduler", ["ddim", "euler", "euler_a", "dpmpp_2m", "pndm"])
+@pytest.mark.parametrize("scheduler", sorted(SCHEDULERS))
 def test_every_scheduler_runs_from_one_step_up_in_any_order(engine, scheduler):
     for steps in (1, 2, 5, 2):
-        images, timings = engine.generate(CallKey(64, 64, steps, scheduler, 7.5), CallInputs(["a"], [""], [1], [0]))
-        assert images[0].size == (64, 64) and len(timings.denoise_steps) >= steps
+        (decoded,), step_seconds = generate(engine, [spec(steps, scheduler)])
+        assert decoded.images[0].size == (64, 64) and len(step_seconds) >= steps  # PNDM repeats one timestep

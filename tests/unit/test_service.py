@@ -1,39 +1,75 @@
-"""The batch flow with a stand-in engine: one response per request, failures stay with their request."""
+"""The service's two loops over a stand-in engine: one response per request, jobs of one shape in
+one forward, failures confined to their request, out of memory split and retried, decode retried
+per image then in tiles, streaming, clients that leave, deadline slack, and the same metrics in
+both modes."""
 
 from __future__ import annotations
 
+import base64
 import io
 import json
+import logging
 
 import pytest
 import torch
 from PIL import Image
 
-from handler.batching import CallInputs, CallKey
-from handler.metrics import CallTimings, DiffusionMetrics, MetricSpec
+from handler.config import RequestDefaults
+from handler.engine import DenoiseJob, JobSpec
+from handler.families import Conditioning, Decoded
+from handler.metrics import DiffusionMetrics, MetricSpec
+from handler.protocol import NSFW_HEADER, STREAM_CONTENT_TYPE, IncomingRequest
 from handler.request import RequestPolicy
-from handler.service import IncomingRequest, TextToImageService
+from handler.scheduling import StepProfile
+from handler.service import DiffusionService
+
+SHAPE = (4, 8, 8)  # latents of a 64x64 image
 
 
 class SolidColorEngine:
-    """Paints each image a grey level equal to its seed; fails calls whose prompts ask for it."""
+    """Stands in for ``StepEngine``: image k of a job is grey level ``seed + k``; prompts (and
+    settings) ask for failures."""
 
-    def __init__(self):
-        self.calls: list[tuple[CallKey, CallInputs]] = []
+    device = torch.device("cpu")
 
-    def generate(self, key: CallKey, inputs: CallInputs) -> list[Image.Image]:
-        self.calls.append((key, inputs))
-        if "explode" in inputs.prompts:
+    def __init__(self, out_of_memory_above_images: int = 1000, decode_out_of_memory_above_images: int = 1000,
+                 tiles_fail: bool = False, flagged_seeds: set[int] | None = None):
+        self.out_of_memory_above_images = out_of_memory_above_images
+        self.decode_out_of_memory_above_images = decode_out_of_memory_above_images
+        self.tiles_fail = tiles_fail
+        self.flagged_seeds = flagged_seeds
+        self.broken = False  # every step fails while set
+        self.steps: list[list[str]] = []  # prompts of the jobs in each forward
+        self.decodes: list[tuple[int, bool]] = []  # (images, tiled)
+
+    def latent_shape(self, width: int, height: int) -> tuple[int, int, int]:
+        return 4, height // 8, width // 8
+
+    def start(self, spec: JobSpec) -> DenoiseJob:
+        if spec.prompt == "explode at start":
+            raise RuntimeError("text encoder broke")
+        latents = torch.tensor([float(seed % 256) for seed in spec.seeds]).view(-1, 1, 1, 1).expand(
+            -1, *self.latent_shape(spec.width, spec.height)).clone()
+        rows = spec.images * (2 if spec.guidance_scale > 1 else 1)
+        return DenoiseJob(spec, None, torch.arange(spec.num_inference_steps), latents, Conditioning(torch.zeros(rows, 1, 1)))
+
+    def step(self, jobs: list[DenoiseJob]) -> None:
+        self.steps.append([job.spec.prompt for job in jobs])
+        if self.broken or any(job.spec.prompt == "explode" for job in jobs):
             raise RuntimeError("boom")
-        if "oom" in inputs.prompts or ("oom if batched" in inputs.prompts and len(inputs.seeds) > 1):
+        if sum(job.images for job in jobs) > self.out_of_memory_above_images:
             raise torch.OutOfMemoryError("CUDA out of memory")
-        images = [Image.new("RGB", (key.width, key.height), (seed % 256,) * 3) for seed in inputs.seeds]
-        return images, CallTimings(denoise_steps=[0.01] * key.num_inference_steps, vae_decode=0.02)
+        for job in jobs:
+            job.step += 1
 
-
-@pytest.fixture
-def engine() -> SolidColorEngine:
-    return SolidColorEngine()
+    def decode(self, latents: torch.Tensor, width: int, height: int, tiled: bool = False) -> Decoded:
+        self.decodes.append((latents.shape[0], tiled))
+        if tiled and self.tiles_fail or not tiled and latents.shape[0] > self.decode_out_of_memory_above_images:
+            raise torch.OutOfMemoryError("CUDA out of memory")
+        levels = [int(value) for value in latents[:, 0, 0, 0]]
+        images = [Image.new("RGB", (width, height), (level,) * 3) for level in levels]
+        flags = None if self.flagged_seeds is None else [level in self.flagged_seeds for level in levels]
+        return Decoded(images, flags)
 
 
 class RecordingSink:
@@ -46,122 +82,294 @@ class RecordingSink:
     def values(self, name: str) -> list[float]:
         return [value for recorded, value, _ in self.records if recorded == name]
 
-
-@pytest.fixture
-def sink() -> RecordingSink:
-    return RecordingSink()
+    def names(self) -> set[str]:
+        return {name for name, _, _ in self.records}
 
 
-@pytest.fixture
-def service(engine, sink) -> TextToImageService:
-    return TextToImageService(engine, RequestPolicy(), 8, DiffusionMetrics(sink, latency_sla_seconds=2.0))
+class Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        self.now += 0.001
+        return self.now
+
+
+def make_service(engine=None, sink=None, streaming=True, cap_profile=(1, 2, 4, 8), sla=2.0, **kwargs) -> DiffusionService:
+    """A service whose profile says one forward takes the same time for 1 to 8 images (cap 8)."""
+    engine = engine or SolidColorEngine()
+    policy = RequestPolicy(defaults=RequestDefaults(width=64, height=64), streaming=streaming)
+    profile = StepProfile(engine, max_images=8)
+    for shape in (SHAPE, (4, 8, 16), (4, 16, 16)):
+        profile.seconds[shape] = {size: 0.1 for size in cap_profile}
+    return DiffusionService(engine, policy, profile, DiffusionMetrics(sink or RecordingSink(), sla), sla,
+                            clock=kwargs.pop("clock", Clock()), **kwargs)
 
 
 def body(**fields) -> IncomingRequest:
-    return IncomingRequest({"prompt": "p", "seed": 1, "width": 64, "height": 64, **fields}, "application/json")
+    return IncomingRequest({"prompt": "p", "seed": 1, "num_inference_steps": 3, **fields}, "application/json")
 
 
-def grey_level(data: bytes) -> int:
+def grey(data: bytes) -> int:
     return Image.open(io.BytesIO(data)).getpixel((0, 0))[0]
 
 
-def test_each_request_gets_its_own_images_from_one_call(service, engine):
-    responses = service.handle_batch([body(seed=10), body(seed=20, num_images_per_prompt=2, response_format="json"), body(seed=30)])
-    assert len(engine.calls) == 1 and engine.calls[0][1].seeds == [10, 20, 21, 30]
+def batch(service: DiffusionService, *incoming: IncomingRequest) -> list:
+    responses = service.run_batch({str(index): item for index, item in enumerate(incoming)})
+    return [responses[str(index)] for index in range(len(incoming))]
+
+
+def run(service: DiffusionService, arrivals: dict[int, dict[str, IncomingRequest]], limit: int = 200) -> dict[str, list]:
+    """Continuous batching: iterate until every request has its final part; ``arrivals`` maps an
+    iteration to the requests that arrive then."""
+    parts: dict[str, list] = {}
+    live: dict[str, IncomingRequest] = {}
+    for iteration in range(limit):
+        live.update(arrivals.get(iteration, {}))
+        if not live and iteration > max(arrivals):
+            return parts
+        for rid, part in service.iterate({rid: live[rid] if iteration in arrivals and rid in arrivals[iteration]
+                                          else IncomingRequest(None) for rid in live}).items():
+            parts.setdefault(rid, []).append(part)
+            if part.final:
+                del live[rid]
+    raise AssertionError("requests did not finish")
+
+
+# Dynamic batching: one call, every request answered.
+
+def test_requests_of_one_shape_share_each_forward_whatever_their_steps_scheduler_and_guidance():
+    engine = SolidColorEngine()
+    service = make_service(engine, streaming=False)
+    responses = batch(service, body(seed=10, num_inference_steps=2), body(seed=20, num_images_per_prompt=2, response_format="json",
+                      scheduler="euler_a", guidance_scale=1.0), body(seed=30, num_inference_steps=4, width=128))
     assert [response.status for response in responses] == [200, 200, 200]
-    assert grey_level(responses[0].body) == 10 and grey_level(responses[2].body) == 30
+    assert grey(responses[0].body) == 10 and grey(responses[2].body) == 30
     payload = json.loads(responses[1].body)
-    assert payload["seed"] == 20 and payload["batch"] == {"requests": 3, "call_images": 4}
+    assert [grey(base64.b64decode(image)) for image in payload["images"]] == [20, 21]
+    assert payload["seed"] == 20 and payload["batch"] == {"requests": 3, "max_step_images": 3}
+    assert payload["nsfw_content_detected"] is None
+    assert {"admission_s", "denoise_s", "vae_decode_s", "encode_s"} == set(payload["timings"])
     assert responses[1].headers == {"X-Seed": "20"} and responses[1].content_type == "application/json"
+    # the two 64x64 jobs share each forward; the 128x64 job takes its own
+    assert engine.steps[:2] == [["p", "p"], ["p"]] or engine.steps[:2] == [["p"], ["p", "p"]]
+    assert sum(len(prompts) for prompts in engine.steps) == 2 + 3 + 4
 
 
-def test_a_bad_request_fails_alone(service):
-    responses = service.handle_batch([body(seed=5), body(width=100), IncomingRequest(bytearray(b"{"), "application/json")])
+def test_a_bad_request_fails_alone():
+    responses = batch(make_service(streaming=False), body(seed=5), body(width=100), IncomingRequest(bytearray(b"{"), "application/json"))
     assert [response.status for response in responses] == [200, 400, 400]
     assert json.loads(responses[1].body)["errors"][0]["field"] == "width"
-    assert grey_level(responses[0].body) == 5
+    assert grey(responses[0].body) == 5
 
 
-def test_a_failing_call_fails_only_its_members(service, engine):
-    responses = service.handle_batch([body(prompt="explode"), body(width=128, seed=7), body(seed=8)])
-    assert len(engine.calls) == 2
+def test_a_failing_step_fails_only_the_requests_that_took_it():
+    responses = batch(make_service(streaming=False), body(prompt="explode"), body(width=128, seed=7), body(seed=8))
     assert [response.status for response in responses] == [500, 200, 500]
-    assert "RuntimeError: boom" in json.loads(responses[0].body)["message"]
-    assert grey_level(responses[1].body) == 7
+    assert "denoising failed: RuntimeError: boom" in json.loads(responses[0].body)["message"]
+    assert grey(responses[1].body) == 7
 
 
-def test_out_of_memory_is_507(service):
-    (response,) = service.handle_batch([body(prompt="oom")])
-    assert response.status == 507 and json.loads(response.body)["type"] == "OutOfMemory"
+def test_a_request_that_fails_at_admission_fails_alone_with_its_status():
+    responses = batch(make_service(streaming=False), body(prompt="explode at start"), body(seed=3))
+    assert [response.status for response in responses] == [500, 200]
+    assert "admission failed: RuntimeError: text encoder broke" in json.loads(responses[0].body)["message"]
 
 
-def test_an_unexpected_decoding_error_fails_only_that_request(service, monkeypatch):
-    import handler.service
+def test_an_unexpected_decoding_error_fails_only_that_request(monkeypatch):
+    import handler.protocol
 
-    real_decode_body = handler.service.decode_body
+    real = handler.protocol.decode_body
 
-    def buggy_decode_body(body, content_type, policy):
+    def buggy(body, content_type, policy):
         if body.get("prompt") == "bug":
             raise TypeError("unexpected")
-        return real_decode_body(body, content_type, policy)
+        return real(body, content_type, policy)
 
-    monkeypatch.setattr(handler.service, "decode_body", buggy_decode_body)
-    responses = service.handle_batch([body(seed=3), body(prompt="bug")])
+    monkeypatch.setattr(handler.protocol, "decode_body", buggy)
+    responses = batch(make_service(streaming=False), body(seed=3), body(prompt="bug"))
     assert [response.status for response in responses] == [200, 500]
     assert "decoding failed: TypeError" in json.loads(responses[1].body)["message"]
 
 
-def test_fields_in_both_body_and_form_are_refused(service):
-    (response,) = service.handle_batch([IncomingRequest({"prompt": "x"}, "application/json", {"seed": "1"})])
-    assert response.status == 400 and json.loads(response.body)["errors"][0]["rule"] == "one_source"
+def test_fields_in_both_body_and_form_are_refused_and_form_fields_alone_work():
+    both, form = batch(make_service(streaming=False), IncomingRequest({"prompt": "x"}, "application/json", {"seed": "1"}),
+                       IncomingRequest(None, None, {"prompt": "x", "seed": "9", "num_inference_steps": "2"}))
+    assert both.status == 400 and json.loads(both.body)["errors"][0]["rule"] == "one_source"
+    assert form.status == 200 and form.headers["X-Seed"] == "9"
 
 
-def test_form_fields_without_body(service):
-    (response,) = service.handle_batch([IncomingRequest(None, None, {"prompt": "x", "seed": "9", "width": "64", "height": "64"})])
-    assert response.status == 200 and response.headers["X-Seed"] == "9"
-
-
-def test_out_of_memory_splits_the_call_until_it_fits(service, engine, sink):
-    responses = service.handle_batch([body(seed=1), body(prompt="oom if batched", seed=2), body(seed=3)])
+def test_out_of_memory_halves_the_forward_until_it_fits_and_lowers_the_cap():
+    sink, engine = RecordingSink(), SolidColorEngine(out_of_memory_above_images=1)
+    service = make_service(engine, sink, streaming=False)
+    responses = batch(service, body(seed=1), body(seed=2), body(seed=3))
     assert [response.status for response in responses] == [200, 200, 200]
-    assert [len(inputs.seeds) for _, inputs in engine.calls] == [3, 1, 2, 1, 1]
-    assert sink.values("sd_oom_retries_total") == [1, 1]
-    assert [grey_level(response.body) for response in responses] == [1, 2, 3]
+    assert [grey(response.body) for response in responses] == [1, 2, 3]
+    assert [len(prompts) for prompts in engine.steps[:5]] == [3, 1, 2, 1, 1]
+    assert sink.values("sd_oom_retries_total") == [1, 1] and service.profile.cap(SHAPE) == 1
+    assert {labels for name, _, labels in sink.records if name == "sd_oom_retries_total"} == {("step",)}
 
 
-def test_only_the_request_that_cannot_fit_alone_fails(service, sink):
-    responses = service.handle_batch([body(seed=1), body(prompt="oom", seed=2)])
+def test_only_a_request_too_large_alone_fails_and_the_next_like_it_is_refused_at_admission():
+    engine = SolidColorEngine(out_of_memory_above_images=2)
+    service = make_service(engine)
+    responses = batch(service, body(seed=1), body(prompt="big", num_images_per_prompt=3))
     assert [response.status for response in responses] == [200, 507]
+    message = json.loads(responses[1].body)["message"]
+    assert "3 image(s) of 64x64 even alone" in message
+    forwards = len(engine.steps)
+    (refused,) = run(service, {0: {"again": body(num_images_per_prompt=3)}})["again"]
+    assert refused.first and refused.final and refused.status == 507 and len(engine.steps) == forwards
 
 
-def test_metrics_follow_the_batch(service, sink):
-    service.handle_batch([body(num_inference_steps=3), body(num_inference_steps=3, num_images_per_prompt=2), body(prompt="", width=100)])
-    assert sink.values("sd_batch_size") == [3]
-    assert sink.values("sd_pipeline_calls_total") == [1] and sink.values("sd_images_total") == [3]
-    assert sink.values("sd_denoise_step_seconds") == [0.01] * 3 and sink.values("sd_vae_decode_seconds") == [0.02]
-    assert sorted(labels for name, _, labels in sink.records if name == "sd_invalid_requests_total") == [("prompt",), ("width",)]
-    latencies = sink.values("sd_request_latency_seconds")
-    assert len(latencies) == 2 and all(latency > 0 for latency in latencies)
-    assert sink.values("sd_request_latency_sla_ratio") == [latency / 2.0 for latency in latencies]
-    assert len(sink.values("sd_encode_seconds")) == 2 and sink.values("sd_latency_sla_seconds") == [2.0]
+def test_decode_out_of_memory_retries_image_by_image_then_in_tiles():
+    sink, engine = RecordingSink(), SolidColorEngine(decode_out_of_memory_above_images=1)
+    responses = batch(make_service(engine, sink, streaming=False), body(seed=1, num_images_per_prompt=2, response_format="json"), body(seed=5))
+    assert [response.status for response in responses] == [200, 200]
+    assert engine.decodes[-4:] == [(3, False), (1, False), (1, False), (1, False)]
+    engine = SolidColorEngine(decode_out_of_memory_above_images=0)
+    responses = batch(make_service(engine, sink, streaming=False), body(seed=1), body(seed=5))
+    assert [grey(response.body) for response in responses] == [1, 5]
+    assert engine.decodes[-5:] == [(2, False), (1, False), (1, True), (1, False), (1, True)]
+    assert len(sink.values("sd_oom_retries_total")) == 1 + 3
+    assert {labels for name, _, labels in sink.records if name == "sd_oom_retries_total"} == {("vae_decode",)}
 
 
-def test_prompts_are_logged_only_when_configured(engine, sink, caplog):
-    import logging
+def test_a_decode_that_fails_even_in_tiles_fails_only_its_requests():
+    engine = SolidColorEngine(decode_out_of_memory_above_images=0, tiles_fail=True)
+    service = make_service(engine, streaming=False)
+    responses = batch(service, body(seed=1), body(seed=2, width=128))
+    assert [response.status for response in responses] == [507, 507]
+    assert "ran out of memory during VAE decode" in json.loads(responses[0].body)["message"]
 
-    quiet = TextToImageService(engine, RequestPolicy(), 8, DiffusionMetrics(sink, 2.0))
-    chatty = TextToImageService(engine, RequestPolicy(), 8, DiffusionMetrics(sink, 2.0), log_prompts=True)
+
+def test_latency_is_recorded_when_the_answer_leaves_with_its_batch():
+    sink, clock = RecordingSink(), Clock()
+    service = make_service(sink=sink, streaming=False, clock=clock)
+    batch(service, body(num_inference_steps=1), body(num_inference_steps=20))
+    short, long = sink.values("sd_request_latency_seconds")
+    assert short >= long - 0.01, "the short request waited for its batch and its latency says so"
+    assert sink.values("sd_request_latency_sla_ratio") == [short / 2.0, long / 2.0]
+
+
+def test_prompts_are_logged_only_when_configured(caplog):
     with caplog.at_level(logging.DEBUG, logger="handler.service"):
-        quiet.handle_batch([body(prompt="private words"), body(prompt="rejected words", width=100)])
+        batch(make_service(streaming=False), body(prompt="private words"), body(prompt="rejected words", width=100))
     assert "private words" not in caplog.text and "rejected words" not in caplog.text
-    assert "width (multiple_of)" in caplog.text
+    assert "rejected: width (multiple_of)" in caplog.text
     caplog.clear()
     with caplog.at_level(logging.INFO, logger="handler.service"):
-        chatty.handle_batch([body(prompt="shared words")])
+        batch(make_service(streaming=False, log_prompts=True), body(prompt="shared words"))
     assert "shared words" in caplog.text
 
 
-def test_the_507_message_says_what_does_not_fit(service):
-    (response,) = service.handle_batch([body(prompt="oom", width=128, height=64, num_images_per_prompt=2)])
-    message = json.loads(response.body)["message"]
-    assert response.status == 507 and "2 image(s) of 128x64 even alone" in message
+def test_stream_is_refused_with_dynamic_batching():
+    (response,) = batch(make_service(streaming=False), body(stream=True))
+    assert response.status == 400 and "continuousBatching: true" in response.body.decode()
+
+
+# Continuous batching: one iteration per call.
+
+def test_staggered_requests_with_different_steps_each_get_their_own_image_and_short_ones_leave_first():
+    parts = run(make_service(), {0: {"a": body(seed=1, num_inference_steps=12)}, 3: {"b": body(seed=2, num_inference_steps=3)},
+                                 5: {"c": body(seed=3, num_inference_steps=5, width=128)}})
+    assert all(parts[rid][0].status == 200 and parts[rid][0].content_type == "image/png" for rid in parts)
+    assert all(part.body == b"" and not part.final for rid in parts for part in parts[rid][:-1])
+    assert parts["a"][0].headers == {"X-Seed": "1"} and parts["a"][1].headers == {}
+    assert len(parts["b"]) < len(parts["a"])
+    assert [grey(parts[rid][-1].body) for rid in "abc"] == [1, 2, 3]
+
+
+def test_a_streaming_request_gets_progress_events_then_its_images():
+    (first, *rest) = run(make_service(), {0: {"s": body(num_inference_steps=4, stream=True, seed=5)}})["s"]
+    assert first.content_type == STREAM_CONTENT_TYPE and first.headers == {"X-Seed": "5"}
+    events = [json.loads(line) for part in (first, *rest) for line in part.body.decode().splitlines()]
+    assert [event["step"] for event in events[:-1]] == [1, 2, 3]
+    assert all(event["event"] == "progress" and event["total_steps"] == 4 for event in events[:-1])
+    assert events[-1]["event"] == "done" and events[-1]["seed"] == 5 and len(events[-1]["images"]) == 1
+
+
+def test_a_bad_request_mid_flight_fails_alone_with_an_ordinary_400():
+    parts = run(make_service(), {0: {"good": body(num_inference_steps=4)}, 2: {"bad": body(num_inference_steps=0)}})
+    (bad,) = parts["bad"]
+    assert bad.final and bad.first and bad.status == 400
+    assert json.loads(bad.body)["errors"][0]["field"] == "num_inference_steps"
+    assert parts["good"][-1].final and parts["good"][-1].body.startswith(b"\x89PNG")
+
+
+def test_a_request_whose_client_left_is_dropped():
+    service = make_service()
+    service.iterate({"x": body(num_inference_steps=10)})
+    assert "x" in service.flights
+    assert service.iterate({}) == {} and service.flights == {}
+
+
+def test_least_slack_runs_first_within_the_profiles_cap():
+    clock = Clock()
+    service = make_service(clock=clock, cap_profile=(1,))
+    service.profile.seconds[SHAPE] = {1: 0.1, 2: 0.2, 4: 0.4}  # per-image time flat: cap 1
+    assert service.profile.cap(SHAPE) == 1
+    service.iterate({"early": body(num_inference_steps=10)})
+    clock.now = 5.0
+    # arrives later but has far more steps: less slack, so it takes the next step alone
+    service.iterate({"early": IncomingRequest(None), "long": body(num_inference_steps=90)})
+    early, long = service.flights["early"], service.flights["long"]
+    assert long.job.step == 1 and early.job.step == 1
+    service.profile.seconds[SHAPE] = {1: 0.1, 2: 0.1, 4: 0.2}  # batch 2 for the price of 1: cap 2
+    service.iterate({"early": IncomingRequest(None), "long": IncomingRequest(None)})
+    assert long.job.step == 2 and early.job.step == 2
+
+
+def test_a_failure_after_the_status_was_sent_reaches_the_client_as_200_with_a_json_error():
+    engine = SolidColorEngine()
+    service = make_service(engine, cap_profile=(1,))
+    service.profile.seconds[SHAPE] = {1: 0.1, 2: 0.2}  # cap 1: one request per forward
+    first = service.iterate({"s": body(num_inference_steps=4, stream=True), "n": body(num_inference_steps=40)})
+    assert first["s"].first and not first["s"].final and first["n"].status == 200
+    stepped = next(rid for rid in ("s", "n") if service.flights[rid].job.step == 1)
+    waiting = "n" if stepped == "s" else "s"
+    engine.broken = True
+    failed = service.iterate({"s": IncomingRequest(None), "n": IncomingRequest(None)})[stepped]
+    assert failed.final and not failed.first and failed.status == 200 and stepped not in service.flights
+    payload = json.loads(failed.body.decode().splitlines()[-1])
+    assert "boom" in payload["message"] and payload["code"] == 500 and (payload.get("event") == "error") == (stepped == "s")
+    engine.broken = False
+    parts = run(service, {0: {waiting: IncomingRequest(None)}})[waiting]
+    assert parts[-1].final and parts[-1].status == 200 and waiting not in service.flights
+
+
+def test_a_flagged_image_is_marked_in_json_in_the_header_of_a_one_part_answer_and_in_its_exif():
+    service = make_service(SolidColorEngine(flagged_seeds={7}), streaming=False)
+    flagged, passed, several = batch(service, body(seed=7), body(seed=8), body(seed=6, num_images_per_prompt=2, response_format="json"))
+    assert flagged.headers[NSFW_HEADER] == "true" and passed.headers[NSFW_HEADER] == "false"
+    assert Image.open(io.BytesIO(flagged.body)).getexif()[0x010E] == "nsfw_content_detected=true"
+    assert json.loads(several.body)["nsfw_content_detected"] == [False, True] and NSFW_HEADER not in several.headers
+    # continuous batching: the headers left with the first (empty) part; the image says it itself
+    parts = run(make_service(SolidColorEngine(flagged_seeds={7})), {0: {"c": body(seed=7)}})["c"]
+    assert len(parts) > 1 and all(NSFW_HEADER not in part.headers for part in parts)
+    assert Image.open(io.BytesIO(parts[-1].body)).getexif()[0x010E] == "nsfw_content_detected=true"
+
+
+def test_both_loops_record_the_same_metrics():
+    traffic = [body(seed=1, num_inference_steps=3), body(seed=2, num_inference_steps=2, num_images_per_prompt=2), body(width=100)]
+    dynamic, continuous = RecordingSink(), RecordingSink()
+    batch(make_service(sink=dynamic, streaming=False), *traffic)
+    run(make_service(sink=continuous), {0: {str(index): item for index, item in enumerate(traffic)}})
+    assert dynamic.names() == continuous.names() == {
+        "sd_batch_size", "sd_latency_sla_seconds", "sd_invalid_requests_total", "sd_in_flight_requests",
+        "sd_iteration_batch_size", "sd_denoise_step_seconds", "sd_pipeline_calls_total", "sd_images_total",
+        "sd_vae_decode_seconds", "sd_request_latency_seconds", "sd_request_latency_sla_ratio", "sd_encode_seconds",
+        "sd_deadline_misses_total",
+    }
+    for sink in (dynamic, continuous):
+        assert sink.values("sd_batch_size") == [3]
+        assert sum(sink.values("sd_iteration_batch_size")) == 3 + 2 * 2  # image-steps, however batched
+        assert sum(sink.values("sd_images_total")) == 3
+        assert len(sink.values("sd_request_latency_seconds")) == 2
+
+
+def test_deadline_misses_are_counted_from_admission():
+    late, in_time = RecordingSink(), RecordingSink()
+    batch(make_service(sink=late, streaming=False, sla=1e-6), body(), body(seed=4))
+    batch(make_service(sink=in_time, streaming=False, sla=100.0), body(), body(seed=4))
+    assert late.values("sd_deadline_misses_total") == [1, 1] and in_time.values("sd_deadline_misses_total") == [0, 0]

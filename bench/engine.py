@@ -1,0 +1,145 @@
+"""`make bench-engine`: the step engine's own cost against the diffusers call it mirrors.
+
+The same requests (one image each: prompt k, seed k) go through diffusers' own pipeline call (one
+batched call, ``bench.reference``) and through the step engine as the service runs a batch
+(``bench.jobs``: every job in each UNet forward, one decode), per family, at batch 1 and 8, in one
+process, the order alternating per repeat. Prints median seconds per call, the ratio and the image
+distance, and writes ``reports/engine/engine.{json,md,png}``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import statistics
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import matplotlib.pyplot as plt
+import numpy as np
+import torch
+
+from bench.jobs import generate
+from bench.measure import PROMPTS
+from bench.pipeline import environment
+from bench.reference import Reference
+from handler.config import HandlerSettings
+from handler.engine import JobSpec, StepEngine
+from handler.pipeline import load_engine, native_size, resolve_device, synchronize
+from scripts.build_mar import DEFAULT_MODEL_DIR, ROOT, TINY_MODEL_DIRS
+
+logger = logging.getLogger("bench-engine")
+
+FAMILY_MODELS = {"sd1": DEFAULT_MODEL_DIR, "sd2": TINY_MODEL_DIRS["sd2"], "sdxl": TINY_MODEL_DIRS["sdxl"]}
+GOAL = 1.05  # the engine within 5% of the diffusers call
+
+
+@dataclass(frozen=True)
+class Row:
+    family: str
+    model: str
+    batch: int
+    side: int
+    steps: int
+    diffusers_s: float
+    engine_s: float
+    max_abs_diff: int
+
+    @property
+    def ratio(self) -> float:
+        return self.engine_s / self.diffusers_s
+
+
+def timed(call, device: torch.device) -> float:
+    started = time.perf_counter()
+    call()
+    synchronize(device)
+    return time.perf_counter() - started
+
+
+def compare(family: str, reference: Reference, engine: StepEngine, batch: int, steps: int, repeats: int) -> Row:
+    """Median seconds of the same ``batch`` one-image requests through both, alternating who goes first."""
+    side = native_size(engine.pipeline)[0]
+    specs = [JobSpec(PROMPTS[index % len(PROMPTS)], None, (index,), side, side, steps, "ddim", 7.5) for index in range(batch)]
+    prompts, seeds = [spec.prompt for spec in specs], [spec.seeds[0] for spec in specs]
+
+    def by_diffusers():
+        return reference.batch(prompts, seeds, side, side, steps).images
+
+    def by_engine():
+        return [image for decoded in generate(engine, specs)[0] for image in decoded.images]
+
+    ours, theirs = by_engine(), by_diffusers()  # warm-up, and the images compared
+    distance = max(int(np.abs(np.asarray(a, dtype=np.int16) - np.asarray(b, dtype=np.int16)).max()) for a, b in zip(ours, theirs))
+    diffusers_s, engine_s = [], []
+    for repeat in range(repeats):
+        order = ((by_diffusers, diffusers_s), (by_engine, engine_s))
+        for call, seconds in order if repeat % 2 == 0 else order[::-1]:
+            seconds.append(timed(call, engine.device))
+    return Row(family, Path(reference.model_dir).name, batch, side, steps, statistics.median(diffusers_s),
+               statistics.median(engine_s), distance)
+
+
+def markdown(rows: list[Row], env: dict) -> str:
+    lines = [f"{env['device_name']}, torch {env['torch']}, diffusers {env['diffusers']}, {env['date']}", "",
+             "| family | model | batch | size | steps | diffusers call (s) | step engine (s) | engine / diffusers | max pixel diff |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for row in rows:
+        lines.append(f"| {row.family} | {row.model} | {row.batch} | {row.side}x{row.side} | {row.steps} | {row.diffusers_s:.4f} "
+                     f"| {row.engine_s:.4f} | {row.ratio:.3f}x | {row.max_abs_diff} |")
+    return "\n".join(lines) + "\n"
+
+
+def plot(rows: list[Row], path: Path) -> None:
+    figure, axis = plt.subplots(figsize=(8, 4))
+    labels = [f"{row.family}\nbatch {row.batch}" for row in rows]
+    axis.bar(labels, [row.ratio for row in rows], color=["tab:green" if row.ratio <= GOAL else "tab:red" for row in rows])
+    axis.axhline(1.0, color="black", linewidth=0.8)
+    axis.axhline(GOAL, color="tab:red", linestyle="--", label=f"goal: within {GOAL - 1:.0%}")
+    axis.set_ylabel("step engine / diffusers call (time)")
+    axis.set_ylim(0.8, max(1.2, max(row.ratio for row in rows) + 0.05))
+    axis.legend()
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
+    plt.close(figure)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--families", nargs="*", default=list(FAMILY_MODELS), choices=list(FAMILY_MODELS))
+    parser.add_argument("--model-dir", type=Path, help="measure this diffusers directory instead (its family is detected)")
+    parser.add_argument("--batches", nargs="*", type=int, default=[1, 8])
+    parser.add_argument("--steps", type=int, default=25)
+    parser.add_argument("--repeats", type=int, default=10)
+    parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda", "mps"])
+    parser.add_argument("--quick", action="store_true", help="CI mode: 2 steps, 1 repeat, batches 1 and 2")
+    parser.add_argument("--output-dir", type=Path, default=ROOT / "reports" / "engine")
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.steps, args.repeats, args.batches = 2, 1, [1, 2]
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
+    device = resolve_device(args.device)
+    models = {"custom": args.model_dir} if args.model_dir else {family: FAMILY_MODELS[family] for family in args.families}
+    rows = []
+    for family, model_dir in models.items():
+        engine = load_engine(HandlerSettings(model_path=str(Path(model_dir).resolve()), device=args.device), ".")
+        reference = Reference(model_dir, device, engine.dtype)
+        for batch in args.batches:
+            row = compare(engine.family.name if family == "custom" else family, reference, engine, batch, args.steps, args.repeats)
+            logger.info("%s batch %d: diffusers %.4f s, engine %.4f s, %.3fx, max pixel diff %d",
+                        row.family, batch, row.diffusers_s, row.engine_s, row.ratio, row.max_abs_diff)
+            rows.append(row)
+    env = environment(device)
+    args.output_dir.mkdir(parents=True, exist_ok=True)
+    (args.output_dir / "engine.json").write_text(json.dumps(
+        {"environment": env, "goal_ratio": GOAL, "rows": [{**asdict(row), "ratio": row.ratio} for row in rows]}, indent=2))
+    table = markdown(rows, env)
+    (args.output_dir / "engine.md").write_text(table)
+    plot(rows, args.output_dir / "engine.png")
+    print(table)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,26 @@
+"""Run step-engine jobs to completion in-process, as the service runs a batch of one shape: every
+job in each UNet forward until all are done, then one decode. For benchmarks and tests that need
+images or step times without a server."""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from handler.engine import JobSpec, StepEngine
+from handler.families import Decoded
+from handler.pipeline import synchronize
+
+
+def generate(engine: StepEngine, specs: list[JobSpec]) -> tuple[list[Decoded], list[float]]:
+    """Decoded images per job, and the seconds of each forward (device time on CUDA)."""
+    jobs = [engine.start(spec) for spec in specs]
+    step_seconds = []
+    while not all(job.done for job in jobs):
+        started = time.perf_counter()
+        engine.step([job for job in jobs if not job.done])
+        synchronize(engine.device)
+        step_seconds.append(time.perf_counter() - started)
+    decoded = engine.decode(torch.cat([job.latents for job in jobs]), specs[0].width, specs[0].height)
+    return decoded.split([job.images for job in jobs]), step_seconds

@@ -1,0 +1,197 @@
+"""Stable Diffusion families: the parts of diffusers' pipeline calls that differ between them.
+
+The step engine (``handler.engine``) runs the same denoising loop for every family; a family
+supplies what its own diffusers pipeline does differently, using the pipeline's own methods where
+it has them (``encode_prompt``, ``_get_add_time_ids``, ``run_safety_checker``, ``image_processor``):
+
+- text conditioning: SD 1.x/2.x one text encoder; SDXL two, pooled embeddings and the six
+  size/crop time ids as added conditioning, zeros for an absent negative prompt
+  (``force_zeros_for_empty_prompt``);
+- the scheduler set-up: SDXL starts its schedulers at index 0 (``set_begin_index``);
+- the VAE decode: SDXL decodes in float32 when its VAE asks for it (``force_upcast``) and applies
+  the VAE's latents mean and std where it has them;
+- post-processing: SD runs the model's safety checker (flagged images become black, as diffusers
+  does), SDXL its watermarker where one is installed.
+
+The family is detected from the loaded pipeline's class; any other pipeline is refused.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from diffusers import DiffusionPipeline, StableDiffusionPipeline, StableDiffusionXLPipeline
+from PIL.Image import Image
+
+
+class UnsupportedPipeline(ValueError):
+    """The model directory holds a pipeline the engine does not serve."""
+
+
+@dataclass(frozen=True)
+class Conditioning:
+    """What the UNet needs for one job's rows besides latents and timesteps: text embeddings
+    ([negative; positive] with guidance) and, for SDXL, the added conditioning per row."""
+
+    hidden_states: torch.Tensor
+    added: dict[str, torch.Tensor] = field(default_factory=dict)
+
+    @staticmethod
+    def concat(items: list[Conditioning]) -> tuple[torch.Tensor, dict[str, torch.Tensor] | None]:
+        """The rows of several jobs for one UNet forward (``encoder_hidden_states``,
+        ``added_cond_kwargs``)."""
+        hidden = torch.cat([item.hidden_states for item in items])
+        added = {name: torch.cat([item.added[name] for item in items]) for name in items[0].added}
+        return hidden, added or None
+
+
+@dataclass(frozen=True)
+class Decoded:
+    """Images of one decode, and per image whether the safety checker flagged it (None: no
+    checker ran, as diffusers reports it)."""
+
+    images: list[Image]
+    nsfw_content_detected: list[bool] | None
+
+    def split(self, sizes: list[int]) -> list[Decoded]:
+        parts, start = [], 0
+        for size in sizes:
+            flags = None if self.nsfw_content_detected is None else self.nsfw_content_detected[start : start + size]
+            parts.append(Decoded(self.images[start : start + size], flags))
+            start += size
+        return parts
+
+    @staticmethod
+    def join(parts: list[Decoded]) -> Decoded:
+        images = [image for part in parts for image in part.images]
+        if any(part.nsfw_content_detected is None for part in parts):
+            return Decoded(images, None)
+        return Decoded(images, [flag for part in parts for flag in part.nsfw_content_detected])
+
+
+class StableDiffusionFamily:
+    """SD 1.x and SD 2.x: ``StableDiffusionPipeline`` (epsilon or v-prediction is the scheduler's
+    business, so both versions share the arithmetic)."""
+
+    pipeline_class: type[DiffusionPipeline] = StableDiffusionPipeline
+
+    def __init__(self, pipeline: DiffusionPipeline, device: torch.device, dtype: torch.dtype):
+        self.pipeline = pipeline
+        self.device = device
+        self.dtype = dtype
+
+    @property
+    def name(self) -> str:
+        """SD 2.x by its OpenCLIP text width (1024) or v-prediction, SD 1.x otherwise."""
+        v_prediction = self.pipeline.scheduler.config.get("prediction_type") == "v_prediction"
+        return "SD 2.x" if v_prediction or self.pipeline.unet.config.cross_attention_dim == 1024 else "SD 1.x"
+
+    @property
+    def safety_checker(self) -> bool:
+        return getattr(self.pipeline, "safety_checker", None) is not None
+
+    def encode(self, prompt: str, negative_prompt: str | None, images: int, guided: bool, width: int, height: int) -> Conditioning:
+        """``__call__`` step 3: encode the prompt (``num_images_per_prompt`` rows each)."""
+        positive, negative = self.pipeline.encode_prompt(prompt, self.device, images, guided, negative_prompt)
+        return Conditioning(torch.cat([negative, positive]) if guided else positive)
+
+    def prepare_scheduler(self, scheduler: object) -> None:
+        """Nothing: ``StableDiffusionPipeline`` lets each scheduler find its first index."""
+
+    def vae_decode(self, latents: torch.Tensor, tiled: bool) -> torch.Tensor:
+        """The VAE decode at the end of ``__call__`` (in tiles after running out of memory)."""
+        vae = self.pipeline.vae
+        scaled = latents / vae.config.scaling_factor
+        return (vae.tiled_decode if tiled else vae.decode)(scaled, return_dict=False)[0]
+
+    def postprocess(self, image: torch.Tensor) -> Decoded:
+        """The safety checker where the model has one (flagged images black), then PIL images."""
+        image, flagged = self.pipeline.run_safety_checker(image, self.device, self.dtype)
+        denormalize = [True] * image.shape[0] if flagged is None else [not flag for flag in flagged]
+        images = self.pipeline.image_processor.postprocess(image, output_type="pil", do_denormalize=denormalize)
+        return Decoded(images, None if flagged is None else [bool(flag) for flag in flagged])
+
+
+class StableDiffusionXLFamily(StableDiffusionFamily):
+    """SDXL: ``StableDiffusionXLPipeline``."""
+
+    pipeline_class = StableDiffusionXLPipeline
+
+    def __init__(self, pipeline: DiffusionPipeline, device: torch.device, dtype: torch.dtype):
+        super().__init__(pipeline, device, dtype)
+        # diffusers upcasts a float16 VAE that asks for it around every decode; keeping it in
+        # float32 gives the same arithmetic without copying the weights twice per decode.
+        vae = pipeline.vae
+        if vae.dtype == torch.float16 and vae.config.force_upcast:
+            vae.to(dtype=torch.float32)
+
+    @property
+    def name(self) -> str:
+        return "SDXL"
+
+    @property
+    def safety_checker(self) -> bool:
+        return False
+
+    def encode(self, prompt: str, negative_prompt: str | None, images: int, guided: bool, width: int, height: int) -> Conditioning:
+        """``__call__`` steps 3 and 7: both text encoders, pooled embeddings, time ids from the
+        original and target size (the request's size) and a (0, 0) crop."""
+        pipeline = self.pipeline
+        embeds, negative_embeds, pooled, negative_pooled = pipeline.encode_prompt(
+            prompt=prompt, device=self.device, num_images_per_prompt=images, do_classifier_free_guidance=guided,
+            negative_prompt=negative_prompt,
+        )
+        projection_dim = (
+            int(pooled.shape[-1]) if pipeline.text_encoder_2 is None else pipeline.text_encoder_2.config.projection_dim
+        )
+        time_ids = pipeline._get_add_time_ids(
+            (height, width), (0, 0), (height, width), dtype=embeds.dtype, text_encoder_projection_dim=projection_dim
+        )
+        if guided:
+            embeds = torch.cat([negative_embeds, embeds], dim=0)
+            pooled = torch.cat([negative_pooled, pooled], dim=0)
+            time_ids = torch.cat([time_ids, time_ids], dim=0)
+        time_ids = time_ids.to(self.device).repeat(images, 1)
+        return Conditioning(embeds.to(self.device), {"text_embeds": pooled.to(self.device), "time_ids": time_ids})
+
+    def prepare_scheduler(self, scheduler: object) -> None:
+        if hasattr(scheduler, "set_begin_index"):
+            scheduler.set_begin_index(0)
+
+    def vae_decode(self, latents: torch.Tensor, tiled: bool) -> torch.Tensor:
+        vae = self.pipeline.vae
+        latents = latents.to(vae.dtype)
+        mean, std = getattr(vae.config, "latents_mean", None), getattr(vae.config, "latents_std", None)
+        if mean is not None and std is not None:
+            mean = torch.tensor(mean).view(1, 4, 1, 1).to(latents.device, latents.dtype)
+            std = torch.tensor(std).view(1, 4, 1, 1).to(latents.device, latents.dtype)
+            latents = latents * std / vae.config.scaling_factor + mean
+        else:
+            latents = latents / vae.config.scaling_factor
+        return (vae.tiled_decode if tiled else vae.decode)(latents, return_dict=False)[0]
+
+    def postprocess(self, image: torch.Tensor) -> Decoded:
+        if self.pipeline.watermark is not None:
+            image = self.pipeline.watermark.apply_watermark(image)
+        return Decoded(self.pipeline.image_processor.postprocess(image, output_type="pil"), None)
+
+
+FAMILIES: tuple[type[StableDiffusionFamily], ...] = (StableDiffusionFamily, StableDiffusionXLFamily)
+SUPPORTED = "StableDiffusionPipeline (SD 1.x, SD 2.x), StableDiffusionXLPipeline (SDXL)"
+
+
+def family_of(pipeline: DiffusionPipeline, device: torch.device, dtype: torch.dtype) -> StableDiffusionFamily:
+    """The family of a loaded pipeline, by its exact class (a subclass may change the arithmetic).
+    Raises ``UnsupportedPipeline`` naming the class and the supported ones."""
+    family = next((family for family in FAMILIES if type(pipeline) is family.pipeline_class), None)
+    if family is None:
+        raise UnsupportedPipeline(
+            f"{type(pipeline).__name__} is not supported by this handler's step engine; supported: {SUPPORTED}"
+        )
+    if getattr(pipeline.unet.config, "time_cond_proj_dim", None) is not None:
+        raise UnsupportedPipeline(
+            f"{type(pipeline).__name__} with a guidance-embedded UNet (time_cond_proj_dim, as LCM-distilled "
+            "models have) is not supported by this handler's step engine"
+        )
+    return family(pipeline, device, dtype)

@@ -1,0 +1,130 @@
+"""The request protocol, one for both batching modes: what comes in, what goes out.
+
+``IncomingRequest`` is a request as the server hands it over; ``decode`` turns it into a validated
+``GenerationRequest`` or a ``RequestError``. ``Response`` is what one request gets from one handler
+call: its final answer, or with continuous batching a chunk of it (TorchServe sends the status,
+content type and headers of a request's first chunk).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from PIL.Image import Image
+
+from handler.encode import CONTENT_TYPES, JSON_CONTENT_TYPE, encode_image, error_json, images_json, json_body
+from handler.request import GenerationRequest, RequestError, RequestPolicy, decode_body, decode_form
+
+SEED_HEADER = "X-Seed"
+# "true" when the safety checker flagged the (one) image of an image response, "false" when it
+# passed it; absent when no checker ran, and with continuous batching unless the answer is one
+# chunk (TorchServe sends headers with the first chunk). The image's EXIF says it in every case.
+NSFW_HEADER = "X-NSFW-Content-Detected"
+STREAM_CONTENT_TYPE = "application/x-ndjson"
+
+
+@dataclass(frozen=True)
+class IncomingRequest:
+    """One request as the server hands it over: the body (pre-decoded or raw), its Content-Type,
+    and any form or query fields."""
+
+    body: Any
+    content_type: str | None = None
+    fields: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Response:
+    """A request's answer from one handler call. ``final``: its last part; ``first``: its first
+    (whose status, content type and headers reach the client)."""
+
+    status: int
+    body: bytes
+    content_type: str
+    headers: dict[str, str] = field(default_factory=dict)
+    final: bool = True
+    first: bool = True
+
+
+def decode(incoming: IncomingRequest, policy: RequestPolicy) -> GenerationRequest:
+    """Validate one request, with a concrete seed. Raises ``RequestError``."""
+    has_body = not (incoming.body is None or isinstance(incoming.body, (bytes, bytearray)) and not incoming.body)
+    if incoming.fields and has_body:
+        names = ", ".join(sorted(incoming.fields))
+        raise RequestError.single(
+            "body", "one_source", f"send fields either in the body or as form/query fields, not both (got fields {names})"
+        )
+    if incoming.fields:
+        return decode_form(incoming.fields, policy).with_seed()
+    return decode_body(incoming.body if has_body else bytearray(), incoming.content_type, policy).with_seed()
+
+
+def bad_request(error: RequestError) -> Response:
+    details = [item.as_dict() for item in error.errors]
+    return Response(400, error_json(400, "InvalidRequest", str(error), details), JSON_CONTENT_TYPE)
+
+
+def does_not_fit(request: GenerationRequest) -> Response:
+    message = (
+        f"out of memory generating {request.num_images_per_prompt} image(s) of {request.width}x{request.height} "
+        "even alone; ask for fewer images or fewer pixels"
+    )
+    return Response(507, error_json(507, "OutOfMemory", message), JSON_CONTENT_TYPE)
+
+
+def internal_error(stage: str, error: Exception) -> Response:
+    """500 (507 for out of memory) naming the stage that failed."""
+    if isinstance(error, torch.OutOfMemoryError):
+        message = f"the accelerator ran out of memory during {stage}"
+        return Response(507, error_json(507, "OutOfMemory", message), JSON_CONTENT_TYPE)
+    message = f"{stage} failed: {type(error).__name__}: {error}"
+    return Response(500, error_json(500, "InternalServerError", message), JSON_CONTENT_TYPE)
+
+
+def content_type(request: GenerationRequest) -> str:
+    """The Content-Type of a request's answer: NDJSON when streamed, the image type for one image
+    in ``image`` mode, JSON (base64 images) otherwise."""
+    if request.stream:
+        return STREAM_CONTENT_TYPE
+    if request.response_format == "image" and request.num_images_per_prompt == 1:
+        return CONTENT_TYPES[request.output_format]
+    return JSON_CONTENT_TYPE
+
+
+def headers(request: GenerationRequest, nsfw_content_detected: list[bool] | None = None) -> dict[str, str]:
+    """The seed, always; for one image in ``image`` mode, whether the safety checker flagged it."""
+    names = {SEED_HEADER: str(request.seed)}
+    if nsfw_content_detected is not None and content_type(request) in CONTENT_TYPES.values():
+        names[NSFW_HEADER] = str(nsfw_content_detected[0]).lower()
+    return names
+
+
+def success(request: GenerationRequest, images: list[Image], metadata: dict[str, Any]) -> Response:
+    """Raw image bytes for one image in ``image`` mode, else JSON with base64 images and
+    ``metadata`` (``timings`` gains ``encode_s``); a streamed request gets its ``done`` event line."""
+    started = time.perf_counter()
+    flags = metadata["nsfw_content_detected"] or [None] * len(images)
+    encoded = [encode_image(image, request.output_format, flag) for image, flag in zip(images, flags)]
+    metadata["timings"]["encode_s"] = round(time.perf_counter() - started, 6)
+    kind = content_type(request)
+    if kind in CONTENT_TYPES.values():
+        return Response(200, encoded[0], kind, headers(request, metadata["nsfw_content_detected"]))
+    if request.stream:
+        body = images_json(encoded, {"event": "done", "format": request.output_format, **metadata}) + b"\n"
+    else:
+        body = images_json(encoded, metadata)
+    return Response(200, body, kind, headers(request))
+
+
+def stream_event(payload: dict[str, Any]) -> bytes:
+    """One NDJSON line of a streamed answer."""
+    return json_body(payload) + b"\n"
+
+
+def as_stream_error(response: Response) -> bytes:
+    """An error ``Response`` as the ``{"event": "error", ...}`` line a streaming client reads."""
+    return stream_event({"event": "error", **json.loads(response.body)})

@@ -1,0 +1,196 @@
+"""Every family through a real TorchServe, in both batching modes: SD 1.x (with a safety checker),
+SD 2.x and SDXL tiny random-weight pipelines. A seeded request gets diffusers' own image; requests
+with mixed steps, schedulers and guidance share UNet forwards, alone or joining a running one; a
+bad request mid-flight fails alone; the safety checker flags as diffusers does and says so; the
+metrics move by what was sent, the same in both modes. An unsupported pipeline is refused at
+worker load, fast, naming itself."""
+
+from __future__ import annotations
+
+import base64
+import io
+import json
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+import numpy as np
+import pytest
+import requests
+from diffusers import LatentConsistencyModelPipeline, LCMScheduler, StableDiffusionPipeline
+from PIL import Image
+
+from bench.reference import Reference
+from handler.encode import EXIF_IMAGE_DESCRIPTION
+from handler.protocol import NSFW_HEADER
+from scripts.build_mar import TINY_MODEL_DIRS
+from scripts.make_tiny_model import CALIBRATION, CALIBRATION_FILE
+from scripts.server import TorchServe
+from tests.integration.conftest import Client, decode_png, model_config, serving, value
+
+MODES = ("dynamic", "continuous")
+FAMILIES = {"sd1-safety": 64, "sd2": 96, "sdxl": 64}  # native sides
+CASES = [(family, mode) for family in FAMILIES for mode in MODES]
+# Long enough to keep a tiny model's worker busy while others arrive (a few seconds on 2 cores).
+LONG = {"prompt": "keep the worker busy", "seed": 1, "num_inference_steps": 300, "response_format": "json"}
+
+
+@dataclass(frozen=True)
+class Served:
+    family: str
+    mode: str
+    server: TorchServe
+    client: Client
+
+    @property
+    def side(self) -> int:
+        return FAMILIES[self.family]
+
+
+@pytest.fixture(scope="module", params=CASES, ids=[f"{family}-{mode}" for family, mode in CASES])
+def served(request, tmp_path_factory) -> Iterator[Served]:
+    family, mode = request.param
+    tmp = tmp_path_factory.mktemp(f"{family}-{mode}")
+    config = model_config(tmp, handler={"limits": {"max_inference_steps": LONG["num_inference_steps"]}},
+                          continuousBatching=mode == "continuous", batchSize=8, maxBatchDelay=50 if mode == "dynamic" else 10)
+    with serving(tmp, config, TINY_MODEL_DIRS[family]) as server:
+        yield Served(family, mode, server, Client(server))
+
+
+@pytest.fixture(scope="module")
+def references() -> dict[str, Reference]:
+    return {}
+
+
+def reference(references: dict[str, Reference], served: Served, body: dict):
+    """diffusers' own call for ``body`` (the server's defaults for what it leaves out)."""
+    if served.family not in references:
+        references[served.family] = Reference(TINY_MODEL_DIRS[served.family])
+    return references[served.family](
+        body["prompt"], body["seed"], body.get("width", served.side), body.get("height", served.side),
+        body["num_inference_steps"], negative_prompt=body.get("negative_prompt"),
+        num_images_per_prompt=body.get("num_images_per_prompt", 1), scheduler=body.get("scheduler", "ddim"),
+        guidance_scale=body.get("guidance_scale", 7.5),
+    )
+
+
+def images_of(response: requests.Response) -> list[np.ndarray]:
+    if response.headers["Content-Type"] == "application/json":
+        return [decode_png(base64.b64decode(item)) for item in response.json()["images"]]
+    return [decode_png(response.content)]
+
+
+def assert_diffusers_images(references, served: Served, body: dict, response: requests.Response) -> None:
+    assert response.status_code == 200, response.text
+    expected = reference(references, served, body)
+    for ours, theirs in zip(images_of(response), expected.images, strict=True):
+        difference = np.abs(ours.astype(np.int16) - np.asarray(theirs, dtype=np.int16))
+        assert difference.max() <= 1, f"{served.family} ({served.mode}) differs from diffusers by {difference.max()}"
+    if response.headers["Content-Type"] == "application/json":
+        assert response.json()["nsfw_content_detected"] == expected.nsfw_content_detected
+
+
+def timed(client: Client, body: dict) -> tuple[requests.Response, float]:
+    response = client.predict(body)
+    return response, time.monotonic()
+
+
+def behind_long(client: Client, bodies: list[dict]) -> tuple[tuple[requests.Response, float], list[tuple[requests.Response, float]]]:
+    """``bodies`` sent together while a long request runs: TorchServe batches them (dynamic) or
+    they join the running one (continuous). Responses with their arrival times."""
+    with ThreadPoolExecutor(len(bodies) + 1) as pool:
+        long = pool.submit(timed, client, LONG)
+        time.sleep(0.5)
+        followers = [pool.submit(timed, client, body) for body in bodies]
+        return long.result(), [future.result() for future in followers]
+
+
+def test_a_seeded_request_gets_diffusers_images(served, references):
+    body = {"prompt": "a red circle", "negative_prompt": "blue", "seed": 5, "num_inference_steps": 6,
+            "num_images_per_prompt": 2, "response_format": "json"}
+    assert_diffusers_images(references, served, body, served.client.predict(body))
+
+
+def test_mixed_steps_schedulers_and_guidance_share_forwards_and_each_gets_diffusers_images(served, references):
+    bodies = [
+        {"prompt": "a green triangle", "seed": 2, "num_inference_steps": 4, "scheduler": "euler_a", "response_format": "json"},
+        {"prompt": "a yellow square", "seed": 3, "num_inference_steps": 8, "scheduler": "dpmpp_2m", "guidance_scale": 1.0,
+         "response_format": "json"},
+        {"prompt": "a blue circle", "seed": 4, "num_inference_steps": 6, "num_images_per_prompt": 2, "response_format": "json"},
+    ]
+    (long, long_done), followers = behind_long(served.client, bodies)
+    assert long.status_code == 200, long.text
+    for body, (response, _) in zip(bodies, followers):
+        assert_diffusers_images(references, served, body, response)
+        assert response.json()["batch"]["max_step_images"] >= 2, "the request never shared a UNet forward"
+    if served.mode == "dynamic":
+        assert [response.json()["batch"]["requests"] for response, _ in followers] == [3, 3, 3], "not one TorchServe batch"
+        assert max(response.json()["batch"]["max_step_images"] for response, _ in followers) == 4
+    else:
+        assert all(done < long_done for _, done in followers), "a short request waited for the long one"
+        assert long.json()["batch"]["max_step_images"] >= 2
+
+
+def test_a_bad_request_mid_flight_fails_alone(served):
+    (long, _), ((bad, _),) = behind_long(served.client, [{"prompt": "x", "num_inference_steps": 0}])
+    assert bad.status_code == 400 and bad.json()["errors"][0]["field"] == "num_inference_steps"
+    assert long.status_code == 200 and len(long.json()["images"]) == 1
+
+
+def test_the_safety_checker_flags_as_diffusers_does_and_says_so(served, references):
+    if served.family != "sd1-safety":
+        pytest.skip("only SD 1.x models ship a safety checker")
+    calibration = json.loads((TINY_MODEL_DIRS["sd1-safety"] / CALIBRATION_FILE).read_text())
+    assert calibration == CALIBRATION
+    flagged_body, passed_body = calibration, {**calibration, "seed": 1}
+    both_body = {**calibration, "num_images_per_prompt": 2, "response_format": "json"}
+    with ThreadPoolExecutor(3) as pool:
+        flagged, passed, both = pool.map(served.client.predict, [flagged_body, passed_body, both_body])
+    for body, response in ((flagged_body, flagged), (passed_body, passed), (both_body, both)):
+        assert_diffusers_images(references, served, body, response)
+    assert both.json()["nsfw_content_detected"] == [True, False]
+    assert images_of(flagged)[0].max() == 0 and images_of(passed)[0].max() > 0
+    for response, flag in ((flagged, "true"), (passed, "false")):
+        assert Image.open(io.BytesIO(response.content)).getexif()[EXIF_IMAGE_DESCRIPTION] == f"nsfw_content_detected={flag}"
+        # TorchServe sends headers with a request's first part: with continuous batching that part
+        # leaves before the image exists
+        assert response.headers.get(NSFW_HEADER) == (flag if served.mode == "dynamic" else None)
+
+
+def test_metrics_move_by_what_was_sent_in_both_modes(served):
+    before = served.server.metric_samples()
+    bodies = [{"prompt": "a", "seed": 1, "num_inference_steps": 5},
+              {"prompt": "b", "seed": 2, "num_inference_steps": 3, "num_images_per_prompt": 2},
+              {"prompt": "c", "num_inference_steps": 0}]
+    with ThreadPoolExecutor(3) as pool:
+        statuses = [response.status_code for response in pool.map(served.client.predict, bodies)]
+    assert statuses == [200, 200, 400]
+    after = served.server.metric_samples()
+
+    def delta(name: str, **labels) -> float:
+        return value(after, name, **labels) - value(before, name, **labels)
+
+    assert delta("sd_iteration_batch_size_sum") == 5 * 1 + 3 * 2  # image-steps, however they were batched
+    assert delta("sd_iteration_batch_size_count") == delta("sd_denoise_step_seconds_count") >= 5
+    assert delta("sd_batch_size_sum") == 3 and delta("sd_batch_size_count") >= 1
+    assert delta("sd_images_total") == 3
+    assert delta("sd_pipeline_calls_total") == delta("sd_vae_decode_seconds_count") >= 1
+    assert delta("sd_request_latency_seconds_count") == delta("sd_encode_seconds_count") == 2
+    assert delta("sd_invalid_requests_total", field="num_inference_steps") == 1
+    assert ("sd_in_flight_requests", frozenset({"model_name": "stable-diffusion"}.items())) in after
+    assert delta("ts_inference_requests_total", model_version="default") == 3
+
+
+def test_an_unsupported_pipeline_is_refused_at_worker_load_naming_it(tmp_path):
+    sd = StableDiffusionPipeline.from_pretrained(TINY_MODEL_DIRS["sd1-safety"].parent / "tiny-sd", use_safetensors=True)
+    LatentConsistencyModelPipeline(
+        vae=sd.vae, text_encoder=sd.text_encoder, tokenizer=sd.tokenizer, unet=sd.unet,
+        scheduler=LCMScheduler.from_config(sd.scheduler.config), safety_checker=None, feature_extractor=None,
+        requires_safety_checker=False,
+    ).save_pretrained(tmp_path / "lcm", safe_serialization=True)
+    started = time.monotonic()
+    with pytest.raises(RuntimeError, match="LatentConsistencyModelPipeline is not supported.*StableDiffusionXLPipeline"):
+        with serving(tmp_path, model_config(tmp_path), tmp_path / "lcm"):
+            pass
+    assert time.monotonic() - started < 120, "the refusal should stop the server at the first failed load"

@@ -1,0 +1,152 @@
+"""The step engine against diffusers' own pipeline call, per family (tiny random-weight pipelines):
+alone, for every scheduler, and joining running jobs mid-flight with their own steps, scheduler
+and guidance; SDXL's conditioning and float16 VAE; the safety checker; unsupported pipelines."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from diffusers import LatentConsistencyModelPipeline, LCMScheduler
+
+from bench.reference import Reference
+from handler.config import HandlerSettings
+from handler.engine import SCHEDULERS, JobSpec, StepEngine
+from handler.families import Decoded, UnsupportedPipeline
+from handler.pipeline import load_engine
+from scripts.build_mar import TINY_MODEL_DIRS
+
+FAMILIES = ("sd1", "sd2", "sdxl")
+# Jobs stepped together and alone differ by float rounding only; in 8 bits an image may differ by
+# this much per channel value (0-255).
+TOLERANCE = 1
+
+
+def engine_for(family: str, **settings) -> StepEngine:
+    return load_engine(HandlerSettings.model_validate({"model_path": str(TINY_MODEL_DIRS[family]), **settings}), "/unused")
+
+
+@pytest.fixture(scope="module")
+def engines() -> dict[str, StepEngine]:
+    return {family: engine_for(family) for family in (*FAMILIES, "sd1-safety")}
+
+
+@pytest.fixture(scope="module")
+def references() -> dict[str, Reference]:
+    return {family: Reference(TINY_MODEL_DIRS[family]) for family in (*FAMILIES, "sd1-safety")}
+
+
+def spec(prompt="a red circle", seed=1, images=1, side=64, steps=5, scheduler="ddim", guidance=7.5, negative=None) -> JobSpec:
+    return JobSpec(prompt, negative, tuple(range(seed, seed + images)), side, side, steps, scheduler, guidance)
+
+
+def expected(reference: Reference, job: JobSpec):
+    return reference(job.prompt, job.seeds[0], job.width, job.height, job.num_inference_steps,
+                     negative_prompt=job.negative_prompt, num_images_per_prompt=job.images, scheduler=job.scheduler,
+                     guidance_scale=job.guidance_scale)
+
+
+def run(engine: StepEngine, plan: list[tuple[int, JobSpec]]) -> list[Decoded]:
+    """Step jobs that join at the given iterations together until all are done; decode each alone
+    as it finishes. Returns the decoded images in plan order."""
+    running, finished, iteration = {}, {}, 0
+    while len(finished) < len(plan):
+        for index, (joins, job) in enumerate(plan):
+            if joins == iteration:
+                running[index] = engine.start(job)
+        engine.step(list(running.values()))
+        for index in [index for index, job in running.items() if job.done]:
+            job = running.pop(index)
+            finished[index] = engine.decode(job.latents, job.spec.width, job.spec.height)
+        iteration += 1
+    return [finished[index] for index in range(len(plan))]
+
+
+def assert_same_images(actual: Decoded, reference) -> None:
+    assert len(actual.images) == len(reference.images)
+    for ours, theirs in zip(actual.images, reference.images):
+        difference = np.abs(np.asarray(ours, dtype=np.int16) - np.asarray(theirs, dtype=np.int16))
+        assert difference.max() <= TOLERANCE, f"images differ by up to {difference.max()}"
+    assert actual.nsfw_content_detected == reference.nsfw_content_detected
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("scheduler", sorted(SCHEDULERS))
+def test_a_job_alone_gives_diffusers_image(engines, references, family, scheduler):
+    side = 96 if family == "sd2" else 64  # SD 2.x's native size here; the others' is 64
+    job = spec(images=2, side=side, scheduler=scheduler)
+    (decoded,) = run(engines[family], [(0, job)])
+    assert_same_images(decoded, expected(references[family], job))
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_jobs_joining_mid_flight_with_their_own_steps_scheduler_and_guidance_give_diffusers_images(engines, references, family):
+    plan = [
+        (0, spec("a red circle", seed=1, steps=8)),
+        (3, spec("a green triangle", seed=2, images=2, steps=5, scheduler="euler_a", guidance=1.0)),
+        (4, spec("a yellow square", seed=4, steps=4, scheduler="dpmpp_2m", guidance=3.0, negative="blue")),
+    ]
+    for (_, job), decoded in zip(plan, run(engines[family], plan)):
+        assert_same_images(decoded, expected(references[family], job))
+
+
+def test_one_forward_needs_one_latent_shape(engines):
+    engine = engines["sd1"]
+    with pytest.raises(ValueError, match="one latent shape"):
+        engine.step([engine.start(spec(side=64)), engine.start(spec(side=128))])
+
+
+def test_families_are_detected_from_the_loaded_pipeline(engines):
+    assert [engines[family].family.name for family in FAMILIES] == ["SD 1.x", "SD 2.x", "SDXL"]
+    assert "family=SDXL pipeline=StableDiffusionXLPipeline" in engines["sdxl"].description
+
+
+def test_sdxl_without_negative_prompt_conditions_on_zeros_and_on_its_size(engines):
+    engine = engines["sdxl"]
+    absent = engine.start(spec(images=2, side=64))
+    empty = engine.start(spec(images=2, side=64, negative=""))
+    negative_rows = absent.conditioning.hidden_states[:2]
+    assert torch.count_nonzero(negative_rows) == 0 and torch.count_nonzero(absent.conditioning.added["text_embeds"][:2]) == 0
+    assert torch.count_nonzero(empty.conditioning.hidden_states[:2]) > 0, "an explicit empty negative prompt is encoded"
+    wide = engine.start(JobSpec("x", None, (0,), 128, 64, 2, "ddim", 7.5))
+    assert wide.conditioning.added["time_ids"].tolist() == [[64.0, 128.0, 0.0, 0.0, 64.0, 128.0]] * 2
+
+
+def test_sdxl_in_float16_decodes_in_float32_like_diffusers():
+    engine = engine_for("sdxl", dtype="float16")
+    assert engine.pipeline.unet.dtype == torch.float16 and engine.pipeline.vae.dtype == torch.float32
+    job = spec(seed=3, steps=4)
+    (decoded,) = run(engine, [(0, job)])
+    assert_same_images(decoded, expected(Reference(TINY_MODEL_DIRS["sdxl"], dtype=torch.float16), job))
+
+
+def test_the_safety_checker_flags_as_diffusers_does_and_blacks_the_image(engines, references):
+    calibration = spec("flag this picture", seed=0, steps=4)
+    other = spec("flag this picture", seed=1, steps=4)
+    flagged, passed = run(engines["sd1-safety"], [(0, calibration), (0, other)])
+    assert flagged.nsfw_content_detected == [True] and passed.nsfw_content_detected == [False]
+    assert np.asarray(flagged.images[0]).max() == 0 and np.asarray(passed.images[0]).max() > 0
+    assert_same_images(flagged, expected(references["sd1-safety"], calibration))
+    assert_same_images(passed, expected(references["sd1-safety"], other))
+
+
+def test_the_safety_checker_can_be_turned_off():
+    engine = engine_for("sd1-safety", safety_checker=False)
+    assert "safety_checker=off" in engine.description
+    (decoded,) = run(engine, [(0, spec("flag this picture", seed=0, steps=4))])
+    assert decoded.nsfw_content_detected is None and np.asarray(decoded.images[0]).max() > 0
+    reference = Reference(TINY_MODEL_DIRS["sd1-safety"])
+    reference.pipeline.safety_checker = None
+    assert_same_images(decoded, expected(reference, spec("flag this picture", seed=0, steps=4)))
+
+
+def test_an_unsupported_pipeline_is_refused_at_load_naming_it_and_the_supported_ones(tmp_path, engines):
+    sd = engines["sd1"].pipeline
+    lcm = LatentConsistencyModelPipeline(
+        vae=sd.vae, text_encoder=sd.text_encoder, tokenizer=sd.tokenizer, unet=sd.unet,
+        scheduler=LCMScheduler.from_config(sd.scheduler.config), safety_checker=None, feature_extractor=None,
+        requires_safety_checker=False,
+    )
+    lcm.save_pretrained(tmp_path / "lcm", safe_serialization=True)
+    with pytest.raises(UnsupportedPipeline, match="LatentConsistencyModelPipeline is not supported.*StableDiffusionXLPipeline"):
+        load_engine(HandlerSettings(model_path=str(tmp_path / "lcm")), "/unused")
