@@ -129,6 +129,11 @@ class HandlerSettings(_Section):
     )
     warmup: tuple[WarmupShape, ...] = ()
     max_images_per_call: int = Field(16, ge=1, description="most images one UNet forward steps")
+    iteration_budget_ms: float = Field(
+        100.0, ge=0, description="continuous batching: keep stepping within one TorchServe call until this many "
+        "milliseconds have passed (at least one step, and never past a finished request), so TorchServe's per-call "
+        "cost is shared by several short steps; new requests join between calls. 0: one step per call",
+    )
     metrics: MetricsSettings = MetricsSettings()
     log_prompts: bool = Field(False, description="log each request's parameters, prompt included, at INFO")
     fault_injection: FaultInjection = FaultInjection()

@@ -75,7 +75,8 @@ class DiffusionService:
 
     def __init__(
         self, engine: StepEngine, policy: RequestPolicy, profile: StepProfile, metrics: DiffusionMetrics,
-        latency_sla_seconds: float, log_prompts: bool = False, clock: Callable[[], float] = time.perf_counter,
+        latency_sla_seconds: float, log_prompts: bool = False, iteration_budget_seconds: float = 0.0,
+        clock: Callable[[], float] = time.perf_counter,
     ):
         self.engine = engine
         self.policy = policy
@@ -83,6 +84,7 @@ class DiffusionService:
         self.metrics = metrics
         self.sla = latency_sla_seconds
         self.log_prompts = log_prompts
+        self.iteration_budget = iteration_budget_seconds
         self.clock = clock
         self.flights: dict[str, Flight] = {}
         self._answered: list[tuple[float, float]] = []  # (arrived, encode seconds) since the last delivery
@@ -98,14 +100,21 @@ class DiffusionService:
         return responses
 
     def iterate(self, requests: dict[str, IncomingRequest]) -> dict[str, Response]:
-        """Continuous batching: one iteration for the requests TorchServe has in flight (by id);
-        ids not seen before are admitted. One ``Response`` per id: an empty body while a request
-        that is not streamed is still denoising."""
+        """Continuous batching: iterations for the requests TorchServe has in flight (by id), ids
+        not seen before admitted first; more iterations while the iteration budget lasts and no
+        request has finished. One ``Response`` per id: an empty body while a request that is not
+        streamed is still denoising."""
         for gone in set(self.flights) - set(requests):
             logger.info("request %s left before it finished (client gone); dropping it", gone)
             del self.flights[gone]
+        started = self.clock()
         responses = self._admit({rid: incoming for rid, incoming in requests.items() if rid not in self.flights})
-        responses.update(self._iteration())
+        while True:
+            for rid, response in self._iteration().items():
+                responses[rid] = _joined(responses[rid], response) if rid in responses else response
+            finished = any(response.final for response in responses.values())
+            if finished or not self.flights or self.clock() - started >= self.iteration_budget:
+                break
         for rid in requests:
             if rid not in responses:
                 responses[rid] = self._part(self.flights[rid], b"", final=False)
@@ -328,6 +337,11 @@ class DiffusionService:
         self._answered.clear()
 
 
+def _joined(earlier: Response, later: Response) -> Response:
+    """Two parts of one request's answer from one call as one: the first's status and headers."""
+    return replace(earlier, body=earlier.body + later.body, final=later.final)
+
+
 def build_service(
     settings: HandlerSettings, model_dir: str | Path, sink: MetricSink, gpu_id: int | None = None, streaming: bool = False
 ) -> tuple[DiffusionService, HandlerSettings]:
@@ -344,5 +358,6 @@ def build_service(
         DiffusionMetrics(sink, sla),
         sla,
         settings.log_prompts,
+        settings.iteration_budget_ms / 1000,
     )
     return service, settings

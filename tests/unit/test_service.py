@@ -373,3 +373,16 @@ def test_deadline_misses_are_counted_from_admission():
     batch(make_service(sink=late, streaming=False, sla=1e-6), body(), body(seed=4))
     batch(make_service(sink=in_time, streaming=False, sla=100.0), body(), body(seed=4))
     assert late.values("sd_deadline_misses_total") == [1, 1] and in_time.values("sd_deadline_misses_total") == [0, 0]
+
+
+def test_a_call_steps_while_the_iteration_budget_lasts_and_returns_when_a_request_finishes():
+    service = make_service(iteration_budget_seconds=1.0)  # the clock moves 1 ms a read: the budget lasts
+    first = service.iterate({"s": body(num_inference_steps=30, stream=True), "short": body(num_inference_steps=3)})
+    assert first["short"].final and first["short"].first and first["short"].status == 200, "one part: its own status"
+    assert [json.loads(line)["step"] for line in first["s"].body.decode().splitlines()] == [1, 2, 3]
+    assert first["s"].first and not first["s"].final and service.flights["s"].job.step == 3
+    second = service.iterate({"s": IncomingRequest(None)})["s"]
+    assert second.final and not second.first and len(second.body.decode().splitlines()) == 30 - 3
+    one_step = make_service(iteration_budget_seconds=0.0)
+    one_step.iterate({"s": body(num_inference_steps=30)})
+    assert one_step.flights["s"].job.step == 1
