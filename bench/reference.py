@@ -17,6 +17,7 @@ import torch
 from diffusers import AutoPipelineForText2Image, DiffusionPipeline
 from PIL.Image import Image
 
+from handler.config import MAX_SEED
 from handler.engine import SCHEDULERS
 
 
@@ -42,8 +43,9 @@ class Reference:
         negative_prompt: str | None = None, num_images_per_prompt: int = 1, scheduler: str = "ddim",
         guidance_scale: float = 7.5,
     ) -> ReferenceOutput:
-        """One request: ``num_images_per_prompt`` images of one prompt, image k from ``seed + k``."""
-        seeds = [seed + index for index in range(num_images_per_prompt)]
+        """One request: ``num_images_per_prompt`` images of one prompt, image k from ``seed + k``
+        (wrapping past the largest seed, as requests do)."""
+        seeds = [(seed + index) % (MAX_SEED + 1) for index in range(num_images_per_prompt)]
         return self._call(prompt, negative_prompt, num_images_per_prompt, seeds, width, height, num_inference_steps,
                           scheduler, guidance_scale)
 

@@ -73,6 +73,16 @@ class JobSpec:
     def images(self) -> int:
         return len(self.seeds)
 
+    @property
+    def guided(self) -> bool:
+        """Classifier-free guidance, as the pipeline decides it."""
+        return self.guidance_scale > 1
+
+    @property
+    def unet_rows(self) -> int:
+        """Rows of every UNet forward of this job: its images, twice with guidance."""
+        return self.images * (2 if self.guided else 1)
+
 
 @dataclass
 class DenoiseJob:
@@ -88,8 +98,7 @@ class DenoiseJob:
 
     @property
     def guided(self) -> bool:
-        """Classifier-free guidance, as the pipeline decides it."""
-        return self.spec.guidance_scale > 1
+        return self.spec.guided
 
     @property
     def total_steps(self) -> int:
@@ -109,7 +118,7 @@ class DenoiseJob:
 
     @property
     def unet_rows(self) -> int:
-        return self.images * (2 if self.guided else 1)
+        return self.spec.unet_rows
 
 
 class StepEngine:
@@ -133,7 +142,7 @@ class StepEngine:
 
     def start(self, spec: JobSpec) -> DenoiseJob:
         """``__call__`` steps 3 to 7 for one job."""
-        guided = spec.guidance_scale > 1
+        guided = spec.guided
         scheduler_class, overrides = SCHEDULERS[spec.scheduler]
         scheduler = scheduler_class.from_config(self.pipeline.scheduler.config, **overrides)
         with torch.inference_mode():

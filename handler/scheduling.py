@@ -1,11 +1,13 @@
 """Which jobs take the next UNet forward: the step-time profile and deadline slack.
 
-``StepProfile`` measures, per latent shape, the seconds of one step at batch 1, 2, 4, ... images
-and derives the batch cap: the smallest batch whose per-image step time is within ``PROFILE_GAIN``
-of the best (beyond it a larger batch only adds latency). It also remembers what did not fit in
-memory, so a request known to be too large alone is refused at admission. ``choose`` picks the
-latent shape of the job with the least slack (time to its deadline minus the estimated time of
-its remaining steps) and, within it, the least-slack jobs up to the cap.
+Sizes are counted in UNet rows, what a forward's time and memory grow with: an image is two rows
+with classifier-free guidance, one without. ``StepProfile`` measures, per latent shape, the seconds
+of one step at 1, 2, 4, ... guided images and derives the batch cap: the fewest rows whose per-row
+step time is within ``PROFILE_GAIN`` of the best (beyond it a larger batch only adds latency). It
+also remembers what did not fit in memory, so a job known to be too large alone is refused at
+admission. ``choose`` picks the latent shape of the job with the least slack (time to its deadline
+minus the estimated time of its remaining steps) and, within it, the least-slack jobs that fit
+the cap.
 """
 
 from __future__ import annotations
@@ -27,75 +29,81 @@ Shape = tuple[int, ...]
 
 
 class StepProfile:
-    """Measured step seconds per latent shape and batch (in images), the batch cap they imply, and
-    the memory limits seen."""
+    """Measured step seconds per latent shape and batch (in UNet rows), the batch cap they imply,
+    and the memory limits seen."""
 
     def __init__(self, engine: StepEngine, max_images: int):
         self.engine = engine
-        self.max_images = max_images
+        self.max_rows = 2 * max_images  # guided images
         self.seconds: dict[Shape, dict[int, float]] = {}
         self.memory_caps: dict[Shape, int] = {}
         self.too_large: dict[Shape, int] = {}
 
     def sizes(self) -> list[int]:
-        """Batch sizes measured: 1, 2, 4, ... up to ``max_images``."""
-        sizes, size = [], 1
-        while size < self.max_images:
+        """Guided images measured: 1, 2, 4, ... up to the most images a forward steps."""
+        most, sizes, size = self.max_rows // 2, [], 1
+        while size < most:
             sizes.append(size)
             size *= 2
-        return sizes + [self.max_images]
+        return sizes + [most]
 
     def measure(self, width: int, height: int) -> dict[int, float]:
-        """Time one step at each batch size for this image size (two steps each: the first may
-        allocate or compile). Running out of memory at a size caps the shape below it."""
+        """Time one step at each size for this image size (two steps each: the first may allocate
+        or compile). Running out of memory at a size caps the shape below it."""
         shape = self.engine.latent_shape(width, height)
         timings = {}
         for size in self.sizes():
             job = self.engine.start(JobSpec("profile", None, tuple(range(size)), width, height, 2, "ddim", 7.5))
-            try:
-                self.engine.step([job])
-                started = time.perf_counter()
-                self.engine.step([job])
-                synchronize(self.engine.device)
-            except torch.OutOfMemoryError:
-                release_cached_memory()
-                self.ran_out_of_memory(shape, size, alone=True)
+            if not self._timed_steps(job, timings):
+                release_cached_memory()  # outside the except block: the failed forward's tensors are gone
+                self.ran_out_of_memory(shape, job.unet_rows, alone=True)
                 break
-            timings[size] = time.perf_counter() - started
         self.seconds[shape] = timings
-        logger.info("step-time profile %s: %s; cap %d images", shape, {k: round(v, 4) for k, v in timings.items()}, self.cap(shape))
+        logger.info("step-time profile %s: %s; cap %d rows", shape, {k: round(v, 4) for k, v in timings.items()}, self.cap(shape))
         return timings
+
+    def _timed_steps(self, job: DenoiseJob, timings: dict[int, float]) -> bool:
+        """Time the second of two steps of ``job`` into ``timings`` (by rows); False when out of memory."""
+        try:
+            self.engine.step([job])
+            started = time.perf_counter()
+            self.engine.step([job])
+            synchronize(self.engine.device)
+        except torch.OutOfMemoryError:
+            return False
+        timings[job.unet_rows] = time.perf_counter() - started
+        return True
 
     def measured(self, shape: Shape) -> bool:
         return shape in self.seconds
 
     def cap(self, shape: Shape) -> int:
-        """The most images one forward of this shape steps."""
+        """The most rows one forward of this shape steps."""
         timings = self.seconds.get(shape)
         if not timings:
-            return min(self.max_images, self.memory_caps.get(shape, self.max_images))
-        best = min(seconds / size for size, seconds in timings.items())
-        fastest = min(size for size, seconds in timings.items() if seconds / size <= best * (1 + PROFILE_GAIN))
+            return min(self.max_rows, self.memory_caps.get(shape, self.max_rows))
+        best = min(seconds / rows for rows, seconds in timings.items())
+        fastest = min(rows for rows, seconds in timings.items() if seconds / rows <= best * (1 + PROFILE_GAIN))
         return max(1, min(fastest, self.memory_caps.get(shape, fastest)))
 
-    def ran_out_of_memory(self, shape: Shape, images: int, alone: bool) -> None:
-        """``images`` images of this shape did not fit in one forward: never step more than half
-        as many again; ``alone``: a single job of that many cannot be stepped at all."""
-        half = max(1, images // 2)
+    def ran_out_of_memory(self, shape: Shape, rows: int, alone: bool) -> None:
+        """``rows`` rows of this shape did not fit in one forward: never step more than half as
+        many again; ``alone``: a single job of that many cannot be stepped at all."""
+        half = max(1, rows // 2)
         self.memory_caps[shape] = min(half, self.memory_caps.get(shape, half))
         if alone:
-            self.too_large[shape] = min(images, self.too_large.get(shape, images))
+            self.too_large[shape] = min(rows, self.too_large.get(shape, rows))
 
-    def fits(self, shape: Shape, images: int) -> bool:
-        """False when a job of this many images of this shape already ran out of memory alone."""
-        return images < self.too_large.get(shape, images + 1)
+    def fits(self, shape: Shape, rows: int) -> bool:
+        """False when a job of this many rows of this shape already ran out of memory alone."""
+        return rows < self.too_large.get(shape, rows + 1)
 
-    def step_seconds(self, shape: Shape, images: int) -> float:
-        """Estimated seconds of one step of ``images`` images (nearest measured batch at or above)."""
+    def step_seconds(self, shape: Shape, rows: int) -> float:
+        """Estimated seconds of one step of ``rows`` rows (nearest measured size at or above)."""
         timings = self.seconds.get(shape)
         if not timings:
             return 0.0
-        size = min((size for size in timings if size >= images), default=max(timings))
+        size = min((size for size in timings if size >= rows), default=max(timings))
         return timings[size]
 
 
@@ -107,20 +115,18 @@ def slack(job: DenoiseJob, deadline: float, now: float, profile: StepProfile) ->
 
 
 def choose(waiting: dict[str, DenoiseJob], slacks: dict[str, float], cap: Callable[[Shape], int]) -> list[str]:
-    """The jobs (by id) that take the next forward: the latent shape of the least-slack job, and
-    within it the least-slack jobs while their images fit the shape's cap (a job larger than the
-    cap goes alone)."""
+    """The jobs (by id) that take the next forward: the latent shape of the least-slack job, then
+    in slack order every job of that shape whose rows still fit the shape's cap (the least-slack
+    job goes even when it alone is larger than the cap)."""
     if not waiting:
         return []
     order = sorted(waiting, key=lambda name: slacks[name])
     shape = waiting[order[0]].latent_shape
-    limit, images, chosen = cap(shape), 0, []
+    limit, rows, chosen = cap(shape), 0, []
     for name in order:
         job = waiting[name]
-        if job.latent_shape != shape:
+        if job.latent_shape != shape or chosen and rows + job.unet_rows > limit:
             continue
-        if chosen and images + job.images > limit:
-            break
         chosen.append(name)
-        images += job.images
+        rows += job.unet_rows
     return chosen

@@ -76,7 +76,7 @@ class DiffusionService:
     def __init__(
         self, engine: StepEngine, policy: RequestPolicy, profile: StepProfile, metrics: DiffusionMetrics,
         latency_sla_seconds: float, log_prompts: bool = False, iteration_budget_seconds: float = 0.0,
-        clock: Callable[[], float] = time.perf_counter,
+        synchronize_steps: bool = True, clock: Callable[[], float] = time.perf_counter,
     ):
         self.engine = engine
         self.policy = policy
@@ -85,6 +85,7 @@ class DiffusionService:
         self.sla = latency_sla_seconds
         self.log_prompts = log_prompts
         self.iteration_budget = iteration_budget_seconds
+        self.synchronize_steps = synchronize_steps
         self.clock = clock
         self.flights: dict[str, Flight] = {}
         self._answered: list[tuple[float, float]] = []  # (arrived, encode seconds) since the last delivery
@@ -93,10 +94,13 @@ class DiffusionService:
 
     def run_batch(self, requests: dict[str, IncomingRequest]) -> dict[str, Response]:
         """Dynamic batching: admit the batch and iterate until every job is done."""
-        responses = self._admit(requests)
-        while self.flights:
-            responses.update(self._iteration())
-        self._delivered()
+        try:
+            responses = self._admit(requests)
+            while self.flights:
+                responses.update(self._iteration())
+        finally:  # an unexpected error fails this batch (TorchServe answers it); the next starts clean
+            self.flights.clear()
+            self._delivered()
         return responses
 
     def iterate(self, requests: dict[str, IncomingRequest]) -> dict[str, Response]:
@@ -147,9 +151,8 @@ class DiffusionService:
         if not new:
             return {}
         self.metrics.batch_received(len(new))
-        responses = {}
+        responses, arrived = {}, self.clock()
         for rid, incoming in new.items():
-            arrived = self.clock()
             try:
                 request = decode(incoming, self.policy)
             except RequestError as error:
@@ -185,14 +188,13 @@ class DiffusionService:
         shape = self.engine.latent_shape(spec.width, spec.height)
         if not self.profile.measured(shape):
             self.profile.measure(spec.width, spec.height)
-        if not self.profile.fits(shape, spec.images):
+        if not self.profile.fits(shape, spec.unet_rows):
             return None
         return self.engine.start(spec)
 
     # One iteration: step the chosen jobs, decode the finished ones.
 
     def _iteration(self) -> dict[str, Response]:
-        self.metrics.in_flight(len(self.flights))
         responses = {}
         waiting = {rid: flight.job for rid, flight in self.flights.items() if not flight.job.done}
         if waiting:
@@ -203,29 +205,41 @@ class DiffusionService:
         return responses
 
     def _step(self, chosen: list[str]) -> dict[str, Response]:
-        """One UNet forward for ``chosen``. Out of memory halves the group (and the shape's cap)
-        and retries each half, so only a job that does not fit alone fails. Returns failures and
-        progress lines by id."""
+        """One UNet forward for ``chosen``. Out of memory halves the jobs that did not advance (and
+        the shape's cap) and retries each half, so only a job that does not fit alone fails.
+        Returns failures and progress lines by id."""
         jobs = [self.flights[rid].job for rid in chosen]
-        images = sum(job.images for job in jobs)
+        steps_before = [job.step for job in jobs]
+        rows = sum(job.unet_rows for job in jobs)
         started = time.perf_counter()
         try:
             self.engine.step(jobs)
-            synchronize(self.engine.device)
+            if self.synchronize_steps:
+                synchronize(self.engine.device)
         except torch.OutOfMemoryError as error:
-            release_cached_memory()
-            self.profile.ran_out_of_memory(jobs[0].latent_shape, images, alone=len(chosen) == 1)
-            if len(chosen) == 1:
-                logger.error("request %s does not fit in memory even alone: %s", chosen[0], error)
-                return {chosen[0]: self._fail(chosen[0], does_not_fit(self.flights[chosen[0]].request))}
-            logger.warning("out of memory stepping requests %s; retrying in two halves", chosen)
-            self.metrics.out_of_memory_retry("step")
-            middle = len(chosen) // 2
-            return {**self._step(chosen[:middle]), **self._step(chosen[middle:])}
+            out_of_memory = error
         except Exception as error:  # one failing step must not fail the requests that did not take it
             logger.exception("denoising step for requests %s failed", chosen)
             return {rid: self._fail(rid, internal_error("denoising", error)) for rid in chosen}
-        self.metrics.step(images, time.perf_counter() - started)
+        else:
+            return self._stepped(chosen, rows, time.perf_counter() - started)
+        # Retried outside the except block, whose traceback would keep the failed forward's tensors alive.
+        release_cached_memory()
+        pending = [rid for rid, job, step in zip(chosen, jobs, steps_before) if job.step == step]
+        self.profile.ran_out_of_memory(jobs[0].latent_shape, rows, alone=len(chosen) == 1)
+        if len(chosen) == 1:
+            logger.error("request %s does not fit in memory even alone: %s", chosen[0], out_of_memory)
+            return {chosen[0]: self._fail(chosen[0], does_not_fit(self.flights[chosen[0]].request))}
+        logger.warning("out of memory stepping requests %s; retrying %s in two halves", chosen, pending)
+        self.metrics.out_of_memory_retry("step")
+        middle = len(pending) // 2
+        halves = [half for half in (pending[:middle], pending[middle:]) if half]
+        return {rid: response for half in halves for rid, response in self._step(half).items()}
+
+    def _stepped(self, chosen: list[str], rows: int, seconds: float) -> dict[str, Response]:
+        """Bookkeeping of a forward that went through: metrics, progress lines, finish times."""
+        images = sum(self.flights[rid].job.images for rid in chosen)
+        self.metrics.step(images, seconds)
         now, responses = self.clock(), {}
         for rid in chosen:
             flight = self.flights[rid]
@@ -259,34 +273,39 @@ class DiffusionService:
         """One decode for jobs of one shape; out of memory decodes image by image, then in tiles.
         An error response for a job that could not be decoded."""
         jobs = [self.flights[rid].job for rid in rids]
-        width, height = jobs[0].spec.width, jobs[0].spec.height
         try:
-            decoded = self.engine.decode(torch.cat([job.latents for job in jobs]), width, height)
+            decoded = self.engine.decode(torch.cat([job.latents for job in jobs]), jobs[0].spec.width, jobs[0].spec.height)
             return dict(zip(rids, decoded.split([job.images for job in jobs])))
         except torch.OutOfMemoryError:
-            release_cached_memory()
-            self.metrics.out_of_memory_retry("vae_decode")
-            logger.warning("out of memory decoding requests %s together; decoding one image at a time", rids)
-            return {rid: self._decode_alone(self.flights[rid].job) for rid in rids}
+            pass  # retried below, outside the except block (its traceback holds the decode's tensors)
         except Exception as error:
             logger.exception("VAE decode for requests %s failed", rids)
             return {rid: internal_error("VAE decode", error) for rid in rids}
+        release_cached_memory()
+        self.metrics.out_of_memory_retry("vae_decode")
+        logger.warning("out of memory decoding requests %s together; decoding one image at a time", rids)
+        return {rid: self._decode_alone(self.flights[rid].job) for rid in rids}
 
     def _decode_alone(self, job: DenoiseJob) -> Decoded | Response:
+        """A job's images one by one, each in tiles when it does not fit whole."""
         parts = []
         for latents in job.latents.split(1):
-            try:
+            for tiled in (False, True):
                 try:
-                    parts.append(self.engine.decode(latents, job.spec.width, job.spec.height))
-                except torch.OutOfMemoryError:
-                    release_cached_memory()
+                    parts.append(self.engine.decode(latents, job.spec.width, job.spec.height, tiled=tiled))
+                    break
+                except torch.OutOfMemoryError as error:
+                    failure = error
+                except Exception as error:
+                    logger.exception("VAE decode of one image failed")
+                    return internal_error("VAE decode", error)
+                release_cached_memory()
+                if not tiled:
                     self.metrics.out_of_memory_retry("vae_decode")
                     logger.warning("out of memory decoding one %dx%d image; decoding it in tiles", job.spec.width, job.spec.height)
-                    parts.append(self.engine.decode(latents, job.spec.width, job.spec.height, tiled=True))
-            except Exception as error:
-                logger.exception("VAE decode of one image failed, even alone and tiled")
-                release_cached_memory()
-                return internal_error("VAE decode", error)
+            else:
+                logger.error("one %dx%d image does not decode even in tiles: %s", job.spec.width, job.spec.height, failure)
+                return internal_error("VAE decode", failure)
         return Decoded.join(parts)
 
     # Answers.
@@ -335,6 +354,7 @@ class DiffusionService:
         for arrived, encode_seconds in self._answered:
             self.metrics.request_completed(now - arrived, encode_seconds)
         self._answered.clear()
+        self.metrics.in_flight(len(self.flights))
 
 
 def _joined(earlier: Response, later: Response) -> Response:
@@ -359,5 +379,6 @@ def build_service(
         sla,
         settings.log_prompts,
         settings.iteration_budget_ms / 1000,
+        settings.metrics.synchronize_steps,
     )
     return service, settings

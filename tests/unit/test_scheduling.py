@@ -1,4 +1,5 @@
-"""The step-time profile's batch cap and memory knowledge, and the choice of the next forward."""
+"""The step-time profile's batch cap and memory knowledge (in UNet rows), and the choice of the next
+forward."""
 
 from __future__ import annotations
 
@@ -30,39 +31,40 @@ def test_sizes_double_up_to_the_most_images():
     assert profile(max_images=1).sizes() == [1]
 
 
-def test_the_cap_is_the_smallest_batch_within_five_percent_of_the_best_per_image_time():
-    assert profile({1: 1.0, 2: 1.0, 4: 1.2, 8: 2.4, 16: 4.8}).cap(SMALL) == 4  # 0.30/image from 4 on
-    assert profile({1: 1.0, 2: 2.0, 4: 4.0}).cap(SMALL) == 1  # no gain from batching
-    assert profile({1: 1.0, 2: 1.0, 4: 1.0, 8: 1.0}).cap(SMALL) == 8
-    assert profile().cap(LARGE) == 16  # not measured: the configured most
+def test_the_cap_is_the_fewest_rows_within_five_percent_of_the_best_per_row_time():
+    assert profile({2: 1.0, 4: 1.0, 8: 1.2, 16: 2.4, 32: 4.8}).cap(SMALL) == 8  # 0.15/row from 8 rows on
+    assert profile({2: 1.0, 4: 2.0, 8: 4.0}).cap(SMALL) == 2  # no gain from batching
+    assert profile({2: 1.0, 4: 1.0, 8: 1.0, 16: 1.0}).cap(SMALL) == 16
+    assert profile().cap(LARGE) == 32  # not measured: 16 guided images, the configured most
 
 
 def test_running_out_of_memory_caps_the_shape_and_remembers_what_cannot_run_alone():
-    measured = profile({1: 1.0, 2: 1.0, 4: 1.0, 8: 1.0})
-    measured.ran_out_of_memory(SMALL, 8, alone=False)
-    assert measured.cap(SMALL) == 4 and measured.fits(SMALL, 8)
-    measured.ran_out_of_memory(SMALL, 3, alone=True)
-    assert measured.cap(SMALL) == 1 and not measured.fits(SMALL, 3) and not measured.fits(SMALL, 4)
-    assert measured.fits(SMALL, 2) and measured.fits(LARGE, 100)
+    measured = profile({2: 1.0, 4: 1.0, 8: 1.0, 16: 1.0})
+    measured.ran_out_of_memory(SMALL, 16, alone=False)
+    assert measured.cap(SMALL) == 8 and measured.fits(SMALL, 16)
+    measured.ran_out_of_memory(SMALL, 6, alone=True)  # three guided images, or six unguided
+    assert measured.cap(SMALL) == 3 and not measured.fits(SMALL, 6) and not measured.fits(SMALL, 8)
+    assert measured.fits(SMALL, 4) and measured.fits(LARGE, 100)
 
 
-def test_step_seconds_come_from_the_nearest_measured_batch_at_or_above():
-    measured = profile({1: 0.1, 2: 0.15, 4: 0.2})
-    assert measured.step_seconds(SMALL, 3) == 0.2 and measured.step_seconds(SMALL, 9) == 0.2
-    assert measured.step_seconds(LARGE, 1) == 0.0
+def test_step_seconds_come_from_the_nearest_measured_size_at_or_above():
+    measured = profile({2: 0.1, 4: 0.15, 8: 0.2})
+    assert measured.step_seconds(SMALL, 6) == 0.2 and measured.step_seconds(SMALL, 18) == 0.2
+    assert measured.step_seconds(LARGE, 2) == 0.0
 
 
 def test_slack_is_time_to_the_deadline_minus_the_remaining_steps():
-    measured = profile({1: 0.5, 2: 0.5})  # cap 2, 0.5 s a step
+    measured = profile({2: 0.5, 4: 0.5})  # cap 4 rows, 0.5 s a step
     assert slack(job(steps=10, done_steps=4), deadline=10.0, now=2.0, profile=measured) == 10.0 - 2.0 - 6 * 0.5
 
 
-def test_choose_takes_the_least_slack_shape_then_least_slack_jobs_up_to_the_cap():
-    waiting = {"a": job(2), "b": job(1, side=128), "c": job(1), "d": job(3), "e": job(1)}
+def test_choose_takes_the_least_slack_shape_then_least_slack_jobs_that_fit_the_cap():
+    waiting = {"a": job(2), "b": job(1, side=128), "c": job(1), "d": job(3), "e": job(1)}  # guided: 2 rows an image
     slacks = {"a": 3.0, "b": 0.5, "c": 1.0, "d": 2.0, "e": 4.0}
-    assert choose(waiting, slacks, lambda shape: 8) == ["b"]
+    assert choose(waiting, slacks, lambda shape: 16) == ["b"]
     slacks["b"] = 9.0
-    assert choose(waiting, slacks, lambda shape: 4) == ["c", "d"]  # c (1) + d (3) = 4; a would exceed
+    assert choose(waiting, slacks, lambda shape: 8) == ["c", "d"]  # 2 + 6 rows; a and e would exceed
+    assert choose(waiting, slacks, lambda shape: 4) == ["c", "e"]  # d and a do not fit, e still does
     assert choose(waiting, slacks, lambda shape: 1) == ["c"]
     assert choose({"big": job(6)}, {"big": 0.0}, lambda shape: 2) == ["big"]  # larger than the cap: alone
     assert choose({}, {}, lambda shape: 2) == []

@@ -95,8 +95,9 @@ class Clock:
         return self.now
 
 
-def make_service(engine=None, sink=None, streaming=True, cap_profile=(1, 2, 4, 8), sla=2.0, **kwargs) -> DiffusionService:
-    """A service whose profile says one forward takes the same time for 1 to 8 images (cap 8)."""
+def make_service(engine=None, sink=None, streaming=True, cap_profile=(2, 4, 8, 16), sla=2.0, **kwargs) -> DiffusionService:
+    """A service whose profile says one forward takes the same time for 2 to 16 UNet rows (cap 16
+    rows: 8 guided images)."""
     engine = engine or SolidColorEngine()
     policy = RequestPolicy(defaults=RequestDefaults(width=64, height=64), streaming=streaming)
     profile = StepProfile(engine, max_images=8)
@@ -206,7 +207,7 @@ def test_out_of_memory_halves_the_forward_until_it_fits_and_lowers_the_cap():
     assert [response.status for response in responses] == [200, 200, 200]
     assert [grey(response.body) for response in responses] == [1, 2, 3]
     assert [len(prompts) for prompts in engine.steps[:5]] == [3, 1, 2, 1, 1]
-    assert sink.values("sd_oom_retries_total") == [1, 1] and service.profile.cap(SHAPE) == 1
+    assert sink.values("sd_oom_retries_total") == [1, 1] and service.profile.cap(SHAPE) == 2  # rows: one guided image
     assert {labels for name, _, labels in sink.records if name == "sd_oom_retries_total"} == {("step",)}
 
 
@@ -306,24 +307,24 @@ def test_a_request_whose_client_left_is_dropped():
 
 def test_least_slack_runs_first_within_the_profiles_cap():
     clock = Clock()
-    service = make_service(clock=clock, cap_profile=(1,))
-    service.profile.seconds[SHAPE] = {1: 0.1, 2: 0.2, 4: 0.4}  # per-image time flat: cap 1
-    assert service.profile.cap(SHAPE) == 1
+    service = make_service(clock=clock, cap_profile=(2,))
+    service.profile.seconds[SHAPE] = {2: 0.1, 4: 0.2, 8: 0.4}  # per-row time flat: cap 2 rows, one guided image
+    assert service.profile.cap(SHAPE) == 2
     service.iterate({"early": body(num_inference_steps=10)})
     clock.now = 5.0
     # arrives later but has far more steps: less slack, so it takes the next step alone
     service.iterate({"early": IncomingRequest(None), "long": body(num_inference_steps=90)})
     early, long = service.flights["early"], service.flights["long"]
     assert long.job.step == 1 and early.job.step == 1
-    service.profile.seconds[SHAPE] = {1: 0.1, 2: 0.1, 4: 0.2}  # batch 2 for the price of 1: cap 2
+    service.profile.seconds[SHAPE] = {2: 0.1, 4: 0.1, 8: 0.2}  # two images for the price of one: cap 4 rows
     service.iterate({"early": IncomingRequest(None), "long": IncomingRequest(None)})
     assert long.job.step == 2 and early.job.step == 2
 
 
 def test_a_failure_after_the_status_was_sent_reaches_the_client_as_200_with_a_json_error():
     engine = SolidColorEngine()
-    service = make_service(engine, cap_profile=(1,))
-    service.profile.seconds[SHAPE] = {1: 0.1, 2: 0.2}  # cap 1: one request per forward
+    service = make_service(engine, cap_profile=(2,))
+    service.profile.seconds[SHAPE] = {2: 0.1, 4: 0.2}  # cap 2 rows: one request per forward
     first = service.iterate({"s": body(num_inference_steps=4, stream=True), "n": body(num_inference_steps=40)})
     assert first["s"].first and not first["s"].final and first["n"].status == 200
     stepped = next(rid for rid in ("s", "n") if service.flights[rid].job.step == 1)
@@ -386,3 +387,41 @@ def test_a_call_steps_while_the_iteration_budget_lasts_and_returns_when_a_reques
     one_step = make_service(iteration_budget_seconds=0.0)
     one_step.iterate({"s": body(num_inference_steps=30)})
     assert one_step.flights["s"].job.step == 1
+
+
+class FailsAfterAdvancingEngine(SolidColorEngine):
+    """Runs out of memory once, in the scheduler step of the third job, after advancing the first two."""
+
+    def step(self, jobs: list[DenoiseJob]) -> None:
+        if len(jobs) == 3 and not getattr(self, "failed", False):
+            self.failed = True
+            jobs[0].step += 1
+            jobs[1].step += 1
+            raise torch.OutOfMemoryError("CUDA out of memory")
+        super().step(jobs)
+
+
+def test_a_retry_after_running_out_of_memory_steps_only_the_jobs_that_did_not_advance():
+    service = make_service(FailsAfterAdvancingEngine(), streaming=False)
+    responses = batch(service, body(seed=1), body(seed=2), body(seed=3))
+    assert [response.status for response in responses] == [200, 200, 200]
+    assert [grey(response.body) for response in responses] == [1, 2, 3]
+    assert service.engine.steps[0] == ["p"], "the retry stepped only the job that had not advanced"
+
+
+def test_an_unexpected_error_fails_the_batch_and_the_next_one_starts_clean(monkeypatch):
+    sink = RecordingSink()
+    service = make_service(sink=sink, streaming=False)
+    monkeypatch.setattr(service, "_finish", lambda done: 1 / 0)
+    with pytest.raises(ZeroDivisionError):
+        batch(service, body(seed=1, num_inference_steps=2))
+    assert service.flights == {} and sink.values("sd_in_flight_requests")[-1] == 0
+    monkeypatch.undo()
+    (response,) = batch(service, body(seed=4))
+    assert response.status == 200 and grey(response.body) == 4
+
+
+def test_the_in_flight_gauge_returns_to_zero_when_the_last_request_leaves():
+    sink = RecordingSink()
+    run(make_service(sink=sink), {0: {"a": body(num_inference_steps=3)}, 1: {"b": body(num_inference_steps=2)}})
+    assert max(sink.values("sd_in_flight_requests")) == 2 and sink.values("sd_in_flight_requests")[-1] == 0
