@@ -4,7 +4,9 @@ The same requests (one image each: prompt k, seed k) go through diffusers' own p
 batched call, ``bench.reference``) and through the step engine as the service runs a batch
 (``bench.jobs``: every job in each UNet forward, one decode), per family, at batch 1 and 8, in one
 process, the order alternating per repeat. Prints median seconds per call, the ratio and the image
-distance, and writes ``reports/engine/engine.{json,md,png}``.
+distance, next to the distance between diffusers' own batched call and the same requests alone
+(what float rounding alone moves; large for a random-weight model that amplifies it over many
+steps), and writes ``reports/engine/engine.{json,md,png}``.
 """
 
 from __future__ import annotations
@@ -46,6 +48,7 @@ class Row:
     diffusers_s: float
     engine_s: float
     max_abs_diff: int
+    diffusers_batch_diff: int  # diffusers' batched call against each request alone: the rounding floor
 
     @property
     def ratio(self) -> float:
@@ -72,23 +75,29 @@ def compare(family: str, reference: Reference, engine: StepEngine, batch: int, s
         return [image for decoded in generate(engine, specs)[0] for image in decoded.images]
 
     ours, theirs = by_engine(), by_diffusers()  # warm-up, and the images compared
-    distance = max(int(np.abs(np.asarray(a, dtype=np.int16) - np.asarray(b, dtype=np.int16)).max()) for a, b in zip(ours, theirs))
+    alone = [reference.batch([prompt], [seed], side, side, steps).images[0] for prompt, seed in zip(prompts, seeds)]
     diffusers_s, engine_s = [], []
     for repeat in range(repeats):
         order = ((by_diffusers, diffusers_s), (by_engine, engine_s))
         for call, seconds in order if repeat % 2 == 0 else order[::-1]:
             seconds.append(timed(call, engine.device))
     return Row(family, Path(reference.model_dir).name, batch, side, steps, statistics.median(diffusers_s),
-               statistics.median(engine_s), distance)
+               statistics.median(engine_s), max_difference(ours, theirs), max_difference(theirs, alone))
+
+
+def max_difference(images: list, others: list) -> int:
+    """The largest 8-bit difference between corresponding images."""
+    return max(int(np.abs(np.asarray(a, dtype=np.int16) - np.asarray(b, dtype=np.int16)).max()) for a, b in zip(images, others))
 
 
 def markdown(rows: list[Row], env: dict) -> str:
     lines = [f"{env['device_name']}, torch {env['torch']}, diffusers {env['diffusers']}, {env['date']}", "",
-             "| family | model | batch | size | steps | diffusers call (s) | step engine (s) | engine / diffusers | max pixel diff |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+             "| family | model | batch | size | steps | diffusers call (s) | step engine (s) | engine / diffusers "
+             "| max pixel diff, engine vs diffusers | max pixel diff, diffusers batched vs alone |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for row in rows:
         lines.append(f"| {row.family} | {row.model} | {row.batch} | {row.side}x{row.side} | {row.steps} | {row.diffusers_s:.4f} "
-                     f"| {row.engine_s:.4f} | {row.ratio:.3f}x | {row.max_abs_diff} |")
+                     f"| {row.engine_s:.4f} | {row.ratio:.3f}x | {row.max_abs_diff} | {row.diffusers_batch_diff} |")
     return "\n".join(lines) + "\n"
 
 
@@ -128,8 +137,8 @@ def main(argv: list[str] | None = None) -> None:
         reference = Reference(model_dir, device, engine.dtype)
         for batch in args.batches:
             row = compare(engine.family.name if family == "custom" else family, reference, engine, batch, args.steps, args.repeats)
-            logger.info("%s batch %d: diffusers %.4f s, engine %.4f s, %.3fx, max pixel diff %d",
-                        row.family, batch, row.diffusers_s, row.engine_s, row.ratio, row.max_abs_diff)
+            logger.info("%s batch %d: diffusers %.4f s, engine %.4f s, %.3fx, max pixel diff %d (diffusers batched vs alone %d)",
+                        row.family, batch, row.diffusers_s, row.engine_s, row.ratio, row.max_abs_diff, row.diffusers_batch_diff)
             rows.append(row)
     env = environment(device)
     args.output_dir.mkdir(parents=True, exist_ok=True)

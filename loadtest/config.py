@@ -77,11 +77,12 @@ class SweepSection(_Section):
     duration_s_per_point: float = Field(gt=0)
 
     def points(self) -> list[SweepPoint]:
-        """Every combination, grouped so each registration (mode, batch size, delay) is made once."""
+        """Every combination, grouped so each registration (batch size, delay, mode) is made once;
+        the modes alternate, so a drift of the machine's speed during the sweep does not favour one."""
         return [
             SweepPoint(continuous_batching=mode, batch_size=batch, max_batch_delay=delay, workers=workers, concurrency=users)
-            for mode, batch, delay, workers, users in itertools.product(
-                self.continuous_batching, self.batch_size, self.max_batch_delay, self.workers, self.concurrency
+            for batch, delay, mode, workers, users in itertools.product(
+                self.batch_size, self.max_batch_delay, self.continuous_batching, self.workers, self.concurrency
             )
         ]
 

@@ -3,7 +3,7 @@
 The same request (default model, 64x64, 4 steps, fixed seed) is generated N times in-process by
 the handler's own service (decode, step engine, encode: exactly what a worker runs) and N times over
 HTTP through TorchServe, one at a time, once registered with batch size 1 and once with the
-shipped batch size and delay. Prints medians and ratios and writes reports/overhead.json.
+shipped batch size and delay (in the shipped batching mode). Prints medians and ratios and writes reports/overhead.json.
 """
 
 from __future__ import annotations
@@ -72,6 +72,7 @@ def main() -> None:
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
     shipped = yaml.safe_load((ROOT / "model-config.yaml").read_text())
+    mode = "continuous batching" if shipped.get("continuousBatching") else "dynamic batching"
     results = {"request": REQUEST, "repeats": args.repeats}
     with tempfile.TemporaryDirectory(prefix="overhead-") as tmp:
         workdir = Path(tmp)
@@ -82,8 +83,8 @@ def main() -> None:
         try:
             server.wait_started()
             registration = ModelRegistration(server)
-            for label, batch_size, delay in (("batch size 1", 1, 0),
-                                             (f"batch size {shipped['batchSize']}, delay {shipped['maxBatchDelay']} ms",
+            for label, batch_size, delay in ((f"{mode}, batch size 1", 1, 0),
+                                             (f"{mode}, batch size {shipped['batchSize']}, delay {shipped['maxBatchDelay']} ms",
                                               shipped["batchSize"], shipped["maxBatchDelay"])):
                 registration.register(archive.name, batch_size, delay, workers=1)
                 logger.info("HTTP through TorchServe, %s", label)

@@ -101,7 +101,7 @@ def test_markdown_has_one_full_row_per_variant_whatever_its_status():
 def test_engine_overhead_table_states_the_ratio_per_family_and_batch():
     from bench.engine import Row, markdown as engine_markdown
 
-    rows = [Row("sd1", "shapes-sd", 1, 64, 25, 0.200, 0.210, 0), Row("sdxl", "tiny-sdxl", 8, 64, 25, 0.400, 0.380, 1)]
+    rows = [Row("sd1", "shapes-sd", 1, 64, 25, 0.200, 0.210, 0, 0), Row("sdxl", "tiny-sdxl", 8, 64, 25, 0.400, 0.380, 1, 2)]
     table = engine_markdown(rows, {"device_name": "cpu", "torch": "2.13.0", "diffusers": "0.42.1", "date": "2026-11-23"})
-    assert "| sd1 | shapes-sd | 1 | 64x64 | 25 | 0.2000 | 0.2100 | 1.050x | 0 |" in table
-    assert "| sdxl | tiny-sdxl | 8 | 64x64 | 25 | 0.4000 | 0.3800 | 0.950x | 1 |" in table
+    assert "| sd1 | shapes-sd | 1 | 64x64 | 25 | 0.2000 | 0.2100 | 1.050x | 0 | 0 |" in table
+    assert "| sdxl | tiny-sdxl | 8 | 64x64 | 25 | 0.4000 | 0.3800 | 0.950x | 1 | 2 |" in table

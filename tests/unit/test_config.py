@@ -14,9 +14,10 @@ MODEL_CONFIG = yaml.safe_load((ROOT / "model-config.yaml").read_text())
 PROPERTIES = read_properties(ROOT / "config.properties")
 
 
-def test_shipped_model_config_is_valid_and_batches():
+def test_shipped_model_config_is_valid_and_runs_continuous_batching():
     settings = HandlerSettings.from_model_yaml(MODEL_CONFIG)
-    assert settings.attention == "sdpa" and settings.dtype == "auto"
+    assert settings.attention == "sdpa" and settings.dtype == "auto" and settings.safety_checker
+    assert MODEL_CONFIG["continuousBatching"] is True and settings.iteration_budget_ms > 0
     assert MODEL_CONFIG["batchSize"] > 1 and MODEL_CONFIG["maxBatchDelay"] > 0
     assert MODEL_CONFIG["batchSize"] <= settings.max_images_per_call
 
