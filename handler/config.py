@@ -110,6 +110,24 @@ class FaultInjection(_Section):
     )
 
 
+def continuous_batching(model_yaml_config: dict[str, Any] | None) -> bool:
+    """Whether model-config.yaml turns on TorchServe's continuous batching. Refused (ValueError)
+    with more than one worker: in TorchServe 0.12 an idle worker waits for work while holding the
+    model's lock (``Model.pollInferJob``), so another worker's request in flight cannot take its next
+    step until a new request arrives."""
+    config = model_yaml_config or {}
+    if not config.get("continuousBatching"):
+        return False
+    workers = max(int(config.get("minWorkers", 1)), int(config.get("maxWorkers", 1)))
+    if workers > 1:
+        raise ValueError(
+            f"continuousBatching: true with {workers} workers: TorchServe 0.12 serves continuous batching correctly "
+            "with one worker per model only (an idle worker holds the model's lock while it waits, stalling the other "
+            "workers' requests in flight); set minWorkers and maxWorkers to 1, or use dynamic batching"
+        )
+    return True
+
+
 class HandlerSettings(_Section):
     """Everything the handler reads from ``model-config.yaml`` under ``handler:``."""
 

@@ -121,19 +121,16 @@ class DenoiseJob:
         return self.spec.unet_rows
 
 
+@dataclass
 class StepEngine:
     """Starts, steps and decodes ``DenoiseJob``s with one loaded pipeline and its family."""
 
-    def __init__(
-        self, pipeline: DiffusionPipeline, family: StableDiffusionFamily, device: torch.device, dtype: torch.dtype,
-        description: str, fault_injection: FaultInjection = FaultInjection(),
-    ):
-        self.pipeline = pipeline
-        self.family = family
-        self.device = device
-        self.dtype = dtype
-        self.description = description
-        self.fault_injection = fault_injection
+    pipeline: DiffusionPipeline
+    family: StableDiffusionFamily
+    device: torch.device
+    dtype: torch.dtype
+    description: str
+    fault_injection: FaultInjection = field(default_factory=FaultInjection)
 
     def latent_shape(self, width: int, height: int) -> tuple[int, int, int]:
         """Channels, height and width of one image's latents."""

@@ -17,7 +17,7 @@ from ts.metrics.metric_cache_errors import MetricsCacheKeyError
 from ts.metrics.metric_type_enum import MetricTypes
 from ts.torch_handler.base_handler import BaseHandler
 
-from handler.config import HandlerSettings
+from handler.config import HandlerSettings, continuous_batching
 from handler.metrics import MetricSink, MetricSpec
 from handler.pipeline import compile_cache_summary
 from handler.protocol import IncomingRequest, Response
@@ -81,7 +81,7 @@ class StableDiffusionHandler(BaseHandler):
         self.manifest = context.manifest
         model_yaml = getattr(context, "model_yaml_config", None) or {}
         settings = HandlerSettings.from_model_yaml(model_yaml)
-        continuous = bool(model_yaml.get("continuousBatching"))
+        continuous = continuous_batching(model_yaml)
         self.service, settings = build_service(
             settings, properties["model_dir"], torchserve_metric_sink(context.metrics, context.model_name),
             properties.get("gpu_id"), streaming=continuous,

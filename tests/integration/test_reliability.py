@@ -104,42 +104,57 @@ def test_a_decode_that_runs_out_of_memory_is_retried_image_by_image(fault_client
         assert_same_image(retried, expected)
 
 
-def test_a_killed_worker_fails_its_request_clearly_and_is_replaced(fault_client, fault_server, record_property):
-    (victim,) = workers(fault_server)
-    with ThreadPoolExecutor(1) as pool:
-        started = time.monotonic()
-        pending = pool.submit(fault_client.predict, {"prompt": "killed", "num_inference_steps": 60})
-        time.sleep(1.0)
-        victim.send_signal(signal.SIGKILL)
-        response = pending.result(timeout=RESPONSE_TIMEOUT_S + 60)
-        answered_after = time.monotonic() - started
-    assert 500 <= response.status_code < 600, response.text
-    recovery = wait_until_serving(fault_client)
-    record_property("killed_worker_answered_after_s", round(answered_after, 2))
-    record_property("killed_worker_recovery_s", round(recovery, 2))
-    print(f"killed worker: request answered {response.status_code} after {answered_after:.1f} s, serving again after {recovery:.1f} s")
-    assert [process.pid for process in workers(fault_server)] != [victim.pid]
-
-
 @pytest.fixture(scope="module", params=["dynamic", "continuous"])
-def timeout_client(request, tmp_path_factory, fault_client) -> Iterator[tuple[str, Client]]:
+def mode_client(request, tmp_path_factory, fault_client) -> Iterator[tuple[str, Client]]:
     """A server with the short response timeout in each batching mode (the fault server is one)."""
     continuous = request.param == "continuous"
     if continuous == SHIPPED_CONTINUOUS:
         yield request.param, fault_client
         return
-    tmp = tmp_path_factory.mktemp(f"timeout-{request.param}")
+    tmp = tmp_path_factory.mktemp(f"faults-{request.param}")
     config = model_config(tmp, handler={"limits": {"max_inference_steps": TOO_SLOW["num_inference_steps"]}},
                           continuousBatching=continuous, responseTimeout=RESPONSE_TIMEOUT_S)
     with serving(tmp, config) as server:
         yield request.param, Client(server)
 
 
-def test_the_response_timeout_bounds_a_dynamic_batch_and_one_continuous_iteration(timeout_client):
+def test_a_killed_worker_fails_its_request_clearly_and_is_replaced(mode_client, record_property):
+    """Dynamic batching answers 5xx. With continuous batching the status left with the first chunk,
+    so the client sees its chunked answer broken off, never a complete image."""
+    mode, client = mode_client
+    (victim,) = workers(client.server)
+    with ThreadPoolExecutor(1) as pool:
+        started = time.monotonic()
+        pending = pool.submit(client.predict, {"prompt": "killed", "num_inference_steps": 300})
+        time.sleep(1.0)
+        victim.send_signal(signal.SIGKILL)
+        try:
+            response = pending.result(timeout=RESPONSE_TIMEOUT_S + 60)
+            outcome = " ".join(response.text.split())[:160]
+            assert 500 <= response.status_code < 600, response.text
+        except requests.exceptions.ChunkedEncodingError:
+            outcome = "chunked answer broken off"
+            assert mode == "continuous", "a dynamic batch's answer is not chunked"
+        answered_after = time.monotonic() - started
+    recovery = wait_until_serving(client)
+    record_property(f"killed_worker_answered_after_s_{mode}", round(answered_after, 2))
+    record_property(f"killed_worker_recovery_s_{mode}", round(recovery, 2))
+    print(f"killed worker ({mode}): {outcome} after {answered_after:.1f} s, serving again after {recovery:.1f} s")
+    assert [process.pid for process in workers(client.server)] != [victim.pid]
+
+
+def test_continuous_batching_with_more_than_one_worker_is_refused_at_load(tmp_path):
+    config = model_config(tmp_path, continuousBatching=True, minWorkers=2, maxWorkers=2)
+    with pytest.raises(RuntimeError, match="one worker per model"):
+        with serving(tmp_path, config):
+            pass
+
+
+def test_the_response_timeout_bounds_a_dynamic_batch_and_one_continuous_iteration(mode_client):
     """With dynamic batching a generation longer than the timeout fails clearly and the worker is
     replaced; with continuous batching TorchServe waits for each iteration (one step), so it
     finishes."""
-    mode, client = timeout_client
+    mode, client = mode_client
     started = time.monotonic()
     response = client.predict(TOO_SLOW)
     elapsed = time.monotonic() - started

@@ -6,7 +6,7 @@ import pytest
 import yaml
 from pydantic import ValidationError
 
-from handler.config import HandlerSettings
+from handler.config import HandlerSettings, continuous_batching
 from scripts.server import bound_to, reachable, read_properties
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -14,12 +14,20 @@ MODEL_CONFIG = yaml.safe_load((ROOT / "model-config.yaml").read_text())
 PROPERTIES = read_properties(ROOT / "config.properties")
 
 
-def test_shipped_model_config_is_valid_and_runs_continuous_batching():
+def test_shipped_model_config_is_valid_and_batches():
     settings = HandlerSettings.from_model_yaml(MODEL_CONFIG)
     assert settings.attention == "sdpa" and settings.dtype == "auto" and settings.safety_checker
-    assert MODEL_CONFIG["continuousBatching"] is True and settings.iteration_budget_ms > 0
+    assert not continuous_batching(MODEL_CONFIG) and settings.iteration_budget_ms > 0
     assert MODEL_CONFIG["batchSize"] > 1 and MODEL_CONFIG["maxBatchDelay"] > 0
     assert MODEL_CONFIG["batchSize"] <= settings.max_images_per_call
+
+
+def test_continuous_batching_is_refused_with_more_than_one_worker():
+    assert continuous_batching({"continuousBatching": True}) and continuous_batching({"continuousBatching": True, "maxWorkers": 1})
+    assert not continuous_batching({"continuousBatching": False, "maxWorkers": 4}) and not continuous_batching(None)
+    for workers in ({"minWorkers": 2}, {"maxWorkers": 4}):
+        with pytest.raises(ValueError, match="one worker per model"):
+            continuous_batching({"continuousBatching": True, **workers})
 
 
 def test_empty_handler_section_gives_defaults():
