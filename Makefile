@@ -40,12 +40,13 @@ help:
 
 venv: $(VENV)/.installed
 
-# torch first: torch==2.13.0 resolves to the local CPU build; then everything else, pinned.
-$(VENV)/.installed: requirements.txt
+# torch first: torch==2.13.0 resolves to the local CPU build; then everything else, pinned: serving
+# (requirements.txt, all the image installs) and development, tests and benchmarks (requirements-dev.txt).
+$(VENV)/.installed: requirements.txt requirements-dev.txt
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip==26.3
 	$(PY) -m pip install --quiet torch==2.13.0
-	$(PY) -m pip install --quiet -r requirements.txt
+	$(PY) -m pip install --quiet -r requirements-dev.txt
 	touch $@
 
 # Debian packages for the tests: prometheus and promtool (observability), kubectl for its built-in

@@ -25,16 +25,23 @@ SEED_HEADER = "X-Seed"
 # chunk (TorchServe sends headers with the first chunk). The image's EXIF says it in every case.
 NSFW_HEADER = "X-NSFW-Content-Detected"
 STREAM_CONTENT_TYPE = "application/x-ndjson"
+# TorchServe 0.12 ends a gRPC call after the first part of an answer (GRPCJob.isOpen is inverted),
+# and with continuous batching answers leave in parts: the client would get an empty reply.
+GRPC_WITH_CONTINUOUS_BATCHING = (
+    "this server runs continuous batching, whose answers TorchServe 0.12 cannot deliver over gRPC "
+    "(it ends the call after the first part); send the request over HTTP"
+)
 
 
 @dataclass(frozen=True)
 class IncomingRequest:
     """One request as the server hands it over: the body (pre-decoded or raw), its Content-Type,
-    and any form or query fields."""
+    any form or query fields, and whether it came over gRPC."""
 
     body: Any
     content_type: str | None = None
     fields: dict[str, Any] = field(default_factory=dict)
+    over_grpc: bool = False
 
 
 @dataclass(frozen=True)
@@ -52,6 +59,8 @@ class Response:
 
 def decode(incoming: IncomingRequest, policy: RequestPolicy) -> GenerationRequest:
     """Validate one request, with a concrete seed. Raises ``RequestError``."""
+    if incoming.over_grpc and policy.streaming:
+        raise RequestError.single("body", "grpc_with_continuous_batching", GRPC_WITH_CONTINUOUS_BATCHING)
     has_body = not (incoming.body is None or isinstance(incoming.body, (bytes, bytearray)) and not incoming.body)
     if incoming.fields and has_body:
         names = ", ".join(sorted(incoming.fields))

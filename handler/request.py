@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import json
 import math
+import reprlib
 import secrets
+import sys
 from dataclasses import dataclass
 from typing import Any
 
@@ -53,6 +55,13 @@ class FieldError:
     def as_dict(self) -> dict[str, str]:
         return {"field": self.field, "rule": self.rule, "message": self.message}
 
+    @property
+    def label(self) -> str:
+        """The field as logs and metric labels name it: a request field or "body". An unknown
+        field's name is the client's text (newlines, commas, colons: TorchServe's metric lines are
+        log lines split on them) and unbounded, so it is ``UNKNOWN_FIELD_LABEL``."""
+        return self.field if self.field in FIELD_LABELS else UNKNOWN_FIELD_LABEL
+
 
 class RequestError(Exception):
     """A request that cannot be served as sent (HTTP 400)."""
@@ -72,7 +81,7 @@ class RequestPolicy:
 
     limits: RequestLimits = RequestLimits()
     defaults: RequestDefaults = RequestDefaults(width=512, height=512)
-    streaming: bool = False  # the continuous-batching engine streams progress; request-level does not
+    streaming: bool = False  # continuous batching: answers leave in parts and can stream progress
 
 
 def _policy(info: ValidationInfo) -> RequestPolicy:
@@ -120,15 +129,26 @@ class GenerationRequest(BaseModel):
     def _prompt_not_blank(cls, value: str, info: ValidationInfo) -> str:
         if not value.strip():
             raise PydanticCustomError("non_blank", "prompt must contain a non-blank character")
-        return cls._within_prompt_limit(value, info)
+        return cls._prompt_text(value, info)
 
     @field_validator("negative_prompt")
     @classmethod
     def _negative_prompt_length(cls, value: str | None, info: ValidationInfo) -> str | None:
-        return value if value is None else cls._within_prompt_limit(value, info)
+        return value if value is None else cls._prompt_text(value, info)
 
     @staticmethod
-    def _within_prompt_limit(value: str, info: ValidationInfo) -> str:
+    def _prompt_text(value: str, info: ValidationInfo) -> str:
+        """Text the tokenizer can read (JSON's \\ud800-\\udfff escapes can carry lone surrogates,
+        which it refuses), within max_prompt_chars."""
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError as error:
+            raise PydanticCustomError(
+                "string_unicode",
+                "String should be valid Unicode: lone surrogate {code} at character {position} (a \\ud800-\\udbff "
+                "escape must be followed by a \\udc00-\\udfff one)",
+                {"code": f"\\u{ord(value[error.start]):04x}", "position": error.start},
+            ) from None
         limit = _policy(info).limits.max_prompt_chars
         if len(value) > limit:
             raise PydanticCustomError(
@@ -198,6 +218,10 @@ class GenerationRequest(BaseModel):
         return self.model_dump(exclude={"output_format", "response_format", "stream"})
 
 
+UNKNOWN_FIELD_LABEL = "unknown_field"
+FIELD_LABELS = frozenset({*GenerationRequest.model_fields, "body"})
+
+
 def _field_errors(error: ValidationError) -> list[FieldError]:
     errors = []
     for item in error.errors(include_url=False):
@@ -215,7 +239,7 @@ def _field_errors(error: ValidationError) -> list[FieldError]:
 
 
 def _short_repr(value: Any, limit: int = 60) -> str:
-    text = json.dumps(value) if _json_safe(value) else repr(value)
+    text = json.dumps(value) if _json_safe(value) else reprlib.repr(value)  # reprlib: bounded depth and length
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
@@ -249,6 +273,10 @@ def _parse_json(raw: bytes | bytearray) -> Any:
         raise RequestError.single("body", "json", f"body is not valid JSON: {error.msg} at line {error.lineno} column {error.colno}") from None
     except RecursionError:
         raise RequestError.single("body", "json", "body is nested too deeply") from None
+    except ValueError:  # json.loads reads integers of up to sys.get_int_max_str_digits() digits
+        raise RequestError.single(
+            "body", "json", f"body has a number of more than {sys.get_int_max_str_digits()} digits, longer than this server reads"
+        ) from None
 
 
 def _json_type_name(value: Any) -> str:
@@ -260,14 +288,21 @@ def decode_body(body: Any, content_type: str | None, policy: RequestPolicy) -> G
     """Turn the body TorchServe hands over into a request.
 
     TorchServe pre-decodes JSON (dict/list/str/number) and text (str); what it could not decode
-    arrives as raw bytes. A ``text/*`` body is the prompt alone, everything else must be a JSON
-    object of request fields.
+    arrives as raw bytes. A ``text/*`` body is the prompt alone. A body with no Content-Type (as
+    TorchServe's own diffusers example and gRPC clients send it) is parsed as JSON when it is JSON,
+    else it is the prompt; everything else must be a JSON object of request fields.
     """
-    is_text = (content_type or "").strip().lower().startswith(TEXT_CONTENT_PREFIX)
+    media_type = (content_type or "").split(";")[0].strip().lower()
+    is_text = media_type.startswith(TEXT_CONTENT_PREFIX)
     if isinstance(body, (bytes, bytearray)):
         if not body.strip():
             raise RequestError.single("body", "required", 'body is empty (or JSON null): send a JSON object such as {"prompt": "a red circle"}')
-        body = _decode_text(body) if is_text else _parse_json(body)
+        if is_text:
+            body = _decode_text(body)
+        elif media_type:
+            body = _parse_json(body)
+        else:
+            body, is_text = _json_or_prompt(body)
     if is_text and isinstance(body, str):
         return validate_fields({"prompt": body}, policy, strict=True)
     if not isinstance(body, dict):
@@ -276,6 +311,16 @@ def decode_body(body: Any, content_type: str | None, policy: RequestPolicy) -> G
             f"body must be a JSON object of request fields (or a text/plain prompt), got a JSON {_json_type_name(body)}",
         )
     return validate_fields(body, policy, strict=True)
+
+
+def _json_or_prompt(raw: bytes | bytearray) -> tuple[Any, bool]:
+    """A body sent without a Content-Type: its JSON value, else its text as the prompt."""
+    try:
+        return _parse_json(raw), False
+    except RequestError as error:
+        if error.errors[0].rule != "json":
+            raise
+        return _decode_text(raw), True
 
 
 def decode_form(fields: dict[str, Any], policy: RequestPolicy) -> GenerationRequest:

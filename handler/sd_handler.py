@@ -26,6 +26,9 @@ from handler.service import build_service
 logger = logging.getLogger(__name__)
 
 BODY_KEYS = ("body", "data")
+# TorchServe 0.12's gRPC StreamPredictions reads this header of every answer and, where it is
+# missing, fails the worker (NullPointerException in GRPCJob.response); "false" ends the call.
+STREAM_NEXT_HEADER = "ts_stream_next"
 
 
 def _content_type(context: Any, index: int, body_key: str | None) -> str | None:
@@ -38,12 +41,19 @@ def _content_type(context: Any, index: int, body_key: str | None) -> str | None:
     return next((value for name, value in headers.items() if name.lower() == "content-type" and isinstance(value, str)), None)
 
 
+def _over_grpc(context: Any, index: int) -> bool:
+    """Whether a request came over gRPC: its headers are only per-input entries (dicts), while an
+    HTTP request's include its HTTP headers (strings)."""
+    return not any(isinstance(value, str) for value in context.get_all_request_header(index).values())
+
+
 def to_incoming(row: dict[str, Any], context: Any, index: int) -> IncomingRequest:
     """One TorchServe request row -> ``IncomingRequest``: the raw body, or the form/query fields."""
     body_key = next((key for key in BODY_KEYS if key in row), None)
     fields = {name: value for name, value in row.items() if name not in BODY_KEYS}
     body = row.get(body_key) if body_key else None
-    return IncomingRequest(body=body, content_type=_content_type(context, index, body_key), fields=fields)
+    return IncomingRequest(body=body, content_type=_content_type(context, index, body_key), fields=fields,
+                           over_grpc=_over_grpc(context, index))
 
 
 def _stopping_criterion(response: Response) -> Callable[[Any], bool | None]:
@@ -109,7 +119,7 @@ class StableDiffusionHandler(BaseHandler):
         requests = {rid: to_incoming(row, context, index) for index, (rid, row) in enumerate(zip(ids, data))}
         responses = self._loop(requests, context)
         for index, rid in enumerate(ids):
-            self._set_response_meta(context, index, responses[rid])
+            self._set_response_meta(context, index, responses[rid], requests[rid].over_grpc)
         return [responses[rid].body for rid in ids]
 
     def _run_batch(self, requests: dict[str, IncomingRequest], context: Any) -> dict[str, Response]:
@@ -124,8 +134,10 @@ class StableDiffusionHandler(BaseHandler):
         return responses
 
     @staticmethod
-    def _set_response_meta(context: Any, index: int, response: Response) -> None:
+    def _set_response_meta(context: Any, index: int, response: Response, over_grpc: bool) -> None:
         context.set_response_status(response.status, HTTPStatus(response.status).phrase, index)
         context.set_response_content_type(index, response.content_type)
         for name, value in response.headers.items():
             context.set_response_header(index, name, value)
+        if response.final and response.first and over_grpc:
+            context.set_response_header(index, STREAM_NEXT_HEADER, "false")

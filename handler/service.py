@@ -156,8 +156,8 @@ class DiffusionService:
             try:
                 request = decode(incoming, self.policy)
             except RequestError as error:
-                logger.info("request %s rejected: %s", rid, ", ".join(f"{item.field} ({item.rule})" for item in error.errors))
-                self.metrics.request_rejected([item.field for item in error.errors])
+                logger.info("request %s rejected: %s", rid, ", ".join(f"{item.label} ({item.rule})" for item in error.errors))
+                self.metrics.request_rejected([item.label for item in error.errors])
                 responses[rid] = bad_request(error)
                 continue
             except Exception as error:  # a bug must cost this request only, not its batchmates

@@ -2,7 +2,12 @@
 
 Only safetensors weights are packaged; pickle weights (.bin, .ckpt, .pt, .pth, .pkl) are left out.
 Small models become ``NAME.mar``; large ones (or ``--archive-format no-archive``) become a
-directory ``NAME/`` in the model store, which TorchServe loads without unzipping gigabytes.
+directory ``NAME/`` in the model store, which TorchServe loads without unzipping gigabytes. With
+``handler.model_path`` absolute, the worker loads the model from there and no weights are packaged.
+
+The packaged model-config.yaml is the given one with the worker count filled in where it sets
+neither ``minWorkers`` nor ``maxWorkers``: one worker per GPU visible here (TorchServe gives
+workers GPUs round-robin), one on a CPU host or with continuous batching.
 """
 
 from __future__ import annotations
@@ -54,6 +59,39 @@ def write_model_config(directory: Path, handler: dict | None = None, **frontend)
     return path
 
 
+def default_workers(config: dict, gpus: int) -> dict:
+    """``config`` with ``minWorkers``/``maxWorkers`` set to one per GPU where it sets neither; one on
+    a CPU host, and one with continuous batching (TorchServe 0.12 serves it with one worker only)."""
+    if "minWorkers" in config or "maxWorkers" in config:
+        return config
+    workers = 1 if config.get("continuousBatching") or gpus == 0 else gpus
+    return {**config, "minWorkers": workers, "maxWorkers": workers}
+
+
+def visible_gpus() -> int:
+    """CUDA devices this process sees (``CUDA_VISIBLE_DEVICES`` applies)."""
+    import torch  # here: it takes seconds to import, and the health check imports this module's importers
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def packaged_config(config: Path, gpus: int) -> str:
+    """The model-config.yaml text that goes into the archive."""
+    text = config.read_text()
+    loaded = yaml.safe_load(text) or {}
+    filled = default_workers(loaded, gpus)
+    if filled is loaded:
+        return text
+    logger.info("workers: %d (one per visible GPU, %d visible; set minWorkers/maxWorkers to choose)", filled["minWorkers"], gpus)
+    return yaml.safe_dump(filled, sort_keys=False)
+
+
+def loads_weights_from_archive(config_text: str) -> bool:
+    """False when ``handler.model_path`` is absolute: the worker loads the model from there."""
+    model_path = ((yaml.safe_load(config_text) or {}).get("handler") or {}).get("model_path", "model")
+    return not Path(model_path).is_absolute()
+
+
 def _model_files(model_dir: Path) -> list[Path]:
     files = sorted(path for path in model_dir.rglob("*") if path.is_file() and ".cache" not in path.parts)
     if not any(path.suffix == ".safetensors" for path in files):
@@ -64,10 +102,10 @@ def _model_files(model_dir: Path) -> list[Path]:
     return [path for path in files if path.suffix not in PICKLE_SUFFIXES]
 
 
-def _fingerprint(model_files: list[Path], model_dir: Path, config: Path, archive_format: str) -> str:
+def _fingerprint(model_files: list[Path], model_dir: Path, config_text: str, archive_format: str) -> str:
     """Changes when the handler code, the config, the format or any model file changes."""
-    digest = hashlib.sha256(archive_format.encode())
-    for path in sorted(HANDLER_PACKAGE.glob("*.py")) + [config]:
+    digest = hashlib.sha256(archive_format.encode() + config_text.encode())
+    for path in sorted(HANDLER_PACKAGE.glob("*.py")):
         digest.update(path.name.encode() + path.read_bytes())
     for path in model_files:
         stat = path.stat()
@@ -95,15 +133,18 @@ def archive_path(export_path: Path, archive_format: str, model_name: str = MODEL
     return export_path / (model_name if archive_format == "no-archive" else f"{model_name}.mar")
 
 
-def build(model_dir: Path, config: Path, export_path: Path, archive_format: str = "auto", model_name: str = MODEL_NAME) -> Path:
-    """Build the archive unless an identical one exists; return its path."""
-    model_files = _model_files(model_dir)
+def build(model_dir: Path, config: Path, export_path: Path, archive_format: str = "auto", model_name: str = MODEL_NAME,
+          gpus: int | None = None) -> Path:
+    """Build the archive unless an identical one exists; return its path. ``gpus``: the GPUs the
+    worker count is chosen for (default: those visible here)."""
+    config_text = packaged_config(config, visible_gpus() if gpus is None else gpus)
+    model_files = _model_files(model_dir) if loads_weights_from_archive(config_text) else []
     if archive_format == "auto":
         size = sum(path.stat().st_size for path in model_files)
         archive_format = "no-archive" if size > NO_ARCHIVE_ABOVE_BYTES else "default"
     target = archive_path(export_path, archive_format, model_name)
     stamp = export_path / f".{model_name}.fingerprint"
-    fingerprint = _fingerprint(model_files, model_dir, config, archive_format)
+    fingerprint = _fingerprint(model_files, model_dir, config_text, archive_format)
     if target.exists() and stamp.is_file() and stamp.read_text() == fingerprint:
         logger.info("%s is up to date", target)
         return target
@@ -111,15 +152,16 @@ def build(model_dir: Path, config: Path, export_path: Path, archive_format: str 
     for stale in (archive_path(export_path, "default", model_name), archive_path(export_path, "no-archive", model_name)):
         shutil.rmtree(stale) if stale.is_dir() else stale.unlink(missing_ok=True)
     with tempfile.TemporaryDirectory(prefix="mar-stage-", dir=export_path) as tmp:
-        stage = Path(tmp)
+        stage, packaged = Path(tmp) / "files", Path(tmp) / "model-config.yaml"
         _stage(model_dir, model_files, stage)
+        packaged.write_text(config_text)
         command = [
             str(Path(sys.executable).parent / "torch-model-archiver"),
             "--model-name", model_name,
             "--version", "1.0",
             "--handler", str(HANDLER_PACKAGE / "sd_handler.py"),
             "--extra-files", str(stage),
-            "--config-file", str(config),
+            "--config-file", str(packaged),
             "--export-path", str(export_path),
             "--archive-format", archive_format,
         ]

@@ -18,6 +18,7 @@ import socket
 import subprocess
 import sys
 import time
+import zipfile
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -25,6 +26,7 @@ from pathlib import Path
 from urllib.parse import urlparse
 
 import requests
+import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
 from scripts.build_mar import build
@@ -39,6 +41,9 @@ KEY_FILE = "key_file.json"  # written by TorchServe into its working directory
 EFFECTIVE_CONFIG = "config.properties"  # in the working directory, beside the key file
 PID_FILE = "server.pid"  # `make stop` sends SIGTERM to the process named here
 LOAD_FAILED = "Load model failed"  # logged by the frontend each time a worker dies while loading
+MANIFEST = "MAR-INF/MANIFEST.json"
+DEFAULT_STARTUP_TIMEOUT = 120  # TorchServe's startupTimeout when model-config.yaml sets none
+FRONTEND_START_SECONDS = 120  # the frontend's own start and the archive's registration, before a worker loads
 
 
 def read_properties(path: Path) -> dict[str, str]:
@@ -125,11 +130,13 @@ class Addresses:
     inference: str
     management: str
     metrics: str
+    grpc_inference: str  # host:port, a gRPC target
 
     @classmethod
     def from_properties(cls, properties: dict[str, str]) -> Addresses:
         inference, management, metrics = (properties.get(key, default) for key, default in DEFAULT_ADDRESSES.items())
-        return cls(inference=inference, management=management, metrics=metrics)
+        grpc_inference = f"{properties.get('grpc_inference_address', '127.0.0.1')}:{properties.get('grpc_inference_port', '7070')}"
+        return cls(inference=inference, management=management, metrics=metrics, grpc_inference=grpc_inference)
 
 
 @dataclass(frozen=True)
@@ -150,6 +157,26 @@ def find_archive(model_store: Path, model_name: str = MODEL_NAME) -> str:
     if (model_store / model_name / "MAR-INF").is_dir():
         return model_name
     raise FileNotFoundError(f"no {model_name}.mar or {model_name}/ in {model_store}; run `make mar` first")
+
+
+def _archive_file(archive: Path, name: str) -> str:
+    if archive.is_dir():
+        return (archive / name).read_text()
+    with zipfile.ZipFile(archive) as mar:
+        return mar.read(name).decode()
+
+
+def archive_model_config(model_store: Path, archive: str) -> dict:
+    """The model-config.yaml packaged in ``archive`` (a .mar or a no-archive directory); {} if none."""
+    path = model_store / archive
+    config_file = json.loads(_archive_file(path, MANIFEST))["model"].get("configFile")
+    return (yaml.safe_load(_archive_file(path, config_file)) or {}) if config_file else {}
+
+
+def ready_timeout(model_config: dict) -> float:
+    """How long to wait for a ready worker: the archive's ``startupTimeout`` (what TorchServe gives a
+    worker to load) plus the frontend's own start."""
+    return float(model_config.get("startupTimeout", DEFAULT_STARTUP_TIMEOUT)) + FRONTEND_START_SECONDS
 
 
 class TorchServe:
@@ -351,7 +378,8 @@ def main() -> None:
     parser.add_argument("--config", type=Path, default=ROOT / "config.properties")
     parser.add_argument("--model-store", type=Path, default=ROOT / "model_store")
     parser.add_argument("--workdir", type=Path, default=ROOT / "runtime", help="key_file.json and logs/ go here")
-    parser.add_argument("--timeout", type=float, default=900.0, help="seconds to wait for a ready worker")
+    parser.add_argument("--timeout", type=float,
+                        help="seconds to wait for a ready worker [the archive's startupTimeout + %d]" % FRONTEND_START_SECONDS)
     parser.add_argument("--bind", help="listen on this host instead of the config's (0.0.0.0 in a container)")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
@@ -380,7 +408,9 @@ def main() -> None:
                 seen.append(shown)
                 logger.info("workers: %s", shown)
 
-        server.wait_ready(args.timeout, progress)
+        timeout = args.timeout or ready_timeout(archive_model_config(server.model_store, find_archive(server.model_store)))
+        logger.info("waiting up to %.0f s for a ready worker", timeout)
+        server.wait_ready(timeout, progress)
         parsed = urlparse(server.addresses.inference)
         keys = f"Keys: {server.workdir / KEY_FILE}" if server.token_authorization else "Token authorization is off."
         print(

@@ -6,6 +6,9 @@ from __future__ import annotations
 
 import base64
 import io
+import re
+import subprocess
+import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -17,7 +20,7 @@ import yaml
 from PIL import Image
 
 from scripts.build_mar import DEFAULT_MODEL_DIR, write_model_config as model_config
-from scripts.server import TorchServe, serve_archive
+from scripts.server import KEY_FILE, TorchServe, serve_archive
 
 ROOT = Path(__file__).resolve().parents[2]
 MODEL_DIR = DEFAULT_MODEL_DIR
@@ -116,3 +119,31 @@ def assert_same_image(first: np.ndarray, second: np.ndarray) -> None:
     difference = np.abs(first.astype(int) - second.astype(int))
     assert difference.max() <= 1, f"max difference {difference.max()}"
     assert (difference > 0).mean() <= 0.01, f"{(difference > 0).mean():.2%} of values differ"
+
+
+# The README's examples (``<!-- example: NAME -->`` before a fenced block), run as written: only the
+# loopback ports are the test server's, and ``runtime/key_file.json`` is that server's key file.
+EXAMPLE = re.compile(r"<!-- example: (?P<name>[\w-]+) -->\n```(?P<language>\w+)\n(?P<code>.*?)```", re.DOTALL)
+RUNNERS = {"bash": ["bash", "-euo", "pipefail", "-c"], "python": [sys.executable, "-c"]}
+
+
+def readme_examples() -> dict[str, tuple[str, str]]:
+    """Name -> (language, code) of every example marked ``<!-- example: NAME -->`` in the README."""
+    return {match["name"]: (match["language"], match["code"]) for match in EXAMPLE.finditer((ROOT / "README.md").read_text())}
+
+
+def run_example(name: str, server: TorchServe, cwd: Path) -> subprocess.CompletedProcess:
+    language, code = readme_examples()[name]
+    code = code.replace("http://127.0.0.1:8080", server.addresses.inference).replace(
+        "http://127.0.0.1:8081", server.addresses.management)
+    result = subprocess.run(RUNNERS[language] + [code], cwd=cwd, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, f"README example {name!r} failed:\n{result.stdout}\n{result.stderr}"
+    return result
+
+
+@pytest.fixture
+def cwd(tmp_path, server) -> Path:
+    """A working directory whose ``runtime/key_file.json`` is the server's."""
+    (tmp_path / "runtime").mkdir()
+    (tmp_path / "runtime" / KEY_FILE).symlink_to(server.workdir / KEY_FILE)
+    return tmp_path

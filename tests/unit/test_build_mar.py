@@ -5,9 +5,10 @@ import zipfile
 from pathlib import Path
 
 import pytest
+import yaml
 
-from scripts.build_mar import build
-from scripts.server import find_archive
+from scripts.build_mar import build, default_workers
+from scripts.server import FRONTEND_START_SECONDS, archive_model_config, find_archive, ready_timeout
 
 ROOT = Path(__file__).resolve().parents[2]
 MODEL_DIR = ROOT / "models" / "tiny-sd"
@@ -52,3 +53,49 @@ def test_a_model_without_safetensors_is_refused(tmp_path, model_copy):
         weights.rename(weights.with_suffix(".bin"))
     with pytest.raises(SystemExit, match="no .safetensors weights"):
         build(model_copy, CONFIG, tmp_path / "store")
+
+
+@pytest.mark.parametrize(("config", "gpus", "workers"), [
+    ({}, 0, 1),                                          # a CPU host: one worker
+    ({}, 1, 1),
+    ({}, 4, 4),                                          # one worker per visible GPU
+    ({"continuousBatching": True}, 4, 1),                # TorchServe 0.12: continuous batching, one worker
+    ({"minWorkers": 2, "maxWorkers": 2}, 4, 2),          # set by the user: kept
+    ({"maxWorkers": 3}, 0, None),                        # one of them set: left to TorchServe as written
+])
+def test_workers_default_to_one_per_visible_gpu(config, gpus, workers):
+    filled = default_workers(config, gpus)
+    if workers is None:
+        assert filled == config
+    else:
+        assert (filled["minWorkers"], filled["maxWorkers"]) == (workers, workers)
+
+
+def test_the_archive_config_gets_the_worker_count_and_the_shipped_one_sets_none(tmp_path, model_copy):
+    shipped = yaml.safe_load(CONFIG.read_text())
+    assert "minWorkers" not in shipped and "maxWorkers" not in shipped
+    archive = build(model_copy, CONFIG, tmp_path / "store", gpus=2)
+    packaged = yaml.safe_load(zipfile.ZipFile(archive).read("model-config.yaml"))
+    assert (packaged["minWorkers"], packaged["maxWorkers"]) == (2, 2) and packaged["handler"] == shipped["handler"]
+    build(model_copy, CONFIG, tmp_path / "store", gpus=1)
+    packaged = yaml.safe_load(zipfile.ZipFile(archive).read("model-config.yaml"))
+    assert packaged["minWorkers"] == 1, "a different GPU count rebuilds the archive"
+
+
+def test_an_absolute_model_path_packages_no_weights(tmp_path, model_copy):
+    config = yaml.safe_load(CONFIG.read_text())
+    config["handler"]["model_path"] = str(model_copy)
+    (tmp_path / "config.yaml").write_text(yaml.safe_dump(config))
+    names = zipfile.ZipFile(build(model_copy, tmp_path / "config.yaml", tmp_path / "store")).namelist()
+    assert "handler/sd_handler.py" in names and not any(name.startswith("model/") for name in names)
+
+
+@pytest.mark.parametrize("archive_format", ["default", "no-archive"])
+def test_serve_waits_as_long_as_the_archives_startup_timeout_allows(tmp_path, model_copy, archive_format):
+    config = yaml.safe_load(CONFIG.read_text())
+    config["startupTimeout"] = 1234
+    (tmp_path / "config.yaml").write_text(yaml.safe_dump(config))
+    store = build(model_copy, tmp_path / "config.yaml", tmp_path / "store", archive_format=archive_format).parent
+    packaged = archive_model_config(store, find_archive(store))
+    assert packaged["startupTimeout"] == 1234 and ready_timeout(packaged) == 1234 + FRONTEND_START_SECONDS
+    assert ready_timeout({}) == 120 + FRONTEND_START_SECONDS, "TorchServe's own default when the config sets none"

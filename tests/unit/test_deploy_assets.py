@@ -4,13 +4,16 @@ pinned Kubernetes version and the custom resources' published schemas, and the K
 
 from __future__ import annotations
 
+import ast
 import copy
 import gzip
+import importlib.metadata
 import io
 import json
 import re
 import shutil
 import subprocess
+import sys
 from functools import cache
 from pathlib import Path
 
@@ -29,7 +32,7 @@ K8S = ROOT / "deploy" / "k8s"
 KSERVE = ROOT / "deploy" / "kserve"
 SCHEMAS = ROOT / "tests" / "schemas"
 KUBERNETES_VERSION = "1.33"
-PORTS = {"8080", "8081", "8082"}
+PORTS = {"8080", "8081", "8082", "7070"}  # HTTP inference, management, metrics; gRPC inference
 # What a pod's or KServe's TorchServe config may differ in from config.properties.
 DEPLOYMENT_KEYS = {
     "inference_address", "management_address", "metrics_address", "grpc_inference_address",
@@ -41,6 +44,57 @@ CUSTOM_RESOURCE_SCHEMAS = {
     ("serving.kserve.io/v1beta1", "InferenceService"): "inferenceservice-serving.kserve.io-v1beta1",
     ("serving.kserve.io/v1alpha1", "ServingRuntime"): "servingruntime-serving.kserve.io-v1alpha1",
 }
+
+
+# What the image copies: the serving code and tools, configuration and the default model.
+SERVING_FILES = {
+    "requirements.txt", "config.properties", "metrics.yaml", "model-config.yaml", "handler/", "models/shapes-sd/",
+    "scripts/__init__.py", "scripts/build_mar.py", "scripts/server.py", "scripts/healthcheck.py", "scripts/start.sh",
+}
+# Development, tests, load tests and benchmarks only.
+DEV_ONLY = {"pytest", "hypothesis", "grpcio", "grpcio-tools", "locust", "matplotlib", "tqdm", "jsonschema",
+            "kubernetes-validate", "dockerfile-parse", "grafana-foundation-sdk"}
+
+
+def requirement_names(path: Path) -> set[str]:
+    """The distributions a requirements file pins (normalized names), following ``-r``."""
+    names = set()
+    for line in path.read_text().splitlines():
+        line = line.split("#", 1)[0].strip()
+        if line.startswith("-r "):
+            names |= requirement_names(path.parent / line[3:].strip())
+        elif line:
+            names.add(re.split(r"[=<>!~\[; ]", line, maxsplit=1)[0].lower().replace("_", "-"))
+    return names
+
+
+def installed_closure(names: set[str]) -> set[str]:
+    """``names`` and every distribution they require (installed here), without extras."""
+    seen, pending = set(), list(names)
+    while pending:
+        name = pending.pop()
+        if name in seen:
+            continue
+        seen.add(name)
+        try:
+            requirements = importlib.metadata.requires(name) or []
+        except importlib.metadata.PackageNotFoundError:  # a requirement for another platform
+            continue
+        for requirement in requirements:
+            if "extra ==" not in requirement:
+                pending.append(re.split(r"[=<>!~\[; (]", requirement, maxsplit=1)[0].lower().replace("_", "-"))
+    return seen
+
+
+def imported_modules(source: Path) -> set[str]:
+    """Top-level modules a Python file imports (absolute imports)."""
+    modules = set()
+    for node in ast.walk(ast.parse(source.read_text())):
+        if isinstance(node, ast.Import):
+            modules |= {alias.name.split(".")[0] for alias in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            modules.add(node.module.split(".")[0])
+    return modules
 
 
 def schema(name: str) -> dict:
@@ -97,6 +151,41 @@ def test_dockerfile_installs_the_pinned_dependencies_and_java_17(dockerfile):
     runs = "\n".join(instructions(dockerfile, "RUN"))
     assert "pip install pip==26.3" in runs and "torch==2.13.0" in runs and "-r requirements.txt" in runs
     assert "openjdk-17-jre-headless" in runs and "python3.11" in runs
+
+
+def test_dockerfile_has_the_compiler_torch_compile_needs_at_run_time(dockerfile):
+    runs = "\n".join(instructions(dockerfile, "RUN"))
+    assert {"gcc", "g++", "libc6-dev", "python3.11-dev"} <= set(runs.split())
+
+
+def test_dockerfile_installs_and_copies_what_serving_needs_only(dockerfile):
+    runs = "\n".join(instructions(dockerfile, "RUN"))
+    assert "requirements-dev" not in runs and "requirements-dev" not in " ".join(instructions(dockerfile, "COPY"))
+    copied = {source for value in instructions(dockerfile, "COPY") for source in value.split()[:-1]}
+    assert copied == SERVING_FILES, copied ^ SERVING_FILES
+
+
+def test_requirements_are_split_into_serving_and_development():
+    serving = requirement_names(ROOT / "requirements.txt")
+    assert not serving & DEV_ONLY, serving & DEV_ONLY
+    assert (ROOT / "requirements-dev.txt").read_text().splitlines().count("-r requirements.txt") == 1
+    assert DEV_ONLY <= requirement_names(ROOT / "requirements-dev.txt")
+    for line in (ROOT / "requirements.txt").read_text().splitlines() + (ROOT / "requirements-dev.txt").read_text().splitlines():
+        assert not line or line.startswith(("#", "-r ")) or "==" in line, f"not pinned: {line}"
+
+
+def test_the_serving_code_imports_only_what_requirements_txt_installs():
+    """Every third-party module the image's code imports comes from requirements.txt or what it pulls in."""
+    provided = installed_closure(requirement_names(ROOT / "requirements.txt"))
+    distributions = importlib.metadata.packages_distributions()
+    sources = [ROOT / "handler" / path.name for path in (ROOT / "handler").glob("*.py")] + [
+        ROOT / source for source in SERVING_FILES if source.startswith("scripts/") and source.endswith(".py")]
+    for source in sources:
+        for module in imported_modules(source):
+            if module in sys.stdlib_module_names or module in {"handler", "scripts"}:
+                continue
+            owners = {name.lower().replace("_", "-") for name in distributions.get(module, [])}
+            assert owners & provided, f"{source.relative_to(ROOT)} imports {module} ({owners or 'not installed'}), not in requirements.txt"
 
 
 def test_dockerfile_runs_as_non_root_with_healthcheck_ports_and_the_start_script(dockerfile):

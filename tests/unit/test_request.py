@@ -1,11 +1,13 @@
 """The request schema: defaults, bounds, strictness and the messages clients see."""
 
 import math
+import sys
 from dataclasses import replace
 
 import pytest
 
 from handler.config import MAX_SEED, RequestDefaults, RequestLimits
+from handler.protocol import IncomingRequest, decode
 from handler.request import GenerationRequest, RequestError, RequestPolicy, decode_body, decode_form
 
 POLICY = RequestPolicy(
@@ -142,6 +144,42 @@ def test_text_body_is_the_prompt():
     assert errors == [("body", "utf8")]
 
 
+@pytest.mark.parametrize("content_type", [None, "", " "])
+def test_a_body_without_content_type_is_json_when_it_parses_else_the_prompt(content_type):
+    """As TorchServe's diffusers example (``curl -T``, ``requests.post(url, data=prompt)``) and gRPC
+    clients send it."""
+    assert decode_body(bytearray(b"a red circle"), content_type, POLICY).prompt == "a red circle"
+    assert decode_body(bytearray("{ un carré".encode()), content_type, POLICY).prompt == "{ un carré"
+    request = decode_body(bytearray(b'{"prompt": "x", "seed": 3}'), content_type, POLICY)
+    assert (request.prompt, request.seed) == ("x", 3)
+    assert errors_of(bytearray(b"[1, 2]"), content_type)[0] == [("body", "object")]
+    assert errors_of(bytearray(b"\xff\xfe"), content_type)[0] == [("body", "utf8")]
+    assert errors_of(bytearray(b"x" * 51), content_type)[0] == [("prompt", "string_too_long")]
+    assert errors_of(bytearray(b"  "), content_type)[0] == [("body", "required")]
+
+
+def test_a_non_json_body_with_a_json_content_type_is_refused_naming_json():
+    assert errors_of(bytearray(b"a red circle"), "application/json")[0] == [("body", "json")]
+
+
+def test_what_fuzzing_found_is_refused_by_name():
+    """Found while writing test_request_fuzz.py: the first three were 500s; the last put client text into logs
+    and metric labels (TorchServe's metrics travel as log lines split on newlines, commas, colons)."""
+    # JSON's "\ud800" escape: a lone surrogate, which the tokenizer refuses with a TypeError
+    assert errors_of({"prompt": "a\ud800"})[0] == [("prompt", "string_unicode")]
+    assert errors_of({"prompt": "x", "negative_prompt": "\udfff"})[0] == [("negative_prompt", "string_unicode")]
+    # json.loads raises a plain ValueError for an integer of more than 4300 digits
+    assert errors_of(bytearray(b'{"prompt": "x", "seed": ' + b"9" * 5000 + b"}"))[0] == [("body", "json")]
+    # a value nested about as deeply as json.loads allows: repr() of it in the message recursed too deep
+    deep: list = []
+    for _ in range(sys.getrecursionlimit()):
+        deep = [deep]
+    assert errors_of({"prompt": deep})[0] == [("prompt", "string_type")]
+    with pytest.raises(RequestError) as caught:
+        decode_body({"prompt": "x", "a\n[METRICS]b": 1}, "application/json", POLICY)
+    assert [(error.field, error.label) for error in caught.value.errors] == [("a\n[METRICS]b", "unknown_field")]
+
+
 def test_form_fields_are_converted_from_text():
     request = decode_form({"prompt": bytearray(b"a cat"), "num_inference_steps": "7", "guidance_scale": "2.5"}, POLICY)
     assert (request.prompt, request.num_inference_steps, request.guidance_scale) == ("a cat", 7, 2.5)
@@ -172,3 +210,12 @@ def test_reported_parameters_are_the_effective_ones():
         "num_images_per_prompt": 1,
         "scheduler": "ddim",
     }
+
+
+def test_grpc_is_refused_with_continuous_batching_only():
+    body = bytearray(b"a red circle")
+    assert decode(IncomingRequest(body, over_grpc=True), POLICY).prompt == "a red circle"
+    with pytest.raises(RequestError) as caught:
+        decode(IncomingRequest(body, over_grpc=True), replace(POLICY, streaming=True))
+    assert [(error.field, error.rule) for error in caught.value.errors] == [("body", "grpc_with_continuous_batching")]
+    assert decode(IncomingRequest(body), replace(POLICY, streaming=True)).prompt == "a red circle"

@@ -14,97 +14,10 @@ import pytest
 import torch
 from PIL import Image
 
-from handler.config import RequestDefaults
-from handler.engine import DenoiseJob, JobSpec
-from handler.families import Conditioning, Decoded
-from handler.metrics import DiffusionMetrics, MetricSpec
+from handler.engine import DenoiseJob
 from handler.protocol import NSFW_HEADER, STREAM_CONTENT_TYPE, IncomingRequest
-from handler.request import RequestPolicy
-from handler.scheduling import StepProfile
 from handler.service import DiffusionService
-
-SHAPE = (4, 8, 8)  # latents of a 64x64 image
-
-
-class SolidColorEngine:
-    """Stands in for ``StepEngine``: image k of a job is grey level ``seed + k``; prompts (and
-    settings) ask for failures."""
-
-    device = torch.device("cpu")
-
-    def __init__(self, out_of_memory_above_images: int = 1000, decode_out_of_memory_above_images: int = 1000,
-                 tiles_fail: bool = False, flagged_seeds: set[int] | None = None):
-        self.out_of_memory_above_images = out_of_memory_above_images
-        self.decode_out_of_memory_above_images = decode_out_of_memory_above_images
-        self.tiles_fail = tiles_fail
-        self.flagged_seeds = flagged_seeds
-        self.broken = False  # every step fails while set
-        self.steps: list[list[str]] = []  # prompts of the jobs in each forward
-        self.decodes: list[tuple[int, bool]] = []  # (images, tiled)
-
-    def latent_shape(self, width: int, height: int) -> tuple[int, int, int]:
-        return 4, height // 8, width // 8
-
-    def start(self, spec: JobSpec) -> DenoiseJob:
-        if spec.prompt == "explode at start":
-            raise RuntimeError("text encoder broke")
-        latents = torch.tensor([float(seed % 256) for seed in spec.seeds]).view(-1, 1, 1, 1).expand(
-            -1, *self.latent_shape(spec.width, spec.height)).clone()
-        rows = spec.images * (2 if spec.guidance_scale > 1 else 1)
-        return DenoiseJob(spec, None, torch.arange(spec.num_inference_steps), latents, Conditioning(torch.zeros(rows, 1, 1)))
-
-    def step(self, jobs: list[DenoiseJob]) -> None:
-        self.steps.append([job.spec.prompt for job in jobs])
-        if self.broken or any(job.spec.prompt == "explode" for job in jobs):
-            raise RuntimeError("boom")
-        if sum(job.images for job in jobs) > self.out_of_memory_above_images:
-            raise torch.OutOfMemoryError("CUDA out of memory")
-        for job in jobs:
-            job.step += 1
-
-    def decode(self, latents: torch.Tensor, width: int, height: int, tiled: bool = False) -> Decoded:
-        self.decodes.append((latents.shape[0], tiled))
-        if tiled and self.tiles_fail or not tiled and latents.shape[0] > self.decode_out_of_memory_above_images:
-            raise torch.OutOfMemoryError("CUDA out of memory")
-        levels = [int(value) for value in latents[:, 0, 0, 0]]
-        images = [Image.new("RGB", (width, height), (level,) * 3) for level in levels]
-        flags = None if self.flagged_seeds is None else [level in self.flagged_seeds for level in levels]
-        return Decoded(images, flags)
-
-
-class RecordingSink:
-    def __init__(self) -> None:
-        self.records: list[tuple[str, float, tuple[str, ...]]] = []
-
-    def __call__(self, spec: MetricSpec, value: float, labels: tuple[str, ...]) -> None:
-        self.records.append((spec.name, value, labels))
-
-    def values(self, name: str) -> list[float]:
-        return [value for recorded, value, _ in self.records if recorded == name]
-
-    def names(self) -> set[str]:
-        return {name for name, _, _ in self.records}
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 0.0
-
-    def __call__(self) -> float:
-        self.now += 0.001
-        return self.now
-
-
-def make_service(engine=None, sink=None, streaming=True, cap_profile=(2, 4, 8, 16), sla=2.0, **kwargs) -> DiffusionService:
-    """A service whose profile says one forward takes the same time for 2 to 16 UNet rows (cap 16
-    rows: 8 guided images)."""
-    engine = engine or SolidColorEngine()
-    policy = RequestPolicy(defaults=RequestDefaults(width=64, height=64), streaming=streaming)
-    profile = StepProfile(engine, max_images=8)
-    for shape in (SHAPE, (4, 8, 16), (4, 16, 16)):
-        profile.seconds[shape] = {size: 0.1 for size in cap_profile}
-    return DiffusionService(engine, policy, profile, DiffusionMetrics(sink or RecordingSink(), sla), sla,
-                            clock=kwargs.pop("clock", Clock()), **kwargs)
+from tests.unit.service_stand_ins import SHAPE, Clock, RecordingSink, SolidColorEngine, make_service
 
 
 def body(**fields) -> IncomingRequest:

@@ -1,0 +1,39 @@
+"""The README's examples, run as written against a real TorchServe: only the loopback ports are
+the test server's, and ``runtime/key_file.json`` is that server's key file."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import requests
+
+from scripts.server import KEY_FILE, Keys
+from tests.integration.conftest import RUNNERS, decode_png, readme_examples, run_example
+
+
+def test_every_marked_example_is_bash_or_python():
+    examples = readme_examples()
+    assert {"json-curl", "prompt-as-body", "python-requests", "rotate-key", "grpc-cli", "grpc-python"} <= set(examples)
+    assert all(language in RUNNERS for language, _ in examples.values())
+
+
+@pytest.mark.parametrize("name", ["json-curl", "prompt-as-body", "python-requests"])
+def test_a_readme_request_example_saves_a_png_of_the_default_size(name, server, cwd):
+    result = run_example(name, server, cwd)
+    assert decode_png((cwd / "image.png").read_bytes()).shape == (64, 64, 3)
+    if name == "python-requests":
+        assert result.stdout.startswith("image/png seed ")
+
+
+def test_the_readme_key_rotation_replaces_the_inference_key(server, cwd):
+    url = f"{server.addresses.inference}/predictions/{server.model_name}"
+    old = server.keys
+    run_example("rotate-key", server, cwd)
+    server.keys = Keys.from_key_file(server.workdir / KEY_FILE)  # the session's other tests use the new key
+    assert server.keys.inference != old.inference and server.keys.management == old.management
+    body = json.dumps({"prompt": "a red circle", "num_inference_steps": 2})
+    headers = {"Content-Type": "application/json"}
+    refused = requests.post(url, data=body, headers={**headers, "Authorization": f"Bearer {old.inference}"}, timeout=60)
+    assert refused.status_code == 400 and "Token Authorization failed" in refused.text
+    assert requests.post(url, data=body, headers={**headers, **server.auth()}, timeout=120).status_code == 200
