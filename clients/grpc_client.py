@@ -114,7 +114,11 @@ def main(argv: list[str] | None = None) -> int:
     except (OSError, ValueError, KeyError) as error:
         return _fail(f"no inference key in {args.key_file} ({error!r}); is the server running?")
     try:
-        answer = predict(args.target, key, _body(args.prompt, args.fields))
+        body = _body(args.prompt, args.fields)
+    except (ValueError, TypeError) as error:
+        return _fail(f"--json must be a JSON object of request fields: {error}")
+    try:
+        answer = predict(args.target, key, body)
     except grpc.RpcError as error:
         return _fail(f"{error.code().name}: {error.details()}")
     error = as_error(answer)

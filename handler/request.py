@@ -289,8 +289,8 @@ def decode_body(body: Any, content_type: str | None, policy: RequestPolicy) -> G
 
     TorchServe pre-decodes JSON (dict/list/str/number) and text (str); what it could not decode
     arrives as raw bytes. A ``text/*`` body is the prompt alone. A body with no Content-Type (as
-    TorchServe's own diffusers example and gRPC clients send it) is parsed as JSON when it is JSON,
-    else it is the prompt; everything else must be a JSON object of request fields.
+    TorchServe's own diffusers example and gRPC clients send it) is JSON when it starts with ``{`` or
+    ``[``, else the prompt; everything else must be a JSON object of request fields.
     """
     media_type = (content_type or "").split(";")[0].strip().lower()
     is_text = media_type.startswith(TEXT_CONTENT_PREFIX)
@@ -314,13 +314,12 @@ def decode_body(body: Any, content_type: str | None, policy: RequestPolicy) -> G
 
 
 def _json_or_prompt(raw: bytes | bytearray) -> tuple[Any, bool]:
-    """A body sent without a Content-Type: its JSON value, else its text as the prompt."""
-    try:
+    """A body sent without a Content-Type: JSON when it starts with ``{`` or ``[`` (so a mistyped
+    JSON object gets its 400), else its text as the prompt."""
+    text = _decode_text(raw)
+    if text.lstrip().startswith(("{", "[")):
         return _parse_json(raw), False
-    except RequestError as error:
-        if error.errors[0].rule != "json":
-            raise
-        return _decode_text(raw), True
+    return text, True
 
 
 def decode_form(fields: dict[str, Any], policy: RequestPolicy) -> GenerationRequest:

@@ -42,8 +42,9 @@ def _content_type(context: Any, index: int, body_key: str | None) -> str | None:
 
 
 def _over_grpc(context: Any, index: int) -> bool:
-    """Whether a request came over gRPC: its headers are only per-input entries (dicts), while an
-    HTTP request's include its HTTP headers (strings)."""
+    """Whether a new request came over gRPC: its headers are only per-input entries (dicts), while an
+    HTTP request's include its HTTP headers (strings). Meaningless for a request in flight under
+    continuous batching (TorchServe sends its later rows without headers)."""
     return not any(isinstance(value, str) for value in context.get_all_request_header(index).values())
 
 

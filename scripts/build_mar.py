@@ -7,19 +7,21 @@ directory ``NAME/`` in the model store, which TorchServe loads without unzipping
 
 The packaged model-config.yaml is the given one with the worker count filled in where it sets
 neither ``minWorkers`` nor ``maxWorkers``: one worker per GPU visible here (TorchServe gives
-workers GPUs round-robin), one on a CPU host or with continuous batching.
+workers GPUs round-robin), one on a CPU host or device or with continuous batching.
 """
 
 from __future__ import annotations
 
 import argparse
 import hashlib
+import json
 import logging
 import os
 import shutil
 import subprocess
 import sys
 import tempfile
+import zipfile
 from pathlib import Path
 
 import yaml
@@ -42,6 +44,7 @@ TINY_MODEL_DIRS = {
 RANDOM_MODEL_DIR = TINY_MODEL_DIRS["sd1"]
 PICKLE_SUFFIXES = {".bin", ".ckpt", ".pt", ".pth", ".pkl", ".pickle"}
 NO_ARCHIVE_ABOVE_BYTES = 1 << 30
+MANIFEST = "MAR-INF/MANIFEST.json"
 
 
 def write_model_config(directory: Path, handler: dict | None = None, **frontend) -> Path:
@@ -59,13 +62,22 @@ def write_model_config(directory: Path, handler: dict | None = None, **frontend)
     return path
 
 
-def default_workers(config: dict, gpus: int) -> dict:
-    """``config`` with ``minWorkers``/``maxWorkers`` set to one per GPU where it sets neither; one on
-    a CPU host, and one with continuous batching (TorchServe 0.12 serves it with one worker only)."""
+def default_workers(config: dict, gpus: int) -> tuple[dict, str]:
+    """``config`` with ``minWorkers``/``maxWorkers`` set where it sets neither, and why: one per GPU
+    the workers will use (the visible ones, or ``deviceIds``); one on a CPU host or device, and one
+    with continuous batching (TorchServe 0.12 serves it with one worker only)."""
     if "minWorkers" in config or "maxWorkers" in config:
-        return config
-    workers = 1 if config.get("continuousBatching") or gpus == 0 else gpus
-    return {**config, "minWorkers": workers, "maxWorkers": workers}
+        return config, "set in the model config"
+    on_cpu = gpus == 0 or config.get("deviceType") == "cpu" or (config.get("handler") or {}).get("device") == "cpu"
+    if config.get("continuousBatching"):
+        workers, reason = 1, "continuous batching serves one worker"
+    elif on_cpu:
+        workers, reason = 1, "no GPU used"
+    elif config.get("deviceIds"):
+        workers, reason = len(config["deviceIds"]), "one per GPU in deviceIds"
+    else:
+        workers, reason = gpus, f"one per visible GPU, {gpus} visible"
+    return {**config, "minWorkers": workers, "maxWorkers": workers}, reason
 
 
 def visible_gpus() -> int:
@@ -79,10 +91,10 @@ def packaged_config(config: Path, gpus: int) -> str:
     """The model-config.yaml text that goes into the archive."""
     text = config.read_text()
     loaded = yaml.safe_load(text) or {}
-    filled = default_workers(loaded, gpus)
+    filled, reason = default_workers(loaded, gpus)
     if filled is loaded:
         return text
-    logger.info("workers: %d (one per visible GPU, %d visible; set minWorkers/maxWorkers to choose)", filled["minWorkers"], gpus)
+    logger.info("workers: %d (%s; set minWorkers/maxWorkers to choose)", filled["minWorkers"], reason)
     return yaml.safe_dump(filled, sort_keys=False)
 
 
@@ -127,6 +139,20 @@ def _stage(model_dir: Path, model_files: list[Path], stage: Path) -> None:
         _link_or_copy(path, stage / "handler" / path.name)
     for path in model_files:
         _link_or_copy(path, stage / "model" / path.relative_to(model_dir))
+
+
+def _archive_file(archive: Path, name: str) -> str:
+    if archive.is_dir():
+        return (archive / name).read_text()
+    with zipfile.ZipFile(archive) as mar:
+        return mar.read(name).decode()
+
+
+def archive_model_config(model_store: Path, archive: str) -> dict:
+    """The model-config.yaml packaged in ``archive`` (a .mar or a no-archive directory); {} if none."""
+    path = model_store / archive
+    config_file = json.loads(_archive_file(path, MANIFEST))["model"].get("configFile")
+    return (yaml.safe_load(_archive_file(path, config_file)) or {}) if config_file else {}
 
 
 def archive_path(export_path: Path, archive_format: str, model_name: str = MODEL_NAME) -> Path:

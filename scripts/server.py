@@ -18,7 +18,6 @@ import socket
 import subprocess
 import sys
 import time
-import zipfile
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -26,10 +25,9 @@ from pathlib import Path
 from urllib.parse import urlparse
 
 import requests
-import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
-from scripts.build_mar import build
+from scripts.build_mar import archive_model_config, build
 
 logger = logging.getLogger("server")
 
@@ -41,7 +39,6 @@ KEY_FILE = "key_file.json"  # written by TorchServe into its working directory
 EFFECTIVE_CONFIG = "config.properties"  # in the working directory, beside the key file
 PID_FILE = "server.pid"  # `make stop` sends SIGTERM to the process named here
 LOAD_FAILED = "Load model failed"  # logged by the frontend each time a worker dies while loading
-MANIFEST = "MAR-INF/MANIFEST.json"
 DEFAULT_STARTUP_TIMEOUT = 120  # TorchServe's startupTimeout when model-config.yaml sets none
 FRONTEND_START_SECONDS = 120  # the frontend's own start and the archive's registration, before a worker loads
 
@@ -157,20 +154,6 @@ def find_archive(model_store: Path, model_name: str = MODEL_NAME) -> str:
     if (model_store / model_name / "MAR-INF").is_dir():
         return model_name
     raise FileNotFoundError(f"no {model_name}.mar or {model_name}/ in {model_store}; run `make mar` first")
-
-
-def _archive_file(archive: Path, name: str) -> str:
-    if archive.is_dir():
-        return (archive / name).read_text()
-    with zipfile.ZipFile(archive) as mar:
-        return mar.read(name).decode()
-
-
-def archive_model_config(model_store: Path, archive: str) -> dict:
-    """The model-config.yaml packaged in ``archive`` (a .mar or a no-archive directory); {} if none."""
-    path = model_store / archive
-    config_file = json.loads(_archive_file(path, MANIFEST))["model"].get("configFile")
-    return (yaml.safe_load(_archive_file(path, config_file)) or {}) if config_file else {}
 
 
 def ready_timeout(model_config: dict) -> float:
@@ -339,11 +322,13 @@ class TorchServe:
 
 @contextmanager
 def serve_archive(
-    model_dir: Path, model_config: Path, workdir: Path, startup_timeout: float = 900.0, **properties: str
+    model_dir: Path, model_config: Path, workdir: Path, startup_timeout: float = 900.0, gpus: int | None = None,
+    **properties: str,
 ) -> Iterator[TorchServe]:
-    """Build the archive from ``model_dir`` and ``model_config`` and serve it from ``workdir`` on
-    free loopback ports (config.properties plus ``properties``) until the block ends."""
-    build(model_dir, model_config, workdir / "model_store")
+    """Build the archive from ``model_dir`` and ``model_config`` (workers for ``gpus`` GPUs, default
+    the visible ones) and serve it from ``workdir`` on free loopback ports (config.properties plus
+    ``properties``) until the block ends."""
+    build(model_dir, model_config, workdir / "model_store", gpus=gpus)
     config = config_on_free_ports(ROOT / "config.properties", workdir, **properties)
     with TorchServe(config, workdir / "model_store", workdir / "server", env={"TMPDIR": str(workdir)}) as server:
         server.wait_ready(startup_timeout)

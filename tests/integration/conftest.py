@@ -37,7 +37,7 @@ def serving(tmp: Path, config: Path = ROOT / "model-config.yaml", model_dir: Pat
     if not (model_dir / "model_index.json").is_file():
         pytest.fail(f"{model_dir} is missing: the default model is committed (`make train-default-model` rebuilds "
                     "it); the tiny ones come from `make model`")
-    with serve_archive(model_dir, config, tmp, STARTUP_TIMEOUT, **properties) as server:
+    with serve_archive(model_dir, config, tmp, STARTUP_TIMEOUT, gpus=1, **properties) as server:  # one worker, GPU or not
         yield server
 
 

@@ -34,7 +34,7 @@ from tests.client_inputs import (
 )
 from tests.integration.conftest import SHIPPED_CONFIG, Client
 
-EXAMPLES = 50  # about a minute on two CPU cores: most are refused at admission, the rest are small
+EXAMPLES = 50  # most are refused at admission, the rest are small
 VALID = {"prompt": "a red circle", "num_inference_steps": 2, "seed": 1}
 LIMITS = HandlerSettings.from_model_yaml(SHIPPED_CONFIG).limits
 IMAGE_TYPES = ("image/png", "image/jpeg", "image/webp")

@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from scripts.build_mar import build, default_workers
-from scripts.server import FRONTEND_START_SECONDS, archive_model_config, find_archive, ready_timeout
+from scripts.build_mar import archive_model_config, build, default_workers
+from scripts.server import FRONTEND_START_SECONDS, find_archive, ready_timeout
 
 ROOT = Path(__file__).resolve().parents[2]
 MODEL_DIR = ROOT / "models" / "tiny-sd"
@@ -59,12 +59,16 @@ def test_a_model_without_safetensors_is_refused(tmp_path, model_copy):
     ({}, 0, 1),                                          # a CPU host: one worker
     ({}, 1, 1),
     ({}, 4, 4),                                          # one worker per visible GPU
+    ({"deviceIds": [0, 2]}, 4, 2),                       # one per GPU the config names
+    ({"deviceType": "cpu"}, 4, 1),                       # on the CPU of a GPU host
+    ({"handler": {"device": "cpu"}}, 4, 1),
     ({"continuousBatching": True}, 4, 1),                # TorchServe 0.12: continuous batching, one worker
     ({"minWorkers": 2, "maxWorkers": 2}, 4, 2),          # set by the user: kept
     ({"maxWorkers": 3}, 0, None),                        # one of them set: left to TorchServe as written
 ])
-def test_workers_default_to_one_per_visible_gpu(config, gpus, workers):
-    filled = default_workers(config, gpus)
+def test_workers_default_to_one_per_gpu_used(config, gpus, workers):
+    filled, reason = default_workers(config, gpus)
+    assert reason
     if workers is None:
         assert filled == config
     else:

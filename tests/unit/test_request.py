@@ -145,11 +145,13 @@ def test_text_body_is_the_prompt():
 
 
 @pytest.mark.parametrize("content_type", [None, "", " "])
-def test_a_body_without_content_type_is_json_when_it_parses_else_the_prompt(content_type):
+def test_a_body_without_content_type_is_json_when_it_looks_like_json_else_the_prompt(content_type):
     """As TorchServe's diffusers example (``curl -T``, ``requests.post(url, data=prompt)``) and gRPC
-    clients send it."""
+    clients send it; a mistyped JSON object gets its 400, not an image of its text."""
     assert decode_body(bytearray(b"a red circle"), content_type, POLICY).prompt == "a red circle"
-    assert decode_body(bytearray("{ un carré".encode()), content_type, POLICY).prompt == "{ un carré"
+    assert decode_body(bytearray(b'"quoted" 42'), content_type, POLICY).prompt == '"quoted" 42'
+    assert errors_of(bytearray(b'{"prompt": "a cat", "width": 64'), content_type)[0] == [("body", "json")]
+    assert errors_of(bytearray(b'  [{"prompt": "a cat"},]'), content_type)[0] == [("body", "json")]
     request = decode_body(bytearray(b'{"prompt": "x", "seed": 3}'), content_type, POLICY)
     assert (request.prompt, request.seed) == ("x", 3)
     assert errors_of(bytearray(b"[1, 2]"), content_type)[0] == [("body", "object")]

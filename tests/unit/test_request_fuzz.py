@@ -78,7 +78,9 @@ def handed_over(parts: list[tuple[str, str, bytes]], content_type: str | None) -
     the Content-Type header (None: not sent) of one HTTP request."""
     request = {
         "requestId": b"fuzzed",
-        "headers": [] if content_type is None else [{"name": b"Content-Type", "value": content_type.encode()}],
+        # Every HTTP request carries headers (a Host at least); a gRPC one none, which is how the handler tells them apart.
+        "headers": [{"name": b"Host", "value": b"127.0.0.1:8080"}]
+        + ([] if content_type is None else [{"name": b"Content-Type", "value": content_type.encode()}]),
         "parameters": [
             {"name": name, "contentType": part_type, "value": worker_value(part_type, raw)} for name, part_type, raw in parts
         ],
