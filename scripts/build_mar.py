@@ -87,21 +87,20 @@ def visible_gpus() -> int:
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
-def packaged_config(config: Path, gpus: int) -> str:
-    """The model-config.yaml text that goes into the archive."""
+def packaged_config(config: Path, gpus: int) -> tuple[str, dict]:
+    """The model-config.yaml that goes into the archive: its text and its settings."""
     text = config.read_text()
     loaded = yaml.safe_load(text) or {}
     filled, reason = default_workers(loaded, gpus)
     if filled is loaded:
-        return text
+        return text, loaded
     logger.info("workers: %d (%s; set minWorkers/maxWorkers to choose)", filled["minWorkers"], reason)
-    return yaml.safe_dump(filled, sort_keys=False)
+    return yaml.safe_dump(filled, sort_keys=False), filled
 
 
-def loads_weights_from_archive(config_text: str) -> bool:
+def loads_weights_from_archive(config: dict) -> bool:
     """False when ``handler.model_path`` is absolute: the worker loads the model from there."""
-    model_path = ((yaml.safe_load(config_text) or {}).get("handler") or {}).get("model_path", "model")
-    return not Path(model_path).is_absolute()
+    return not Path((config.get("handler") or {}).get("model_path", "model")).is_absolute()
 
 
 def _model_files(model_dir: Path) -> list[Path]:
@@ -163,8 +162,8 @@ def build(model_dir: Path, config: Path, export_path: Path, archive_format: str 
           gpus: int | None = None) -> Path:
     """Build the archive unless an identical one exists; return its path. ``gpus``: the GPUs the
     worker count is chosen for (default: those visible here)."""
-    config_text = packaged_config(config, visible_gpus() if gpus is None else gpus)
-    model_files = _model_files(model_dir) if loads_weights_from_archive(config_text) else []
+    config_text, settings = packaged_config(config, visible_gpus() if gpus is None else gpus)
+    model_files = _model_files(model_dir) if loads_weights_from_archive(settings) else []
     if archive_format == "auto":
         size = sum(path.stat().st_size for path in model_files)
         archive_format = "no-archive" if size > NO_ARCHIVE_ABOVE_BYTES else "default"

@@ -162,6 +162,11 @@ def ready_timeout(model_config: dict) -> float:
     return float(model_config.get("startupTimeout", DEFAULT_STARTUP_TIMEOUT)) + FRONTEND_START_SECONDS
 
 
+def archive_ready_timeout(model_store: Path, model_name: str = MODEL_NAME) -> float:
+    """``ready_timeout`` for the archive of ``model_name`` in ``model_store``."""
+    return ready_timeout(archive_model_config(model_store, find_archive(model_store, model_name)))
+
+
 class TorchServe:
     """One TorchServe frontend (and its workers) in its own process group and working directory."""
 
@@ -322,16 +327,17 @@ class TorchServe:
 
 @contextmanager
 def serve_archive(
-    model_dir: Path, model_config: Path, workdir: Path, startup_timeout: float = 900.0, gpus: int | None = None,
+    model_dir: Path, model_config: Path, workdir: Path, startup_timeout: float | None = None, gpus: int | None = None,
     **properties: str,
 ) -> Iterator[TorchServe]:
     """Build the archive from ``model_dir`` and ``model_config`` (workers for ``gpus`` GPUs, default
     the visible ones) and serve it from ``workdir`` on free loopback ports (config.properties plus
-    ``properties``) until the block ends."""
-    build(model_dir, model_config, workdir / "model_store", gpus=gpus)
+    ``properties``) until the block ends, waiting for a ready worker ``startup_timeout`` seconds
+    (default: as long as the archive's ``startupTimeout`` allows)."""
+    model_store = build(model_dir, model_config, workdir / "model_store", gpus=gpus).parent
     config = config_on_free_ports(ROOT / "config.properties", workdir, **properties)
-    with TorchServe(config, workdir / "model_store", workdir / "server", env={"TMPDIR": str(workdir)}) as server:
-        server.wait_ready(startup_timeout)
+    with TorchServe(config, model_store, workdir / "server", env={"TMPDIR": str(workdir)}) as server:
+        server.wait_ready(startup_timeout or archive_ready_timeout(model_store, server.model_name))
         yield server
 
 
@@ -393,7 +399,7 @@ def main() -> None:
                 seen.append(shown)
                 logger.info("workers: %s", shown)
 
-        timeout = args.timeout or ready_timeout(archive_model_config(server.model_store, find_archive(server.model_store)))
+        timeout = args.timeout or archive_ready_timeout(server.model_store, server.model_name)
         logger.info("waiting up to %.0f s for a ready worker", timeout)
         server.wait_ready(timeout, progress)
         parsed = urlparse(server.addresses.inference)

@@ -8,7 +8,7 @@ import pytest
 import yaml
 
 from scripts.build_mar import archive_model_config, build, default_workers
-from scripts.server import FRONTEND_START_SECONDS, find_archive, ready_timeout
+from scripts.server import FRONTEND_START_SECONDS, archive_ready_timeout, find_archive, ready_timeout
 
 ROOT = Path(__file__).resolve().parents[2]
 MODEL_DIR = ROOT / "models" / "tiny-sd"
@@ -102,4 +102,5 @@ def test_serve_waits_as_long_as_the_archives_startup_timeout_allows(tmp_path, mo
     store = build(model_copy, tmp_path / "config.yaml", tmp_path / "store", archive_format=archive_format).parent
     packaged = archive_model_config(store, find_archive(store))
     assert packaged["startupTimeout"] == 1234 and ready_timeout(packaged) == 1234 + FRONTEND_START_SECONDS
+    assert archive_ready_timeout(store) == 1234 + FRONTEND_START_SECONDS
     assert ready_timeout({}) == 120 + FRONTEND_START_SECONDS, "TorchServe's own default when the config sets none"
