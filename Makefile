@@ -17,7 +17,7 @@ MODEL_DIR ?= $(DEFAULT_MODEL_DIR)
 ARCHIVE_FORMAT ?= auto
 PYTEST_ARGS ?=
 
-.PHONY: help venv system-deps model train-default-model model-grid prometheus-rule mar serve stop test unit-test integration-test dashboard dashboard-png loadtest sweep bench-overhead bench-pipeline bench-continuous bench-engine clean
+.PHONY: help venv system-deps model train-default-model model-grid prometheus-rule mar serve stop test unit-test integration-test dashboard dashboard-png loadtest sweep bench-overhead bench-pipeline bench-continuous bench-engine bench-gpu clean
 
 help:
 	@echo "make serve   set up, build the archive and serve it on 127.0.0.1:8080 (MODEL_DIR=/path for a real model)"
@@ -34,6 +34,8 @@ help:
 	@echo "                    BENCH_ARGS='--model sd15' for SD 1.5's architecture with random weights, '--quick' for CI"
 	@echo "make bench-continuous step-level continuous vs request-level batching, Poisson load; report in reports/continuous/"
 	@echo "make bench-engine   the step engine against the diffusers call it mirrors, per family, batch 1 and 8; reports/engine/"
+	@echo "make bench-gpu      SD 1.5 and SDXL at real sizes on the GPU: variants, batch scaling, engine, served, SDXL; reports/gpu/"
+	@echo "                    BENCH_ARGS='--quick' for the CPU check CI runs; PY=python3 where there is no venv (the lent GPU)"
 	@echo "make dashboard      rebuild docker/grafana/dashboards/stable-diffusion.json"
 	@echo "make prometheus-rule  rebuild deploy/k8s/prometheusrule.yaml from docker/prometheus/rules/"
 	@echo "make dashboard-png  load a fresh server, render the dashboard panels from Prometheus to docs/img/dashboard.png"
@@ -107,6 +109,11 @@ bench-continuous: venv
 
 bench-engine: venv model
 	$(PY) -m bench.engine $(BENCH_ARGS)
+
+# Without a venv (the lent GPU machine: no package registry), PY=python3 with the carried wheels on
+# PYTHONPATH (docs/performance.md, "make bench-gpu").
+bench-gpu: $(if $(filter $(VENV)/bin/python,$(PY)),venv model)
+	$(PY) -m bench.gpu $(BENCH_ARGS)
 
 prometheus-rule: venv
 	$(PY) -m scripts.build_prometheus_rule

@@ -90,15 +90,31 @@ def max_difference(images: list, others: list) -> int:
     return max(int(np.abs(np.asarray(a, dtype=np.int16) - np.asarray(b, dtype=np.int16)).max()) for a, b in zip(images, others))
 
 
-def markdown(rows: list[Row], env: dict) -> str:
-    lines = [f"{env['device_name']}, torch {env['torch']}, diffusers {env['diffusers']}, {env['date']}", "",
-             "| family | model | batch | size | steps | diffusers call (s) | step engine (s) | engine / diffusers "
+def table(rows: list[Row]) -> str:
+    lines = ["| family | model | batch | size | steps | diffusers call (s) | step engine (s) | engine / diffusers "
              "| max pixel diff, engine vs diffusers | max pixel diff, diffusers batched vs alone |",
              "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for row in rows:
         lines.append(f"| {row.family} | {row.model} | {row.batch} | {row.side}x{row.side} | {row.steps} | {row.diffusers_s:.4f} "
                      f"| {row.engine_s:.4f} | {row.ratio:.3f}x | {row.max_abs_diff} | {row.diffusers_batch_diff} |")
     return "\n".join(lines) + "\n"
+
+
+def markdown(rows: list[Row], env: dict) -> str:
+    return f"{env['device_name']}, torch {env['torch']}, diffusers {env['diffusers']}, {env['date']}\n\n" + table(rows)
+
+
+def measure_model(family: str, model_dir: Path, device: str, batches: list[int], steps: int, repeats: int) -> list[Row]:
+    """The engine against diffusers' call on one model (``family`` "custom": detected), per batch."""
+    engine = load_engine(HandlerSettings(model_path=str(Path(model_dir).resolve()), device=device), ".")
+    reference = Reference(model_dir, engine.device, engine.dtype)
+    rows = []
+    for batch in batches:
+        row = compare(engine.family.name if family == "custom" else family, reference, engine, batch, steps, repeats)
+        logger.info("%s batch %d: diffusers %.4f s, engine %.4f s, %.3fx, max pixel diff %d (diffusers batched vs alone %d)",
+                    row.family, batch, row.diffusers_s, row.engine_s, row.ratio, row.max_abs_diff, row.diffusers_batch_diff)
+        rows.append(row)
+    return rows
 
 
 def plot(rows: list[Row], path: Path) -> None:
@@ -131,23 +147,16 @@ def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
     device = resolve_device(args.device)
     models = {"custom": args.model_dir} if args.model_dir else {family: FAMILY_MODELS[family] for family in args.families}
-    rows = []
-    for family, model_dir in models.items():
-        engine = load_engine(HandlerSettings(model_path=str(Path(model_dir).resolve()), device=args.device), ".")
-        reference = Reference(model_dir, device, engine.dtype)
-        for batch in args.batches:
-            row = compare(engine.family.name if family == "custom" else family, reference, engine, batch, args.steps, args.repeats)
-            logger.info("%s batch %d: diffusers %.4f s, engine %.4f s, %.3fx, max pixel diff %d (diffusers batched vs alone %d)",
-                        row.family, batch, row.diffusers_s, row.engine_s, row.ratio, row.max_abs_diff, row.diffusers_batch_diff)
-            rows.append(row)
+    rows = [row for family, model_dir in models.items()
+            for row in measure_model(family, model_dir, args.device, args.batches, args.steps, args.repeats)]
     env = environment(device)
     args.output_dir.mkdir(parents=True, exist_ok=True)
     (args.output_dir / "engine.json").write_text(json.dumps(
         {"environment": env, "goal_ratio": GOAL, "rows": [{**asdict(row), "ratio": row.ratio} for row in rows]}, indent=2))
-    table = markdown(rows, env)
-    (args.output_dir / "engine.md").write_text(table)
+    text = markdown(rows, env)
+    (args.output_dir / "engine.md").write_text(text)
     plot(rows, args.output_dir / "engine.png")
-    print(table)
+    print(text)
 
 
 if __name__ == "__main__":

@@ -26,7 +26,7 @@ from diffusers.models.attention_processor import AttnProcessor
 from torch.utils.flop_counter import FlopCounterMode
 
 from bench.jobs import generate
-from bench.variants import VARIANTS
+from bench.variants import by_name
 from handler.config import HandlerSettings
 from handler.engine import JobSpec, StepEngine
 from handler.pipeline import load_engine
@@ -108,8 +108,13 @@ def unet_flops(config: dict, rows: int, latent_height: int, latent_width: int, t
     unet.set_attn_processor(AttnProcessor())
     latents = torch.empty(rows, unet.config.in_channels, latent_height, latent_width, device="meta")
     text = torch.empty(rows, text_tokens, unet.config.cross_attention_dim, device="meta")
+    added = None
+    if unet.config.addition_embed_type == "text_time":  # SDXL: pooled text embedding and six size/crop ids
+        time_ids = 6
+        pooled = unet.config.projection_class_embeddings_input_dim - time_ids * unet.config.addition_time_embed_dim
+        added = {"text_embeds": torch.empty(rows, pooled, device="meta"), "time_ids": torch.empty(rows, time_ids, device="meta")}
     with FlopCounterMode(display=False) as counter:
-        unet(latents, torch.zeros(rows, device="meta"), text)
+        unet(latents, torch.zeros(rows, device="meta"), text, added_cond_kwargs=added)
     return counter.get_total_flops()
 
 
@@ -129,8 +134,10 @@ def largest_batch(engine: StepEngine, workload: Workload) -> dict:
         try:
             generate(engine, workload.specs(size, steps=2))
             return True
-        except torch.OutOfMemoryError:
-            return False
+        except RuntimeError as error:
+            if _out_of_memory(error):
+                return False
+            raise
         finally:
             torch.cuda.empty_cache()
 
@@ -149,9 +156,47 @@ def largest_batch(engine: StepEngine, workload: Workload) -> dict:
     return {"max_batch": fitting, "max_batch_bounded_by_limit": False}
 
 
-def run_variant(variant_name: str, workload: Workload, images_path: Path, count_flops: bool) -> dict:
+def profile(engine: StepEngine, specs: list[JobSpec], latency_s: float, top: int = 8) -> dict:
+    """Where one call's time goes (torch.profiler): on CUDA the kernels' share of the unprofiled
+    call's ``latency_s`` (the rest is launch gaps, host synchronization and the Python loop), the host
+    syncs (one per step is the benchmark's own clock), and the kernels taking the most time; on a CPU
+    the operators taking the most CPU time."""
+    cuda = engine.device.type == "cuda"
+    activities = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if cuda else [])
+    with torch.profiler.profile(activities=activities) as profiler:
+        started = time.perf_counter()
+        generate(engine, specs)
+        wall_s = time.perf_counter() - started
+    events = profiler.key_averages()
+    if cuda:  # kernel rows only: a CPU operator's self device time repeats its kernels'
+        timed = [(event, event.self_device_time_total) for event in events
+                 if event.device_type == torch.autograd.DeviceType.CUDA and not getattr(event, "is_user_annotation", False)]
+    else:
+        timed = [(event, event.self_cpu_time_total) for event in events]
+    ranked = sorted((pair for pair in timed if pair[1] > 0), key=lambda pair: pair[1], reverse=True)
+    result = {
+        "wall_s": wall_s,
+        "latency_s": latency_s,
+        "measure": "kernel time" if cuda else "self CPU time",
+        "top_operators": [{"name": event.key, "calls": event.count, "seconds": seconds / 1e6} for event, seconds in ranked[:top]],
+    }
+    if cuda:
+        kernel_s = sum(seconds for _, seconds in timed) / 1e6
+        syncs = {event.key: event.count for event in events if "Synchronize" in event.key}
+        result |= {"device_busy_s": kernel_s, "device_busy_fraction": kernel_s / latency_s, "host_syncs": syncs}
+    return result
+
+
+def _out_of_memory(error: Exception) -> bool:
+    """Out of memory as CUDA reports it, or as cuDNN and cuBLAS do near the limit."""
+    return isinstance(error, torch.OutOfMemoryError) or any(
+        sign in str(error) for sign in ("out of memory", "CUDNN_STATUS", "CUBLAS_STATUS_ALLOC_FAILED"))
+
+
+def run_variant(variant_name: str, workload: Workload, images_path: Path, count_flops: bool,
+                with_profile: bool = False, search_max_batch: bool = False) -> dict:
     """Load, warm up (compiling, for compiled variants) and time one variant; save its images."""
-    variant = next(variant for variant in VARIANTS if variant.name == variant_name)
+    variant = by_name(variant_name)
     started = time.perf_counter()
     engine = load_engine(variant.settings(workload.base_settings()), ".")
     load_s = time.perf_counter() - started
@@ -184,12 +229,24 @@ def run_variant(variant_name: str, workload: Workload, images_path: Path, count_
         "peak_memory_mib": peak_mib,
         "memory_measure": memory.measure,
         "compile_counters": {name: count for name, count in torch._dynamo.utils.counters["inductor"].items() if "cache" in name},
+        "cudagraph_skips": torch._dynamo.utils.counters["inductor"].get("cudagraph_skips", 0),
     }
     if count_flops:
         result["unet_call_flops"] = unet_call_flops(engine, workload)
-    if engine.device.type == "cuda" and workload.max_batch_limit and not variant.compiled:
-        result.update(largest_batch(engine, workload))
+    # Extras after the measurements: a failure here is reported beside them, not instead of them.
+    if with_profile:
+        result.update(_extra("profile", lambda: {"profile": profile(engine, specs, median_latency)}))
+    if engine.device.type == "cuda" and workload.max_batch_limit and search_max_batch:
+        result.update(_extra("max_batch", lambda: largest_batch(engine, workload)))
     return result
+
+
+def _extra(name: str, measure) -> dict:
+    try:
+        return measure()
+    except Exception as error:  # noqa: BLE001 - reported in the result
+        traceback.print_exc()
+        return {f"{name}_error": f"{type(error).__name__}: {error}"[:2000]}
 
 
 def main() -> None:
@@ -199,11 +256,13 @@ def main() -> None:
     parser.add_argument("--images", type=Path, required=True, help=".npy file for the generated images")
     parser.add_argument("--result", type=Path, required=True, help="JSON file for the measurements")
     parser.add_argument("--count-flops", action="store_true")
+    parser.add_argument("--profile", action="store_true", help="profile one more call (torch.profiler)")
+    parser.add_argument("--max-batch", action="store_true", help="on CUDA, search the largest batch that fits")
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING)
     workload = Workload(**json.loads(args.workload))
     try:
-        result = {"status": "ok", **run_variant(args.variant, workload, args.images, args.count_flops)}
+        result = {"status": "ok", **run_variant(args.variant, workload, args.images, args.count_flops, args.profile, args.max_batch)}
     except Exception as error:  # the benchmark reports a failed variant and goes on with the next
         traceback.print_exc()
         result = {"status": "failed", "error": f"{type(error).__name__}: {error}".strip()[:2000]}

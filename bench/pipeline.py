@@ -13,10 +13,12 @@ import json
 import logging
 import os
 import platform
+import shutil
 import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import asdict
 from datetime import datetime, timezone
 from pathlib import Path
@@ -55,19 +57,33 @@ def _python_module(module: str, arguments: list[str], env: dict[str, str], timeo
 
 
 class Runner:
-    """Runs variants in fresh processes and collects their results."""
+    """Runs variants in fresh processes and collects their results; images are compared with
+    ``baseline``'s, whose process also counts the UNet's FLOPs (and profiles a call, with ``profile``)."""
 
-    def __init__(self, workload: Workload, scratch: Path, timeout: float):
+    def __init__(self, workload: Workload, scratch: Path, timeout: float, baseline: str = BASELINE, profile: bool = False,
+                 caches: Path | None = None, max_batch_for: set[str] | None = None):
         self.workload = workload
         self.scratch = scratch
         self.timeout = timeout
+        self.baseline = baseline
+        self.profile = profile
+        self.caches = caches or scratch  # inductor caches, one per variant; runners may share them
+        self.max_batch_for = max_batch_for  # variants whose largest batch is searched (None: every eager one)
+        scratch.mkdir(parents=True, exist_ok=True)
 
-    def measure(self, variant: Variant, run: str, env: dict[str, str], count_flops: bool = False) -> dict:
-        result_path = self.scratch / f"{variant.name}-{run}.json"
+    def _extras(self, variant: Variant) -> list[str]:
+        extra = ["--count-flops"] + (["--profile"] if self.profile else []) if variant.name == self.baseline else []
+        searched = not variant.compiled if self.max_batch_for is None else variant.name in self.max_batch_for
+        return extra + (["--max-batch"] if searched and self.workload.max_batch_limit else [])
+
+    def measure(self, variant: Variant, run: str, env: dict[str, str], extra: list[str]) -> dict:
+        result_path, images_path = self.scratch / f"{variant.name}-{run}.json", self.scratch / f"{variant.name}.npy"
+        for stale in (result_path, images_path):  # a crashed process must not pass for an earlier one
+            stale.unlink(missing_ok=True)
         arguments = [
             "--variant", variant.name, "--workload", json.dumps(asdict(self.workload)),
-            "--images", str(self.scratch / f"{variant.name}.npy"), "--result", str(result_path),
-        ] + (["--count-flops"] if count_flops else [])
+            "--images", str(images_path), "--result", str(result_path), *extra,
+        ]
         try:
             finished = _python_module("bench.measure", arguments, env, self.timeout)
         except subprocess.TimeoutExpired:
@@ -79,27 +95,47 @@ class Runner:
             logger.warning("%s (%s) failed:\n%s", variant.name, run, finished.stdout[-4000:])
         return result
 
-    def variant(self, variant: Variant, device: torch.device) -> dict:
+    def variant(self, variant: Variant, device: torch.device, warm: bool = True) -> dict:
+        """One variant's measurements (cold, and for compiled variants with ``warm`` a second run
+        on the inductor cache the first left), or why it was skipped."""
         reason = variant.skip_reason(device)
         if reason:
             return {"status": "skipped", "reason": reason}
-        env = {"TORCHINDUCTOR_CACHE_DIR": str(self.scratch / f"inductor-{variant.name}")}
-        result = self.measure(variant, "cold", env, count_flops=variant.name == BASELINE)
-        if variant.compiled and result["status"] == "ok":
-            warm = self.measure(variant, "warm", env)
-            if warm["status"] == "ok":
-                result["warm"] = {key: warm[key] for key in ("first_call_s", "warmup_overhead_s", "latency_s", "compile_counters")}
+        cache = self.caches / f"inductor-{variant.name}"
+        if warm:
+            shutil.rmtree(cache, ignore_errors=True)  # the cold run starts from an empty cache
+        env = {"TORCHINDUCTOR_CACHE_DIR": str(cache)}
+        result = self.measure(variant, "cold", env, self._extras(variant))
+        if warm and variant.compiled and result["status"] == "ok":
+            warm_result = self.measure(variant, "warm", env, [])
+            if warm_result["status"] == "ok":
+                result["warm"] = {key: warm_result[key] for key in ("first_call_s", "warmup_overhead_s", "latency_s", "compile_counters")}
             else:
-                result["warm"] = warm
+                result["warm"] = warm_result
         return result
 
+    def variants(self, variants: list[Variant], device: torch.device, warm: bool = True,
+                 on_result: Callable[[dict[str, dict]], None] | None = None) -> dict[str, dict]:
+        """Every variant in turn, with progress, compared with the baseline (speed-up, image
+        distance) as soon as measured; ``on_result`` gets the results so far after each."""
+        results: dict[str, dict] = {}
+        for number, variant in enumerate(variants, 1):
+            started = time.perf_counter()
+            results[variant.name] = result = self.variant(variant, device, warm)
+            logger.info("[%d/%d] %-28s %s (%.0f s)", number, len(variants), variant.name, _summary(result),
+                        time.perf_counter() - started)
+            compare_with_baseline(results, self.scratch, self.baseline)
+            if on_result:
+                on_result(results)
+        return results
 
-def compare_with_baseline(results: dict[str, dict], scratch: Path) -> None:
+
+def compare_with_baseline(results: dict[str, dict], scratch: Path, baseline_name: str = BASELINE) -> None:
     """Speed-up, image distance and achieved TFLOP/s of each measured variant, in place."""
-    baseline = results.get(BASELINE, {})
+    baseline = results.get(baseline_name, {})
     if baseline.get("status") != "ok":
         return
-    baseline_images = np.load(scratch / f"{BASELINE}.npy")
+    baseline_images = np.load(scratch / f"{baseline_name}.npy")
     flops = baseline.get("unet_call_flops")
     for name, result in results.items():
         if result["status"] != "ok":
@@ -111,8 +147,10 @@ def compare_with_baseline(results: dict[str, dict], scratch: Path) -> None:
 
 
 def environment(device: torch.device) -> dict:
+    driver = None
     if device.type == "cuda":
         name = torch.cuda.get_device_name(device)
+        driver = _nvidia_driver()
     else:
         cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
                     if line.startswith("model name")), platform.processor()) if Path("/proc/cpuinfo").exists() else platform.processor()
@@ -120,7 +158,17 @@ def environment(device: torch.device) -> dict:
     return {
         "device": str(device), "device_name": name, "date": datetime.now(timezone.utc).strftime("%Y-%m-%d"),
         "torch": torch.__version__, "diffusers": diffusers.__version__, "python": platform.python_version(),
+        **({"driver": driver, "cuda": torch.version.cuda} if device.type == "cuda" else {}),
     }
+
+
+def _nvidia_driver() -> str | None:
+    """The NVIDIA driver's version, from nvidia-smi where it is installed."""
+    try:
+        return subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"], capture_output=True,
+                              text=True, timeout=30, check=True).stdout.strip().splitlines()[0]
+    except (OSError, subprocess.SubprocessError, IndexError):
+        return None
 
 
 def build_workload(args: argparse.Namespace, device: torch.device) -> Workload:
@@ -169,14 +217,8 @@ def main(argv: list[str] | None = None) -> None:
     variants = select(args.variants)
     name = args.name or f"pipeline-{args.model if args.model in MODELS else Path(args.model).name}-{device.type}"
     logger.info("workload: %s on %s; %d variants", workload, device, len(variants))
-    results: dict[str, dict] = {}
     with tempfile.TemporaryDirectory(prefix="bench-pipeline-") as scratch:
-        runner = Runner(workload, Path(scratch), args.timeout)
-        for number, variant in enumerate(variants, 1):
-            started = time.perf_counter()
-            results[variant.name] = result = runner.variant(variant, device)
-            logger.info("[%d/%d] %-28s %s (%.0f s)", number, len(variants), variant.name, _summary(result), time.perf_counter() - started)
-        compare_with_baseline(results, Path(scratch))
+        results = Runner(workload, Path(scratch), args.timeout).variants(variants, device)
         logger.info("attention micro-benchmark at SD 1.5 shapes")
         attention_path = Path(scratch) / "attention.json"
         _python_module("bench.attention", ["--device", str(device), "--repeats", str(args.attention_repeats),

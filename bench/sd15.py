@@ -9,18 +9,14 @@ loading code like any local model.
 
 from __future__ import annotations
 
-import argparse
-import json
-import logging
 from pathlib import Path
 
 import torch
 from diffusers import AutoencoderKL, DDIMScheduler, StableDiffusionPipeline, UNet2DConditionModel
-from transformers import CLIPTextConfig, CLIPTextModel
+from transformers import CLIPTextModel
 
+from bench import random_weights
 from scripts.make_tiny_model import build_tokenizer
-
-logger = logging.getLogger(__name__)
 
 MODEL_DIR = Path(__file__).resolve().parent.parent / "models" / "sd15-random"
 NATIVE_SIDE = 512
@@ -67,7 +63,6 @@ SCHEDULER_CONFIG = {
     "set_alpha_to_one": False,
     "steps_offset": 1,
 }
-_STAMP = "sd15-random.json"
 
 
 def build_unet() -> UNet2DConditionModel:
@@ -78,15 +73,7 @@ def build_pipeline(seed: int = SEED) -> StableDiffusionPipeline:
     """SD 1.5's components with weights drawn from ``seed`` (diffusers' default initialization)."""
     torch.manual_seed(seed)
     tokenizer = build_tokenizer()
-    text_encoder = CLIPTextModel(
-        CLIPTextConfig(
-            vocab_size=49408,
-            bos_token_id=tokenizer.bos_token_id,
-            eos_token_id=tokenizer.eos_token_id,
-            pad_token_id=tokenizer.pad_token_id,
-            **TEXT_ENCODER_CONFIG,
-        )
-    )
+    text_encoder = CLIPTextModel(random_weights.text_config(TEXT_ENCODER_CONFIG, tokenizer))
     return StableDiffusionPipeline(
         vae=AutoencoderKL(**VAE_CONFIG),
         text_encoder=text_encoder,
@@ -99,30 +86,11 @@ def build_pipeline(seed: int = SEED) -> StableDiffusionPipeline:
     )
 
 
-def _recipe(seed: int) -> dict:
-    return {"seed": seed, "unet": UNET_CONFIG, "vae": VAE_CONFIG, "text_encoder": TEXT_ENCODER_CONFIG}
-
-
 def ensure_model(directory: Path = MODEL_DIR, seed: int = SEED) -> Path:
     """Write the pipeline to ``directory`` unless the same recipe is already there (about 2 GB)."""
-    stamp = directory / _STAMP
-    recipe = json.loads(json.dumps(_recipe(seed)))
-    if stamp.is_file() and json.loads(stamp.read_text()) == recipe:
-        return directory
-    logger.info("building SD 1.5-architecture pipeline with random weights in %s (once, about 2 GB)", directory)
-    pipeline = build_pipeline(seed).to(torch.float16)
-    pipeline.save_pretrained(directory, safe_serialization=True)
-    stamp.write_text(json.dumps(recipe, indent=2))
-    return directory
-
-
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("output", type=Path, nargs="?", default=MODEL_DIR)
-    args = parser.parse_args()
-    logging.basicConfig(level=logging.INFO, format="%(message)s")
-    logger.info("SD 1.5-architecture pipeline ready in %s", ensure_model(args.output))
+    recipe = {"seed": seed, "unet": UNET_CONFIG, "vae": VAE_CONFIG, "text_encoder": TEXT_ENCODER_CONFIG}
+    return random_weights.ensure_pipeline(directory, recipe, lambda: build_pipeline(seed))
 
 
 if __name__ == "__main__":
-    main()
+    random_weights.main(ensure_model, MODEL_DIR, __doc__.splitlines()[0])

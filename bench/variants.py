@@ -58,6 +58,8 @@ def _compiled(mode: str, summary: str, cuda_only: bool = False) -> Variant:
 VARIANTS: tuple[Variant, ...] = (
     Variant(BASELINE, "AttnProcessor (softmax(QK^T)V, the full score matrix), float32",
             {"attention": "vanilla", "dtype": "float32"}),
+    Variant("eager", "SDPA, serving dtype: the shipped pipeline as model-config.yaml has it", {}),
+    Variant("vanilla", "AttnProcessor (the full score matrix), serving dtype", {"attention": "vanilla"}),
     Variant("sdpa-fp32", "AttnProcessor2_0 (F.scaled_dot_product_attention), float32", {"dtype": "float32"}),
     Variant("sdpa-fp16", "SDPA, float16 weights and activations", {"dtype": "float16"}),
     Variant("sdpa-bf16", "SDPA, bfloat16 weights and activations", {"dtype": "bfloat16"}),
@@ -74,11 +76,15 @@ VARIANTS: tuple[Variant, ...] = (
 VARIANT_NAMES = tuple(variant.name for variant in VARIANTS)
 
 
-def select(names: list[str] | None) -> list[Variant]:
-    """The named variants in catalogue order, the baseline always included; all when ``names`` is empty."""
+def select(names: list[str] | None, baseline: str = BASELINE) -> list[Variant]:
+    """The named variants in catalogue order, ``baseline`` always included; all when ``names`` is empty."""
     if not names:
         return list(VARIANTS)
     unknown = sorted(set(names) - set(VARIANT_NAMES))
     if unknown:
         raise ValueError(f"unknown variant(s) {', '.join(unknown)}; choose from {', '.join(VARIANT_NAMES)}")
-    return [variant for variant in VARIANTS if variant.name in {BASELINE, *names}]
+    return [variant for variant in VARIANTS if variant.name in {baseline, *names}]
+
+
+def by_name(name: str) -> Variant:
+    return VARIANTS[VARIANT_NAMES.index(name)]

@@ -23,8 +23,8 @@ from pathlib import Path
 
 import matplotlib.pyplot as plt
 import numpy as np
-import requests
 
+from loadtest.client import closed_loop, post
 from scripts.build_mar import DEFAULT_MODEL_DIR, write_model_config
 from scripts.server import ROOT, TorchServe, serve_archive
 
@@ -64,25 +64,12 @@ def request_bodies(count: int, sides: tuple[int, ...], seed: int) -> list[dict]:
     return bodies
 
 
-def _post(server: TorchServe, body: dict) -> tuple[float, bool]:
-    url = f"{server.addresses.inference}/predictions/{server.model_name}"
-    started = time.monotonic()
-    try:
-        ok = requests.post(url, json=body, headers=server.auth(), timeout=600).status_code == 200
-    except requests.RequestException:
-        ok = False
-    return time.monotonic() - started, ok
-
-
 def capacity(server: TorchServe, requests_count: int, concurrency: int) -> float:
     """Requests/s at saturation: ``concurrency`` clients sending back to back."""
-    bodies = request_bodies(requests_count, SIDES["uniform"], seed=99)
-    started = time.monotonic()
-    with ThreadPoolExecutor(concurrency) as pool:
-        results = list(pool.map(lambda body: _post(server, body), bodies))
+    results, seconds = closed_loop(server, request_bodies(requests_count, SIDES["uniform"], seed=99), concurrency)
     if not all(ok for _, ok in results):
         raise RuntimeError("requests failed while measuring capacity")
-    return len(bodies) / (time.monotonic() - started)
+    return len(results) / seconds
 
 
 def poisson(server: TorchServe, engine: str, mix: str, load: float, rate: float, count: int, seed: int) -> Point:
@@ -95,7 +82,7 @@ def poisson(server: TorchServe, engine: str, mix: str, load: float, rate: float,
         for body, gap in zip(bodies, gaps):
             arrival += gap
             time.sleep(max(0.0, arrival - time.monotonic()))
-            futures.append(pool.submit(_post, server, body))
+            futures.append(pool.submit(post, server, body))
         results = [future.result() for future in futures]
     makespan = time.monotonic() - begin
     latencies = [seconds for seconds, ok in results if ok]

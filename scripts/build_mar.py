@@ -154,6 +154,16 @@ def archive_model_config(model_store: Path, archive: str) -> dict:
     return (yaml.safe_load(_archive_file(path, config_file)) or {}) if config_file else {}
 
 
+def console_script(name: str) -> str:
+    """An installed command: beside this Python (a virtual environment's ``bin/``), else on PATH
+    (where ``pip install --target`` put it, as on the GPU machine)."""
+    beside = Path(sys.executable).parent / name
+    found = str(beside) if beside.is_file() else shutil.which(name)
+    if found is None:
+        raise FileNotFoundError(f"{name} is neither beside {sys.executable} nor on PATH: install requirements.txt")
+    return found
+
+
 def archive_path(export_path: Path, archive_format: str, model_name: str = MODEL_NAME) -> Path:
     return export_path / (model_name if archive_format == "no-archive" else f"{model_name}.mar")
 
@@ -181,7 +191,7 @@ def build(model_dir: Path, config: Path, export_path: Path, archive_format: str 
         _stage(model_dir, model_files, stage)
         packaged.write_text(config_text)
         command = [
-            str(Path(sys.executable).parent / "torch-model-archiver"),
+            console_script("torch-model-archiver"),
             "--model-name", model_name,
             "--version", "1.0",
             "--handler", str(HANDLER_PACKAGE / "sd_handler.py"),

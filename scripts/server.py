@@ -16,7 +16,6 @@ import shlex
 import signal
 import socket
 import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -27,7 +26,7 @@ from urllib.parse import urlparse
 import requests
 from prometheus_client.parser import text_string_to_metric_families
 
-from scripts.build_mar import archive_model_config, build
+from scripts.build_mar import archive_model_config, build, console_script
 
 logger = logging.getLogger("server")
 
@@ -206,7 +205,7 @@ class TorchServe:
         (self.workdir / "logs").mkdir(parents=True, exist_ok=True)
         (self.workdir / KEY_FILE).unlink(missing_ok=True)
         command = [
-            str(Path(sys.executable).parent / "torchserve"), "--start", "--foreground", "--ncs",
+            console_script("torchserve"), "--start", "--foreground", "--ncs",
             "--ts-config", str(self._effective_config()),
             "--model-store", str(self.model_store),
         ]

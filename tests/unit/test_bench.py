@@ -11,7 +11,8 @@ from diffusers import UNet2DConditionModel
 from diffusers.models.attention_processor import AttnProcessor
 from torch.utils.flop_counter import FlopCounterMode
 
-from bench import sd15
+from bench import sd15, sdxl
+from handler.families import family_of
 from bench.measure import Workload, unet_flops
 from bench.pipeline import image_distance
 from bench.report import markdown
@@ -77,6 +78,35 @@ def test_sd15_architecture_has_sd15s_parameter_count():
     assert sum(parameter.numel() for parameter in unet.parameters()) == 859_520_964
     # 512x512 with guidance: counted once here so docs/performance.md can quote it
     assert unet_flops(unet.config, 2, 64, 64, 77) / 1e12 == pytest.approx(1.6065, abs=1e-3)
+
+
+@pytest.mark.parametrize("architecture, family, scheduler, unet_parameters, text_parameters", [
+    (sd15, "SD 1.x", "DDIMScheduler", 859_520_964, 123_060_480),
+    (sdxl, "SDXL", "EulerDiscreteScheduler", 2_567_463_684, 123_060_480 + 694_659_840),
+])
+def test_random_weight_architectures_build_the_published_pipelines(monkeypatch, architecture, family, scheduler,
+                                                                   unet_parameters, text_parameters):
+    """Built on the meta device (shapes, no weights): the pipeline make bench-gpu writes, of the family the handler detects."""
+    scheduler_class = getattr(architecture, scheduler)
+
+    def scheduler_on_cpu(**config):  # a scheduler keeps its tables on the CPU, which the meta device refuses
+        with torch.device("cpu"):
+            return scheduler_class(**config)
+
+    monkeypatch.setattr(architecture, scheduler, scheduler_on_cpu)
+    with torch.device("meta"):
+        pipeline = architecture.build_pipeline()
+    assert sum(parameter.numel() for parameter in pipeline.unet.parameters()) == unet_parameters
+    encoders = [pipeline.text_encoder] + ([pipeline.text_encoder_2] if family == "SDXL" else [])
+    assert sum(parameter.numel() for encoder in encoders for parameter in encoder.parameters()) == text_parameters
+    assert family_of(pipeline, torch.device("cpu"), torch.float16).name == family
+
+
+def test_sdxl_unet_flops_at_1024_with_guidance():
+    with torch.device("meta"):
+        unet = sdxl.build_unet()
+    # the pooled text embedding and time ids counted in; docs/performance.md can quote it
+    assert unet_flops(unet.config, 2, 128, 128, 77) / 1e12 == pytest.approx(13.522, abs=1e-3)
 
 
 def test_markdown_has_one_full_row_per_variant_whatever_its_status():

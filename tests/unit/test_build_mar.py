@@ -1,13 +1,14 @@
 """Packaging: safetensors only, the archive layout TorchServe loads, rebuilds only on change."""
 
 import shutil
+import sys
 import zipfile
 from pathlib import Path
 
 import pytest
 import yaml
 
-from scripts.build_mar import archive_model_config, build, default_workers
+from scripts.build_mar import archive_model_config, build, console_script, default_workers
 from scripts.server import FRONTEND_START_SECONDS, archive_ready_timeout, find_archive, ready_timeout
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -104,3 +105,18 @@ def test_serve_waits_as_long_as_the_archives_startup_timeout_allows(tmp_path, mo
     assert packaged["startupTimeout"] == 1234 and ready_timeout(packaged) == 1234 + FRONTEND_START_SECONDS
     assert archive_ready_timeout(store) == 1234 + FRONTEND_START_SECONDS
     assert ready_timeout({}) == 120 + FRONTEND_START_SECONDS, "TorchServe's own default when the config sets none"
+
+
+def test_commands_are_found_beside_python_then_on_path(tmp_path, monkeypatch):
+    """In a venv the commands sit beside its Python; where wheels were installed with --target
+    (a GPU host without an index) they are on PATH."""
+    assert console_script("torchserve") == str(Path(sys.executable).parent / "torchserve")
+    monkeypatch.setattr(sys, "executable", str(tmp_path / "python3"))
+    on_path = tmp_path / "bin" / "torchserve"
+    on_path.parent.mkdir()
+    on_path.write_text("#!/bin/sh\n")
+    on_path.chmod(0o755)
+    monkeypatch.setenv("PATH", str(on_path.parent))
+    assert console_script("torchserve") == str(on_path)
+    with pytest.raises(FileNotFoundError, match="torch-model-archiver is neither beside"):
+        console_script("torch-model-archiver")

@@ -1,0 +1,309 @@
+"""`make bench-gpu`: Stable Diffusion at real sizes on the GPU it finds, in-process and served.
+
+Random-weight pipelines of the published architectures (``bench.sd15``, ``bench.sdxl``: nothing
+downloaded) through the code a worker runs, in five sections. Each writes ``<output>/<section>.json``
+when it ends, and ``gpu.md`` and ``gpu.png`` are rendered from every section file there
+(``bench.gpu_report``), so sections can run in separate calls:
+
+1. ``variants``: SD 1.5, 512x512, 50 DDIM steps, batch 1, guidance 7.5: eager (SDPA, serving dtype:
+   float16 on a GPU), vanilla attention, channels_last, and torch.compile in ``default``,
+   ``max-autotune-no-cudagraphs`` and ``reduce-overhead`` (CUDA graphs) modes: UNet it/s, seconds
+   per image, peak memory, compile cold and warm (the persisted inductor cache), image distance to
+   eager, the largest batch with SDPA and with vanilla attention, and a torch.profiler breakdown of
+   an eager call (kernels against wall time, host syncs). ``--variants`` measures a subset (eager
+   always) and merges it into the section's rows.
+2. ``scaling``: images/s at batch 1 to 16, eager and the fastest compile mode of ``variants``.
+3. ``engine``: the step engine against the diffusers call it mirrors, same requests, batch 1 and 8.
+4. ``served``: TorchServe on this GPU (one worker), dynamic and continuous batching, 25 steps, a
+   closed loop at concurrency 1, 4, 8 and 16: images/s, p50, p95, against the in-process ceiling
+   (the eager pipeline at the same batch, measured in the same run).
+5. ``sdxl``: SDXL 1024x1024, 30 steps, batch 1: eager and the fastest compile mode of ``variants``.
+
+``--quick`` runs the same code on the CPU at tiny sizes (the random tiny models, 64x64, one step,
+concurrency 1 and 2): what CI runs, so that a GPU run has nothing left to debug but the GPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import logging
+import shutil
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from bench import sd15, sdxl
+from bench.engine import measure_model
+from bench.gpu_report import SECTION_RENDERERS, render
+from bench.measure import PROMPTS, Workload
+from bench.pipeline import Runner, environment
+from bench.variants import by_name, select
+from handler.pipeline import release_cached_memory, resolve_device
+from loadtest.client import closed_loop
+from loadtest.sweep import server_figures
+from scripts.build_mar import ROOT, console_script, write_model_config
+from scripts.server import serve_archive
+
+logger = logging.getLogger("bench-gpu")
+
+SECTIONS = tuple(SECTION_RENDERERS)  # variants, scaling, engine, served, sdxl
+EAGER = "eager"
+SECTION_VARIANTS = (EAGER, "vanilla", "channels-last", "compile-default", "compile-max-autotune-no-cudagraphs",
+                    "compile-reduce-overhead")
+SERVED_MODES = {"dynamic": {"continuousBatching": False, "maxBatchDelay": 50},
+                "continuous": {"continuousBatching": True, "maxBatchDelay": 10}}
+RANDOM_MODELS = {"sd15": sd15.ensure_model, "sdxl": sdxl.ensure_model}
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Models and sizes of one run: the issue's on a GPU, tiny ones for CI."""
+
+    sd15_model: str  # "sd15" (random weights, made once) or a diffusers directory
+    sdxl_model: str  # "sdxl" or a diffusers directory
+    side: int
+    steps: int
+    served_steps: int
+    batches: tuple[int, ...]
+    engine_batches: tuple[int, ...]
+    concurrency: tuple[int, ...]
+    sdxl_side: int
+    sdxl_steps: int
+    repeats: int
+    engine_repeats: int
+    requests_per_client: int
+    max_batch_limit: int
+
+
+FULL = Plan("sd15", "sdxl", sd15.NATIVE_SIDE, 50, 25, (1, 2, 4, 8, 16), (1, 8), (1, 4, 8, 16), sdxl.NATIVE_SIDE, 30,
+            repeats=3, engine_repeats=5, requests_per_client=6, max_batch_limit=128)
+QUICK = Plan("models/tiny-sd", "models/tiny-sdxl", 64, 1, 1, (1, 2), (1, 2), (1, 2), 64, 1,
+             repeats=1, engine_repeats=1, requests_per_client=2, max_batch_limit=0)
+
+
+def model_dir(name: str) -> Path:
+    """A random-weight architecture by name (written once), or a directory relative to the repository."""
+    return RANDOM_MODELS[name]() if name in RANDOM_MODELS else (ROOT / name).resolve()
+
+
+class GpuBench:
+    """Runs the sections of one plan; every section's JSON carries the environment it ran in."""
+
+    def __init__(self, plan: Plan, device: str, output: Path, scratch: Path, timeout: float):
+        self.plan = plan
+        self.device_setting = device
+        self.device = resolve_device(device)
+        self.output = output
+        self.scratch = scratch
+        self.timeout = timeout
+        self.caches = scratch / "inductor"  # shared, so a shape compiled in one section is warm in the next
+
+    def workload(self, model: str, side: int, steps: int, batch: int = 1, max_batch_limit: int = 0) -> Workload:
+        return Workload(str(model_dir(model)), self.device_setting, side, side, steps, batch, self.plan.repeats,
+                        max_batch_limit=max_batch_limit)
+
+    def section(self, name: str) -> dict | None:
+        path = self.output / f"{name}.json"
+        return json.loads(path.read_text()) if path.is_file() else None
+
+    def save(self, name: str, result: dict, status: str = "running") -> None:
+        """The section's file, rewritten after every measurement (``status`` "running" until it ends),
+        so a call stopped at its time limit keeps what it measured."""
+        self.output.mkdir(parents=True, exist_ok=True)
+        result = {"section": name, "status": status, "environment": environment(self.device), "plan": asdict(self.plan),
+                  **result}
+        (self.output / f"{name}.json").write_text(json.dumps(result, indent=2))
+
+    def best_compiled(self) -> str:
+        """The compile mode with the highest UNet it/s in ``variants`` (``compile-default`` before it ran)."""
+        rows = (self.section("variants") or {}).get("variants", [])
+        compiled = [row for row in rows if row["status"] == "ok" and by_name(row["name"]).compiled]
+        if not compiled:
+            logger.warning("no compiled variant measured in %s: using compile-default", self.output / "variants.json")
+            return "compile-default"
+        return max(compiled, key=lambda row: row["unet_it_s"])["name"]
+
+    def variants(self, names: list[str] | None) -> dict:
+        """Measured variants merged into the rows of an earlier call on the same GPU and workload."""
+        workload = self.workload(self.plan.sd15_model, self.plan.side, self.plan.steps,
+                                 max_batch_limit=self.plan.max_batch_limit)
+        previous = self.section("variants")
+        same = (previous and previous.get("workload") == asdict(workload)
+                and previous["environment"]["device_name"] == environment(self.device)["device_name"])
+        rows = {row["name"]: row for row in previous["variants"]} if same else {}
+
+        def merged(results: dict[str, dict]) -> dict:
+            rows.update({name: {"name": name, "summary": by_name(name).summary, **result} for name, result in results.items()})
+            return {"workload": asdict(workload), "baseline": EAGER,
+                    "variants": [rows[name] for name in SECTION_VARIANTS if name in rows]}
+
+        runner = Runner(workload, self.scratch / "variants", self.timeout, baseline=EAGER, profile=True, caches=self.caches,
+                        max_batch_for={EAGER, "vanilla"})
+        results = runner.variants(select(names or list(SECTION_VARIANTS), EAGER), self.device,
+                                  on_result=lambda partial: self.save("variants", merged(partial)))
+        return merged(results)
+
+    def scaling(self) -> dict:
+        compiled = self.best_compiled()
+        largest = {row["name"]: row["max_batch"] for row in (self.section("variants") or {}).get("variants", []) if "max_batch" in row}
+        result = {"compiled": compiled, "rows": [], "largest_batch": largest}
+        for name in (EAGER, compiled):
+            for batch in self.plan.batches:
+                workload = self.workload(self.plan.sd15_model, self.plan.side, self.plan.steps, batch)
+                runner = Runner(workload, self.scratch / f"scaling-{batch}", self.timeout, caches=self.caches)
+                row = runner.variant(by_name(name), self.device, warm=False)
+                result["rows"].append({"variant": name, "batch": batch, **row})
+                logger.info("scaling %s batch %d: %s", name, batch, _images_per_s(row))
+                self.save("scaling", result)
+        return result
+
+    def engine(self) -> dict:
+        rows = measure_model("sd1", model_dir(self.plan.sd15_model), self.device_setting, list(self.plan.engine_batches),
+                             self.plan.served_steps, self.plan.engine_repeats)
+        gc.collect()  # the engine and diffusers' pipeline measured here leave the GPU to the next section
+        release_cached_memory()
+        return {"rows": [{**asdict(row), "ratio": row.ratio} for row in rows]}
+
+    def served(self) -> dict:
+        """Closed-loop load through TorchServe in each batching mode, next to the in-process ceiling."""
+        plan = self.plan
+        check_serving_tools()
+        result: dict = {"ceiling_images_per_s": {}, "points": []}
+        for concurrency in plan.concurrency:
+            workload = self.workload(plan.sd15_model, plan.side, plan.served_steps, concurrency)
+            ceiling = Runner(workload, self.scratch / f"ceiling-{concurrency}", self.timeout).variant(
+                by_name(EAGER), self.device, warm=False)
+            result["ceiling_images_per_s"][concurrency] = ceiling.get("images_per_s")
+            logger.info("in-process ceiling, batch %d: %s", concurrency, _images_per_s(ceiling))
+        for mode, frontend in SERVED_MODES.items():
+            workdir = self.scratch / f"served-{mode}"
+            config = write_model_config(
+                workdir, handler={"model_path": str(model_dir(plan.sd15_model))}, minWorkers=1, maxWorkers=1,
+                batchSize=max(plan.concurrency), **frontend,
+            )
+            with serve_archive(model_dir(plan.sd15_model), config, workdir, gpus=1) as server:
+                for concurrency in plan.concurrency:
+                    closed_loop(server, self.bodies(concurrency), concurrency)  # warm-up at this concurrency
+                    before = server.metric_samples()
+                    results, seconds = closed_loop(server, self.bodies(concurrency * plan.requests_per_client), concurrency)
+                    figures = server_figures(before, server.metric_samples())
+                    point = served_point(mode, concurrency, results, seconds, result["ceiling_images_per_s"][concurrency])
+                    result["points"].append({**point, "mean_batch_size": figures.mean_batch_size,
+                                             "mean_step_images": figures.mean_step_images})
+                    logger.info("served, %s batching, concurrency %d: %.2f images/s, p95 %s s, %s of in-process, "
+                                "%.1f images per UNet forward", mode, concurrency, point["images_per_s"],
+                                _seconds(point["p95_s"]), _ratio(point["ratio"]), figures.mean_step_images)
+                    self.save("served", result)
+        return result
+
+    def bodies(self, count: int) -> list[dict]:
+        side, steps = self.plan.side, self.plan.served_steps
+        return [{"prompt": PROMPTS[index % len(PROMPTS)], "seed": index, "num_inference_steps": steps, "width": side,
+                 "height": side} for index in range(count)]
+
+    def sdxl(self) -> dict:
+        workload = self.workload(self.plan.sdxl_model, self.plan.sdxl_side, self.plan.sdxl_steps)
+
+        def rows(results: dict[str, dict]) -> dict:
+            return {"workload": asdict(workload), "baseline": EAGER,
+                    "variants": [{"name": name, "summary": by_name(name).summary, **result} for name, result in results.items()]}
+
+        runner = Runner(workload, self.scratch / "sdxl", self.timeout, baseline=EAGER, caches=self.caches)
+        return rows(runner.variants([by_name(EAGER), by_name(self.best_compiled())], self.device, warm=False,
+                                    on_result=lambda partial: self.save("sdxl", rows(partial))))
+
+    def run(self, section: str, variant_names: list[str] | None) -> bool:
+        """One section, its file saved and the report rendered whatever happens; False when it failed."""
+        started = time.perf_counter()
+        logger.info("section %s", section)
+        try:
+            result = self.variants(variant_names) if section == "variants" else getattr(self, section)()
+            self.save(section, result, status="ok")
+            failed = False
+        except Exception as error:  # noqa: BLE001 - the next section still runs; the report says what failed
+            logger.exception("section %s failed", section)
+            partial = self.section(section) or {}
+            kept = {key: value for key, value in partial.items() if key not in ("section", "status", "environment", "plan")}
+            self.save(section, {**kept, "error": f"{type(error).__name__}: {error}"[:2000]}, status="failed")
+            failed = True
+        render(self.output)
+        logger.info("section %s %s in %.0f s; report in %s", section, "FAILED" if failed else "done",
+                    time.perf_counter() - started, self.output / "gpu.md")
+        return not failed
+
+
+def check_serving_tools() -> None:
+    """TorchServe's commands and a Java runtime, before any GPU time is spent on the section."""
+    for command in ("torchserve", "torch-model-archiver"):
+        console_script(command)
+    if shutil.which("java") is None:
+        raise FileNotFoundError("no java on PATH: TorchServe's frontend needs Java 17 or later (docs/performance.md)")
+
+
+def served_point(mode: str, concurrency: int, results: list[tuple[float, bool]], seconds: float,
+                 ceiling: float | None) -> dict:
+    latencies = [latency for latency, ok in results if ok]
+    p50, p95 = (float(value) for value in np.quantile(latencies, [0.5, 0.95])) if latencies else (None, None)
+    images_per_s = len(latencies) / seconds
+    return {"mode": mode, "concurrency": concurrency, "requests": len(results), "errors": len(results) - len(latencies),
+            "images_per_s": images_per_s, "p50_s": p50, "p95_s": p95, "ceiling_images_per_s": ceiling,
+            "ratio": images_per_s / ceiling if ceiling else None}
+
+
+def _images_per_s(result: dict) -> str:
+    if result["status"] != "ok":
+        return f"{result['status']}: {result.get('reason') or result.get('error', '')[:200]}"
+    return f"{result['images_per_s']:.2f} images/s, {result['unet_it_s']:.1f} UNet it/s"
+
+
+def _seconds(value: float | None) -> str:
+    return "—" if value is None else f"{value:.2f}"
+
+
+def _ratio(value: float | None) -> str:
+    return "—" if value is None else f"{value:.0%}"
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--sections", nargs="*", choices=SECTIONS, default=list(SECTIONS))
+    parser.add_argument("--variants", nargs="*", choices=SECTION_VARIANTS, help="the variants section's subset (eager always runs)")
+    parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    parser.add_argument("--quick", action="store_true", help="CI mode: tiny models, 64x64, one step, on the CPU")
+    parser.add_argument("--output-dir", type=Path, help="default: reports/gpu (reports/gpu-quick with --quick)")
+    parser.add_argument("--scratch", type=Path, help="images, inductor caches and server state (default: build/bench-gpu)")
+    parser.add_argument("--timeout", type=float, default=450, help="seconds one measuring process may take")
+    args = parser.parse_args(argv)
+    if args.quick and args.device == "auto":
+        args.device = "cpu"
+    args.output_dir = args.output_dir or ROOT / "reports" / ("gpu-quick" if args.quick else "gpu")
+    args.scratch = args.scratch or ROOT / "build" / ("bench-gpu-quick" if args.quick else "bench-gpu")
+    return args
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
+    plan = QUICK if args.quick else FULL
+    bench = GpuBench(plan, args.device, args.output_dir, args.scratch, args.timeout)
+    if bench.device.type != "cuda" and not args.quick:
+        logger.warning("no GPU here (%s): the full plan will be slow; --quick is the CPU mode", bench.device)
+    logger.info("plan: %s on %s; sections %s", plan, bench.device, ", ".join(args.sections))
+    failed = []
+    for number, section in enumerate(args.sections, 1):
+        logger.info("[%d/%d]", number, len(args.sections))
+        if not bench.run(section, args.variants):
+            failed.append(section)
+    print((args.output_dir / "gpu.md").read_text())
+    if failed:
+        sys.exit(f"failed sections: {', '.join(failed)} (their errors are in {args.output_dir})")
+
+
+if __name__ == "__main__":
+    main()

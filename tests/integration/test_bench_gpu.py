@@ -1,0 +1,88 @@
+"""`make bench-gpu` in its quick mode (CPU, tiny models, one step): every section runs the code the
+GPU run will, through the make target, and its report holds what it measured (no timing thresholds)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+
+import pytest
+from PIL import Image
+
+from bench.gpu import QUICK, SECTION_VARIANTS, SECTIONS, SERVED_MODES
+from tests.integration.conftest import ROOT
+
+CUDA_ONLY = {"compile-max-autotune-no-cudagraphs", "compile-reduce-overhead"}
+
+
+@pytest.fixture(scope="module")
+def report(tmp_path_factory) -> dict:
+    output, scratch = tmp_path_factory.mktemp("gpu-report"), tmp_path_factory.mktemp("gpu-scratch")
+    subprocess.run(["make", "--no-print-directory", "bench-gpu", f"BENCH_ARGS=--quick --output-dir {output} --scratch {scratch}"],
+                   cwd=ROOT, check=True, timeout=1800)
+    with Image.open(output / "gpu.png") as plot:
+        assert plot.format == "PNG" and plot.width > 1000
+    return {"markdown": (output / "gpu.md").read_text(),
+            **{section: json.loads((output / f"{section}.json").read_text()) for section in SECTIONS}}
+
+
+def test_every_section_records_where_it_ran(report):
+    for section in SECTIONS:
+        assert report[section]["section"] == section and report[section]["status"] == "ok"
+        assert report[section]["environment"]["device"] == "cpu"
+        assert report[section]["plan"]["steps"] == QUICK.steps
+    assert "## Goals" in report["markdown"] and "Measured on a CPU" in report["markdown"]
+    for heading in ("## 1. SD 1.5 variants", "## 2. Batch scaling", "## 3. Step engine", "## 4. Served", "## 5. SDXL"):
+        assert heading in report["markdown"]
+
+
+def test_variants_are_measured_against_eager_or_skipped_as_cuda_only(report):
+    rows = {row["name"]: row for row in report["variants"]["variants"]}
+    assert list(rows) == list(SECTION_VARIANTS)
+    for name, row in rows.items():
+        if name in CUDA_ONLY:
+            assert row["status"] == "skipped" and row["reason"] == "CUDA only"
+            continue
+        assert row["status"] == "ok", row
+        assert row["unet_it_s"] > 0 and row["images_per_s"] > 0 and row["max_abs_diff"] <= 1, name
+    assert rows["eager"]["max_abs_diff"] == 0 and rows["eager"]["unet_call_flops"] > 0
+    profile = rows["eager"]["profile"]
+    assert profile["wall_s"] > 0 and profile["latency_s"] == rows["eager"]["latency_s"] and profile["top_operators"] and all(op["seconds"] > 0 for op in profile["top_operators"])
+    compiled = rows["compile-default"]
+    assert compiled["compile_counters"]["fxgraph_cache_miss"] > 0
+    assert compiled["warm"]["compile_counters"].get("fxgraph_cache_miss", 0) == 0
+
+
+def test_scaling_measures_eager_and_the_fastest_compile_mode_at_every_batch(report):
+    scaling = report["scaling"]
+    assert scaling["compiled"] == "compile-default"  # the only compile mode a CPU runs
+    assert [(row["variant"], row["batch"]) for row in scaling["rows"]] == [
+        (name, batch) for name in ("eager", "compile-default") for batch in QUICK.batches]
+    assert all(row["status"] == "ok" and row["images_per_s"] > 0 for row in scaling["rows"])
+    # batch 1 was compiled by the variants section: the shared cache serves it
+    batch_1 = next(row for row in scaling["rows"] if row["variant"] == "compile-default" and row["batch"] == 1)
+    assert batch_1["compile_counters"].get("fxgraph_cache_miss", 0) == 0
+
+
+def test_engine_matches_diffusers_images(report):
+    rows = report["engine"]["rows"]
+    assert [row["batch"] for row in rows] == list(QUICK.engine_batches)
+    assert all(row["max_abs_diff"] <= 1 and row["ratio"] > 0 for row in rows)
+
+
+def test_served_points_in_both_modes_have_no_errors_and_a_ceiling(report):
+    served = report["served"]
+    points = [(point["mode"], point["concurrency"]) for point in served["points"]]
+    assert points == [(mode, concurrency) for mode in SERVED_MODES for concurrency in QUICK.concurrency]
+    for point in served["points"]:
+        assert point["errors"] == 0 and point["requests"] == point["concurrency"] * QUICK.requests_per_client
+        assert point["images_per_s"] > 0 and point["p50_s"] <= point["p95_s"]
+        assert point["ratio"] == pytest.approx(point["images_per_s"] / point["ceiling_images_per_s"])
+        assert 1 <= point["mean_step_images"] <= point["concurrency"]  # the server's own figure, from its metrics
+
+
+def test_sdxl_runs_eager_and_compiled(report):
+    rows = {row["name"]: row for row in report["sdxl"]["variants"]}
+    assert list(rows) == ["eager", "compile-default"]
+    assert all(row["status"] == "ok" and row["unet_it_s"] > 0 for row in rows.values())
+    assert rows["eager"]["unet_call_flops"] > 0  # SDXL's UNet counted with its added conditioning
