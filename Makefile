@@ -17,11 +17,12 @@ MODEL_DIR ?= $(DEFAULT_MODEL_DIR)
 ARCHIVE_FORMAT ?= auto
 PYTEST_ARGS ?=
 
-.PHONY: help venv system-deps model train-default-model model-grid prometheus-rule mar serve stop test unit-test integration-test dashboard dashboard-png loadtest sweep bench-overhead bench-pipeline bench-continuous bench-engine bench-gpu clean
+.PHONY: help venv system-deps model train-default-model model-grid prometheus-rule mar serve stop test test-fast unit-test integration-test dashboard dashboard-png loadtest sweep bench-overhead bench-pipeline bench-continuous bench-engine bench-gpu clean
 
 help:
 	@echo "make serve   set up, build the archive and serve it on 127.0.0.1:8080 (MODEL_DIR=/path for a real model)"
 	@echo "make test    set up and run the whole test suite"
+	@echo "make test-fast  the suite without the slow tier (soak, sweep, load test, benchmarks, cold compile)"
 	@echo "make stop    stop a server started by make serve elsewhere"
 	@echo "make mar     build model_store/stable-diffusion.mar (or a directory for large models)"
 	@echo "make model   generate the random-weight tiny models of every family into models/tiny-* (for tests)"
@@ -85,6 +86,10 @@ stop:
 
 test: venv model system-deps
 	$(PY) -m pytest tests $(PYTEST_ARGS)
+
+# The inner loop: everything but the tests marked slow (pyproject.toml); make test runs them all.
+test-fast: venv model system-deps
+	$(PY) -m pytest tests -m "not slow" $(PYTEST_ARGS)
 
 unit-test: venv model system-deps
 	$(PY) -m pytest tests/unit $(PYTEST_ARGS)

@@ -7,10 +7,13 @@ import json
 import subprocess
 import sys
 
+import pytest
 from PIL import Image
 
 from bench.engine import FAMILY_MODELS
 from tests.integration.conftest import ROOT
+
+pytestmark = pytest.mark.slow
 
 
 def test_quick_engine_benchmark_measures_every_family_and_gets_diffusers_images(tmp_path):

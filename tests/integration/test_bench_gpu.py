@@ -12,6 +12,8 @@ from PIL import Image
 from bench.gpu import QUICK, SECTION_VARIANTS, SECTIONS, SERVED_MODES
 from tests.integration.conftest import ROOT
 
+pytestmark = pytest.mark.slow
+
 CUDA_ONLY = {"compile-max-autotune-no-cudagraphs", "compile-reduce-overhead"}
 
 

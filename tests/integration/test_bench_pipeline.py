@@ -14,6 +14,8 @@ from PIL import Image
 from bench.variants import BASELINE, VARIANTS
 from tests.integration.conftest import ROOT
 
+pytestmark = pytest.mark.slow
+
 # SDPA and vanilla attention compute the same softmax(QK^T)V in float32; after rounding to 8 bits an
 # image may differ by at most this much per channel value (0-255).
 SDPA_TOLERANCE = 1

@@ -6,8 +6,12 @@ from __future__ import annotations
 import re
 import time
 
+import pytest
+
 from tests.integration.conftest import Client, model_config, serving
 from tests.integration.test_reliability import wait_until_serving, workers
+
+pytestmark = pytest.mark.slow
 
 COMPILE_LOG = re.compile(r"compile cache: dir=(\S+) fxgraph_cache_hit=(\d+) fxgraph_cache_miss=(\d+)")
 READY_LOG = re.compile(r"stable-diffusion worker ready: .* load_s=([\d.]+) warmup_s=([\d.]+)")

@@ -7,10 +7,13 @@ import json
 import subprocess
 import sys
 
+import pytest
 import yaml
 
 from loadtest.config import DEFAULT_CONFIG
 from tests.integration.conftest import ROOT
+
+pytestmark = pytest.mark.slow
 
 
 def run_loadtest(server, tmp_path, *extra: str) -> subprocess.CompletedProcess:

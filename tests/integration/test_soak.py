@@ -5,8 +5,12 @@ from __future__ import annotations
 import random
 from concurrent.futures import ThreadPoolExecutor
 
+import pytest
+
 from tests.integration.conftest import decode_json_images, decode_png
 from tests.integration.test_reliability import workers
+
+pytestmark = pytest.mark.slow
 
 REQUESTS = 320
 CONCURRENCY = 8
