@@ -26,6 +26,7 @@ concurrency 1 and 2): what CI runs, so that a GPU run has nothing left to debug 
 from __future__ import annotations
 
 import argparse
+import functools
 import gc
 import json
 import logging
@@ -40,9 +41,9 @@ import torch
 
 from bench import sd15, sdxl
 from bench.engine import measure_model
-from bench.gpu_report import SECTION_RENDERERS, render
+from bench.gpu_report import SECTION_RENDERERS, percent_text, render, seconds_text
 from bench.measure import PROMPTS, Workload
-from bench.pipeline import Runner, environment
+from bench.pipeline import Runner, environment, summary
 from bench.variants import by_name, select
 from handler.pipeline import release_cached_memory, resolve_device
 from loadtest.client import closed_loop
@@ -87,6 +88,7 @@ QUICK = Plan("models/tiny-sd", "models/tiny-sdxl", 64, 1, 1, (1, 2), (1, 2), (1,
              repeats=1, engine_repeats=1, requests_per_client=2, max_batch_limit=0)
 
 
+@functools.cache
 def model_dir(name: str) -> Path:
     """A random-weight architecture by name (written once), or a directory relative to the repository."""
     return RANDOM_MODELS[name]() if name in RANDOM_MODELS else (ROOT / name).resolve()
@@ -103,6 +105,7 @@ class GpuBench:
         self.scratch = scratch
         self.timeout = timeout
         self.caches = scratch / "inductor"  # shared, so a shape compiled in one section is warm in the next
+        self.environment = environment(self.device)
 
     def workload(self, model: str, side: int, steps: int, batch: int = 1, max_batch_limit: int = 0) -> Workload:
         return Workload(str(model_dir(model)), self.device_setting, side, side, steps, batch, self.plan.repeats,
@@ -116,7 +119,7 @@ class GpuBench:
         """The section's file, rewritten after every measurement (``status`` "running" until it ends),
         so a call stopped at its time limit keeps what it measured."""
         self.output.mkdir(parents=True, exist_ok=True)
-        result = {"section": name, "status": status, "environment": environment(self.device), "plan": asdict(self.plan),
+        result = {"section": name, "status": status, "environment": self.environment, "plan": asdict(self.plan),
                   **result}
         (self.output / f"{name}.json").write_text(json.dumps(result, indent=2))
 
@@ -135,7 +138,7 @@ class GpuBench:
                                  max_batch_limit=self.plan.max_batch_limit)
         previous = self.section("variants")
         same = (previous and previous.get("workload") == asdict(workload)
-                and previous["environment"]["device_name"] == environment(self.device)["device_name"])
+                and previous["environment"]["device_name"] == self.environment["device_name"])
         rows = {row["name"]: row for row in previous["variants"]} if same else {}
 
         def merged(results: dict[str, dict]) -> dict:
@@ -159,7 +162,7 @@ class GpuBench:
                 runner = Runner(workload, self.scratch / f"scaling-{batch}", self.timeout, caches=self.caches)
                 row = runner.variant(by_name(name), self.device, warm=False)
                 result["rows"].append({"variant": name, "batch": batch, **row})
-                logger.info("scaling %s batch %d: %s", name, batch, _images_per_s(row))
+                logger.info("scaling %s batch %d: %s", name, batch, summary(row))
                 self.save("scaling", result)
         return result
 
@@ -180,7 +183,7 @@ class GpuBench:
             ceiling = Runner(workload, self.scratch / f"ceiling-{concurrency}", self.timeout).variant(
                 by_name(EAGER), self.device, warm=False)
             result["ceiling_images_per_s"][concurrency] = ceiling.get("images_per_s")
-            logger.info("in-process ceiling, batch %d: %s", concurrency, _images_per_s(ceiling))
+            logger.info("in-process ceiling, batch %d: %s", concurrency, summary(ceiling))
         for mode, frontend in SERVED_MODES.items():
             workdir = self.scratch / f"served-{mode}"
             config = write_model_config(
@@ -198,7 +201,7 @@ class GpuBench:
                                              "mean_step_images": figures.mean_step_images})
                     logger.info("served, %s batching, concurrency %d: %.2f images/s, p95 %s s, %s of in-process, "
                                 "%.1f images per UNet forward", mode, concurrency, point["images_per_s"],
-                                _seconds(point["p95_s"]), _ratio(point["ratio"]), figures.mean_step_images)
+                                seconds_text(point["p95_s"]), percent_text(point["ratio"]), figures.mean_step_images)
                     self.save("served", result)
         return result
 
@@ -254,20 +257,6 @@ def served_point(mode: str, concurrency: int, results: list[tuple[float, bool]],
     return {"mode": mode, "concurrency": concurrency, "requests": len(results), "errors": len(results) - len(latencies),
             "images_per_s": images_per_s, "p50_s": p50, "p95_s": p95, "ceiling_images_per_s": ceiling,
             "ratio": images_per_s / ceiling if ceiling else None}
-
-
-def _images_per_s(result: dict) -> str:
-    if result["status"] != "ok":
-        return f"{result['status']}: {result.get('reason') or result.get('error', '')[:200]}"
-    return f"{result['images_per_s']:.2f} images/s, {result['unet_it_s']:.1f} UNet it/s"
-
-
-def _seconds(value: float | None) -> str:
-    return "—" if value is None else f"{value:.2f}"
-
-
-def _ratio(value: float | None) -> str:
-    return "—" if value is None else f"{value:.0%}"
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

@@ -143,8 +143,8 @@ def _engine(section: dict) -> list[str]:
 
 def _served(section: dict) -> list[str]:
     rows = [[point["mode"], str(point["concurrency"]), str(point["requests"]), str(point["errors"]),
-             f"{point['images_per_s']:.2f}", _seconds(point["p50_s"]), _seconds(point["p95_s"]),
-             _seconds(point["ceiling_images_per_s"]), _percent(point["ratio"]), _seconds(point.get("mean_step_images"))]
+             f"{point['images_per_s']:.2f}", seconds_text(point["p50_s"]), seconds_text(point["p95_s"]),
+             seconds_text(point["ceiling_images_per_s"]), percent_text(point["ratio"]), seconds_text(point.get("mean_step_images"))]
             for point in section["points"]]
     return _table(["batching", "concurrency", "requests", "errors", "images/s", "p50 (s)", "p95 (s)",
                    "in-process at that batch (images/s)", "served / in-process", "images per UNet forward"], rows)
@@ -164,11 +164,11 @@ SECTION_RENDERERS = {
 }
 
 
-def _seconds(value: float | None) -> str:
+def seconds_text(value: float | None) -> str:
     return "—" if value is None else f"{value:.2f}"
 
 
-def _percent(value: float | None) -> str:
+def percent_text(value: float | None) -> str:
     return "—" if value is None else f"{value:.0%}"
 
 

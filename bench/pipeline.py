@@ -122,7 +122,7 @@ class Runner:
         for number, variant in enumerate(variants, 1):
             started = time.perf_counter()
             results[variant.name] = result = self.variant(variant, device, warm)
-            logger.info("[%d/%d] %-28s %s (%.0f s)", number, len(variants), variant.name, _summary(result),
+            logger.info("[%d/%d] %-28s %s (%.0f s)", number, len(variants), variant.name, summary(result),
                         time.perf_counter() - started)
             compare_with_baseline(results, self.scratch, self.baseline)
             if on_result:
@@ -233,7 +233,7 @@ def main(argv: list[str] | None = None) -> None:
     logger.info("report: %s", ", ".join(str(path) for path in paths))
 
 
-def _summary(result: dict) -> str:
+def summary(result: dict) -> str:
     if result["status"] == "skipped":
         return f"skipped: {result['reason']}"
     if result["status"] != "ok":
