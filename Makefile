@@ -7,7 +7,7 @@ PY := $(VENV)/bin/python
 # models of every served family (make model) serve tests that need no image quality.
 DEFAULT_MODEL_DIR := models/shapes-sd
 RANDOM_MODEL_DIR := models/tiny-sd
-# models/tiny-<name> is built as family FAMILY_<name> of scripts/make_tiny_model.py.
+# models/tiny-<name> is built as family FAMILY_<name> of model_making/make_tiny_model.py.
 FAMILY_sd := sd1
 FAMILY_sd2 := sd2
 FAMILY_sdxl := sdxl
@@ -17,7 +17,7 @@ MODEL_DIR ?= $(DEFAULT_MODEL_DIR)
 ARCHIVE_FORMAT ?= auto
 PYTEST_ARGS ?=
 
-.PHONY: help venv system-deps model train-default-model model-grid prometheus-rule mar serve stop test test-fast unit-test integration-test dashboard dashboard-png loadtest sweep bench-overhead bench-pipeline bench-continuous bench-engine bench-gpu clean
+.PHONY: help venv system-deps model train-default-model model-grid prometheus-rule metrics-config mar serve stop test test-fast unit-test integration-test dashboard dashboard-png loadtest sweep bench-overhead bench-pipeline bench-continuous bench-engine bench-gpu clean
 
 help:
 	@echo "make serve   set up, build the archive and serve it on 127.0.0.1:8080 (MODEL_DIR=/path for a real model)"
@@ -39,6 +39,7 @@ help:
 	@echo "                    BENCH_ARGS='--quick' for the CPU check CI runs; PY=python3 where there is no venv (the lent GPU)"
 	@echo "make dashboard      rebuild docker/grafana/dashboards/stable-diffusion.json"
 	@echo "make prometheus-rule  rebuild deploy/k8s/prometheusrule.yaml from docker/prometheus/rules/"
+	@echo "make metrics-config rebuild metrics.yaml from handler/metrics.py and TorchServe's defaults"
 	@echo "make dashboard-png  load a fresh server, render the dashboard panels from Prometheus to docs/img/dashboard.png"
 
 venv: $(VENV)/.installed
@@ -62,23 +63,23 @@ system-deps:
 
 model: $(TINY_MODELS)
 
-models/tiny-%/model_index.json: scripts/make_tiny_model.py | $(VENV)/.installed
+models/tiny-%/model_index.json: model_making/make_tiny_model.py | $(VENV)/.installed
 	rm -rf models/tiny-$*
-	$(PY) -m scripts.make_tiny_model models/tiny-$* --family $(FAMILY_$*)
+	$(PY) -m model_making.make_tiny_model models/tiny-$* --family $(FAMILY_$*)
 
 train-default-model: venv
-	$(PY) -m scripts.train_default_model $(DEFAULT_MODEL_DIR)
+	$(PY) -m model_making.train_default_model $(DEFAULT_MODEL_DIR)
 
 model-grid: venv
-	$(PY) -m scripts.render_model_grid --output docs/img/default-model-grid.png
+	$(PY) -m model_making.render_model_grid --output docs/img/default-model-grid.png
 
-# build_mar.py skips the work when handler, config and weights are unchanged.
+# server/archive.py skips the work when handler, config and weights are unchanged.
 mar: venv
-	$(PY) -m scripts.build_mar --model-dir "$(MODEL_DIR)" --archive-format $(ARCHIVE_FORMAT)
+	$(PY) -m server.archive --model-dir "$(MODEL_DIR)" --archive-format $(ARCHIVE_FORMAT)
 
 # The container runs the same script (docker/Dockerfile).
 serve: venv
-	PYTHON=$(PY) MODEL_DIR="$(MODEL_DIR)" ARCHIVE_FORMAT=$(ARCHIVE_FORMAT) scripts/start.sh
+	PYTHON=$(PY) MODEL_DIR="$(MODEL_DIR)" ARCHIVE_FORMAT=$(ARCHIVE_FORMAT) server/start.sh
 
 stop:
 	@if [ -f runtime/server.pid ]; then kill -TERM "$$(cat runtime/server.pid)" && echo "stop requested"; \
@@ -104,13 +105,13 @@ sweep: venv
 	$(PY) -m loadtest.sweep $(SWEEP_ARGS)
 
 bench-overhead: venv
-	$(PY) -m loadtest.overhead
+	$(PY) -m bench.overhead
 
 bench-pipeline: venv
 	$(PY) -m bench.pipeline $(BENCH_ARGS)
 
 bench-continuous: venv
-	$(PY) -m loadtest.continuous
+	$(PY) -m bench.continuous
 
 bench-engine: venv model
 	$(PY) -m bench.engine $(BENCH_ARGS)
@@ -121,13 +122,16 @@ bench-gpu: $(if $(filter $(VENV)/bin/python,$(PY)),venv model)
 	$(PY) -m bench.gpu $(BENCH_ARGS)
 
 prometheus-rule: venv
-	$(PY) -m scripts.build_prometheus_rule
+	$(PY) -m observability.build_prometheus_rule
+
+metrics-config: venv
+	$(PY) -m observability.build_metrics_config
 
 dashboard: venv
-	$(PY) -m scripts.build_dashboard
+	$(PY) -m observability.build_dashboard
 
 dashboard-png: venv system-deps
-	$(PY) -m scripts.render_dashboard --duration 120 --output docs/img/dashboard.png
+	$(PY) -m observability.render_dashboard --duration 120 --output docs/img/dashboard.png
 
 clean:
 	rm -rf model_store/*.mar model_store/stable-diffusion model_store/.*.fingerprint runtime build

@@ -30,7 +30,7 @@ from bench.reference import Reference
 from handler.config import HandlerSettings
 from handler.engine import JobSpec, StepEngine
 from handler.pipeline import load_engine, native_size, resolve_device, synchronize
-from scripts.build_mar import DEFAULT_MODEL_DIR, ROOT, TINY_MODEL_DIRS
+from server.paths import DEFAULT_MODEL_DIR, REPORTS, TINY_MODEL_DIRS
 
 logger = logging.getLogger("bench-engine")
 
@@ -140,7 +140,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--repeats", type=int, default=10)
     parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda", "mps"])
     parser.add_argument("--quick", action="store_true", help="CI mode: 2 steps, 1 repeat, batches 1 and 2")
-    parser.add_argument("--output-dir", type=Path, default=ROOT / "reports" / "engine")
+    parser.add_argument("--output-dir", type=Path, default=REPORTS / "engine")
     args = parser.parse_args(argv)
     if args.quick:
         args.steps, args.repeats, args.batches = 2, 1, [1, 2]

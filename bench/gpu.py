@@ -37,7 +37,6 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import numpy as np
-import torch
 
 from bench import sd15, sdxl
 from bench.engine import measure_model
@@ -47,9 +46,9 @@ from bench.pipeline import Runner, environment, summary
 from bench.variants import by_name, select
 from handler.pipeline import release_cached_memory, resolve_device
 from loadtest.client import closed_loop
-from loadtest.sweep import server_figures
-from scripts.build_mar import ROOT, console_script, write_model_config
-from scripts.server import serve_archive
+from loadtest.results import server_figures
+from server import console_script, serve_archive, write_model_config
+from server.paths import BUILD, REPORTS, ROOT
 
 logger = logging.getLogger("bench-gpu")
 
@@ -271,8 +270,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if args.quick and args.device == "auto":
         args.device = "cpu"
-    args.output_dir = args.output_dir or ROOT / "reports" / ("gpu-quick" if args.quick else "gpu")
-    args.scratch = args.scratch or ROOT / "build" / ("bench-gpu-quick" if args.quick else "bench-gpu")
+    args.output_dir = args.output_dir or REPORTS / ("gpu-quick" if args.quick else "gpu")
+    args.scratch = args.scratch or BUILD / ("bench-gpu-quick" if args.quick else "bench-gpu")
     return args
 
 

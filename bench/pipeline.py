@@ -32,7 +32,7 @@ from bench.measure import Workload
 from bench.report import write_report
 from bench.variants import BASELINE, VARIANT_NAMES, Variant, select
 from handler.pipeline import resolve_device
-from scripts.build_mar import DEFAULT_MODEL_DIR, RANDOM_MODEL_DIR, ROOT
+from server.paths import DEFAULT_MODEL_DIR, RANDOM_MODEL_DIR, REPORTS, ROOT
 
 logger = logging.getLogger("bench-pipeline")
 
@@ -201,7 +201,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--attention-repeats", type=int, default=5)
     parser.add_argument("--timeout", type=float, default=3600, help="seconds one variant process may take")
     parser.add_argument("--quick", action="store_true", help="CI mode: the random tiny model, 64x64, 2 steps, 1 repeat")
-    parser.add_argument("--output-dir", type=Path, default=ROOT / "reports")
+    parser.add_argument("--output-dir", type=Path, default=REPORTS)
     parser.add_argument("--name", help="report file stem (default: pipeline-<model>-<device>)")
     args = parser.parse_args(argv)
     if args.quick and args.model == "default":

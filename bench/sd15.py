@@ -2,7 +2,7 @@
 
 The UNet (859.5M parameters), VAE and CLIP ViT-L/14 text encoder use SD 1.5's published configs,
 so attention and convolution run at the sizes a real model runs them. Only the tokenizer differs
-(byte-level, see ``scripts.make_tiny_model``); prompts still become 77 tokens of width 768. The
+(byte-level, see ``model_making.make_tiny_model``); prompts still become 77 tokens of width 768. The
 pipeline is written once in diffusers format (safetensors, float16) and loaded by the handler's own
 loading code like any local model.
 """
@@ -16,9 +16,10 @@ from diffusers import AutoencoderKL, DDIMScheduler, StableDiffusionPipeline, UNe
 from transformers import CLIPTextModel
 
 from bench import random_weights
-from scripts.make_tiny_model import build_tokenizer
+from model_making.make_tiny_model import build_tokenizer
+from server.paths import MODELS
 
-MODEL_DIR = Path(__file__).resolve().parent.parent / "models" / "sd15-random"
+MODEL_DIR = MODELS / "sd15-random"
 NATIVE_SIDE = 512
 SEED = 0
 

@@ -2,7 +2,7 @@
 
 The UNet (2.57B parameters), the two text encoders (CLIP ViT-L/14, as SD 1.5's, and OpenCLIP
 ViT-bigG/14) and the VAE (SD 1.5's layout, SDXL's scaling and float32 upcast) use SDXL base 1.0's
-published configs, so ``make bench-gpu`` measures SDXL at the sizes a real model runs. Both tokenizers are byte-level (``scripts.make_tiny_model``): prompts still become
+published configs, so ``make bench-gpu`` measures SDXL at the sizes a real model runs. Both tokenizers are byte-level (``model_making.make_tiny_model``): prompts still become
 77 tokens. Written once in diffusers format (safetensors, float16, about 7 GB).
 """
 
@@ -15,9 +15,10 @@ from diffusers import AutoencoderKL, EulerDiscreteScheduler, StableDiffusionXLPi
 from transformers import CLIPTextModel, CLIPTextModelWithProjection
 
 from bench import random_weights, sd15
-from scripts.make_tiny_model import build_tokenizer
+from model_making.make_tiny_model import build_tokenizer
+from server.paths import MODELS
 
-MODEL_DIR = Path(__file__).resolve().parent.parent / "models" / "sdxl-random"
+MODEL_DIR = MODELS / "sdxl-random"
 NATIVE_SIDE = 1024
 SEED = 0
 

@@ -3,8 +3,8 @@
 Every metric means the same with TorchServe's dynamic batching and with its continuous batching:
 both run the same step engine. The service records through ``DiffusionMetrics``; where the
 numbers go is a ``MetricSink`` (TorchServe's metrics in the handler, a list in tests). ``METRICS``
-is the source of the ``model_metrics`` section of ``metrics.yaml`` (a unit test keeps the two
-equal).
+is the source of the handler's entries in ``metrics.yaml`` (``make metrics-config`` generates the
+file; a unit test keeps it equal).
 
 TorchServe gives every histogram the fixed buckets 0.005 .. 10 in Prometheus mode. Latencies are
 recorded in seconds; because a request on a CPU or at a large size can take longer than 10 s,

@@ -8,7 +8,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import requests
 
-from scripts.server import TorchServe
+from server import TorchServe
 
 
 def post(server: TorchServe, body: dict, timeout: float = 600) -> tuple[float, bool]:

@@ -8,8 +8,9 @@ from pathlib import Path
 import yaml
 from pydantic import BaseModel, ConfigDict, Field
 
-ROOT = Path(__file__).resolve().parent.parent
-DEFAULT_CONFIG = ROOT / "benchmark_config.yaml"
+from server.paths import BENCHMARK_CONFIG, ROOT
+
+DEFAULT_CONFIG = BENCHMARK_CONFIG
 
 
 class _Section(BaseModel):

@@ -6,15 +6,12 @@ from __future__ import annotations
 import csv
 import json
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import matplotlib.pyplot as plt
 import numpy as np
 
 from loadtest.config import BenchmarkConfig
-
-if TYPE_CHECKING:
-    from loadtest.sweep import PointResult
+from loadtest.results import PointResult
 
 
 def best_point(results: list[PointResult]) -> PointResult | None:

@@ -17,8 +17,9 @@ from pathlib import Path
 
 import numpy as np
 
-from loadtest.config import DEFAULT_CONFIG, ROOT, SLA, BenchmarkConfig
-from scripts.server import Addresses, Keys, read_properties
+from loadtest.config import DEFAULT_CONFIG, SLA, BenchmarkConfig
+from server import KEY_FILE, Addresses, Keys, read_properties
+from server.paths import CONFIG_PROPERTIES, REPORTS, ROOT, RUNTIME
 
 logger = logging.getLogger("loadtest")
 
@@ -112,14 +113,14 @@ def run_locust(
 def main() -> None:
     parser = argparse.ArgumentParser(description="Load-test a running server against the SLA of benchmark_config.yaml.")
     parser.add_argument("--config", type=Path, default=DEFAULT_CONFIG)
-    parser.add_argument("--server-config", type=Path, default=ROOT / "config.properties",
+    parser.add_argument("--server-config", type=Path, default=CONFIG_PROPERTIES,
                         help="config.properties of the server (its inference address)")
-    parser.add_argument("--key-file", type=Path, default=ROOT / "runtime" / "key_file.json")
+    parser.add_argument("--key-file", type=Path, default=RUNTIME / KEY_FILE)
     parser.add_argument("--users", type=int, help="override loadtest.users")
     parser.add_argument("--requests", type=int, help="override loadtest.requests")
     parser.add_argument("--duration", type=float, help="override loadtest.duration_s")
     parser.add_argument("--p95", type=float, help="override sla.p95_seconds")
-    parser.add_argument("--report-dir", type=Path, default=ROOT / "reports" / "loadtest")
+    parser.add_argument("--report-dir", type=Path, default=REPORTS / "loadtest")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
 

@@ -10,46 +10,21 @@ import argparse
 import logging
 import tempfile
 import time
-from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import requests
 from tqdm import tqdm
 
-from loadtest.config import DEFAULT_CONFIG, ROOT, BenchmarkConfig, SweepPoint
+from loadtest.config import DEFAULT_CONFIG, BenchmarkConfig, SweepPoint
 from loadtest.report import write_report
-from loadtest.run import LoadResult, run_locust
-from scripts.build_mar import build, write_model_config
-from scripts.server import TorchServe, config_on_free_ports
+from loadtest.results import PointResult, server_figures
+from loadtest.run import run_locust
+from server import TorchServe, build, config_on_free_ports, write_model_config
+from server.paths import CONFIG_PROPERTIES, REPORTS, ROOT
 
 logger = logging.getLogger("sweep")
 
 REGISTER_TIMEOUT_S = 600
-
-
-@dataclass(frozen=True)
-class ServerFigures:
-    """What the server measured during one point (from the metrics endpoint, as deltas)."""
-
-    mean_queue_s: float
-    mean_handler_s: float
-    mean_batch_size: float
-    mean_step_images: float
-    images: float
-
-
-@dataclass(frozen=True)
-class PointResult:
-    point: SweepPoint
-    client: LoadResult
-    server: ServerFigures
-    meets_sla: bool
-    violations: list[str]
-    request_log: str
-
-    def as_row(self) -> dict:
-        return {**self.point.model_dump(), **self.client.as_dict(), **asdict(self.server),
-                "meets_sla": self.meets_sla, "violations": "; ".join(self.violations)}
 
 
 class ModelRegistration:
@@ -94,28 +69,6 @@ class ModelRegistration:
         self._call("DELETE", f"{self.url}/{self.server.model_name}")
 
 
-def _delta(before: dict, after: dict, name: str) -> float:
-    def total(samples: dict) -> float:
-        return sum(value for (sample, _), value in samples.items() if sample == name)
-
-    return total(after) - total(before)
-
-
-def server_figures(before: dict, after: dict) -> ServerFigures:
-    """Means over one point. (prometheus-client's parser names counter samples ``*_total``.)"""
-    requests_served = _delta(before, after, "ts_inference_requests_total") or 1.0
-    handled = _delta(before, after, "sd_request_latency_seconds_count") or 1.0
-    batches = _delta(before, after, "sd_batch_size_count") or 1.0
-    forwards = _delta(before, after, "sd_iteration_batch_size_count") or 1.0
-    return ServerFigures(
-        mean_queue_s=_delta(before, after, "ts_queue_latency_microseconds_total") / 1e6 / requests_served,
-        mean_handler_s=_delta(before, after, "sd_request_latency_seconds_sum") / handled,
-        mean_batch_size=_delta(before, after, "sd_batch_size_sum") / batches,
-        mean_step_images=_delta(before, after, "sd_iteration_batch_size_sum") / forwards,
-        images=_delta(before, after, "sd_images_total"),
-    )
-
-
 def warm_up(server: TorchServe, config: BenchmarkConfig) -> None:
     """Requests of every kind in the mix, not measured."""
     url = f"{server.addresses.inference}/predictions/{server.model_name}"
@@ -152,7 +105,7 @@ def run_sweep(config_path: Path, out: Path) -> list[PointResult]:
                         workdir / "model_store", model_name=f"{config.model.name}-{'continuous' if mode else 'dynamic'}").name
             for mode in sorted(set(config.sweep.continuous_batching))
         }
-        server_config = config_on_free_ports(ROOT / "config.properties", workdir, enable_model_api="true")
+        server_config = config_on_free_ports(CONFIG_PROPERTIES, workdir, enable_model_api="true")
         server = TorchServe(server_config, workdir / "model_store", workdir / "server", model_name=config.model.name,
                             env={"TMPDIR": tmp})
         server.start(load_model=False)
@@ -188,7 +141,7 @@ def main() -> None:
     parser.add_argument("--output", type=Path, help="report directory (default reports/sweep-<time>)")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
-    out = args.output or ROOT / "reports" / time.strftime("sweep-%Y%m%d-%H%M%S")
+    out = args.output or REPORTS / time.strftime("sweep-%Y%m%d-%H%M%S")
     out.mkdir(parents=True, exist_ok=True)
     results = run_sweep(args.config.resolve(), out)
     report = write_report(results, BenchmarkConfig.load(args.config), out)

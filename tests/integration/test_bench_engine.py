@@ -11,7 +11,7 @@ import pytest
 from PIL import Image
 
 from bench.engine import FAMILY_MODELS
-from tests.integration.conftest import ROOT
+from server.paths import ROOT
 
 pytestmark = pytest.mark.slow
 

@@ -10,7 +10,7 @@ import pytest
 from PIL import Image
 
 from bench.gpu import QUICK, SECTION_VARIANTS, SECTIONS, SERVED_MODES
-from tests.integration.conftest import ROOT
+from server.paths import ROOT
 
 pytestmark = pytest.mark.slow
 

@@ -12,7 +12,7 @@ import torch
 from PIL import Image
 
 from bench.variants import BASELINE, VARIANTS
-from tests.integration.conftest import ROOT
+from server.paths import ROOT
 
 pytestmark = pytest.mark.slow
 

@@ -8,8 +8,8 @@ import time
 
 import pytest
 
-from tests.integration.conftest import Client, model_config, serving
-from tests.integration.test_reliability import wait_until_serving, workers
+from server import write_model_config as model_config
+from tests.harness.serving import Client, serving, wait_until_serving, workers
 
 pytestmark = pytest.mark.slow
 

@@ -15,7 +15,8 @@ import requests
 
 from bench.reference import Reference
 from handler.engine import SCHEDULERS
-from tests.integration.conftest import MODEL_DIR, Client, decode_png
+from tests.harness.images import decode_png
+from tests.harness.serving import MODEL_DIR, Client
 
 LONG = {"prompt": "a red circle", "seed": 1, "num_inference_steps": 60}
 SHORT = {"prompt": "a blue square", "seed": 2, "num_inference_steps": 4}

@@ -1,5 +1,5 @@
 """The default model listens, through the real server: colours, shapes, guidance, schedulers, and
-batched requests that each get their own picture. Measures: ``scripts.shapes`` (docs/default-model.md)."""
+batched requests that each get their own picture. Measures: ``model_making.shapes`` (docs/default-model.md)."""
 
 from __future__ import annotations
 
@@ -8,9 +8,9 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from handler.engine import SCHEDULERS
-from scripts.shapes import COLOURS, SHAPES, Judgement, accuracy, dominant_colour, shape_of
-from tests.integration.conftest import decode_json_images, decode_png
-from tests.integration.test_serving import run_behind_blocker
+from model_making.shapes import COLOURS, SHAPES, Judgement, accuracy, dominant_colour, shape_of
+from tests.harness.images import decode_json_images, decode_png
+from tests.harness.serving import run_behind_blocker
 
 SEEDS = range(4)
 ON_COLOUR = 0.9

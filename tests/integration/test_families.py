@@ -24,10 +24,12 @@ from PIL import Image
 from bench.reference import Reference
 from handler.encode import EXIF_IMAGE_DESCRIPTION
 from handler.protocol import NSFW_HEADER
-from scripts.build_mar import TINY_MODEL_DIRS
-from scripts.make_tiny_model import CALIBRATION, CALIBRATION_FILE
-from scripts.server import TorchServe
-from tests.integration.conftest import Client, decode_png, model_config, serving, value
+from model_making.make_tiny_model import CALIBRATION, CALIBRATION_FILE
+from server import TorchServe
+from server import write_model_config as model_config
+from server.paths import TINY_MODEL_DIRS
+from tests.harness.images import decode_png
+from tests.harness.serving import Client, serving, value
 
 MODES = ("dynamic", "continuous")
 FAMILIES = {"sd1-safety": 64, "sd2": 96, "sdxl": 64}  # native sides

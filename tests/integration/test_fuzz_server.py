@@ -21,8 +21,8 @@ from PIL import Image
 
 from handler.config import HandlerSettings
 from handler.request import FIELD_LABELS
-from scripts.server import TorchServe
-from tests.client_inputs import (
+from server import TorchServe
+from tests.harness.client_inputs import (
     BASE_FIELDS,
     CONTENT_TYPE_HEADERS,
     FIELDS,
@@ -32,7 +32,7 @@ from tests.client_inputs import (
     UPLOAD_CONTENT_TYPES,
     request_fields,
 )
-from tests.integration.conftest import SHIPPED_CONFIG, Client
+from tests.harness.serving import SHIPPED_CONFIG, Client
 
 EXAMPLES = 50  # most are refused at admission, the rest are small
 VALID = {"prompt": "a red circle", "num_inference_steps": 2, "seed": 1}

@@ -11,8 +11,10 @@ import grpc
 import pytest
 
 from clients.grpc_client import MODEL_NAME, as_error, is_image, main, messages, predict, services, stream_predictions
-from scripts.server import TorchServe
-from tests.integration.conftest import ROOT, assert_same_image, decode_json_images, decode_png, run_example
+from server import TorchServe
+from server.paths import ROOT
+from tests.harness.images import assert_same_image, decode_json_images, decode_png
+from tests.harness.readme import run_example
 
 FAST = {"num_inference_steps": 4}
 # Longer than one continuous-batching iteration (iteration_budget_ms, 100 ms) on any device.

@@ -11,7 +11,7 @@ import pytest
 import yaml
 
 from loadtest.config import DEFAULT_CONFIG
-from tests.integration.conftest import ROOT
+from server.paths import ROOT
 
 pytestmark = pytest.mark.slow
 

@@ -6,8 +6,7 @@ from __future__ import annotations
 import pytest
 
 from handler.metrics import METRICS
-from tests.integration.conftest import SHIPPED_CONFIG, Client, value
-from tests.integration.test_serving import run_behind_blocker
+from tests.harness.serving import SHIPPED_CONFIG, Client, run_behind_blocker, value
 
 
 @pytest.mark.parametrize("mode", ["dynamic_server", "continuous_server"])

@@ -11,10 +11,11 @@ import time
 import pytest
 import yaml
 
-from scripts.build_dashboard import GPU_ONLY, OUTPUT
-from scripts.prometheus import RULE_FILES, Prometheus
-from scripts.server import ROOT, free_port
-from tests.integration.test_serving import run_behind_blocker
+from observability.build_dashboard import GPU_ONLY, OUTPUT
+from observability.prometheus import RULE_FILES, Prometheus
+from server import free_port
+from server.paths import ROOT
+from tests.harness.serving import run_behind_blocker
 
 MODEL = "stable-diffusion"
 SPLIT_OPERATORS = re.compile(r"\s(?:>=|<=|==|!=|>|<|and|or|unless)\s")

@@ -8,8 +8,9 @@ import json
 import pytest
 import requests
 
-from scripts.server import KEY_FILE, Keys
-from tests.integration.conftest import RUNNERS, decode_png, readme_examples, run_example
+from server import KEY_FILE, Keys
+from tests.harness.images import decode_png
+from tests.harness.readme import RUNNERS, readme_examples, run_example
 
 
 def test_every_marked_example_is_bash_or_python():

@@ -5,7 +5,6 @@ timeout in both batching modes, loopback binding, allowed_urls, prompts kept out
 from __future__ import annotations
 
 import ipaddress
-import os
 import signal
 import time
 from collections.abc import Iterator
@@ -15,18 +14,27 @@ import psutil
 import pytest
 import requests
 
-from scripts.server import TorchServe
-from tests.integration.conftest import SHIPPED_CONTINUOUS, Client, assert_same_image, decode_json_images, model_config, serving, value
-from tests.integration.test_serving import run_behind_blocker
+from server import TorchServe
+from server import write_model_config as model_config
+from tests.harness.images import assert_same_image, decode_json_images
+from tests.harness.serving import (
+    FAST,
+    SHIPPED_CONTINUOUS,
+    Client,
+    group_processes,
+    run_behind_blocker,
+    serving,
+    value,
+    wait_until_serving,
+    workers,
+)
 
 RESPONSE_TIMEOUT_S = 8
 JOB_QUEUE_SIZE = 4
 # A UNet forward of up to 3 images of 64x64 fits, 4 do not (the step profile finds it at start);
 # a VAE decode of more than one 64x64 image runs out of memory.
 FAULTS = {"out_of_memory_above_pixels": 3 * 64 * 64, "vae_out_of_memory_above_pixels": 64 * 64}
-FAST = {"num_inference_steps": 4}
 SHORT_BLOCKER = {"prompt": "keep the worker busy", "num_inference_steps": 30, "seed": 0}
-RECOVERY_TIMEOUT_S = 180
 # Well past RESPONSE_TIMEOUT_S (about 20 s of work here) without tripping the OOM injection; the
 # timeout servers allow this many steps.
 TOO_SLOW = {"prompt": "too slow", "num_inference_steps": 600, "num_images_per_prompt": 3}
@@ -44,36 +52,6 @@ def fault_server(tmp_path_factory) -> Iterator[TorchServe]:
 @pytest.fixture(scope="module")
 def fault_client(fault_server) -> Client:
     return Client(fault_server)
-
-
-def group_processes(server: TorchServe) -> list[psutil.Process]:
-    """The frontend and its workers (they share the server's process group)."""
-    group = os.getpgid(server.process.pid)
-    members = []
-    for process in psutil.process_iter(["cmdline"]):
-        try:
-            if os.getpgid(process.pid) == group:
-                members.append(process)
-        except ProcessLookupError:
-            continue
-    return members
-
-
-def workers(server: TorchServe) -> list[psutil.Process]:
-    return [process for process in group_processes(server) if "model_service_worker" in " ".join(process.info["cmdline"] or [])]
-
-
-def wait_until_serving(client: Client) -> float:
-    """Seconds until a valid request succeeds again."""
-    started = time.monotonic()
-    while time.monotonic() - started < RECOVERY_TIMEOUT_S:
-        try:
-            if client.predict({"prompt": "are you back", **FAST}).status_code == 200:
-                return time.monotonic() - started
-        except requests.RequestException:
-            pass
-        time.sleep(1)
-    raise AssertionError(f"the server did not serve again within {RECOVERY_TIMEOUT_S} s")
 
 
 def test_a_request_too_large_alone_is_refused_at_admission_with_507(fault_client):

@@ -15,8 +15,11 @@ from urllib.parse import urlparse
 import psutil
 import pytest
 
-from scripts.server import EFFECTIVE_CONFIG, config_on_free_ports, read_properties
-from tests.integration.conftest import MODEL_DIR, ROOT, STARTUP_TIMEOUT, decode_png
+from server import config_on_free_ports, read_properties
+from server.paths import ROOT
+from server.properties import EFFECTIVE_CONFIG
+from tests.harness.images import decode_png
+from tests.harness.serving import MODEL_DIR, STARTUP_TIMEOUT
 
 
 def read_until_curl(process: subprocess.Popen, timeout: float) -> tuple[str | None, list[str]]:
@@ -59,7 +62,7 @@ def group_members(group: int) -> list[int]:
 
 def healthcheck(workdir: Path) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-m", "scripts.healthcheck", "--workdir", str(workdir)], cwd=ROOT, capture_output=True, text=True
+        [sys.executable, "-m", "server.healthcheck", "--workdir", str(workdir)], cwd=ROOT, capture_output=True, text=True
     )
 
 
@@ -68,7 +71,7 @@ def healthcheck(workdir: Path) -> subprocess.CompletedProcess:
     ("0.0.0.0", signal.SIGTERM),       # the container, stopped by `docker stop`
 ], ids=["make-serve", "container"])
 def test_start_script_serves_a_working_curl_and_stops_leaving_no_process(tmp_path, bind_address, stop_signal):
-    """scripts/start.sh as `make serve` and the container run it, in a temporary directory: it
+    """server/start.sh as `make serve` and the container run it, in a temporary directory: it
     packages the model (no-archive), serves it, prints a working curl, passes the health check
     (which reads the key itself), and stops cleanly."""
     runtime = tmp_path / "runtime"
@@ -80,7 +83,7 @@ def test_start_script_serves_a_working_curl_and_stops_leaving_no_process(tmp_pat
     if bind_address:
         env["BIND_ADDRESS"] = bind_address
     serve = subprocess.Popen(
-        [str(ROOT / "scripts" / "start.sh")], cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+        [str(ROOT / "server" / "start.sh")], cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
         text=True, env=env,
     )
     try:

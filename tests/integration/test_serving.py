@@ -4,19 +4,13 @@ input, auth, scaling, metrics."""
 from __future__ import annotations
 
 import json
-import time
-from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pytest
 import requests
 
-from tests.integration.conftest import assert_same_image, decode_json_images, decode_png, value
-
-FAST = {"num_inference_steps": 4}
-# Long enough to keep the worker busy while followers queue up behind it (the default model
-# runs ~30 steps/s at 64x64 here; on a faster machine the followers may still be batched).
-BLOCKER = {"prompt": "keep the worker busy", "num_inference_steps": 100, "seed": 0}
+from tests.harness.images import assert_same_image, decode_json_images, decode_png
+from tests.harness.serving import FAST, run_behind_blocker, value
 
 
 def test_png_of_requested_size_with_seed_header(client):
@@ -86,16 +80,6 @@ def test_same_seed_same_image_different_seed_different_image(client):
     first = client.image(prompt="a yellow circle", seed=7)
     assert np.array_equal(first, client.image(prompt="a yellow circle", seed=7))
     assert np.abs(first.astype(int) - client.image(prompt="a yellow circle", seed=8).astype(int)).mean() > 5
-
-
-def run_behind_blocker(client, bodies: list[dict], blocker_body: dict = BLOCKER) -> list[requests.Response]:
-    """Send ``bodies`` concurrently while the worker is busy, so TorchServe batches them."""
-    with ThreadPoolExecutor(len(bodies) + 1) as pool:
-        blocker = pool.submit(client.predict, blocker_body)
-        time.sleep(0.5)
-        followers = [pool.submit(client.predict, body) for body in bodies]
-        assert blocker.result().status_code == 200, blocker.result().text
-        return [future.result() for future in followers]
 
 
 def test_batched_requests_match_alone_and_a_bad_one_fails_alone(dynamic_client):

@@ -7,8 +7,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from tests.integration.conftest import decode_json_images, decode_png
-from tests.integration.test_reliability import workers
+from tests.harness.images import decode_json_images, decode_png
+from tests.harness.serving import workers
 
 pytestmark = pytest.mark.slow
 

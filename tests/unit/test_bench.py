@@ -12,13 +12,13 @@ from diffusers.models.attention_processor import AttnProcessor
 from torch.utils.flop_counter import FlopCounterMode
 
 from bench import sd15, sdxl
-from handler.families import family_of
 from bench.measure import Workload, unet_flops
 from bench.pipeline import image_distance
 from bench.report import markdown
 from bench.variants import BASELINE, VARIANT_NAMES, VARIANTS, select
 from handler.config import HandlerSettings
-from scripts.build_mar import RANDOM_MODEL_DIR
+from handler.families import family_of
+from server.paths import RANDOM_MODEL_DIR
 
 
 def test_every_variant_is_valid_handler_settings_and_differs_from_the_baseline():
@@ -129,7 +129,8 @@ def test_markdown_has_one_full_row_per_variant_whatever_its_status():
 
 
 def test_engine_overhead_table_states_the_ratio_per_family_and_batch():
-    from bench.engine import Row, markdown as engine_markdown
+    from bench.engine import Row
+    from bench.engine import markdown as engine_markdown
 
     rows = [Row("sd1", "shapes-sd", 1, 64, 25, 0.200, 0.210, 0, 0), Row("sdxl", "tiny-sdxl", 8, 64, 25, 0.400, 0.380, 1, 2)]
     table = engine_markdown(rows, {"device_name": "cpu", "torch": "2.13.0", "diffusers": "0.42.1", "date": "2026-11-23"})

@@ -1,6 +1,6 @@
 """The continuous-batching benchmark's pure parts: the request mix and the verdict table."""
 
-from loadtest.continuous import SIDES, STEP_MIX, Point, markdown, request_bodies
+from bench.continuous import SIDES, STEP_MIX, Point, markdown, request_bodies
 
 
 def test_request_bodies_are_reproducible_and_draw_from_the_mix():

@@ -7,9 +7,9 @@ import yaml
 from pydantic import ValidationError
 
 from handler.config import HandlerSettings, continuous_batching
-from scripts.server import bound_to, reachable, read_properties
+from server.paths import ROOT
+from server.properties import bound_to, reachable, read_properties
 
-ROOT = Path(__file__).resolve().parents[2]
 MODEL_CONFIG = yaml.safe_load((ROOT / "model-config.yaml").read_text())
 PROPERTIES = read_properties(ROOT / "config.properties")
 

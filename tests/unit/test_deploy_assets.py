@@ -23,10 +23,10 @@ import pytest
 import yaml
 from dockerfile_parse import DockerfileParser
 
-from scripts.build_prometheus_rule import render as render_prometheus_rule
-from scripts.server import read_properties
+from observability.build_prometheus_rule import render as render_prometheus_rule
+from server import read_properties
+from server.paths import ROOT
 
-ROOT = Path(__file__).resolve().parents[2]
 DOCKER = ROOT / "docker"
 K8S = ROOT / "deploy" / "k8s"
 KSERVE = ROOT / "deploy" / "kserve"
@@ -49,7 +49,7 @@ CUSTOM_RESOURCE_SCHEMAS = {
 # What the image copies: the serving code and tools, configuration and the default model.
 SERVING_FILES = {
     "requirements.txt", "config.properties", "metrics.yaml", "model-config.yaml", "handler/", "models/shapes-sd/",
-    "scripts/__init__.py", "scripts/build_mar.py", "scripts/server.py", "scripts/healthcheck.py", "scripts/start.sh",
+    "server/",
 }
 # Development, tests, load tests and benchmarks only.
 DEV_ONLY = {"pytest", "hypothesis", "grpcio", "grpcio-tools", "locust", "matplotlib", "tqdm", "jsonschema",
@@ -178,14 +178,16 @@ def test_the_serving_code_imports_only_what_requirements_txt_installs():
     """Every third-party module the image's code imports comes from requirements.txt or what it pulls in."""
     provided = installed_closure(requirement_names(ROOT / "requirements.txt"))
     distributions = importlib.metadata.packages_distributions()
-    sources = [ROOT / "handler" / path.name for path in (ROOT / "handler").glob("*.py")] + [
-        ROOT / source for source in SERVING_FILES if source.startswith("scripts/") and source.endswith(".py")]
+    copied = {source.rstrip("/") for source in SERVING_FILES if source.endswith("/")}
+    sources = [path for folder in ("handler", "server") for path in (ROOT / folder).glob("*.py")]
     for source in sources:
         for name in imported_modules(source):
             module = name.split(".")[0]
-            if module == "scripts":
-                assert f"{name.replace('.', '/')}.py" in SERVING_FILES, f"{source.relative_to(ROOT)} imports {name}, which the image does not copy"
-            if module in sys.stdlib_module_names or module in {"handler", "scripts"}:
+            if module in sys.stdlib_module_names:
+                continue
+            if (ROOT / module).is_dir():
+                assert module in copied, f"{source.relative_to(ROOT)} imports {name}, which the image does not copy"
+                continue
                 continue
             owners = {name.lower().replace("_", "-") for name in distributions.get(module, [])}
             assert owners & provided, f"{source.relative_to(ROOT)} imports {module} ({owners or 'not installed'}), not in requirements.txt"
@@ -195,9 +197,9 @@ def test_dockerfile_runs_as_non_root_with_healthcheck_ports_and_the_start_script
     users = instructions(dockerfile, "USER")
     assert users and users[-1] not in {"root", "0"}, users
     [healthcheck] = instructions(dockerfile, "HEALTHCHECK")
-    assert "scripts.healthcheck" in healthcheck and "Authorization" not in healthcheck
+    assert "server.healthcheck" in healthcheck and "Authorization" not in healthcheck
     assert set(" ".join(instructions(dockerfile, "EXPOSE")).split()) == PORTS
-    assert json.loads(instructions(dockerfile, "ENTRYPOINT")[-1]) == ["scripts/start.sh"]
+    assert json.loads(instructions(dockerfile, "ENTRYPOINT")[-1]) == ["server/start.sh"]
     for source in " ".join(value.rsplit(" ", 1)[0] for value in instructions(dockerfile, "COPY")).split():
         assert (ROOT / source).exists(), f"COPY source {source} does not exist"
 
@@ -296,7 +298,7 @@ def test_pod_has_gpu_probes_without_keys_and_runs_as_non_root():
     assert torchserve["resources"]["limits"]["nvidia.com/gpu"] == 1
     for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
         assert probe in torchserve
-    assert "scripts.healthcheck" in torchserve["readinessProbe"]["exec"]["command"]
+    assert "server.healthcheck" in torchserve["readinessProbe"]["exec"]["command"]
     assert "Authorization" not in json.dumps(pod), "a key or auth header in the pod spec"
     assert pod["securityContext"]["runAsNonRoot"] is True
     proxy = next(c for c in pod["containers"] if c["name"] == "auth-proxy")

@@ -14,7 +14,7 @@ from handler.config import HandlerSettings
 from handler.engine import SCHEDULERS, JobSpec, StepEngine
 from handler.families import Decoded, UnsupportedPipeline
 from handler.pipeline import load_engine
-from scripts.build_mar import TINY_MODEL_DIRS
+from server.paths import TINY_MODEL_DIRS
 
 FAMILIES = ("sd1", "sd2", "sdxl")
 # Jobs stepped together and alone differ by float rounding only; in 8 bits an image may differ by

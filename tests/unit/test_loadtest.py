@@ -6,10 +6,11 @@ import json
 import pytest
 from pydantic import ValidationError
 
-from loadtest.config import DEFAULT_CONFIG, ROOT, SLA, BenchmarkConfig
+from loadtest.config import DEFAULT_CONFIG, SLA, BenchmarkConfig
 from loadtest.report import best_point, write_report
+from loadtest.results import PointResult, ServerFigures, server_figures
 from loadtest.run import LoadResult, summarize
-from loadtest.sweep import PointResult, ServerFigures, server_figures
+from server.paths import ROOT
 
 CONFIG = BenchmarkConfig.load(DEFAULT_CONFIG)
 

@@ -4,16 +4,16 @@
 import json
 import re
 import subprocess
-from pathlib import Path
 
 import pytest
 import yaml
 
-from scripts.build_dashboard import OUTPUT, render
-from scripts.prometheus import PROMETHEUS_DIR, binary
+from observability import build_metrics_config
+from observability.build_dashboard import OUTPUT, render
+from observability.prometheus import binary
+from server.paths import GRAFANA_DIR, METRICS_CONFIG, PROMETHEUS_DIR, ROOT
 
-ROOT = Path(__file__).resolve().parents[2]
-GRAFANA = ROOT / "docker" / "grafana"
+GRAFANA = GRAFANA_DIR
 DASHBOARD = json.loads(OUTPUT.read_text())
 
 
@@ -40,6 +40,10 @@ def test_every_alert_has_a_unit_test_and_a_runbook_entry():
 
 def test_committed_dashboard_is_what_the_builder_makes():
     assert OUTPUT.read_text() == render(), "run `make dashboard` and commit the result"
+
+
+def test_committed_metrics_config_is_what_the_builder_makes():
+    assert METRICS_CONFIG.read_text() == build_metrics_config.render(), "run `make metrics-config` and commit the result"
 
 
 def panels(kind: str | None = None) -> list[dict]:
@@ -76,7 +80,7 @@ def metric_names(expr: str) -> set[str]:
 def test_dashboard_queries_use_only_known_metrics_and_variables():
     recorded = yaml.safe_load((PROMETHEUS_DIR / "rules" / "recording.yml").read_text())["groups"]
     known = {rule["record"] for group in recorded for rule in group["rules"]}
-    known |= {line.split("name: ")[1] for line in (ROOT / "metrics.yaml").read_text().splitlines() if "- name: " in line}
+    known |= {line.split("name: ")[1] for line in METRICS_CONFIG.read_text().splitlines() if "- name: " in line}
     variables = {variable["name"] for variable in DASHBOARD["templating"]["list"]}
     for panel in panels("timeseries"):
         for target in panel["targets"]:

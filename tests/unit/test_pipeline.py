@@ -8,7 +8,7 @@ from bench.jobs import generate
 from handler.config import HandlerSettings
 from handler.engine import SCHEDULERS, JobSpec
 from handler.pipeline import attention_summary, load_engine, native_size, resolve_dtype
-from scripts.build_mar import RANDOM_MODEL_DIR as MODEL_DIR
+from server.paths import RANDOM_MODEL_DIR as MODEL_DIR
 
 
 def load(**settings):

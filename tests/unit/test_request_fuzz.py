@@ -14,7 +14,6 @@ import io
 import json
 import struct
 from dataclasses import replace
-from pathlib import Path
 from typing import Any, get_args
 
 import hypothesis.strategies as st
@@ -31,7 +30,8 @@ from handler.encode import JSON_CONTENT_TYPE
 from handler.protocol import IncomingRequest, Response, bad_request, decode
 from handler.request import FIELD_LABELS, UNKNOWN_FIELD_LABEL, GenerationRequest, RequestError, RequestPolicy
 from handler.sd_handler import to_incoming
-from tests.client_inputs import (
+from server.paths import ROOT
+from tests.harness.client_inputs import (
     CONTENT_TYPE_HEADERS,
     CONTENT_TYPES,
     FORM_PARTS,
@@ -40,9 +40,8 @@ from tests.client_inputs import (
     RAW_BODIES,
     request_fields,
 )
-from tests.unit.service_stand_ins import FAILS_AT_START, FAILS_STEPPING, RecordingSink, make_service
+from tests.harness.stand_ins import FAILS_AT_START, FAILS_STEPPING, RecordingSink, make_service
 
-ROOT = Path(__file__).resolve().parents[2]
 SHIPPED = HandlerSettings.from_model_yaml(yaml.safe_load((ROOT / "model-config.yaml").read_text())).with_native_size(64, 64)
 POLICY = RequestPolicy(SHIPPED.limits, SHIPPED.defaults)
 POLICIES = st.sampled_from([POLICY, replace(POLICY, streaming=True)])

@@ -17,7 +17,7 @@ from PIL import Image
 from handler.engine import DenoiseJob
 from handler.protocol import NSFW_HEADER, STREAM_CONTENT_TYPE, IncomingRequest
 from handler.service import DiffusionService
-from tests.unit.service_stand_ins import SHAPE, Clock, RecordingSink, SolidColorEngine, make_service
+from tests.harness.stand_ins import SHAPE, Clock, RecordingSink, SolidColorEngine, make_service
 
 
 def body(**fields) -> IncomingRequest:

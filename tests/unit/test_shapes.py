@@ -7,7 +7,16 @@ import random
 import numpy as np
 import pytest
 
-from scripts.shapes import COLOURS, SHAPES, ShapesDataset, ShapeSpec, dominant_colour, random_spec, render, shape_of
+from model_making.shapes import (
+    COLOURS,
+    SHAPES,
+    ShapesDataset,
+    ShapeSpec,
+    dominant_colour,
+    random_spec,
+    render,
+    shape_of,
+)
 
 
 def test_dataset_is_deterministic_by_seed_and_captions_name_what_is_drawn():

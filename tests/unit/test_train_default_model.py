@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from scripts.make_tiny_model import build_pipeline
-from scripts.train_default_model import TrainingPlan, train
+from model_making.make_tiny_model import build_pipeline
+from model_making.train_default_model import TrainingPlan, train
 
 TINY_PLAN = TrainingPlan(images=64, vae_steps=3, vae_batch_size=4, unet_steps=3, unet_batch_size=4)
 

@@ -1,149 +1,49 @@
-"""Start TorchServe with the stable-diffusion archive, wait until it serves, stop it cleanly.
+"""Run TorchServe: one frontend and its workers in their own process group and working directory.
 
-``python -m scripts.server`` is what ``make serve`` runs: TorchServe in the foreground on the
-addresses of config.properties, a ready-to-paste curl once a worker is ready, and a clean stop
-(no Java process left behind) on Ctrl-C or SIGTERM. The tests start their servers with the same
-``TorchServe`` class.
+``TorchServe`` starts it in the foreground, waits until a worker is ready (failing fast when a
+worker cannot load the model), scrapes its metrics and stops it with nothing left behind;
+``serve_archive`` packages a model and serves it on free loopback ports for the length of a block,
+which is how the tests, the load tests, the benchmarks and the observability tools get a server of
+their own. ``python -m server.cli`` (``make serve``) runs the same class.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import logging
 import os
-import shlex
 import signal
-import socket
 import subprocess
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
 from pathlib import Path
-from urllib.parse import urlparse
 
 import requests
 from prometheus_client.parser import text_string_to_metric_families
 
-from scripts.build_mar import archive_model_config, build, console_script
+from server.archive import MODEL_NAME, archive_model_config, build, console_script
+from server.paths import CONFIG_PROPERTIES
+from server.properties import (
+    EFFECTIVE_CONFIG,
+    KEY_FILE,
+    Addresses,
+    Keys,
+    bound_to,
+    config_on_free_ports,
+    reachable,
+    read_properties,
+    token_authorization,
+    with_absolute_paths,
+    write_properties,
+)
 
 logger = logging.getLogger("server")
 
-ROOT = Path(__file__).resolve().parent.parent
-MODEL_NAME = "stable-diffusion"
 STOP_GRACE_SECONDS = 60
-PATH_PROPERTIES = ("metrics_config", "model_store")
-KEY_FILE = "key_file.json"  # written by TorchServe into its working directory
-EFFECTIVE_CONFIG = "config.properties"  # in the working directory, beside the key file
-PID_FILE = "server.pid"  # `make stop` sends SIGTERM to the process named here
 LOAD_FAILED = "Load model failed"  # logged by the frontend each time a worker dies while loading
 DEFAULT_STARTUP_TIMEOUT = 120  # TorchServe's startupTimeout when model-config.yaml sets none
 FRONTEND_START_SECONDS = 120  # the frontend's own start and the archive's registration, before a worker loads
-
-
-def read_properties(path: Path) -> dict[str, str]:
-    """A Java .properties file as a dict (the subset TorchServe uses: key=value lines, # comments)."""
-    properties = {}
-    for line in path.read_text().splitlines():
-        line = line.strip()
-        if line and not line.startswith("#") and "=" in line:
-            key, value = line.split("=", 1)
-            properties[key.strip()] = value.strip()
-    return properties
-
-
-def write_properties(path: Path, properties: dict[str, str]) -> Path:
-    path.write_text("".join(f"{key}={value}\n" for key, value in properties.items()))
-    return path
-
-
-def with_absolute_paths(properties: dict[str, str], base: Path) -> dict[str, str]:
-    """``properties`` with relative file paths (PATH_PROPERTIES) taken relative to ``base``."""
-    resolved = dict(properties)
-    for key in PATH_PROPERTIES:
-        if key in resolved and not Path(resolved[key]).is_absolute():
-            resolved[key] = str((base / resolved[key]).resolve())
-    return resolved
-
-
-def free_port() -> int:
-    """A TCP port on loopback that is free right now."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def config_on_free_ports(config: Path, directory: Path, **overrides: str) -> Path:
-    """A copy of ``config`` in ``directory`` with every port on a free loopback port (so a second
-    server does not disturb a running one) and its file paths made absolute."""
-    properties = with_absolute_paths(read_properties(config), config.parent)
-    properties.update(
-        inference_address=f"http://127.0.0.1:{free_port()}",
-        management_address=f"http://127.0.0.1:{free_port()}",
-        metrics_address=f"http://127.0.0.1:{free_port()}",
-        grpc_inference_port=str(free_port()),
-        grpc_management_port=str(free_port()),
-        initial_worker_port=str(free_port()),
-        **overrides,
-    )
-    return write_properties(directory / "config.properties", properties)
-
-
-# TorchServe's listeners and their defaults.
-DEFAULT_ADDRESSES = {
-    "inference_address": "http://127.0.0.1:8080",
-    "management_address": "http://127.0.0.1:8081",
-    "metrics_address": "http://127.0.0.1:8082",
-}
-GRPC_ADDRESS_PROPERTIES = ("grpc_inference_address", "grpc_management_address")
-ALL_INTERFACES = "0.0.0.0"
-
-
-def bound_to(properties: dict[str, str], host: str) -> dict[str, str]:
-    """``properties`` with the HTTP and gRPC listeners on ``host``, ports kept."""
-    bound = dict(properties)
-    for key, default in DEFAULT_ADDRESSES.items():
-        parsed = urlparse(properties.get(key, default))
-        bound[key] = f"{parsed.scheme}://{host}:{parsed.port}"
-    bound.update({key: host for key in GRPC_ADDRESS_PROPERTIES})
-    return bound
-
-
-def token_authorization(properties: dict[str, str]) -> bool:
-    """Whether TorchServe with these properties demands keys (it does unless disabled)."""
-    return properties.get("disable_token_authorization", "false").lower() != "true"
-
-
-def reachable(properties: dict[str, str]) -> dict[str, str]:
-    """``properties`` as a local client reaches them: a server on all interfaces via loopback."""
-    hosts = {urlparse(properties.get(key, default)).hostname for key, default in DEFAULT_ADDRESSES.items()}
-    return bound_to(properties, "127.0.0.1") if ALL_INTERFACES in hosts else properties
-
-
-@dataclass(frozen=True)
-class Addresses:
-    inference: str
-    management: str
-    metrics: str
-    grpc_inference: str  # host:port, a gRPC target
-
-    @classmethod
-    def from_properties(cls, properties: dict[str, str]) -> Addresses:
-        inference, management, metrics = (properties.get(key, default) for key, default in DEFAULT_ADDRESSES.items())
-        grpc_inference = f"{properties.get('grpc_inference_address', '127.0.0.1')}:{properties.get('grpc_inference_port', '7070')}"
-        return cls(inference=inference, management=management, metrics=metrics, grpc_inference=grpc_inference)
-
-
-@dataclass(frozen=True)
-class Keys:
-    inference: str
-    management: str
-
-    @classmethod
-    def from_key_file(cls, path: Path) -> Keys:
-        data = json.loads(path.read_text())
-        return cls(inference=data["inference"]["key"], management=data["management"]["key"])
 
 
 def find_archive(model_store: Path, model_name: str = MODEL_NAME) -> str:
@@ -334,7 +234,7 @@ def serve_archive(
     ``properties``) until the block ends, waiting for a ready worker ``startup_timeout`` seconds
     (default: as long as the archive's ``startupTimeout`` allows)."""
     model_store = build(model_dir, model_config, workdir / "model_store", gpus=gpus).parent
-    config = config_on_free_ports(ROOT / "config.properties", workdir, **properties)
+    config = config_on_free_ports(CONFIG_PROPERTIES, workdir, **properties)
     with TorchServe(config, model_store, workdir / "server", env={"TMPDIR": str(workdir)}) as server:
         server.wait_ready(startup_timeout or archive_ready_timeout(model_store, server.model_name))
         yield server
@@ -350,74 +250,3 @@ def _wait_group_gone(pgid: int, timeout: float) -> None:
             return
         time.sleep(0.2)
     raise subprocess.TimeoutExpired(f"process group {pgid}", timeout)
-
-
-def example_curl(server: TorchServe) -> str:
-    """A ready-to-paste request that saves a PNG."""
-    body = json.dumps({"prompt": "a red circle", "seed": 42})
-    headers = [f"{name}: {value}" for name, value in server.auth().items()] + ["Content-Type: application/json"]
-    return (
-        f"curl -sS -o image.png -X POST {server.addresses.inference}/predictions/{server.model_name} "
-        + " ".join(f"-H {shlex.quote(header)}" for header in headers)
-        + f" -d {shlex.quote(body)}"
-    )
-
-
-def main() -> None:
-    parser = argparse.ArgumentParser(description="Serve the stable-diffusion archive with TorchServe in the foreground.")
-    parser.add_argument("--config", type=Path, default=ROOT / "config.properties")
-    parser.add_argument("--model-store", type=Path, default=ROOT / "model_store")
-    parser.add_argument("--workdir", type=Path, default=ROOT / "runtime", help="key_file.json and logs/ go here")
-    parser.add_argument("--timeout", type=float,
-                        help="seconds to wait for a ready worker [the archive's startupTimeout + %d]" % FRONTEND_START_SECONDS)
-    parser.add_argument("--bind", help="listen on this host instead of the config's (0.0.0.0 in a container)")
-    args = parser.parse_args()
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
-
-    server = TorchServe(args.config, args.model_store, args.workdir, bind=args.bind)
-    stop_requested = False
-
-    def request_stop(signum, frame):
-        nonlocal stop_requested
-        stop_requested = True
-        raise KeyboardInterrupt
-
-    signal.signal(signal.SIGTERM, request_stop)
-    signal.signal(signal.SIGINT, request_stop)  # also when started with SIGINT ignored (a background job)
-    pid_file = args.workdir / PID_FILE
-    try:
-        args.workdir.mkdir(parents=True, exist_ok=True)
-        pid_file.write_text(str(os.getpid()))
-        server.start()
-        seen = []
-
-        def progress(status: list[str]) -> None:
-            # The describe API reports a worker that is still loading as UNLOADING.
-            shown = ", ".join("ready" if state == "READY" else "loading" for state in status) or "starting"
-            if shown not in seen:
-                seen.append(shown)
-                logger.info("workers: %s", shown)
-
-        timeout = args.timeout or archive_ready_timeout(server.model_store, server.model_name)
-        logger.info("waiting up to %.0f s for a ready worker", timeout)
-        server.wait_ready(timeout, progress)
-        parsed = urlparse(server.addresses.inference)
-        keys = f"Keys: {server.workdir / KEY_FILE}" if server.token_authorization else "Token authorization is off."
-        print(
-            f"\nstable-diffusion is ready on {parsed.netloc} (management {server.addresses.management}, "
-            f"metrics {server.addresses.metrics}/metrics).\n{keys}\n"
-            f"Try:\n\n  {example_curl(server)}\n\nCtrl-C stops the server.\n",
-            flush=True,
-        )
-        server.process.wait()
-        if not stop_requested:
-            raise SystemExit(f"TorchServe exited with status {server.process.returncode}; see {server.console_log}")
-    except KeyboardInterrupt:
-        logger.info("stopping TorchServe")
-    finally:
-        server.stop()
-        pid_file.unlink(missing_ok=True)
-
-
-if __name__ == "__main__":
-    main()

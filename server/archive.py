@@ -26,22 +26,11 @@ from pathlib import Path
 
 import yaml
 
-logger = logging.getLogger("build_mar")
+from server.paths import HANDLER_PACKAGE, MODEL_CONFIG, MODEL_STORE
 
-ROOT = Path(__file__).resolve().parent.parent
-HANDLER_PACKAGE = ROOT / "handler"
+logger = logging.getLogger("archive")
+
 MODEL_NAME = "stable-diffusion"
-# The default model: trained on shapes and colours (make train-default-model), committed.
-DEFAULT_MODEL_DIR = ROOT / "models" / "shapes-sd"
-# Random-weight tiny models of every family the engine serves (make model), for tests that need no
-# image quality; sd1 is the default model's architecture.
-TINY_MODEL_DIRS = {
-    "sd1": ROOT / "models" / "tiny-sd",
-    "sd2": ROOT / "models" / "tiny-sd2",
-    "sdxl": ROOT / "models" / "tiny-sdxl",
-    "sd1-safety": ROOT / "models" / "tiny-sd-safety",
-}
-RANDOM_MODEL_DIR = TINY_MODEL_DIRS["sd1"]
 PICKLE_SUFFIXES = {".bin", ".ckpt", ".pt", ".pth", ".pkl", ".pickle"}
 NO_ARCHIVE_ABOVE_BYTES = 1 << 30
 MANIFEST = "MAR-INF/MANIFEST.json"
@@ -51,7 +40,7 @@ def write_model_config(directory: Path, handler: dict | None = None, **frontend)
     """The shipped model-config.yaml with frontend keys (``continuousBatching``, ``batchSize``, ...)
     and ``handler:`` settings replaced (sections such as ``limits`` key by key), written into
     ``directory`` for an archive built from it."""
-    config = yaml.safe_load((ROOT / "model-config.yaml").read_text())
+    config = yaml.safe_load(MODEL_CONFIG.read_text())
     config.update(frontend)
     shipped = config["handler"]
     for key, setting in (handler or {}).items():
@@ -209,8 +198,8 @@ def build(model_dir: Path, config: Path, export_path: Path, archive_format: str 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model-dir", type=Path, required=True, help="local diffusers pipeline directory")
-    parser.add_argument("--config", type=Path, default=ROOT / "model-config.yaml", help="model-config.yaml to package")
-    parser.add_argument("--export-path", type=Path, default=ROOT / "model_store", help="model store to write to")
+    parser.add_argument("--config", type=Path, default=MODEL_CONFIG, help="model-config.yaml to package")
+    parser.add_argument("--export-path", type=Path, default=MODEL_STORE, help="model store to write to")
     parser.add_argument("--archive-format", choices=["auto", "default", "no-archive"], default="auto",
                         help="auto: a directory (no-archive) for models over 1 GiB, else a .mar")
     args = parser.parse_args()

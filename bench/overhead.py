@@ -23,8 +23,8 @@ from handler.config import HandlerSettings
 from handler.protocol import IncomingRequest
 from handler.service import build_service
 from loadtest.sweep import ModelRegistration
-from scripts.build_mar import DEFAULT_MODEL_DIR, build
-from scripts.server import ROOT, TorchServe, config_on_free_ports
+from server import TorchServe, build, config_on_free_ports
+from server.paths import CONFIG_PROPERTIES, DEFAULT_MODEL_DIR, MODEL_CONFIG, REPORTS, ROOT
 
 logger = logging.getLogger("overhead")
 
@@ -45,7 +45,7 @@ def median_seconds(action, repeats: int) -> float:
 
 def in_process(repeats: int) -> float:
     """The worker's own code path without TorchServe: service.run_batch on one request."""
-    model_config = yaml.safe_load((ROOT / "model-config.yaml").read_text())
+    model_config = yaml.safe_load(MODEL_CONFIG.read_text())
     settings = HandlerSettings.from_model_yaml(model_config).model_copy(update={"model_path": str(DEFAULT_MODEL_DIR)})
     service, _ = build_service(settings, ROOT, lambda spec, value, labels: None)
 
@@ -68,16 +68,16 @@ def over_http(server: TorchServe, repeats: int) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=30)
-    parser.add_argument("--output", type=Path, default=ROOT / "reports" / "overhead.json")
+    parser.add_argument("--output", type=Path, default=REPORTS / "overhead.json")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
-    shipped = yaml.safe_load((ROOT / "model-config.yaml").read_text())
+    shipped = yaml.safe_load(MODEL_CONFIG.read_text())
     mode = "continuous batching" if shipped.get("continuousBatching") else "dynamic batching"
     results = {"request": REQUEST, "repeats": args.repeats}
     with tempfile.TemporaryDirectory(prefix="overhead-") as tmp:
         workdir = Path(tmp)
-        archive = build(DEFAULT_MODEL_DIR, ROOT / "model-config.yaml", workdir / "model_store")
-        config = config_on_free_ports(ROOT / "config.properties", workdir, enable_model_api="true")
+        archive = build(DEFAULT_MODEL_DIR, MODEL_CONFIG, workdir / "model_store")
+        config = config_on_free_ports(CONFIG_PROPERTIES, workdir, enable_model_api="true")
         server = TorchServe(config, workdir / "model_store", workdir / "server", env={"TMPDIR": tmp})
         server.start(load_model=False)
         try:

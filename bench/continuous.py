@@ -25,8 +25,8 @@ import matplotlib.pyplot as plt
 import numpy as np
 
 from loadtest.client import closed_loop, post
-from scripts.build_mar import DEFAULT_MODEL_DIR, write_model_config
-from scripts.server import ROOT, TorchServe, serve_archive
+from server import TorchServe, serve_archive, write_model_config
+from server.paths import DEFAULT_MODEL_DIR, REPORTS
 
 logger = logging.getLogger("bench-continuous")
 
@@ -143,7 +143,7 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=80, help="requests per load point")
     parser.add_argument("--capacity-requests", type=int, default=48)
     parser.add_argument("--concurrency", type=int, default=8, help="closed-loop clients for the capacity measurement")
-    parser.add_argument("--output", type=Path, default=ROOT / "reports" / "continuous")
+    parser.add_argument("--output", type=Path, default=REPORTS / "continuous")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
     points: list[Point] = []

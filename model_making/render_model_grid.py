@@ -1,9 +1,9 @@
 """Generate the default model's prompt x seed grid through a real TorchServe, for its model card.
 
-    python -m scripts.render_model_grid --output docs/img/default-model-grid.png
+    python -m model_making.render_model_grid --output docs/img/default-model-grid.png
 
 Every image is a request to the served archive (batched by TorchServe as users' requests are);
-the colour and shape each image reads as (``scripts.shapes``) are printed and drawn under it.
+the colour and shape each image reads as (``model_making.shapes``) are printed and drawn under it.
 """
 
 from __future__ import annotations
@@ -20,9 +20,9 @@ import numpy as np
 import requests
 from PIL import Image
 
-from scripts.build_mar import DEFAULT_MODEL_DIR
-from scripts.server import ROOT, TorchServe, serve_archive
-from scripts.shapes import COLOURS, SHAPES, Judgement, accuracy, dominant_colour, shape_of
+from model_making.shapes import COLOURS, SHAPES, Judgement, accuracy, dominant_colour, shape_of
+from server import TorchServe, serve_archive
+from server.paths import DEFAULT_MODEL_DIR, DOCS_IMG, MODEL_CONFIG
 
 logger = logging.getLogger("render_model_grid")
 
@@ -62,12 +62,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model-dir", type=Path, default=DEFAULT_MODEL_DIR)
     parser.add_argument("--seeds", type=int, default=6, help="columns: seeds 0..N-1")
-    parser.add_argument("--output", type=Path, default=ROOT / "docs" / "img" / "default-model-grid.png")
+    parser.add_argument("--output", type=Path, default=DOCS_IMG / "default-model-grid.png")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
     seeds = list(range(args.seeds))
     with tempfile.TemporaryDirectory(prefix="model-grid-") as tmp:
-        with serve_archive(args.model_dir, ROOT / "model-config.yaml", Path(tmp)) as server:
+        with serve_archive(args.model_dir, MODEL_CONFIG, Path(tmp)) as server:
             asked = [(prompt, seed) for prompt in PROMPTS for seed in seeds]
             with ThreadPoolExecutor(4) as pool:
                 images = dict(zip(asked, pool.map(lambda item: generate(server, *item), asked)))

@@ -1,7 +1,7 @@
 """Drive a short load against a fresh TorchServe with a real Prometheus, then render the dashboard's
 panels from Prometheus ``query_range`` into a PNG (Grafana itself does not run here).
 
-    python -m scripts.render_dashboard --duration 120 --output docs/img/dashboard.png
+    python -m observability.render_dashboard --duration 120 --output docs/img/dashboard.png
 """
 
 from __future__ import annotations
@@ -19,10 +19,11 @@ from pathlib import Path
 import matplotlib.pyplot as plt
 import requests
 
-from scripts.build_dashboard import GPU_ONLY, OUTPUT as DASHBOARD
-from scripts.build_mar import DEFAULT_MODEL_DIR
-from scripts.prometheus import Prometheus
-from scripts.server import ROOT, TorchServe, free_port, serve_archive
+from observability.build_dashboard import GPU_ONLY
+from observability.build_dashboard import OUTPUT as DASHBOARD
+from observability.prometheus import Prometheus
+from server import TorchServe, free_port, serve_archive
+from server.paths import DEFAULT_MODEL_DIR, DOCS_IMG, MODEL_CONFIG
 
 logger = logging.getLogger("render_dashboard")
 
@@ -103,12 +104,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--duration", type=float, default=120.0, help="seconds of load")
     parser.add_argument("--concurrency", type=int, default=6)
-    parser.add_argument("--output", type=Path, default=ROOT / "docs" / "img" / "dashboard.png")
+    parser.add_argument("--output", type=Path, default=DOCS_IMG / "dashboard.png")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
     with tempfile.TemporaryDirectory(prefix="render-dashboard-") as tmp:
         workdir = Path(tmp)
-        with serve_archive(DEFAULT_MODEL_DIR, ROOT / "model-config.yaml", workdir, metric_time_interval="10") as server:
+        with serve_archive(DEFAULT_MODEL_DIR, MODEL_CONFIG, workdir, metric_time_interval="10") as server:
             with Prometheus(server.addresses.metrics, workdir / "prometheus", free_port()) as prometheus:
                 prometheus.wait_for('up{job="torchserve"} == 1')
                 start = time.time()

@@ -8,12 +8,12 @@ from pathlib import Path
 import pytest
 import yaml
 
-from scripts.build_mar import archive_model_config, build, console_script, default_workers
-from scripts.server import FRONTEND_START_SECONDS, archive_ready_timeout, find_archive, ready_timeout
+from server.archive import archive_model_config, build, console_script, default_workers
+from server.paths import MODEL_CONFIG, TINY_MODEL_DIRS
+from server.process import FRONTEND_START_SECONDS, archive_ready_timeout, find_archive, ready_timeout
 
-ROOT = Path(__file__).resolve().parents[2]
-MODEL_DIR = ROOT / "models" / "tiny-sd"
-CONFIG = ROOT / "model-config.yaml"
+MODEL_DIR = TINY_MODEL_DIRS["sd1"]
+CONFIG = MODEL_CONFIG
 
 
 @pytest.fixture

@@ -20,10 +20,11 @@ from grafana_foundation_sdk.models.dashboard import (
     VariableRefresh,
 )
 
+from server.paths import GRAFANA_DIR
+
 logger = logging.getLogger("build_dashboard")
 
-ROOT = Path(__file__).resolve().parent.parent
-OUTPUT = ROOT / "docker" / "grafana" / "dashboards" / "stable-diffusion.json"
+OUTPUT = GRAFANA_DIR / "dashboards" / "stable-diffusion.json"
 UID = "stable-diffusion"
 DATASOURCE = DataSourceRef(type_val="prometheus", uid="${datasource}")
 MODEL = 'model_name=~"$model"'

@@ -2,9 +2,9 @@
 
 For the container's HEALTHCHECK and Kubernetes exec probes: it reads the address and the inference
 key from the server's working directory (the effective config.properties and key_file.json that
-``scripts.server`` leaves there), so no key appears in a probe definition or a process list.
+``server.process`` leaves there), so no key appears in a probe definition or a process list.
 
-    python -m scripts.healthcheck --workdir /var/lib/torchserve
+    python -m server.healthcheck --workdir /var/lib/torchserve
 """
 
 from __future__ import annotations
@@ -15,7 +15,15 @@ from pathlib import Path
 
 import requests
 
-from scripts.server import EFFECTIVE_CONFIG, KEY_FILE, Addresses, Keys, reachable, read_properties, token_authorization
+from server.properties import (
+    EFFECTIVE_CONFIG,
+    KEY_FILE,
+    Addresses,
+    Keys,
+    reachable,
+    read_properties,
+    token_authorization,
+)
 
 
 def ping(workdir: Path, timeout: float) -> tuple[bool, str]:

@@ -23,8 +23,8 @@ CONFIG="${CONFIG:-config.properties}"
 WORKDIR="${WORKDIR:-runtime}"
 
 if [[ -n "$MODEL_DIR" ]]; then
-  "$PYTHON" -m scripts.build_mar --model-dir "$MODEL_DIR" --export-path "$MODEL_STORE" \
+  "$PYTHON" -m server.archive --model-dir "$MODEL_DIR" --export-path "$MODEL_STORE" \
     --config "${MODEL_CONFIG:-model-config.yaml}" --archive-format "${ARCHIVE_FORMAT:-auto}"
 fi
-exec "$PYTHON" -m scripts.server --config "$CONFIG" --model-store "$MODEL_STORE" --workdir "$WORKDIR" \
+exec "$PYTHON" -m server.cli --config "$CONFIG" --model-store "$MODEL_STORE" --workdir "$WORKDIR" \
   ${BIND_ADDRESS:+--bind "$BIND_ADDRESS"}

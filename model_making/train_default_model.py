@@ -1,7 +1,7 @@
 """Train the default model: the tiny Stable Diffusion pipeline, taught shapes and colours on this CPU.
 
 Same architecture as ``make_tiny_model`` (CLIP tokenizer and text encoder, AutoencoderKL,
-UNet2DConditionModel, DDIM scheduler). Two stages on the synthetic dataset of ``scripts.shapes``:
+UNet2DConditionModel, DDIM scheduler). Two stages on the synthetic dataset of ``model_making.shapes``:
 1. the VAE learns to reconstruct 64x64 pictures (MSE plus a small KL term); its latents' spread
    sets ``scaling_factor``;
 2. the UNet and the text encoder learn to predict the noise added to those latents (DDPM
@@ -27,8 +27,8 @@ from diffusers import DDPMScheduler, StableDiffusionPipeline
 from diffusers.training_utils import EMAModel, compute_snr
 from tqdm import tqdm
 
-from scripts.make_tiny_model import build_pipeline
-from scripts.shapes import COLOURS, SHAPES, Judgement, ShapesDataset, accuracy, dominant_colour, shape_of
+from model_making.make_tiny_model import build_pipeline
+from model_making.shapes import COLOURS, SHAPES, Judgement, ShapesDataset, accuracy, dominant_colour, shape_of
 
 logger = logging.getLogger("train_default_model")
 

@@ -1,6 +1,6 @@
 """Run a real Prometheus (the Debian `prometheus` package) against a TorchServe metrics endpoint,
 with the project's recording and alert rules, and query it. Used by the tests and by
-``scripts/render_dashboard.py``.
+``observability/render_dashboard.py``.
 """
 
 from __future__ import annotations
@@ -15,10 +15,10 @@ from urllib.parse import urlparse
 import requests
 import yaml
 
+from server.paths import PROMETHEUS_DIR
+
 logger = logging.getLogger("prometheus")
 
-ROOT = Path(__file__).resolve().parent.parent
-PROMETHEUS_DIR = ROOT / "docker" / "prometheus"
 RULE_FILES = sorted((PROMETHEUS_DIR / "rules").glob("*.yml"))
 INSTALL_HINT = "install it with `apt-get install -y prometheus` (.ci/run does)"
 

@@ -1,0 +1,31 @@
+"""Packaging and running the server: everything outside the archive that TorchServe needs.
+
+- ``paths``: the repository's root and shared files, defined once.
+- ``archive``: handler + pipeline + model-config.yaml -> ``stable-diffusion.mar`` (``make mar``).
+- ``properties``: config.properties, listeners, keys, free loopback ports.
+- ``process``: one TorchServe in its own process group: start, wait for a ready worker, stop.
+- ``cli``: ``make serve`` in the foreground (run by ``start.sh``, which the container runs too).
+- ``healthcheck``: /ping with the key read from the working directory (Docker, Kubernetes).
+
+The model makers, observability tools, load tests and benchmarks use the names below and nothing
+else of this package (``tests/unit/test_layout.py`` keeps it so).
+"""
+
+from server.archive import MODEL_NAME, build, console_script, write_model_config
+from server.process import TorchServe, serve_archive
+from server.properties import KEY_FILE, Addresses, Keys, config_on_free_ports, free_port, read_properties
+
+__all__ = [
+    "KEY_FILE",
+    "MODEL_NAME",
+    "Addresses",
+    "Keys",
+    "TorchServe",
+    "build",
+    "config_on_free_ports",
+    "console_script",
+    "free_port",
+    "read_properties",
+    "serve_archive",
+    "write_model_config",
+]

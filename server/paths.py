@@ -1,0 +1,38 @@
+"""The repository's layout: its root and the shared files and folders, defined here only.
+
+Everything outside the archive (packaging, the server, model making, observability, load tests,
+benchmarks, tests) finds the repository's files through these names; ``handler/`` never does (it runs
+inside the archive, where none of them exists).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+HANDLER_PACKAGE = ROOT / "handler"
+CONFIG_PROPERTIES = ROOT / "config.properties"  # TorchServe's server settings
+MODEL_CONFIG = ROOT / "model-config.yaml"  # the archive's frontend and handler settings
+METRICS_CONFIG = ROOT / "metrics.yaml"  # TorchServe's metrics_config (generated from handler/metrics.py)
+BENCHMARK_CONFIG = ROOT / "benchmark_config.yaml"  # SLA, request mix, load test and sweep
+MODEL_STORE = ROOT / "model_store"
+RUNTIME = ROOT / "runtime"  # make serve's working directory: key_file.json, logs/
+REPORTS = ROOT / "reports"  # load test, sweep and benchmark output
+BUILD = ROOT / "build"  # scratch space of the benchmarks
+DOCS_IMG = ROOT / "docs" / "img"
+PROMETHEUS_DIR = ROOT / "docker" / "prometheus"
+GRAFANA_DIR = ROOT / "docker" / "grafana"
+K8S_DIR = ROOT / "deploy" / "k8s"
+
+MODELS = ROOT / "models"
+# The default model: trained on shapes and colours (make train-default-model), committed.
+DEFAULT_MODEL_DIR = MODELS / "shapes-sd"
+# Random-weight tiny models of every family the engine serves (make model), for tests that need no
+# image quality; sd1 is the default model's architecture.
+TINY_MODEL_DIRS = {
+    "sd1": MODELS / "tiny-sd",
+    "sd2": MODELS / "tiny-sd2",
+    "sdxl": MODELS / "tiny-sdxl",
+    "sd1-safety": MODELS / "tiny-sd-safety",
+}
+RANDOM_MODEL_DIR = TINY_MODEL_DIRS["sd1"]

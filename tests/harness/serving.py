@@ -1,0 +1,107 @@
+"""A real TorchServe on loopback serving the real archive, and what the tests do with one: a client
+bound to it and its keys, metric values, requests batched behind a busy worker, its processes."""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
+from pathlib import Path
+
+import numpy as np
+import psutil
+import pytest
+import requests
+import yaml
+
+from server import TorchServe, serve_archive
+from server.paths import DEFAULT_MODEL_DIR, MODEL_CONFIG
+from tests.harness.images import decode_png
+
+MODEL_DIR = DEFAULT_MODEL_DIR
+STARTUP_TIMEOUT = 600
+SHIPPED_CONFIG = yaml.safe_load(MODEL_CONFIG.read_text())
+SHIPPED_CONTINUOUS = bool(SHIPPED_CONFIG.get("continuousBatching"))
+FAST = {"num_inference_steps": 4}
+# Long enough to keep the worker busy while followers queue up behind it (the default model
+# runs ~30 steps/s at 64x64 here; on a faster machine the followers may still be batched).
+BLOCKER = {"prompt": "keep the worker busy", "num_inference_steps": 100, "seed": 0}
+RECOVERY_TIMEOUT_S = 180
+
+
+@contextmanager
+def serving(tmp: Path, config: Path = MODEL_CONFIG, model_dir: Path = MODEL_DIR,
+            **properties: str) -> Iterator[TorchServe]:
+    """The real archive of ``model_dir``, built with ``config``, served on free loopback ports
+    (config.properties plus ``properties``) until the block ends."""
+    if not (model_dir / "model_index.json").is_file():
+        pytest.fail(f"{model_dir} is missing: the default model is committed (`make train-default-model` rebuilds "
+                    "it); the tiny ones come from `make model`")
+    with serve_archive(model_dir, config, tmp, STARTUP_TIMEOUT, gpus=1, **properties) as server:  # one worker, GPU or not
+        yield server
+
+
+class Client:
+    """Small HTTP helper bound to one server and its keys."""
+
+    def __init__(self, server: TorchServe):
+        self.server = server
+        self.url = f"{server.addresses.inference}/predictions/{server.model_name}"
+
+    def predict(self, body=None, *, data=None, content_type="application/json", headers=None, **kwargs) -> requests.Response:
+        all_headers = {**self.server.auth(), **({"Content-Type": content_type} if content_type else {}), **(headers or {})}
+        if body is not None:
+            return requests.post(self.url, json=body, headers=all_headers, timeout=120, **kwargs)
+        return requests.post(self.url, data=data, headers=all_headers, timeout=120, **kwargs)
+
+    def image(self, **fields) -> np.ndarray:
+        """One image as an array, asserting success."""
+        response = self.predict({"num_inference_steps": 4, **fields})
+        assert response.status_code == 200, response.text
+        return decode_png(response.content)
+
+
+def value(samples, name: str, **labels) -> float:
+    return samples.get((name, frozenset({"model_name": "stable-diffusion", **labels}.items())), 0.0)
+
+
+def run_behind_blocker(client, bodies: list[dict], blocker_body: dict = BLOCKER) -> list[requests.Response]:
+    """Send ``bodies`` concurrently while the worker is busy, so TorchServe batches them."""
+    with ThreadPoolExecutor(len(bodies) + 1) as pool:
+        blocker = pool.submit(client.predict, blocker_body)
+        time.sleep(0.5)
+        followers = [pool.submit(client.predict, body) for body in bodies]
+        assert blocker.result().status_code == 200, blocker.result().text
+        return [future.result() for future in followers]
+
+
+def group_processes(server: TorchServe) -> list[psutil.Process]:
+    """The frontend and its workers (they share the server's process group)."""
+    group = os.getpgid(server.process.pid)
+    members = []
+    for process in psutil.process_iter(["cmdline"]):
+        try:
+            if os.getpgid(process.pid) == group:
+                members.append(process)
+        except ProcessLookupError:
+            continue
+    return members
+
+
+def workers(server: TorchServe) -> list[psutil.Process]:
+    return [process for process in group_processes(server) if "model_service_worker" in " ".join(process.info["cmdline"] or [])]
+
+
+def wait_until_serving(client: Client) -> float:
+    """Seconds until a valid request succeeds again."""
+    started = time.monotonic()
+    while time.monotonic() - started < RECOVERY_TIMEOUT_S:
+        try:
+            if client.predict({"prompt": "are you back", **FAST}).status_code == 200:
+                return time.monotonic() - started
+        except requests.RequestException:
+            pass
+        time.sleep(1)
+    raise AssertionError(f"the server did not serve again within {RECOVERY_TIMEOUT_S} s")

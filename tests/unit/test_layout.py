@@ -1,0 +1,109 @@
+"""The layout's rules, read from the source: which folder may import which, no import circles, the
+server package used through its entry points, test modules importing no other test module."""
+
+from __future__ import annotations
+
+import ast
+from functools import cache
+from pathlib import Path
+
+import pytest
+
+import server
+from server.paths import ROOT
+
+# Each folder and the folders its code may import (tests may import everything).
+ALLOWED = {
+    "handler": set(),
+    "clients": set(),
+    "server": set(),
+    "model_making": {"server"},
+    "observability": {"handler", "server"},
+    "loadtest": {"server"},
+    "bench": {"handler", "server", "model_making", "loadtest"},
+}
+# What the operations side may import of server/: the package (its entry points, server.__all__) and the paths.
+ENTRY_MODULES = {"server", "server.paths"}
+FOLDERS = (*ALLOWED, "tests")
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(ROOT).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+@cache
+def modules() -> dict[str, Path]:
+    return {module_name(path): path for folder in FOLDERS for path in (ROOT / folder).rglob("*.py")}
+
+
+@cache
+def imports(module: str) -> frozenset[str]:
+    """The project's modules that ``module`` imports, anywhere in its body (``from a import b`` names
+    ``a.b`` where that is a module)."""
+    found = set()
+    for node in ast.walk(ast.parse(modules()[module].read_text())):
+        if isinstance(node, ast.Import):
+            names = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            names = [node.module] + [f"{node.module}.{alias.name}" for alias in node.names]
+        else:
+            continue
+        found |= {name for name in names if name in modules()}
+    return frozenset(found)
+
+
+def folder(module: str) -> str:
+    return module.split(".")[0]
+
+
+def test_every_folder_says_what_it_holds():
+    for name in ALLOWED:
+        docstring = ast.get_docstring(ast.parse((ROOT / name / "__init__.py").read_text()))
+        assert docstring and len(docstring) > 40, f"{name}/__init__.py has no docstring saying what the folder holds"
+
+
+@pytest.mark.parametrize("name", ALLOWED)
+def test_a_folder_imports_only_the_folders_below_it(name):
+    for module in (module for module in modules() if folder(module) == name):
+        for imported in imports(module):
+            allowed = ALLOWED[name] | {name}
+            assert folder(imported) in allowed, f"{module} imports {imported}; {name}/ may import {sorted(allowed)}"
+
+
+def test_the_operations_side_uses_the_server_package_through_its_entry_points():
+    for module in (module for module in modules() if folder(module) not in {"server", "tests"}):
+        for imported in imports(module):
+            if folder(imported) == "server":
+                assert imported in ENTRY_MODULES, f"{module} imports {imported}: use `from server import` or server.paths"
+        for node in ast.walk(ast.parse(modules()[module].read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module == "server":
+                names = {alias.name for alias in node.names}
+                assert names <= set(server.__all__), f"{module} takes {names - set(server.__all__)} from server"
+
+
+def test_no_module_imports_itself_through_a_circle():
+    visiting: list[str] = []
+    done: set[str] = set()
+
+    def visit(module: str) -> None:
+        if module in done:
+            return
+        assert module not in visiting, "import circle: " + " -> ".join([*visiting[visiting.index(module):], module])
+        visiting.append(module)
+        for imported in sorted(imports(module)):
+            visit(imported)
+        visiting.pop()
+        done.add(module)
+
+    for module in sorted(modules()):
+        visit(module)
+
+
+def test_test_modules_share_helpers_through_the_harness_not_each_other():
+    for module in (module for module in modules() if folder(module) == "tests"):
+        for imported in imports(module):
+            leaf = imported.rsplit(".", 1)[-1]
+            assert not leaf.startswith("test_") and leaf != "conftest", (
+                f"{module} imports {imported}: shared helpers go in tests/harness/, fixtures in a conftest"
+            )
