@@ -17,12 +17,14 @@ MODEL_DIR ?= $(DEFAULT_MODEL_DIR)
 ARCHIVE_FORMAT ?= auto
 PYTEST_ARGS ?=
 
-.PHONY: help venv system-deps model train-default-model model-grid prometheus-rule metrics-config mar serve stop test test-fast unit-test integration-test dashboard dashboard-png loadtest sweep bench-overhead bench-pipeline bench-continuous bench-engine bench-gpu clean
+.PHONY: help venv system-deps lint format model train-default-model model-grid prometheus-rule metrics-config mar serve stop test test-fast unit-test integration-test dashboard dashboard-png loadtest sweep bench-overhead bench-pipeline bench-continuous bench-engine bench-gpu clean
 
 help:
 	@echo "make serve   set up, build the archive and serve it on 127.0.0.1:8080 (MODEL_DIR=/path for a real model)"
 	@echo "make test    set up and run the whole test suite"
 	@echo "make test-fast  the suite without the slow tier (soak, sweep, load test, benchmarks, cold compile)"
+	@echo "make lint   ruff (lint and format check) and mypy on handler/; CI runs it before the tests"
+	@echo "make format ruff's formatter and its safe fixes, in place"
 	@echo "make stop    stop a server started by make serve elsewhere"
 	@echo "make mar     build model_store/stable-diffusion.mar (or a directory for large models)"
 	@echo "make model   generate the random-weight tiny models of every family into models/tiny-* (for tests)"
@@ -60,6 +62,16 @@ system-deps:
 	  { apt-get update && DEBIAN_FRONTEND=noninteractive apt-get install -y \
 	      $$(command -v promtool >/dev/null || echo prometheus) $$(command -v kubectl >/dev/null || echo kubernetes-client) \
 	      $$(command -v g++ >/dev/null || echo g++); }
+
+# Settings in pyproject.toml: ruff over the whole tree, mypy over handler/ (the archive's code).
+lint: venv
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/mypy
+
+format: venv
+	$(VENV)/bin/ruff check --fix .
+	$(VENV)/bin/ruff format .
 
 model: $(TINY_MODELS)
 
@@ -122,13 +134,13 @@ bench-gpu: $(if $(filter $(VENV)/bin/python,$(PY)),venv model)
 	$(PY) -m bench.gpu $(BENCH_ARGS)
 
 prometheus-rule: venv
-	$(PY) -m observability.build_prometheus_rule
+	$(PY) -m observability.generate prometheus-rule
 
 metrics-config: venv
-	$(PY) -m observability.build_metrics_config
+	$(PY) -m observability.generate metrics-config
 
 dashboard: venv
-	$(PY) -m observability.build_dashboard
+	$(PY) -m observability.generate dashboard
 
 dashboard-png: venv system-deps
 	$(PY) -m observability.render_dashboard --duration 120 --output docs/img/dashboard.png

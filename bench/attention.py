@@ -68,7 +68,9 @@ def _inputs(case: AttentionCase, device: torch.device, dtype: torch.dtype) -> tu
     return hidden.to(device, dtype), context
 
 
-def _timed(module: Attention, hidden: torch.Tensor, context: torch.Tensor | None, repeats: int) -> tuple[torch.Tensor, list[float]]:
+def _timed(
+    module: Attention, hidden: torch.Tensor, context: torch.Tensor | None, repeats: int
+) -> tuple[torch.Tensor, list[float]]:
     device = hidden.device
     times = []
     with torch.inference_mode():
@@ -86,14 +88,22 @@ def run_case(case: AttentionCase, device: torch.device, dtype: torch.dtype, repe
     """Both processors on the same module and inputs: time, peak memory, and their difference."""
     module = _module(case, device, dtype)
     hidden, context = _inputs(case, device, dtype)
-    row = {"case": case.name, "dtype": str(dtype).removeprefix("torch."), "score_matrix_mib": case.score_matrix_mib * dtype.itemsize / 4}
+    row = {
+        "case": case.name,
+        "dtype": str(dtype).removeprefix("torch."),
+        "score_matrix_mib": case.score_matrix_mib * dtype.itemsize / 4,
+    }
     outputs = {}
     for name, processor in PROCESSORS.items():
         module.set_processor(processor())
         memory = PeakMemory(device)
         memory.reset()
         outputs[name], times = _timed(module, hidden, context, repeats)
-        row[name] = {"median_ms": statistics.median(times) * 1000, "peak_memory_mib": memory.peak_mib(), "memory_measure": memory.measure}
+        row[name] = {
+            "median_ms": statistics.median(times) * 1000,
+            "peak_memory_mib": memory.peak_mib(),
+            "memory_measure": memory.measure,
+        }
     row["speedup"] = row["vanilla"]["median_ms"] / row["sdpa"]["median_ms"]
     row["max_abs_diff"] = (outputs["vanilla"].float() - outputs["sdpa"].float()).abs().max().item()
     return row

@@ -12,7 +12,6 @@ mixed-resolution run at 70%. Client-side p50/p95/p99 latency and images/s per po
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import random
 import tempfile
@@ -24,6 +23,7 @@ from pathlib import Path
 import matplotlib.pyplot as plt
 import numpy as np
 
+from bench.report import publish
 from loadtest.client import closed_loop, post
 from server import TorchServe, serve_archive, write_model_config
 from server.paths import DEFAULT_MODEL_DIR, REPORTS
@@ -59,8 +59,15 @@ def request_bodies(count: int, sides: tuple[int, ...], seed: int) -> list[dict]:
     bodies = []
     for index in range(count):
         side = draw.choice(sides)
-        bodies.append({"prompt": draw.choice(["a red circle", "a blue square", "a green triangle", "a yellow circle"]),
-                       "seed": index, "num_inference_steps": draw.choice(STEP_MIX), "width": side, "height": side})
+        bodies.append(
+            {
+                "prompt": draw.choice(["a red circle", "a blue square", "a green triangle", "a yellow circle"]),
+                "seed": index,
+                "num_inference_steps": draw.choice(STEP_MIX),
+                "width": side,
+                "height": side,
+            }
+        )
     return bodies
 
 
@@ -79,7 +86,7 @@ def poisson(server: TorchServe, engine: str, mix: str, load: float, rate: float,
     begin = time.monotonic()
     with ThreadPoolExecutor(max_workers=128) as pool:
         futures, arrival = [], begin
-        for body, gap in zip(bodies, gaps):
+        for body, gap in zip(bodies, gaps, strict=True):
             arrival += gap
             time.sleep(max(0.0, arrival - time.monotonic()))
             futures.append(pool.submit(post, server, body))
@@ -87,8 +94,16 @@ def poisson(server: TorchServe, engine: str, mix: str, load: float, rate: float,
     makespan = time.monotonic() - begin
     latencies = [seconds for seconds, ok in results if ok]
     quantiles = np.quantile(latencies, [0.5, 0.95, 0.99]) if latencies else [float("nan")] * 3
-    return Point(engine, mix, load, rate, count, sum(not ok for _, ok in results), *map(float, quantiles),
-                 len(latencies) / makespan)
+    return Point(
+        engine,
+        mix,
+        load,
+        rate,
+        count,
+        sum(not ok for _, ok in results),
+        *map(float, quantiles),
+        len(latencies) / makespan,
+    )
 
 
 def run_engine(engine: str, work: Path, measure) -> list[Point]:
@@ -100,33 +115,46 @@ def run_engine(engine: str, work: Path, measure) -> list[Point]:
 def markdown(points: list[Point], capacity_rps: dict[str, float]) -> str:
     """Per-point table, then the ratios the engines are judged by."""
     ratio = capacity_rps["continuous"] / capacity_rps["request-level"]
-    lines = [f"Capacity (saturated, {', '.join(f'{engine} {rps:.2f}' for engine, rps in capacity_rps.items())} requests/s): "
-             f"continuous / request-level = {ratio:.2f}x. Loads are fractions of the request-level capacity.", "",
-             "| mix | load | engine | offered (req/s) | p50 (s) | p95 (s) | p99 (s) | images/s | errors |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    lines = [
+        f"Capacity (saturated, {', '.join(f'{engine} {rps:.2f}' for engine, rps in capacity_rps.items())} requests/s): "
+        f"continuous / request-level = {ratio:.2f}x. Loads are fractions of the request-level capacity.",
+        "",
+        "| mix | load | engine | offered (req/s) | p50 (s) | p95 (s) | p99 (s) | images/s | errors |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
     for point in points:
-        lines.append(f"| {point.mix} | {point.load:.0%} | {point.engine} | {point.offered_rps:.2f} | {point.p50_s:.2f} "
-                     f"| {point.p95_s:.2f} | {point.p99_s:.2f} | {point.images_per_s:.2f} | {point.errors} |")
-    lines += ["", "| mix | load | p95 request-level / continuous | images/s continuous / request-level |", "| --- | --- | --- | --- |"]
+        lines.append(
+            f"| {point.mix} | {point.load:.0%} | {point.engine} | {point.offered_rps:.2f} | {point.p50_s:.2f} "
+            f"| {point.p95_s:.2f} | {point.p99_s:.2f} | {point.images_per_s:.2f} | {point.errors} |"
+        )
+    lines += [
+        "",
+        "| mix | load | p95 request-level / continuous | images/s continuous / request-level |",
+        "| --- | --- | --- | --- |",
+    ]
     for mix in SIDES:
         for load in LOADS:
             pair = {p.engine: p for p in points if p.mix == mix and p.load == load}
             if len(pair) == 2:
-                lines.append(f"| {mix} | {load:.0%} | {pair['request-level'].p95_s / pair['continuous'].p95_s:.2f}x "
-                             f"| {pair['continuous'].images_per_s / pair['request-level'].images_per_s:.2f}x |")
+                lines.append(
+                    f"| {mix} | {load:.0%} | {pair['request-level'].p95_s / pair['continuous'].p95_s:.2f}x "
+                    f"| {pair['continuous'].images_per_s / pair['request-level'].images_per_s:.2f}x |"
+                )
     return "\n".join(lines) + "\n"
 
 
 def plot(points: list[Point], path: Path) -> None:
     figure, (latency, throughput) = plt.subplots(1, 2, figsize=(11, 4.5))
-    for engine, color in zip(ENGINES, ("tab:blue", "tab:orange")):
-        for mix, (style, marker) in zip(SIDES, (("-", "o"), ("--", "s"))):
+    for engine, color in zip(ENGINES, ("tab:blue", "tab:orange"), strict=True):
+        for mix, (style, marker) in zip(SIDES, (("-", "o"), ("--", "s")), strict=True):
             series = sorted((p for p in points if p.engine == engine and p.mix == mix), key=lambda p: p.load)
             if not series:
                 continue
             loads = [p.load * 100 for p in series]
             latency.plot(loads, [p.p95_s for p in series], style, marker=marker, color=color, label=f"{engine}, {mix}")
-            throughput.plot(loads, [p.images_per_s for p in series], style, marker=marker, color=color, label=f"{engine}, {mix}")
+            throughput.plot(
+                loads, [p.images_per_s for p in series], style, marker=marker, color=color, label=f"{engine}, {mix}"
+            )
     latency.set_xlabel("offered load (% of request-level capacity)")
     latency.set_ylabel("p95 latency (s)")
     throughput.set_xlabel("offered load (% of request-level capacity)")
@@ -157,22 +185,20 @@ def main() -> None:
             results = []
             for mix in SIDES:
                 for load in LOADS if mix == "uniform" else (0.7,):
-                    point = poisson(server, engine, mix, load, load * measured["request-level"], args.requests, seed=int(load * 100))
+                    point = poisson(
+                        server, engine, mix, load, load * measured["request-level"], args.requests, seed=int(load * 100)
+                    )
                     logger.info("%s", point)
                     results.append(point)
             return results
+
         return on
 
     with tempfile.TemporaryDirectory(prefix="bench-continuous-") as tmp:
         for engine in ENGINES:
             points += run_engine(engine, Path(tmp), measure(engine))
-    args.output.mkdir(parents=True, exist_ok=True)
-    (args.output / "points.json").write_text(json.dumps({"capacity_rps": measured, "step_mix": STEP_MIX,
-                                                         "points": [asdict(p) for p in points]}, indent=2))
-    table = markdown(points, measured)
-    (args.output / "report.md").write_text(table)
-    plot(points, args.output / "latency_vs_load.png")
-    print(table)
+    figures = {"capacity_rps": measured, "step_mix": STEP_MIX, "points": [asdict(p) for p in points]}
+    publish(figures, markdown(points, measured), lambda path: plot(points, path), args.output, "continuous")
 
 
 if __name__ == "__main__":

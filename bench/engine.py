@@ -12,7 +12,6 @@ steps), and writes ``reports/engine/engine.{json,md,png}``.
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import statistics
 import time
@@ -27,6 +26,7 @@ from bench.jobs import generate
 from bench.measure import PROMPTS
 from bench.pipeline import environment
 from bench.reference import Reference
+from bench.report import publish
 from handler.config import HandlerSettings
 from handler.engine import JobSpec, StepEngine
 from handler.pipeline import load_engine, native_size, resolve_device, synchronize
@@ -65,7 +65,9 @@ def timed(call, device: torch.device) -> float:
 def compare(family: str, reference: Reference, engine: StepEngine, batch: int, steps: int, repeats: int) -> Row:
     """Median seconds of the same ``batch`` one-image requests through both, alternating who goes first."""
     side = native_size(engine.pipeline)[0]
-    specs = [JobSpec(PROMPTS[index % len(PROMPTS)], None, (index,), side, side, steps, "ddim", 7.5) for index in range(batch)]
+    specs = [
+        JobSpec(PROMPTS[index % len(PROMPTS)], None, (index,), side, side, steps, "ddim", 7.5) for index in range(batch)
+    ]
     prompts, seeds = [spec.prompt for spec in specs], [spec.seeds[0] for spec in specs]
 
     def by_diffusers():
@@ -75,28 +77,47 @@ def compare(family: str, reference: Reference, engine: StepEngine, batch: int, s
         return [image for decoded in generate(engine, specs)[0] for image in decoded.images]
 
     ours, theirs = by_engine(), by_diffusers()  # warm-up, and the images compared
-    alone = [reference.batch([prompt], [seed], side, side, steps).images[0] for prompt, seed in zip(prompts, seeds)]
+    alone = [
+        reference.batch([prompt], [seed], side, side, steps).images[0]
+        for prompt, seed in zip(prompts, seeds, strict=True)
+    ]
     diffusers_s, engine_s = [], []
     for repeat in range(repeats):
         order = ((by_diffusers, diffusers_s), (by_engine, engine_s))
         for call, seconds in order if repeat % 2 == 0 else order[::-1]:
             seconds.append(timed(call, engine.device))
-    return Row(family, Path(reference.model_dir).name, batch, side, steps, statistics.median(diffusers_s),
-               statistics.median(engine_s), max_difference(ours, theirs), max_difference(theirs, alone))
+    return Row(
+        family,
+        Path(reference.model_dir).name,
+        batch,
+        side,
+        steps,
+        statistics.median(diffusers_s),
+        statistics.median(engine_s),
+        max_difference(ours, theirs),
+        max_difference(theirs, alone),
+    )
 
 
 def max_difference(images: list, others: list) -> int:
     """The largest 8-bit difference between corresponding images."""
-    return max(int(np.abs(np.asarray(a, dtype=np.int16) - np.asarray(b, dtype=np.int16)).max()) for a, b in zip(images, others))
+    return max(
+        int(np.abs(np.asarray(a, dtype=np.int16) - np.asarray(b, dtype=np.int16)).max())
+        for a, b in zip(images, others, strict=True)
+    )
 
 
 def table(rows: list[Row]) -> str:
-    lines = ["| family | model | batch | size | steps | diffusers call (s) | step engine (s) | engine / diffusers "
-             "| max pixel diff, engine vs diffusers | max pixel diff, diffusers batched vs alone |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    lines = [
+        "| family | model | batch | size | steps | diffusers call (s) | step engine (s) | engine / diffusers "
+        "| max pixel diff, engine vs diffusers | max pixel diff, diffusers batched vs alone |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
     for row in rows:
-        lines.append(f"| {row.family} | {row.model} | {row.batch} | {row.side}x{row.side} | {row.steps} | {row.diffusers_s:.4f} "
-                     f"| {row.engine_s:.4f} | {row.ratio:.3f}x | {row.max_abs_diff} | {row.diffusers_batch_diff} |")
+        lines.append(
+            f"| {row.family} | {row.model} | {row.batch} | {row.side}x{row.side} | {row.steps} | {row.diffusers_s:.4f} "
+            f"| {row.engine_s:.4f} | {row.ratio:.3f}x | {row.max_abs_diff} | {row.diffusers_batch_diff} |"
+        )
     return "\n".join(lines) + "\n"
 
 
@@ -111,8 +132,16 @@ def measure_model(family: str, model_dir: Path, device: str, batches: list[int],
     rows = []
     for batch in batches:
         row = compare(engine.family.name if family == "custom" else family, reference, engine, batch, steps, repeats)
-        logger.info("%s batch %d: diffusers %.4f s, engine %.4f s, %.3fx, max pixel diff %d (diffusers batched vs alone %d)",
-                    row.family, batch, row.diffusers_s, row.engine_s, row.ratio, row.max_abs_diff, row.diffusers_batch_diff)
+        logger.info(
+            "%s batch %d: diffusers %.4f s, engine %.4f s, %.3fx, max pixel diff %d (diffusers batched vs alone %d)",
+            row.family,
+            batch,
+            row.diffusers_s,
+            row.engine_s,
+            row.ratio,
+            row.max_abs_diff,
+            row.diffusers_batch_diff,
+        )
         rows.append(row)
     return rows
 
@@ -120,7 +149,9 @@ def measure_model(family: str, model_dir: Path, device: str, batches: list[int],
 def plot(rows: list[Row], path: Path) -> None:
     figure, axis = plt.subplots(figsize=(8, 4))
     labels = [f"{row.family}\nbatch {row.batch}" for row in rows]
-    axis.bar(labels, [row.ratio for row in rows], color=["tab:green" if row.ratio <= GOAL else "tab:red" for row in rows])
+    axis.bar(
+        labels, [row.ratio for row in rows], color=["tab:green" if row.ratio <= GOAL else "tab:red" for row in rows]
+    )
     axis.axhline(1.0, color="black", linewidth=0.8)
     axis.axhline(GOAL, color="tab:red", linestyle="--", label=f"goal: within {GOAL - 1:.0%}")
     axis.set_ylabel("step engine / diffusers call (time)")
@@ -134,7 +165,9 @@ def plot(rows: list[Row], path: Path) -> None:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--families", nargs="*", default=list(FAMILY_MODELS), choices=list(FAMILY_MODELS))
-    parser.add_argument("--model-dir", type=Path, help="measure this diffusers directory instead (its family is detected)")
+    parser.add_argument(
+        "--model-dir", type=Path, help="measure this diffusers directory instead (its family is detected)"
+    )
     parser.add_argument("--batches", nargs="*", type=int, default=[1, 8])
     parser.add_argument("--steps", type=int, default=25)
     parser.add_argument("--repeats", type=int, default=10)
@@ -146,17 +179,17 @@ def main(argv: list[str] | None = None) -> None:
         args.steps, args.repeats, args.batches = 2, 1, [1, 2]
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
     device = resolve_device(args.device)
-    models = {"custom": args.model_dir} if args.model_dir else {family: FAMILY_MODELS[family] for family in args.families}
-    rows = [row for family, model_dir in models.items()
-            for row in measure_model(family, model_dir, args.device, args.batches, args.steps, args.repeats)]
+    models = (
+        {"custom": args.model_dir} if args.model_dir else {family: FAMILY_MODELS[family] for family in args.families}
+    )
+    rows = [
+        row
+        for family, model_dir in models.items()
+        for row in measure_model(family, model_dir, args.device, args.batches, args.steps, args.repeats)
+    ]
     env = environment(device)
-    args.output_dir.mkdir(parents=True, exist_ok=True)
-    (args.output_dir / "engine.json").write_text(json.dumps(
-        {"environment": env, "goal_ratio": GOAL, "rows": [{**asdict(row), "ratio": row.ratio} for row in rows]}, indent=2))
-    text = markdown(rows, env)
-    (args.output_dir / "engine.md").write_text(text)
-    plot(rows, args.output_dir / "engine.png")
-    print(text)
+    figures = {"environment": env, "goal_ratio": GOAL, "rows": [{**asdict(row), "ratio": row.ratio} for row in rows]}
+    publish(figures, markdown(rows, env), lambda path: plot(rows, path), args.output_dir, "engine")
 
 
 if __name__ == "__main__":

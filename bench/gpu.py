@@ -54,10 +54,18 @@ logger = logging.getLogger("bench-gpu")
 
 SECTIONS = tuple(SECTION_RENDERERS)  # variants, scaling, engine, served, sdxl
 EAGER = "eager"
-SECTION_VARIANTS = (EAGER, "vanilla", "channels-last", "compile-default", "compile-max-autotune-no-cudagraphs",
-                    "compile-reduce-overhead")
-SERVED_MODES = {"dynamic": {"continuousBatching": False, "maxBatchDelay": 50},
-                "continuous": {"continuousBatching": True, "maxBatchDelay": 10}}
+SECTION_VARIANTS = (
+    EAGER,
+    "vanilla",
+    "channels-last",
+    "compile-default",
+    "compile-max-autotune-no-cudagraphs",
+    "compile-reduce-overhead",
+)
+SERVED_MODES = {
+    "dynamic": {"continuousBatching": False, "maxBatchDelay": 50},
+    "continuous": {"continuousBatching": True, "maxBatchDelay": 10},
+}
 RANDOM_MODELS = {"sd15": sd15.ensure_model, "sdxl": sdxl.ensure_model}
 
 
@@ -81,10 +89,38 @@ class Plan:
     max_batch_limit: int
 
 
-FULL = Plan("sd15", "sdxl", sd15.NATIVE_SIDE, 50, 25, (1, 2, 4, 8, 16), (1, 8), (1, 4, 8, 16), sdxl.NATIVE_SIDE, 30,
-            repeats=3, engine_repeats=5, requests_per_client=6, max_batch_limit=128)
-QUICK = Plan("models/tiny-sd", "models/tiny-sdxl", 64, 1, 1, (1, 2), (1, 2), (1, 2), 64, 1,
-             repeats=1, engine_repeats=1, requests_per_client=2, max_batch_limit=0)
+FULL = Plan(
+    "sd15",
+    "sdxl",
+    sd15.NATIVE_SIDE,
+    50,
+    25,
+    (1, 2, 4, 8, 16),
+    (1, 8),
+    (1, 4, 8, 16),
+    sdxl.NATIVE_SIDE,
+    30,
+    repeats=3,
+    engine_repeats=5,
+    requests_per_client=6,
+    max_batch_limit=128,
+)
+QUICK = Plan(
+    "models/tiny-sd",
+    "models/tiny-sdxl",
+    64,
+    1,
+    1,
+    (1, 2),
+    (1, 2),
+    (1, 2),
+    64,
+    1,
+    repeats=1,
+    engine_repeats=1,
+    requests_per_client=2,
+    max_batch_limit=0,
+)
 
 
 @functools.cache
@@ -107,8 +143,16 @@ class GpuBench:
         self.environment = environment(self.device)
 
     def workload(self, model: str, side: int, steps: int, batch: int = 1, max_batch_limit: int = 0) -> Workload:
-        return Workload(str(model_dir(model)), self.device_setting, side, side, steps, batch, self.plan.repeats,
-                        max_batch_limit=max_batch_limit)
+        return Workload(
+            str(model_dir(model)),
+            self.device_setting,
+            side,
+            side,
+            steps,
+            batch,
+            self.plan.repeats,
+            max_batch_limit=max_batch_limit,
+        )
 
     def section(self, name: str) -> dict | None:
         path = self.output / f"{name}.json"
@@ -118,8 +162,13 @@ class GpuBench:
         """The section's file, rewritten after every measurement (``status`` "running" until it ends),
         so a call stopped at its time limit keeps what it measured."""
         self.output.mkdir(parents=True, exist_ok=True)
-        result = {"section": name, "status": status, "environment": self.environment, "plan": asdict(self.plan),
-                  **result}
+        result = {
+            "section": name,
+            "status": status,
+            "environment": self.environment,
+            "plan": asdict(self.plan),
+            **result,
+        }
         (self.output / f"{name}.json").write_text(json.dumps(result, indent=2))
 
     def best_compiled(self) -> str:
@@ -133,27 +182,50 @@ class GpuBench:
 
     def variants(self, names: list[str] | None) -> dict:
         """Measured variants merged into the rows of an earlier call on the same GPU and workload."""
-        workload = self.workload(self.plan.sd15_model, self.plan.side, self.plan.steps,
-                                 max_batch_limit=self.plan.max_batch_limit)
+        workload = self.workload(
+            self.plan.sd15_model, self.plan.side, self.plan.steps, max_batch_limit=self.plan.max_batch_limit
+        )
         previous = self.section("variants")
-        same = (previous and previous.get("workload") == asdict(workload)
-                and previous["environment"]["device_name"] == self.environment["device_name"])
+        same = (
+            previous
+            and previous.get("workload") == asdict(workload)
+            and previous["environment"]["device_name"] == self.environment["device_name"]
+        )
         rows = {row["name"]: row for row in previous["variants"]} if same else {}
 
         def merged(results: dict[str, dict]) -> dict:
-            rows.update({name: {"name": name, "summary": by_name(name).summary, **result} for name, result in results.items()})
-            return {"workload": asdict(workload), "baseline": EAGER,
-                    "variants": [rows[name] for name in SECTION_VARIANTS if name in rows]}
+            rows.update(
+                {name: {"name": name, "summary": by_name(name).summary, **result} for name, result in results.items()}
+            )
+            return {
+                "workload": asdict(workload),
+                "baseline": EAGER,
+                "variants": [rows[name] for name in SECTION_VARIANTS if name in rows],
+            }
 
-        runner = Runner(workload, self.scratch / "variants", self.timeout, baseline=EAGER, profile=True, caches=self.caches,
-                        max_batch_for={EAGER, "vanilla"})
-        results = runner.variants(select(names or list(SECTION_VARIANTS), EAGER), self.device,
-                                  on_result=lambda partial: self.save("variants", merged(partial)))
+        runner = Runner(
+            workload,
+            self.scratch / "variants",
+            self.timeout,
+            baseline=EAGER,
+            profile=True,
+            caches=self.caches,
+            max_batch_for={EAGER, "vanilla"},
+        )
+        results = runner.variants(
+            select(names or list(SECTION_VARIANTS), EAGER),
+            self.device,
+            on_result=lambda partial: self.save("variants", merged(partial)),
+        )
         return merged(results)
 
     def scaling(self) -> dict:
         compiled = self.best_compiled()
-        largest = {row["name"]: row["max_batch"] for row in (self.section("variants") or {}).get("variants", []) if "max_batch" in row}
+        largest = {
+            row["name"]: row["max_batch"]
+            for row in (self.section("variants") or {}).get("variants", [])
+            if "max_batch" in row
+        }
         result = {"compiled": compiled, "rows": [], "largest_batch": largest}
         for name in (EAGER, compiled):
             for batch in self.plan.batches:
@@ -166,8 +238,14 @@ class GpuBench:
         return result
 
     def engine(self) -> dict:
-        rows = measure_model("sd1", model_dir(self.plan.sd15_model), self.device_setting, list(self.plan.engine_batches),
-                             self.plan.served_steps, self.plan.engine_repeats)
+        rows = measure_model(
+            "sd1",
+            model_dir(self.plan.sd15_model),
+            self.device_setting,
+            list(self.plan.engine_batches),
+            self.plan.served_steps,
+            self.plan.engine_repeats,
+        )
         gc.collect()  # the engine and diffusers' pipeline measured here leave the GPU to the next section
         release_cached_memory()
         return {"rows": [{**asdict(row), "ratio": row.ratio} for row in rows]}
@@ -180,45 +258,85 @@ class GpuBench:
         for concurrency in plan.concurrency:
             workload = self.workload(plan.sd15_model, plan.side, plan.served_steps, concurrency)
             ceiling = Runner(workload, self.scratch / f"ceiling-{concurrency}", self.timeout).variant(
-                by_name(EAGER), self.device, warm=False)
+                by_name(EAGER), self.device, warm=False
+            )
             result["ceiling_images_per_s"][concurrency] = ceiling.get("images_per_s")
             logger.info("in-process ceiling, batch %d: %s", concurrency, summary(ceiling))
         for mode, frontend in SERVED_MODES.items():
             workdir = self.scratch / f"served-{mode}"
             config = write_model_config(
-                workdir, handler={"model_path": str(model_dir(plan.sd15_model))}, minWorkers=1, maxWorkers=1,
-                batchSize=max(plan.concurrency), **frontend,
+                workdir,
+                handler={"model_path": str(model_dir(plan.sd15_model))},
+                minWorkers=1,
+                maxWorkers=1,
+                batchSize=max(plan.concurrency),
+                **frontend,
             )
             with serve_archive(model_dir(plan.sd15_model), config, workdir, gpus=1) as server:
                 for concurrency in plan.concurrency:
                     closed_loop(server, self.bodies(concurrency), concurrency)  # warm-up at this concurrency
                     before = server.metric_samples()
-                    results, seconds = closed_loop(server, self.bodies(concurrency * plan.requests_per_client), concurrency)
+                    results, seconds = closed_loop(
+                        server, self.bodies(concurrency * plan.requests_per_client), concurrency
+                    )
                     figures = server_figures(before, server.metric_samples())
-                    point = served_point(mode, concurrency, results, seconds, result["ceiling_images_per_s"][concurrency])
-                    result["points"].append({**point, "mean_batch_size": figures.mean_batch_size,
-                                             "mean_step_images": figures.mean_step_images})
-                    logger.info("served, %s batching, concurrency %d: %.2f images/s, p95 %s s, %s of in-process, "
-                                "%.1f images per UNet forward", mode, concurrency, point["images_per_s"],
-                                seconds_text(point["p95_s"]), percent_text(point["ratio"]), figures.mean_step_images)
+                    point = served_point(
+                        mode, concurrency, results, seconds, result["ceiling_images_per_s"][concurrency]
+                    )
+                    result["points"].append(
+                        {
+                            **point,
+                            "mean_batch_size": figures.mean_batch_size,
+                            "mean_step_images": figures.mean_step_images,
+                        }
+                    )
+                    logger.info(
+                        "served, %s batching, concurrency %d: %.2f images/s, p95 %s s, %s of in-process, "
+                        "%.1f images per UNet forward",
+                        mode,
+                        concurrency,
+                        point["images_per_s"],
+                        seconds_text(point["p95_s"]),
+                        percent_text(point["ratio"]),
+                        figures.mean_step_images,
+                    )
                     self.save("served", result)
         return result
 
     def bodies(self, count: int) -> list[dict]:
         side, steps = self.plan.side, self.plan.served_steps
-        return [{"prompt": PROMPTS[index % len(PROMPTS)], "seed": index, "num_inference_steps": steps, "width": side,
-                 "height": side} for index in range(count)]
+        return [
+            {
+                "prompt": PROMPTS[index % len(PROMPTS)],
+                "seed": index,
+                "num_inference_steps": steps,
+                "width": side,
+                "height": side,
+            }
+            for index in range(count)
+        ]
 
     def sdxl(self) -> dict:
         workload = self.workload(self.plan.sdxl_model, self.plan.sdxl_side, self.plan.sdxl_steps)
 
         def rows(results: dict[str, dict]) -> dict:
-            return {"workload": asdict(workload), "baseline": EAGER,
-                    "variants": [{"name": name, "summary": by_name(name).summary, **result} for name, result in results.items()]}
+            return {
+                "workload": asdict(workload),
+                "baseline": EAGER,
+                "variants": [
+                    {"name": name, "summary": by_name(name).summary, **result} for name, result in results.items()
+                ],
+            }
 
         runner = Runner(workload, self.scratch / "sdxl", self.timeout, baseline=EAGER, caches=self.caches)
-        return rows(runner.variants([by_name(EAGER), by_name(self.best_compiled())], self.device, warm=False,
-                                    on_result=lambda partial: self.save("sdxl", rows(partial))))
+        return rows(
+            runner.variants(
+                [by_name(EAGER), by_name(self.best_compiled())],
+                self.device,
+                warm=False,
+                on_result=lambda partial: self.save("sdxl", rows(partial)),
+            )
+        )
 
     def run(self, section: str, variant_names: list[str] | None) -> bool:
         """One section, its file saved and the report rendered whatever happens; False when it failed."""
@@ -231,12 +349,19 @@ class GpuBench:
         except Exception as error:  # noqa: BLE001 - the next section still runs; the report says what failed
             logger.exception("section %s failed", section)
             partial = self.section(section) or {}
-            kept = {key: value for key, value in partial.items() if key not in ("section", "status", "environment", "plan")}
+            kept = {
+                key: value for key, value in partial.items() if key not in ("section", "status", "environment", "plan")
+            }
             self.save(section, {**kept, "error": f"{type(error).__name__}: {error}"[:2000]}, status="failed")
             failed = True
         render(self.output)
-        logger.info("section %s %s in %.0f s; report in %s", section, "FAILED" if failed else "done",
-                    time.perf_counter() - started, self.output / "gpu.md")
+        logger.info(
+            "section %s %s in %.0f s; report in %s",
+            section,
+            "FAILED" if failed else "done",
+            time.perf_counter() - started,
+            self.output / "gpu.md",
+        )
         return not failed
 
 
@@ -248,24 +373,37 @@ def check_serving_tools() -> None:
         raise FileNotFoundError("no java on PATH: TorchServe's frontend needs Java 17 or later (docs/performance.md)")
 
 
-def served_point(mode: str, concurrency: int, results: list[tuple[float, bool]], seconds: float,
-                 ceiling: float | None) -> dict:
+def served_point(
+    mode: str, concurrency: int, results: list[tuple[float, bool]], seconds: float, ceiling: float | None
+) -> dict:
     latencies = [latency for latency, ok in results if ok]
     p50, p95 = (float(value) for value in np.quantile(latencies, [0.5, 0.95])) if latencies else (None, None)
     images_per_s = len(latencies) / seconds
-    return {"mode": mode, "concurrency": concurrency, "requests": len(results), "errors": len(results) - len(latencies),
-            "images_per_s": images_per_s, "p50_s": p50, "p95_s": p95, "ceiling_images_per_s": ceiling,
-            "ratio": images_per_s / ceiling if ceiling else None}
+    return {
+        "mode": mode,
+        "concurrency": concurrency,
+        "requests": len(results),
+        "errors": len(results) - len(latencies),
+        "images_per_s": images_per_s,
+        "p50_s": p50,
+        "p95_s": p95,
+        "ceiling_images_per_s": ceiling,
+        "ratio": images_per_s / ceiling if ceiling else None,
+    }
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sections", nargs="*", choices=SECTIONS, default=list(SECTIONS))
-    parser.add_argument("--variants", nargs="*", choices=SECTION_VARIANTS, help="the variants section's subset (eager always runs)")
+    parser.add_argument(
+        "--variants", nargs="*", choices=SECTION_VARIANTS, help="the variants section's subset (eager always runs)"
+    )
     parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     parser.add_argument("--quick", action="store_true", help="CI mode: tiny models, 64x64, one step, on the CPU")
     parser.add_argument("--output-dir", type=Path, help="default: reports/gpu (reports/gpu-quick with --quick)")
-    parser.add_argument("--scratch", type=Path, help="images, inductor caches and server state (default: build/bench-gpu)")
+    parser.add_argument(
+        "--scratch", type=Path, help="images, inductor caches and server state (default: build/bench-gpu)"
+    )
     parser.add_argument("--timeout", type=float, default=450, help="seconds one measuring process may take")
     args = parser.parse_args(argv)
     if args.quick and args.device == "auto":

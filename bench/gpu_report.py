@@ -22,15 +22,20 @@ SERVED_GOAL = 0.90  # served images/s over the in-process ceiling at the same ba
 
 
 def load_sections(directory: Path) -> dict[str, dict]:
-    return {name: json.loads((directory / f"{name}.json").read_text())
-            for name in SECTION_RENDERERS if (directory / f"{name}.json").is_file()}
+    return {
+        name: json.loads((directory / f"{name}.json").read_text())
+        for name in SECTION_RENDERERS
+        if (directory / f"{name}.json").is_file()
+    }
 
 
 def _environment_line(section: dict) -> str:
     env = section["environment"]
     driver = f", driver {env['driver']}, CUDA {env['cuda']}" if env.get("driver") else ""
-    return (f"*{env['device_name']}{driver}, torch {env['torch']}, diffusers {env['diffusers']}, Python {env['python']}, "
-            f"{env['date']}*")
+    return (
+        f"*{env['device_name']}{driver}, torch {env['torch']}, diffusers {env['diffusers']}, Python {env['python']}, "
+        f"{env['date']}*"
+    )
 
 
 def _ok(rows: list[dict]) -> dict[str, dict]:
@@ -56,21 +61,28 @@ def goals(sections: dict[str, dict]) -> list[str]:
         name = max(measured, key=lambda key: measured[key]["unet_it_s"])
         return measured[name]["unet_it_s"], f"{measured[name]['unet_it_s']:.1f} it/s ({name})"
 
-    for section, label, goal in (("variants", "SD 1.5 UNet, batch 1", SD15_UNET_GOAL), ("sdxl", "SDXL UNet, batch 1", SDXL_UNET_GOAL)):
+    for section, label, goal in (
+        ("variants", "SD 1.5 UNet, batch 1", SD15_UNET_GOAL),
+        ("sdxl", "SDXL UNet, batch 1", SDXL_UNET_GOAL),
+    ):
         value, text = best_unet(section)
         workload = sections.get(section, {}).get("workload")
         where = f" ({Path(workload['model_dir']).name}, {workload['width']}x{workload['height']})" if workload else ""
         rows.append(f"| {label}{where} | >= {goal} it/s | {text} | {_standing(value, goal)} |")
     points = [point for point in sections.get("served", {}).get("points", []) if point["ratio"] is not None]
     worst = min(points, key=lambda point: point["ratio"]) if points else None
-    rows.append(f"| served / in-process images/s, same batch | >= {SERVED_GOAL:.0%} | "
-                + (f"{worst['ratio']:.0%} at worst ({worst['mode']}, concurrency {worst['concurrency']})" if worst else "—")
-                + f" | {_standing(worst['ratio'] if worst else None, SERVED_GOAL)} |")
+    rows.append(
+        f"| served / in-process images/s, same batch | >= {SERVED_GOAL:.0%} | "
+        + (f"{worst['ratio']:.0%} at worst ({worst['mode']}, concurrency {worst['concurrency']})" if worst else "—")
+        + f" | {_standing(worst['ratio'] if worst else None, SERVED_GOAL)} |"
+    )
     engine = sections.get("engine", {}).get("rows", [])
     slowest = max(engine, key=lambda row: row["ratio"]) if engine else None
-    rows.append(f"| step engine / diffusers call, time | <= {ENGINE_GOAL:.2f}x | "
-                + (f"{slowest['ratio']:.3f}x at worst (batch {slowest['batch']})" if slowest else "—")
-                + f" | {_standing(slowest['ratio'] if slowest else None, ENGINE_GOAL, higher_is_better=False)} |")
+    rows.append(
+        f"| step engine / diffusers call, time | <= {ENGINE_GOAL:.2f}x | "
+        + (f"{slowest['ratio']:.3f}x at worst (batch {slowest['batch']})" if slowest else "—")
+        + f" | {_standing(slowest['ratio'] if slowest else None, ENGINE_GOAL, higher_is_better=False)} |"
+    )
     return rows
 
 
@@ -78,31 +90,48 @@ def _profile_lines(rows: list[dict]) -> list[str]:
     profiled = next((row["profile"] for row in rows if row.get("profile")), None)
     if not profiled:
         return []
-    lines = ["", f"Where an eager call's {profiled['latency_s']:.3f} s go (torch.profiler, {profiled['measure']}; "
-                 f"{profiled['wall_s']:.3f} s while profiled):"]
+    lines = [
+        "",
+        f"Where an eager call's {profiled['latency_s']:.3f} s go (torch.profiler, {profiled['measure']}; "
+        f"{profiled['wall_s']:.3f} s while profiled):",
+    ]
     if "device_busy_fraction" in profiled:
         syncs = ", ".join(f"{name} {count}" for name, count in profiled["host_syncs"].items()) or "none"
-        lines.append(f"the GPU ran kernels {profiled['device_busy_fraction']:.0%} of the call ({profiled['device_busy_s']:.3f} s); "
-                     f"host synchronizations: {syncs} (one per step is the benchmark's own step clock).")
-    lines += ["", *_table(["operator" if "device_busy_s" not in profiled else "kernel", "calls", "seconds"],
-                          [[f"`{op['name'][:80]}`", str(op["calls"]), f"{op['seconds']:.4f}"] for op in profiled["top_operators"]])]
+        lines.append(
+            f"the GPU ran kernels {profiled['device_busy_fraction']:.0%} of the call "
+            f"({profiled['device_busy_s']:.3f} s); "
+            f"host synchronizations: {syncs} (one per step is the benchmark's own step clock)."
+        )
+    lines += [
+        "",
+        *_table(
+            ["operator" if "device_busy_s" not in profiled else "kernel", "calls", "seconds"],
+            [[f"`{op['name'][:80]}`", str(op["calls"]), f"{op['seconds']:.4f}"] for op in profiled["top_operators"]],
+        ),
+    ]
     return lines
 
 
 def _workload_line(workload: dict) -> str:
-    return (f"`{Path(workload['model_dir']).name}`, {workload['width']}x{workload['height']}, {workload['steps']} "
-            f"{workload['scheduler']} steps, batch "
-            f"{workload['batch']}, guidance {workload['guidance_scale']}; median of {workload['repeats']} calls after a "
-            "warm-up call; compile cold/warm: the first call's extra time with an empty and with a persisted inductor cache. "
-            "UNet it/s is timed with a synchronization after every step, as the service's per-step metrics are "
-            "(`metrics.synchronize_steps`); published figures are timed without.")
+    return (
+        f"`{Path(workload['model_dir']).name}`, {workload['width']}x{workload['height']}, {workload['steps']} "
+        f"{workload['scheduler']} steps, batch "
+        f"{workload['batch']}, guidance {workload['guidance_scale']}; median of {workload['repeats']} calls after a "
+        "warm-up call; compile cold/warm: the first call's extra time with an empty and with a persisted inductor "
+        "cache. "
+        "UNet it/s is timed with a synchronization after every step, as the service's per-step metrics are "
+        "(`metrics.synchronize_steps`); published figures are timed without."
+    )
 
 
 def markdown(sections: dict[str, dict]) -> str:
     lines = ["# GPU benchmark (`make bench-gpu`)", "", "## Goals", ""]
     if any(section["environment"]["device"] == "cpu" for section in sections.values()):
-        lines += ["Measured on a CPU (`--quick`: tiny models and sizes). The goals are for an H100 at SD 1.5's 512x512 "
-                  "and SDXL's 1024x1024; here the standing only exercises the arithmetic.", ""]
+        lines += [
+            "Measured on a CPU (`--quick`: tiny models and sizes). The goals are for an H100 at SD 1.5's 512x512 "
+            "and SDXL's 1024x1024; here the standing only exercises the arithmetic.",
+            "",
+        ]
     lines += goals(sections)
     for name, (title, data, render_section) in SECTION_RENDERERS.items():
         if name not in sections:
@@ -119,7 +148,9 @@ def markdown(sections: dict[str, dict]) -> str:
 
 
 def _table(header: list[str], rows: list[list[str]]) -> list[str]:
-    return ["| " + " | ".join(header) + " |", "|" + " --- |" * len(header)] + ["| " + " | ".join(row) + " |" for row in rows]
+    return ["| " + " | ".join(header) + " |", "|" + " --- |" * len(header)] + [
+        "| " + " | ".join(row) + " |" for row in rows
+    ]
 
 
 def _variants(section: dict) -> list[str]:
@@ -127,27 +158,71 @@ def _variants(section: dict) -> list[str]:
 
 
 def _scaling(section: dict) -> list[str]:
-    rows = [[row["variant"], str(row["batch"]), f"{row['images_per_s']:.2f}", f"{row['unet_it_s']:.1f}",
-             f"{row['latency_s']:.3f}", f"{row['peak_memory_mib']:.0f}"] if row["status"] == "ok" else
-            [row["variant"], str(row["batch"]), f"{row['status']}: {(row.get('reason') or row.get('error', ''))[:120]}", "", "", ""]
-            for row in section["rows"]]
+    rows = [
+        [
+            row["variant"],
+            str(row["batch"]),
+            f"{row['images_per_s']:.2f}",
+            f"{row['unet_it_s']:.1f}",
+            f"{row['latency_s']:.3f}",
+            f"{row['peak_memory_mib']:.0f}",
+        ]
+        if row["status"] == "ok"
+        else [
+            row["variant"],
+            str(row["batch"]),
+            f"{row['status']}: {(row.get('reason') or row.get('error', ''))[:120]}",
+            "",
+            "",
+            "",
+        ]
+        for row in section["rows"]
+    ]
     largest = ", ".join(f"{name} {size}" for name, size in section.get("largest_batch", {}).items())
     return [
-        *_table(["variant", "batch", "images/s", "UNet it/s", "seconds per call", "peak memory (MiB)"], rows), "",
-        f"Largest batch that fits: {largest or 'not measured (GPU only, from the variants section)'}."]
+        *_table(["variant", "batch", "images/s", "UNet it/s", "seconds per call", "peak memory (MiB)"], rows),
+        "",
+        f"Largest batch that fits: {largest or 'not measured (GPU only, from the variants section)'}.",
+    ]
 
 
 def _engine(section: dict) -> list[str]:
-    return [table([Row(**{key: value for key, value in row.items() if key != "ratio"}) for row in section["rows"]]).rstrip()]
+    return [
+        table([Row(**{key: value for key, value in row.items() if key != "ratio"}) for row in section["rows"]]).rstrip()
+    ]
 
 
 def _served(section: dict) -> list[str]:
-    rows = [[point["mode"], str(point["concurrency"]), str(point["requests"]), str(point["errors"]),
-             f"{point['images_per_s']:.2f}", seconds_text(point["p50_s"]), seconds_text(point["p95_s"]),
-             seconds_text(point["ceiling_images_per_s"]), percent_text(point["ratio"]), seconds_text(point.get("mean_step_images"))]
-            for point in section["points"]]
-    return _table(["batching", "concurrency", "requests", "errors", "images/s", "p50 (s)", "p95 (s)",
-                   "in-process at that batch (images/s)", "served / in-process", "images per UNet forward"], rows)
+    rows = [
+        [
+            point["mode"],
+            str(point["concurrency"]),
+            str(point["requests"]),
+            str(point["errors"]),
+            f"{point['images_per_s']:.2f}",
+            seconds_text(point["p50_s"]),
+            seconds_text(point["p95_s"]),
+            seconds_text(point["ceiling_images_per_s"]),
+            percent_text(point["ratio"]),
+            seconds_text(point.get("mean_step_images")),
+        ]
+        for point in section["points"]
+    ]
+    return _table(
+        [
+            "batching",
+            "concurrency",
+            "requests",
+            "errors",
+            "images/s",
+            "p50 (s)",
+            "p95 (s)",
+            "in-process at that batch (images/s)",
+            "served / in-process",
+            "images per UNet forward",
+        ],
+        rows,
+    )
 
 
 def _sdxl(section: dict) -> list[str]:
@@ -174,8 +249,12 @@ def percent_text(value: float | None) -> str:
 
 def _unet_bars(axis, section: dict | None, goal: float, anchors: dict[str, float], family: str) -> None:
     workload = (section or {}).get("workload")
-    axis.set_title(f"{family}, {Path(workload['model_dir']).name} {workload['width']}x{workload['height']}, batch 1"
-                   if workload else family, fontsize=10)
+    axis.set_title(
+        f"{family}, {Path(workload['model_dir']).name} {workload['width']}x{workload['height']}, batch 1"
+        if workload
+        else family,
+        fontsize=10,
+    )
     measured = _ok((section or {}).get("variants", []))
     if not measured:
         axis.text(0.5, 0.5, "not measured", ha="center", va="center", transform=axis.transAxes)
@@ -183,7 +262,7 @@ def _unet_bars(axis, section: dict | None, goal: float, anchors: dict[str, float
     axis.barh(list(measured), [row["unet_it_s"] for row in measured.values()], color="tab:blue")
     axis.invert_yaxis()
     axis.axvline(goal, color="tab:red", linestyle="--", label=f"goal {goal} it/s")
-    for (label, value), style in zip(anchors.items(), (":", "-.")):
+    for (label, value), style in zip(anchors.items(), (":", "-."), strict=False):
         axis.axvline(value, color="grey", linestyle=style, label=f"{label} {value}")
     axis.set_xlabel("UNet it/s")
     axis.legend(fontsize=7, loc="lower right")
@@ -204,11 +283,21 @@ def plot(sections: dict[str, dict], path: Path) -> None:
     served = sections.get("served", {})
     for mode in dict.fromkeys(point["mode"] for point in served.get("points", [])):
         points = [point for point in served["points"] if point["mode"] == mode]
-        served_axis.plot([p["concurrency"] for p in points], [p["images_per_s"] for p in points], marker="o", label=f"{mode} batching")
+        served_axis.plot(
+            [p["concurrency"] for p in points],
+            [p["images_per_s"] for p in points],
+            marker="o",
+            label=f"{mode} batching",
+        )
     ceiling = served.get("ceiling_images_per_s", {})
     if ceiling:
-        served_axis.plot([int(key) for key in ceiling], [value or 0 for value in ceiling.values()], "k--", marker="x",
-                         label="in-process, batch = concurrency")
+        served_axis.plot(
+            [int(key) for key in ceiling],
+            [value or 0 for value in ceiling.values()],
+            "k--",
+            marker="x",
+            label="in-process, batch = concurrency",
+        )
     served_axis.set_xlabel("concurrency")
     served_axis.set_ylabel("images/s")
     for axis in (scaling_axis, served_axis):

@@ -55,8 +55,16 @@ class Workload:
     def specs(self, batch: int | None = None, steps: int | None = None) -> list[JobSpec]:
         """One job per image, as ``batch`` one-image requests: image k has prompt k (cycling) and seed k."""
         return [
-            JobSpec(PROMPTS[index % len(PROMPTS)], None, (index,), self.width, self.height, steps or self.steps,
-                    self.scheduler, self.guidance_scale)
+            JobSpec(
+                PROMPTS[index % len(PROMPTS)],
+                None,
+                (index,),
+                self.width,
+                self.height,
+                steps or self.steps,
+                self.scheduler,
+                self.guidance_scale,
+            )
             for index in range(batch or self.batch)
         ]
 
@@ -112,7 +120,10 @@ def unet_flops(config: dict, rows: int, latent_height: int, latent_width: int, t
     if unet.config.addition_embed_type == "text_time":  # SDXL: pooled text embedding and six size/crop ids
         time_ids = 6
         pooled = unet.config.projection_class_embeddings_input_dim - time_ids * unet.config.addition_time_embed_dim
-        added = {"text_embeds": torch.empty(rows, pooled, device="meta"), "time_ids": torch.empty(rows, time_ids, device="meta")}
+        added = {
+            "text_embeds": torch.empty(rows, pooled, device="meta"),
+            "time_ids": torch.empty(rows, time_ids, device="meta"),
+        }
     with FlopCounterMode(display=False) as counter:
         unet(latents, torch.zeros(rows, device="meta"), text, added_cond_kwargs=added)
     return counter.get_total_flops()
@@ -123,13 +134,19 @@ def unet_call_flops(engine: StepEngine, workload: Workload) -> int:
     pipeline = engine.pipeline
     scale = pipeline.vae_scale_factor
     rows = workload.batch * (2 if workload.guidance_scale > 1 else 1)
-    return unet_flops(pipeline.unet.config, rows, workload.height // scale, workload.width // scale,
-                      pipeline.tokenizer.model_max_length)
+    return unet_flops(
+        pipeline.unet.config,
+        rows,
+        workload.height // scale,
+        workload.width // scale,
+        pipeline.tokenizer.model_max_length,
+    )
 
 
 def largest_batch(engine: StepEngine, workload: Workload) -> dict:
     """The most images one forward of this shape fits (CUDA): doubling until out of memory, then
     bisection. Two steps per try: memory peaks the same at every step."""
+
     def fits(size: int) -> bool:
         try:
             generate(engine, workload.specs(size, steps=2))
@@ -169,8 +186,11 @@ def profile(engine: StepEngine, specs: list[JobSpec], latency_s: float, top: int
         wall_s = time.perf_counter() - started
     events = profiler.key_averages()
     if cuda:  # kernel rows only: a CPU operator's self device time repeats its kernels'
-        timed = [(event, event.self_device_time_total) for event in events
-                 if event.device_type == torch.autograd.DeviceType.CUDA and not getattr(event, "is_user_annotation", False)]
+        timed = [
+            (event, event.self_device_time_total)
+            for event in events
+            if event.device_type == torch.autograd.DeviceType.CUDA and not getattr(event, "is_user_annotation", False)
+        ]
     else:
         timed = [(event, event.self_cpu_time_total) for event in events]
     ranked = sorted((pair for pair in timed if pair[1] > 0), key=lambda pair: pair[1], reverse=True)
@@ -178,7 +198,9 @@ def profile(engine: StepEngine, specs: list[JobSpec], latency_s: float, top: int
         "wall_s": wall_s,
         "latency_s": latency_s,
         "measure": "kernel time" if cuda else "self CPU time",
-        "top_operators": [{"name": event.key, "calls": event.count, "seconds": seconds / 1e6} for event, seconds in ranked[:top]],
+        "top_operators": [
+            {"name": event.key, "calls": event.count, "seconds": seconds / 1e6} for event, seconds in ranked[:top]
+        ],
     }
     if cuda:
         kernel_s = sum(seconds for _, seconds in timed) / 1e6
@@ -190,11 +212,18 @@ def profile(engine: StepEngine, specs: list[JobSpec], latency_s: float, top: int
 def _out_of_memory(error: Exception) -> bool:
     """Out of memory as CUDA reports it, or as cuDNN and cuBLAS do near the limit."""
     return isinstance(error, torch.OutOfMemoryError) or any(
-        sign in str(error) for sign in ("out of memory", "CUDNN_STATUS", "CUBLAS_STATUS_ALLOC_FAILED"))
+        sign in str(error) for sign in ("out of memory", "CUDNN_STATUS", "CUBLAS_STATUS_ALLOC_FAILED")
+    )
 
 
-def run_variant(variant_name: str, workload: Workload, images_path: Path, count_flops: bool,
-                with_profile: bool = False, search_max_batch: bool = False) -> dict:
+def run_variant(
+    variant_name: str,
+    workload: Workload,
+    images_path: Path,
+    count_flops: bool,
+    with_profile: bool = False,
+    search_max_batch: bool = False,
+) -> dict:
     """Load, warm up (compiling, for compiled variants) and time one variant; save its images."""
     variant = by_name(variant_name)
     started = time.perf_counter()
@@ -228,7 +257,9 @@ def run_variant(variant_name: str, workload: Workload, images_path: Path, count_
         "unet_it_s": 1 / statistics.median(step_times),
         "peak_memory_mib": peak_mib,
         "memory_measure": memory.measure,
-        "compile_counters": {name: count for name, count in torch._dynamo.utils.counters["inductor"].items() if "cache" in name},
+        "compile_counters": {
+            name: count for name, count in torch._dynamo.utils.counters["inductor"].items() if "cache" in name
+        },
         "cudagraph_skips": torch._dynamo.utils.counters["inductor"].get("cudagraph_skips", 0),
     }
     if count_flops:
@@ -262,7 +293,10 @@ def main() -> None:
     logging.basicConfig(level=logging.WARNING)
     workload = Workload(**json.loads(args.workload))
     try:
-        result = {"status": "ok", **run_variant(args.variant, workload, args.images, args.count_flops, args.profile, args.max_batch)}
+        result = {
+            "status": "ok",
+            **run_variant(args.variant, workload, args.images, args.count_flops, args.profile, args.max_batch),
+        }
     except Exception as error:  # the benchmark reports a failed variant and goes on with the next
         traceback.print_exc()
         result = {"status": "failed", "error": f"{type(error).__name__}: {error}".strip()[:2000]}

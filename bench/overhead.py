@@ -83,9 +83,14 @@ def main() -> None:
         try:
             server.wait_started()
             registration = ModelRegistration(server)
-            for label, batch_size, delay in ((f"{mode}, batch size 1", 1, 0),
-                                             (f"{mode}, batch size {shipped['batchSize']}, delay {shipped['maxBatchDelay']} ms",
-                                              shipped["batchSize"], shipped["maxBatchDelay"])):
+            for label, batch_size, delay in (
+                (f"{mode}, batch size 1", 1, 0),
+                (
+                    f"{mode}, batch size {shipped['batchSize']}, delay {shipped['maxBatchDelay']} ms",
+                    shipped["batchSize"],
+                    shipped["maxBatchDelay"],
+                ),
+            ):
                 registration.register(archive.name, batch_size, delay, workers=1)
                 logger.info("HTTP through TorchServe, %s", label)
                 results[f"http_median_s ({label})"] = over_http(server, args.repeats)
@@ -98,9 +103,11 @@ def main() -> None:
     print(f"in-process (handler service, no server): median {base * 1000:.1f} ms")
     for key, value in results.items():
         if key.startswith("http_median_s"):
-            label = key[len("http_median_s ("):-1]
-            print(f"TorchServe, {label}: median {value * 1000:.1f} ms = {value / base:.2f}x in-process "
-                  f"(+{(value - base) * 1000:.1f} ms)")
+            label = key[len("http_median_s (") : -1]
+            print(
+                f"TorchServe, {label}: median {value * 1000:.1f} ms = {value / base:.2f}x in-process "
+                f"(+{(value - base) * 1000:.1f} ms)"
+            )
     args.output.parent.mkdir(parents=True, exist_ok=True)
     args.output.write_text(json.dumps(results, indent=2))
 

@@ -20,7 +20,7 @@ import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import asdict
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 
 import diffusers
@@ -49,10 +49,17 @@ def image_distance(images: np.ndarray, baseline: np.ndarray) -> dict:
     }
 
 
-def _python_module(module: str, arguments: list[str], env: dict[str, str], timeout: float) -> subprocess.CompletedProcess:
+def _python_module(
+    module: str, arguments: list[str], env: dict[str, str], timeout: float
+) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-m", module, *arguments], cwd=ROOT, env={**os.environ, **env}, timeout=timeout,
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        [sys.executable, "-m", module, *arguments],
+        cwd=ROOT,
+        env={**os.environ, **env},
+        timeout=timeout,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
     )
 
 
@@ -60,8 +67,16 @@ class Runner:
     """Runs variants in fresh processes and collects their results; images are compared with
     ``baseline``'s, whose process also counts the UNet's FLOPs (and profiles a call, with ``profile``)."""
 
-    def __init__(self, workload: Workload, scratch: Path, timeout: float, baseline: str = BASELINE, profile: bool = False,
-                 caches: Path | None = None, max_batch_for: set[str] | None = None):
+    def __init__(
+        self,
+        workload: Workload,
+        scratch: Path,
+        timeout: float,
+        baseline: str = BASELINE,
+        profile: bool = False,
+        caches: Path | None = None,
+        max_batch_for: set[str] | None = None,
+    ):
         self.workload = workload
         self.scratch = scratch
         self.timeout = timeout
@@ -81,8 +96,15 @@ class Runner:
         for stale in (result_path, images_path):  # a crashed process must not pass for an earlier one
             stale.unlink(missing_ok=True)
         arguments = [
-            "--variant", variant.name, "--workload", json.dumps(asdict(self.workload)),
-            "--images", str(images_path), "--result", str(result_path), *extra,
+            "--variant",
+            variant.name,
+            "--workload",
+            json.dumps(asdict(self.workload)),
+            "--images",
+            str(images_path),
+            "--result",
+            str(result_path),
+            *extra,
         ]
         try:
             finished = _python_module("bench.measure", arguments, env, self.timeout)
@@ -109,21 +131,35 @@ class Runner:
         if warm and variant.compiled and result["status"] == "ok":
             warm_result = self.measure(variant, "warm", env, [])
             if warm_result["status"] == "ok":
-                result["warm"] = {key: warm_result[key] for key in ("first_call_s", "warmup_overhead_s", "latency_s", "compile_counters")}
+                result["warm"] = {
+                    key: warm_result[key]
+                    for key in ("first_call_s", "warmup_overhead_s", "latency_s", "compile_counters")
+                }
             else:
                 result["warm"] = warm_result
         return result
 
-    def variants(self, variants: list[Variant], device: torch.device, warm: bool = True,
-                 on_result: Callable[[dict[str, dict]], None] | None = None) -> dict[str, dict]:
+    def variants(
+        self,
+        variants: list[Variant],
+        device: torch.device,
+        warm: bool = True,
+        on_result: Callable[[dict[str, dict]], None] | None = None,
+    ) -> dict[str, dict]:
         """Every variant in turn, with progress, compared with the baseline (speed-up, image
         distance) as soon as measured; ``on_result`` gets the results so far after each."""
         results: dict[str, dict] = {}
         for number, variant in enumerate(variants, 1):
             started = time.perf_counter()
             results[variant.name] = result = self.variant(variant, device, warm)
-            logger.info("[%d/%d] %-28s %s (%.0f s)", number, len(variants), variant.name, summary(result),
-                        time.perf_counter() - started)
+            logger.info(
+                "[%d/%d] %-28s %s (%.0f s)",
+                number,
+                len(variants),
+                variant.name,
+                summary(result),
+                time.perf_counter() - started,
+            )
             compare_with_baseline(results, self.scratch, self.baseline)
             if on_result:
                 on_result(results)
@@ -152,12 +188,26 @@ def environment(device: torch.device) -> dict:
         name = torch.cuda.get_device_name(device)
         driver = _nvidia_driver()
     else:
-        cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                    if line.startswith("model name")), platform.processor()) if Path("/proc/cpuinfo").exists() else platform.processor()
+        cpu = (
+            next(
+                (
+                    line.split(":", 1)[1].strip()
+                    for line in Path("/proc/cpuinfo").read_text().splitlines()
+                    if line.startswith("model name")
+                ),
+                platform.processor(),
+            )
+            if Path("/proc/cpuinfo").exists()
+            else platform.processor()
+        )
         name = f"{cpu}, {os.cpu_count()} cores"
     return {
-        "device": str(device), "device_name": name, "date": datetime.now(timezone.utc).strftime("%Y-%m-%d"),
-        "torch": torch.__version__, "diffusers": diffusers.__version__, "python": platform.python_version(),
+        "device": str(device),
+        "device_name": name,
+        "date": datetime.now(UTC).strftime("%Y-%m-%d"),
+        "torch": torch.__version__,
+        "diffusers": diffusers.__version__,
+        "python": platform.python_version(),
         **({"driver": driver, "cuda": torch.version.cuda} if device.type == "cuda" else {}),
     }
 
@@ -165,8 +215,17 @@ def environment(device: torch.device) -> dict:
 def _nvidia_driver() -> str | None:
     """The NVIDIA driver's version, from nvidia-smi where it is installed."""
     try:
-        return subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"], capture_output=True,
-                              text=True, timeout=30, check=True).stdout.strip().splitlines()[0]
+        return (
+            subprocess.run(
+                ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                capture_output=True,
+                text=True,
+                timeout=30,
+                check=True,
+            )
+            .stdout.strip()
+            .splitlines()[0]
+        )
     except (OSError, subprocess.SubprocessError, IndexError):
         return None
 
@@ -182,22 +241,35 @@ def build_workload(args: argparse.Namespace, device: torch.device) -> Workload:
     else:
         side, steps = 64, 25
     return Workload(
-        model_dir=str(Path(model_dir).resolve()), device=args.device, width=args.resolution or side,
-        height=args.resolution or side, steps=args.steps or steps, batch=args.batch,
-        repeats=args.repeats or (1 if args.quick else 3), max_batch_limit=args.max_batch_limit,
+        model_dir=str(Path(model_dir).resolve()),
+        device=args.device,
+        width=args.resolution or side,
+        height=args.resolution or side,
+        steps=args.steps or steps,
+        batch=args.batch,
+        repeats=args.repeats or (1 if args.quick else 3),
+        max_batch_limit=args.max_batch_limit,
     )
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default="default", help=f"{', '.join(MODELS)} or a diffusers directory (default: default)")
+    parser.add_argument(
+        "--model", default="default", help=f"{', '.join(MODELS)} or a diffusers directory (default: default)"
+    )
     parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda", "mps"])
-    parser.add_argument("--resolution", type=int, help="image side in pixels (default: 64; sd15: 512 on GPU, 256 on CPU)")
+    parser.add_argument(
+        "--resolution", type=int, help="image side in pixels (default: 64; sd15: 512 on GPU, 256 on CPU)"
+    )
     parser.add_argument("--steps", type=int, help="denoising steps (default: 25; sd15: 50 on GPU, 4 on CPU)")
     parser.add_argument("--batch", type=int, default=1, help="one-image requests stepped together")
     parser.add_argument("--repeats", type=int, help="timed calls per variant after the warm-up call (default 3)")
-    parser.add_argument("--variants", nargs="*", help=f"subset of {', '.join(VARIANT_NAMES)} (the baseline always runs)")
-    parser.add_argument("--max-batch-limit", type=int, default=64, help="largest batch the GPU max-batch search tries; 0: skip")
+    parser.add_argument(
+        "--variants", nargs="*", help=f"subset of {', '.join(VARIANT_NAMES)} (the baseline always runs)"
+    )
+    parser.add_argument(
+        "--max-batch-limit", type=int, default=64, help="largest batch the GPU max-batch search tries; 0: skip"
+    )
     parser.add_argument("--attention-repeats", type=int, default=5)
     parser.add_argument("--timeout", type=float, default=3600, help="seconds one variant process may take")
     parser.add_argument("--quick", action="store_true", help="CI mode: the random tiny model, 64x64, 2 steps, 1 repeat")
@@ -221,12 +293,22 @@ def main(argv: list[str] | None = None) -> None:
         results = Runner(workload, Path(scratch), args.timeout).variants(variants, device)
         logger.info("attention micro-benchmark at SD 1.5 shapes")
         attention_path = Path(scratch) / "attention.json"
-        _python_module("bench.attention", ["--device", str(device), "--repeats", str(args.attention_repeats),
-                                           "--result", str(attention_path)], {}, args.timeout).check_returncode()
+        _python_module(
+            "bench.attention",
+            ["--device", str(device), "--repeats", str(args.attention_repeats), "--result", str(attention_path)],
+            {},
+            args.timeout,
+        ).check_returncode()
         attention = json.loads(attention_path.read_text())
     report = {
-        "workload": asdict(workload), "model": args.model, "quick": args.quick, "environment": environment(device),
-        "baseline": BASELINE, "variants": [{"name": variant.name, "summary": variant.summary, **results[variant.name]} for variant in variants],
+        "workload": asdict(workload),
+        "model": args.model,
+        "quick": args.quick,
+        "environment": environment(device),
+        "baseline": BASELINE,
+        "variants": [
+            {"name": variant.name, "summary": variant.summary, **results[variant.name]} for variant in variants
+        ],
         "attention": attention,
     }
     paths = write_report(report, args.output_dir, name)
@@ -239,9 +321,15 @@ def summary(result: dict) -> str:
     if result["status"] != "ok":
         return f"FAILED: {result['error'][:200]}"
     warm = result.get("warm", {})
-    compile_note = f", compile cold {result['warmup_overhead_s']:.1f} s warm {warm.get('warmup_overhead_s', float('nan')):.1f} s" if warm else ""
-    return (f"{result['latency_s']:.3f} s/call, {result['unet_it_s']:.1f} UNet it/s, "
-            f"peak {result['peak_memory_mib']:.0f} MiB{compile_note}")
+    compile_note = (
+        f", compile cold {result['warmup_overhead_s']:.1f} s warm {warm.get('warmup_overhead_s', float('nan')):.1f} s"
+        if warm
+        else ""
+    )
+    return (
+        f"{result['latency_s']:.3f} s/call, {result['unet_it_s']:.1f} UNet it/s, "
+        f"peak {result['peak_memory_mib']:.0f} MiB{compile_note}"
+    )
 
 
 if __name__ == "__main__":

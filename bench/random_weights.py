@@ -34,8 +34,13 @@ def ensure_pipeline(directory: Path, recipe: dict, build: Callable[[], Diffusion
 
 def text_config(config: dict, tokenizer: CLIPTokenizer) -> CLIPTextConfig:
     """A published CLIP text encoder's ``config`` (CLIP's 49408-token vocabulary) around ``tokenizer``."""
-    return CLIPTextConfig(vocab_size=49408, bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
-                          pad_token_id=tokenizer.pad_token_id, **config)
+    return CLIPTextConfig(
+        vocab_size=49408,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        **config,
+    )
 
 
 def main(ensure_model: Callable[[Path], Path], default_dir: Path, description: str) -> None:

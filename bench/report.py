@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Callable
 from pathlib import Path
 
 import matplotlib
@@ -52,14 +53,18 @@ def _variant_row(variant: dict) -> str:
 
 
 def variants_table(report: dict) -> str:
-    header = ("| variant | dtype | latency (s) | speed-up | images/s | UNet it/s | UNet TFLOP/s | peak memory (MiB) "
-              "| compile cold (s) | compile warm (s) | max batch | max abs diff | PSNR (dB) |")
+    header = (
+        "| variant | dtype | latency (s) | speed-up | images/s | UNet it/s | UNet TFLOP/s | peak memory (MiB) "
+        "| compile cold (s) | compile warm (s) | max batch | max abs diff | PSNR (dB) |"
+    )
     return "\n".join([header, "|" + " --- |" * 13] + [_variant_row(variant) for variant in report["variants"]])
 
 
 def attention_table(report: dict) -> str:
-    header = ("| case | dtype | vanilla (ms) | SDPA (ms) | speed-up | vanilla peak (MiB) | SDPA peak (MiB) "
-              "| score matrix (MiB) | max abs diff |")
+    header = (
+        "| case | dtype | vanilla (ms) | SDPA (ms) | speed-up | vanilla peak (MiB) | SDPA peak (MiB) "
+        "| score matrix (MiB) | max abs diff |"
+    )
     rows = [
         f"| {row['case']} | {row['dtype']} | {row['vanilla']['median_ms']:.1f} | {row['sdpa']['median_ms']:.1f} "
         f"| {row['speedup']:.2f}x | {_mib(row['vanilla']['peak_memory_mib'])} | {_mib(row['sdpa']['peak_memory_mib'])} "
@@ -71,7 +76,9 @@ def attention_table(report: dict) -> str:
 
 def markdown(report: dict) -> str:
     workload, environment = report["workload"], report["environment"]
-    flops = next((variant.get("unet_call_flops") for variant in report["variants"] if variant.get("unet_call_flops")), None)
+    flops = next(
+        (variant.get("unet_call_flops") for variant in report["variants"] if variant.get("unet_call_flops")), None
+    )
     memory = next((variant["memory_measure"] for variant in report["variants"] if variant["status"] == "ok"), "")
     lines = [
         f"# Pipeline benchmark: {report['model']} on {environment['device_name']} ({environment['date']})",
@@ -110,29 +117,44 @@ def chart(report: dict, path: Path) -> None:
     compiled = [variant for variant in measured if "warm" in variant]
     positions = range(len(compiled))
     compile_axis.bar([p - 0.2 for p in positions], [v["warmup_overhead_s"] for v in compiled], 0.4, label="cold cache")
-    compile_axis.bar([p + 0.2 for p in positions], [v["warm"].get("warmup_overhead_s", 0) for v in compiled], 0.4, label="warm cache")
+    compile_axis.bar(
+        [p + 0.2 for p in positions], [v["warm"].get("warmup_overhead_s", 0) for v in compiled], 0.4, label="warm cache"
+    )
     compile_axis.set_xticks(list(positions), [v["name"] for v in compiled], fontsize=8)
     compile_axis.set_ylabel("first-call compile time (s)")
     compile_axis.legend()
     labels = [f"{row['case']}\n{row['dtype']}" for row in report["attention"]]
     spots = range(len(labels))
-    attention.bar([p - 0.2 for p in spots], [row["vanilla"]["median_ms"] for row in report["attention"]], 0.4, label="vanilla")
-    attention.bar([p + 0.2 for p in spots], [row["sdpa"]["median_ms"] for row in report["attention"]], 0.4, label="SDPA")
+    attention.bar(
+        [p - 0.2 for p in spots], [row["vanilla"]["median_ms"] for row in report["attention"]], 0.4, label="vanilla"
+    )
+    attention.bar(
+        [p + 0.2 for p in spots], [row["sdpa"]["median_ms"] for row in report["attention"]], 0.4, label="SDPA"
+    )
     attention.set_xticks(list(spots), labels, fontsize=8)
     attention.set_ylabel("attention time (ms)")
     attention.legend()
     workload, environment = report["workload"], report["environment"]
-    figure.suptitle(f"{report['model']} {workload['width']}x{workload['height']}, {workload['steps']} steps, batch "
-                    f"{workload['batch']} on {environment['device_name']} ({environment['date']})")
+    figure.suptitle(
+        f"{report['model']} {workload['width']}x{workload['height']}, {workload['steps']} steps, batch "
+        f"{workload['batch']} on {environment['device_name']} ({environment['date']})"
+    )
     figure.tight_layout()
     figure.savefig(path, dpi=110)
     plt.close(figure)
 
 
-def write_report(report: dict, directory: Path, name: str) -> list[Path]:
+def publish(data: dict, table: str, plot: Callable[[Path], None], directory: Path, name: str) -> list[Path]:
+    """What every benchmark leaves: ``NAME.json`` (the figures), ``NAME.md`` (the table, also printed)
+    and ``NAME.png`` (drawn by ``plot``) in ``directory``."""
     directory.mkdir(parents=True, exist_ok=True)
     paths = [directory / f"{name}.json", directory / f"{name}.md", directory / f"{name}.png"]
-    paths[0].write_text(json.dumps(report, indent=2))
-    paths[1].write_text(markdown(report))
-    chart(report, paths[2])
+    paths[0].write_text(json.dumps(data, indent=2))
+    paths[1].write_text(table)
+    plot(paths[2])
+    print(table)
     return paths
+
+
+def write_report(report: dict, directory: Path, name: str) -> list[Path]:
+    return publish(report, markdown(report), lambda path: chart(report, path), directory, name)

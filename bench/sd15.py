@@ -16,7 +16,7 @@ from diffusers import AutoencoderKL, DDIMScheduler, StableDiffusionPipeline, UNe
 from transformers import CLIPTextModel
 
 from bench import random_weights
-from model_making.make_tiny_model import build_tokenizer
+from model_making.make_tiny_model import WITHOUT_SAFETY_CHECKER, build_tokenizer
 from server.paths import MODELS
 
 MODEL_DIR = MODELS / "sd15-random"
@@ -81,9 +81,7 @@ def build_pipeline(seed: int = SEED) -> StableDiffusionPipeline:
         tokenizer=tokenizer,
         unet=build_unet(),
         scheduler=DDIMScheduler(**SCHEDULER_CONFIG),
-        safety_checker=None,
-        feature_extractor=None,
-        requires_safety_checker=False,
+        **WITHOUT_SAFETY_CHECKER,
     )
 
 

@@ -2,8 +2,9 @@
 
 The UNet (2.57B parameters), the two text encoders (CLIP ViT-L/14, as SD 1.5's, and OpenCLIP
 ViT-bigG/14) and the VAE (SD 1.5's layout, SDXL's scaling and float32 upcast) use SDXL base 1.0's
-published configs, so ``make bench-gpu`` measures SDXL at the sizes a real model runs. Both tokenizers are byte-level (``model_making.make_tiny_model``): prompts still become
-77 tokens. Written once in diffusers format (safetensors, float16, about 7 GB).
+published configs, so ``make bench-gpu`` measures SDXL at the sizes a real model runs. Both tokenizers
+are byte-level (``model_making.make_tiny_model``): prompts still become 77 tokens. Written once in
+diffusers format (safetensors, float16, about 7 GB).
 """
 
 from __future__ import annotations
@@ -80,8 +81,13 @@ def build_pipeline(seed: int = SEED) -> StableDiffusionXLPipeline:
 
 def ensure_model(directory: Path = MODEL_DIR, seed: int = SEED) -> Path:
     """Write the pipeline to ``directory`` unless the same recipe is already there (about 7 GB)."""
-    recipe = {"seed": seed, "unet": UNET_CONFIG, "vae": VAE_CONFIG, "text_encoder": TEXT_ENCODER_CONFIG,
-              "text_encoder_2": TEXT_ENCODER_2_CONFIG}
+    recipe = {
+        "seed": seed,
+        "unet": UNET_CONFIG,
+        "vae": VAE_CONFIG,
+        "text_encoder": TEXT_ENCODER_CONFIG,
+        "text_encoder_2": TEXT_ENCODER_2_CONFIG,
+    }
     return random_weights.ensure_pipeline(directory, recipe, lambda: build_pipeline(seed))
 
 

@@ -48,7 +48,9 @@ class Variant:
 
 def _compiled(mode: str, summary: str, cuda_only: bool = False) -> Variant:
     return Variant(
-        f"compile-{mode}", summary, {"compile": {"enabled": True, "mode": mode, "targets": ["unet", "vae_decoder"]}},
+        f"compile-{mode}",
+        summary,
+        {"compile": {"enabled": True, "mode": mode, "targets": ["unet", "vae_decoder"]}},
         cuda_only,
     )
 
@@ -56,22 +58,33 @@ def _compiled(mode: str, summary: str, cuda_only: bool = False) -> Variant:
 # The baseline first: images of every other variant are compared with its images. Variants with no
 # dtype override run the serving dtype (float16 on GPU, float32 on CPU; handler.pipeline.resolve_dtype).
 VARIANTS: tuple[Variant, ...] = (
-    Variant(BASELINE, "AttnProcessor (softmax(QK^T)V, the full score matrix), float32",
-            {"attention": "vanilla", "dtype": "float32"}),
+    Variant(
+        BASELINE,
+        "AttnProcessor (softmax(QK^T)V, the full score matrix), float32",
+        {"attention": "vanilla", "dtype": "float32"},
+    ),
     Variant("eager", "SDPA, serving dtype: the shipped pipeline as model-config.yaml has it", {}),
     Variant("vanilla", "AttnProcessor (the full score matrix), serving dtype", {"attention": "vanilla"}),
     Variant("sdpa-fp32", "AttnProcessor2_0 (F.scaled_dot_product_attention), float32", {"dtype": "float32"}),
     Variant("sdpa-fp16", "SDPA, float16 weights and activations", {"dtype": "float16"}),
     Variant("sdpa-bf16", "SDPA, bfloat16 weights and activations", {"dtype": "bfloat16"}),
-    Variant("channels-last", "SDPA, serving dtype, UNet and VAE in channels_last memory format", {"channels_last": True}),
+    Variant(
+        "channels-last", "SDPA, serving dtype, UNet and VAE in channels_last memory format", {"channels_last": True}
+    ),
     _compiled("default", "SDPA, serving dtype, torch.compile(mode='default') of UNet and VAE decoder"),
     _compiled("reduce-overhead", "as compile-default with CUDA graphs (mode='reduce-overhead')", cuda_only=True),
     _compiled("max-autotune", "as compile-default with kernel autotuning (mode='max-autotune'; CUDA graphs on GPU)"),
     _compiled("max-autotune-no-cudagraphs", "max-autotune without CUDA graphs", cuda_only=True),
-    Variant("attention-slicing", "SDPA, serving dtype, attention computed in slices (pipeline.enable_attention_slicing)",
-            {"attention_slicing": True}),
-    Variant("vae-tiling", "SDPA, serving dtype, VAE encodes/decodes in overlapping tiles (vae.enable_tiling)",
-            {"vae_tiling": True}),
+    Variant(
+        "attention-slicing",
+        "SDPA, serving dtype, attention computed in slices (pipeline.enable_attention_slicing)",
+        {"attention_slicing": True},
+    ),
+    Variant(
+        "vae-tiling",
+        "SDPA, serving dtype, VAE encodes/decodes in overlapping tiles (vae.enable_tiling)",
+        {"vae_tiling": True},
+    ),
 )
 VARIANT_NAMES = tuple(variant.name for variant in VARIANTS)
 

@@ -49,21 +49,30 @@ def _request(key: str, body: bytes, model_name: str, timeout: float) -> dict:
     }
 
 
-def predict(target: str, key: str, body: bytes, model_name: str = MODEL_NAME, timeout: float = TIMEOUT_SECONDS) -> bytes:
+def predict(
+    target: str, key: str, body: bytes, model_name: str = MODEL_NAME, timeout: float = TIMEOUT_SECONDS
+) -> bytes:
     """``Predictions``: the answer's bytes (an image, JSON, or the JSON error). Raises
     ``grpc.RpcError`` when TorchServe refuses the call (``PERMISSION_DENIED`` for a missing or wrong
     key)."""
     with grpc.insecure_channel(target) as channel:
-        return services.InferenceAPIsServiceStub(channel).Predictions(**_request(key, body, model_name, timeout)).prediction
+        return (
+            services.InferenceAPIsServiceStub(channel)
+            .Predictions(**_request(key, body, model_name, timeout))
+            .prediction
+        )
 
 
-def stream_predictions(target: str, key: str, body: bytes, model_name: str = MODEL_NAME,
-                       timeout: float = TIMEOUT_SECONDS) -> Iterator[bytes]:
+def stream_predictions(
+    target: str, key: str, body: bytes, model_name: str = MODEL_NAME, timeout: float = TIMEOUT_SECONDS
+) -> Iterator[bytes]:
     """``StreamPredictions``: one reply per part of the answer (one part: a server with continuous
     batching, whose answers leave in parts, refuses gRPC requests, since TorchServe 0.12 ends a gRPC
     call after the first part)."""
     with grpc.insecure_channel(target) as channel:
-        for reply in services.InferenceAPIsServiceStub(channel).StreamPredictions(**_request(key, body, model_name, timeout)):
+        for reply in services.InferenceAPIsServiceStub(channel).StreamPredictions(
+            **_request(key, body, model_name, timeout)
+        ):
             yield reply.prediction
 
 
@@ -104,9 +113,13 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="Generate an image over TorchServe's gRPC inference API.")
     parser.add_argument("prompt")
     parser.add_argument("--output", type=Path, default=Path("image.png"), help="where the image goes [%(default)s]")
-    parser.add_argument("--target", default=DEFAULT_TARGET, help="host:port of the gRPC inference API [%(default)s; $GRPC_TARGET]")
-    parser.add_argument("--key-file", type=Path, default=DEFAULT_KEY_FILE, help="TorchServe's key_file.json [%(default)s]")
-    parser.add_argument("--json", dest="fields", help='more request fields as a JSON object, e.g. \'{"seed": 42}\'')
+    parser.add_argument(
+        "--target", default=DEFAULT_TARGET, help="host:port of the gRPC inference API [%(default)s; $GRPC_TARGET]"
+    )
+    parser.add_argument(
+        "--key-file", type=Path, default=DEFAULT_KEY_FILE, help="TorchServe's key_file.json [%(default)s]"
+    )
+    parser.add_argument("--json", dest="fields", help="more request fields as a JSON object, e.g. '{\"seed\": 42}'")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     try:

@@ -106,7 +106,9 @@ class FaultInjection(_Section):
         None, ge=1, description="raise out-of-memory for a UNet step whose images x width x height exceed this"
     )
     vae_out_of_memory_above_pixels: int | None = Field(
-        None, ge=1, description="raise out-of-memory for an untiled VAE decode whose images x width x height exceed this"
+        None,
+        ge=1,
+        description="raise out-of-memory for an untiled VAE decode whose images x width x height exceed this",
     )
 
 
@@ -148,7 +150,9 @@ class HandlerSettings(_Section):
     warmup: tuple[WarmupShape, ...] = ()
     max_images_per_call: int = Field(16, ge=1, description="most images one UNet forward steps")
     iteration_budget_ms: float = Field(
-        100.0, ge=0, description="continuous batching: keep stepping within one TorchServe call until this many "
+        100.0,
+        ge=0,
+        description="continuous batching: keep stepping within one TorchServe call until this many "
         "milliseconds have passed (at least one step, and never past a finished request), so TorchServe's per-call "
         "cost is shared by several short steps; new requests join between calls. 0: one step per call",
     )
@@ -168,11 +172,16 @@ class HandlerSettings(_Section):
             "num_images_per_prompt": defaults.num_images_per_prompt <= limits.max_images_per_request,
             "max_images_per_call": limits.max_images_per_request <= self.max_images_per_call,
             **{name: side is None or limits.min_side <= side <= limits.max_side for name, side in sides.items()},
-            "width x height": None in sides.values() or defaults.width * defaults.height <= limits.max_pixels,
+            "width x height": defaults.width is None
+            or defaults.height is None
+            or defaults.width * defaults.height <= limits.max_pixels,
         }
         broken = [name for name, ok in checks.items() if not ok]
         if broken:
-            raise ValueError(f"defaults outside the configured limits (or max_images_per_call below max_images_per_request): {', '.join(broken)}")
+            raise ValueError(
+                "defaults outside the configured limits (or max_images_per_call below max_images_per_request): "
+                + ", ".join(broken)
+            )
         return self
 
     @classmethod

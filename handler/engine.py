@@ -32,7 +32,6 @@ from dataclasses import dataclass, field
 import torch
 from diffusers import (
     DDIMScheduler,
-    DiffusionPipeline,
     DPMSolverMultistepScheduler,
     EulerAncestralDiscreteScheduler,
     EulerDiscreteScheduler,
@@ -41,7 +40,7 @@ from diffusers import (
 from diffusers.utils.torch_utils import randn_tensor
 
 from handler.config import FaultInjection
-from handler.families import Conditioning, Decoded, StableDiffusionFamily
+from handler.families import Conditioning, Decoded, Pipeline, Scheduler, StableDiffusionFamily
 
 # Scheduler class and the settings it needs on top of the model's scheduler config. PNDM skips its
 # Runge-Kutta warm-up steps as Stable Diffusion's own PNDM configuration does (with them it needs at
@@ -89,7 +88,7 @@ class DenoiseJob:
     """One job's state between steps: what ``__call__`` holds in its locals."""
 
     spec: JobSpec
-    scheduler: object
+    scheduler: Scheduler
     timesteps: torch.Tensor
     latents: torch.Tensor
     conditioning: Conditioning
@@ -125,7 +124,7 @@ class DenoiseJob:
 class StepEngine:
     """Starts, steps and decodes ``DenoiseJob``s with one loaded pipeline and its family."""
 
-    pipeline: DiffusionPipeline
+    pipeline: Pipeline
     family: StableDiffusionFamily
     device: torch.device
     dtype: torch.dtype
@@ -149,18 +148,25 @@ class StepEngine:
             scheduler.set_timesteps(spec.num_inference_steps, device=self.device)
             generators = [torch.Generator("cpu").manual_seed(seed) for seed in spec.seeds]
             shape = (spec.images, *self.latent_shape(spec.width, spec.height))
-            latents = randn_tensor(shape, generator=generators, device=self.device, dtype=conditioning.hidden_states.dtype)
+            latents = randn_tensor(
+                shape, generator=generators, device=self.device, dtype=conditioning.hidden_states.dtype
+            )
             latents = latents * scheduler.init_noise_sigma
         self.family.prepare_scheduler(scheduler)
-        return DenoiseJob(spec, scheduler, scheduler.timesteps, latents, conditioning, _step_kwargs(scheduler, generators))
+        return DenoiseJob(
+            spec, scheduler, scheduler.timesteps, latents, conditioning, _step_kwargs(scheduler, generators)
+        )
 
     def step(self, jobs: list[DenoiseJob]) -> None:
         """Advance every job one step with ONE UNet forward. All jobs must share a latent shape."""
         shapes = {job.latent_shape for job in jobs}
         if len(shapes) != 1:
             raise ValueError(f"one UNet forward needs one latent shape, got {sorted(shapes)}")
-        self._simulate_out_of_memory("step", sum(job.images for job in jobs) * jobs[0].spec.width * jobs[0].spec.height,
-                                     self.fault_injection.out_of_memory_above_pixels)
+        self._simulate_out_of_memory(
+            "step",
+            sum(job.images for job in jobs) * jobs[0].spec.width * jobs[0].spec.height,
+            self.fault_injection.out_of_memory_above_pixels,
+        )
         with torch.inference_mode():
             inputs, timesteps = [], []
             for job in jobs:
@@ -170,23 +176,29 @@ class StepEngine:
                 timesteps.append(timestep.float().expand(job.unet_rows))
             hidden_states, added = Conditioning.concat([job.conditioning for job in jobs])
             noise = self.pipeline.unet(
-                torch.cat(inputs), torch.cat(timesteps), encoder_hidden_states=hidden_states,
-                added_cond_kwargs=added, return_dict=False,
+                torch.cat(inputs),
+                torch.cat(timesteps),
+                encoder_hidden_states=hidden_states,
+                added_cond_kwargs=added,
+                return_dict=False,
             )[0]
-            for job, job_noise in zip(jobs, noise.split([job.unet_rows for job in jobs])):
+            for job, job_noise in zip(jobs, noise.split([job.unet_rows for job in jobs]), strict=True):
                 if job.guided:
                     unconditional, conditional = job_noise.chunk(2)
                     job_noise = unconditional + job.spec.guidance_scale * (conditional - unconditional)
                 timestep = job.timesteps[job.step]
-                job.latents = job.scheduler.step(job_noise, timestep, job.latents, **job.step_kwargs, return_dict=False)[0]
+                job.latents = job.scheduler.step(
+                    job_noise, timestep, job.latents, **job.step_kwargs, return_dict=False
+                )[0]
                 job.step += 1
 
     def decode(self, latents: torch.Tensor, width: int, height: int, tiled: bool = False) -> Decoded:
         """The end of ``__call__`` for finished latents of one shape (``tiled``: the VAE decodes in
         overlapping tiles, which needs less memory and may differ slightly at the seams)."""
         if not tiled:
-            self._simulate_out_of_memory("VAE decode", latents.shape[0] * width * height,
-                                         self.fault_injection.vae_out_of_memory_above_pixels)
+            self._simulate_out_of_memory(
+                "VAE decode", latents.shape[0] * width * height, self.fault_injection.vae_out_of_memory_above_pixels
+            )
         with torch.inference_mode():
             return self.family.postprocess(self.family.vae_decode(latents, tiled))
 
@@ -194,10 +206,12 @@ class StepEngine:
     def _simulate_out_of_memory(stage: str, pixels: int, limit: int | None) -> None:
         """Fault injection: out of memory above a pixel count (off unless configured)."""
         if limit is not None and pixels > limit:
-            raise torch.OutOfMemoryError(f"simulated out of memory: {pixels} pixels in one {stage}, fault_injection allows {limit}")
+            raise torch.OutOfMemoryError(
+                f"simulated out of memory: {pixels} pixels in one {stage}, fault_injection allows {limit}"
+            )
 
 
-def _step_kwargs(scheduler: object, generators: list[torch.Generator]) -> dict:
+def _step_kwargs(scheduler: Scheduler, generators: list[torch.Generator]) -> dict:
     """``prepare_extra_step_kwargs`` with eta 0: what ``scheduler.step`` takes of eta and generator."""
     parameters = inspect.signature(scheduler.step).parameters
     kwargs: dict = {}

@@ -19,10 +19,29 @@ The family is detected from the loaded pipeline's class; any other pipeline is r
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any, Protocol
 
 import torch
-from diffusers import DiffusionPipeline, StableDiffusionPipeline, StableDiffusionXLPipeline
+from diffusers import StableDiffusionPipeline, StableDiffusionXLPipeline
 from PIL.Image import Image
+
+# A loaded StableDiffusionPipeline or StableDiffusionXLPipeline (family_of tells which). diffusers
+# registers a pipeline's components (unet, vae, scheduler, ...) at run time, so its classes declare
+# none of them to a type checker.
+Pipeline = Any
+
+
+class Scheduler(Protocol):
+    """What the engine uses of a diffusers scheduler (they share no typed base class)."""
+
+    timesteps: torch.Tensor
+    init_noise_sigma: float
+
+    def set_timesteps(self, num_inference_steps: int, device: torch.device) -> None: ...
+
+    def scale_model_input(self, sample: torch.Tensor, timestep: torch.Tensor) -> torch.Tensor: ...
+
+    def step(self, model_output: torch.Tensor, timestep: torch.Tensor, sample: torch.Tensor, **kwargs: Any) -> Any: ...
 
 
 class UnsupportedPipeline(ValueError):
@@ -67,16 +86,16 @@ class Decoded:
         images = [image for part in parts for image in part.images]
         if any(part.nsfw_content_detected is None for part in parts):
             return Decoded(images, None)
-        return Decoded(images, [flag for part in parts for flag in part.nsfw_content_detected])
+        return Decoded(images, [flag for part in parts for flag in part.nsfw_content_detected or []])
 
 
 class StableDiffusionFamily:
     """SD 1.x and SD 2.x: ``StableDiffusionPipeline`` (epsilon or v-prediction is the scheduler's
     business, so both versions share the arithmetic)."""
 
-    pipeline_class: type[DiffusionPipeline] = StableDiffusionPipeline
+    pipeline_class: type = StableDiffusionPipeline
 
-    def __init__(self, pipeline: DiffusionPipeline, device: torch.device, dtype: torch.dtype):
+    def __init__(self, pipeline: Pipeline, device: torch.device, dtype: torch.dtype):
         self.pipeline = pipeline
         self.device = device
         self.dtype = dtype
@@ -91,12 +110,14 @@ class StableDiffusionFamily:
     def safety_checker(self) -> bool:
         return getattr(self.pipeline, "safety_checker", None) is not None
 
-    def encode(self, prompt: str, negative_prompt: str | None, images: int, guided: bool, width: int, height: int) -> Conditioning:
+    def encode(
+        self, prompt: str, negative_prompt: str | None, images: int, guided: bool, width: int, height: int
+    ) -> Conditioning:
         """``__call__`` step 3: encode the prompt (``num_images_per_prompt`` rows each)."""
         positive, negative = self.pipeline.encode_prompt(prompt, self.device, images, guided, negative_prompt)
         return Conditioning(torch.cat([negative, positive]) if guided else positive)
 
-    def prepare_scheduler(self, scheduler: object) -> None:
+    def prepare_scheduler(self, scheduler: Scheduler) -> None:
         """Nothing: ``StableDiffusionPipeline`` lets each scheduler find its first index."""
 
     def vae_decode(self, latents: torch.Tensor, tiled: bool) -> torch.Tensor:
@@ -118,7 +139,7 @@ class StableDiffusionXLFamily(StableDiffusionFamily):
 
     pipeline_class = StableDiffusionXLPipeline
 
-    def __init__(self, pipeline: DiffusionPipeline, device: torch.device, dtype: torch.dtype):
+    def __init__(self, pipeline: Pipeline, device: torch.device, dtype: torch.dtype):
         super().__init__(pipeline, device, dtype)
         # diffusers upcasts a float16 VAE that asks for it around every decode; keeping it in
         # float32 gives the same arithmetic without copying the weights twice per decode.
@@ -134,12 +155,17 @@ class StableDiffusionXLFamily(StableDiffusionFamily):
     def safety_checker(self) -> bool:
         return False
 
-    def encode(self, prompt: str, negative_prompt: str | None, images: int, guided: bool, width: int, height: int) -> Conditioning:
+    def encode(
+        self, prompt: str, negative_prompt: str | None, images: int, guided: bool, width: int, height: int
+    ) -> Conditioning:
         """``__call__`` steps 3 and 7: both text encoders, pooled embeddings, time ids from the
         original and target size (the request's size) and a (0, 0) crop."""
         pipeline = self.pipeline
         embeds, negative_embeds, pooled, negative_pooled = pipeline.encode_prompt(
-            prompt=prompt, device=self.device, num_images_per_prompt=images, do_classifier_free_guidance=guided,
+            prompt=prompt,
+            device=self.device,
+            num_images_per_prompt=images,
+            do_classifier_free_guidance=guided,
             negative_prompt=negative_prompt,
         )
         projection_dim = (
@@ -155,7 +181,7 @@ class StableDiffusionXLFamily(StableDiffusionFamily):
         time_ids = time_ids.to(self.device).repeat(images, 1)
         return Conditioning(embeds.to(self.device), {"text_embeds": pooled.to(self.device), "time_ids": time_ids})
 
-    def prepare_scheduler(self, scheduler: object) -> None:
+    def prepare_scheduler(self, scheduler: Scheduler) -> None:
         if hasattr(scheduler, "set_begin_index"):
             scheduler.set_begin_index(0)
 
@@ -181,7 +207,7 @@ FAMILIES: tuple[type[StableDiffusionFamily], ...] = (StableDiffusionFamily, Stab
 SUPPORTED = "StableDiffusionPipeline (SD 1.x, SD 2.x), StableDiffusionXLPipeline (SDXL)"
 
 
-def family_of(pipeline: DiffusionPipeline, device: torch.device, dtype: torch.dtype) -> StableDiffusionFamily:
+def family_of(pipeline: Pipeline, device: torch.device, dtype: torch.dtype) -> StableDiffusionFamily:
     """The family of a loaded pipeline, by its exact class (a subclass may change the arithmetic).
     Raises ``UnsupportedPipeline`` naming the class and the supported ones."""
     family = next((family for family in FAMILIES if type(pipeline) is family.pipeline_class), None)

@@ -15,8 +15,9 @@ and ``sd_latency_sla_seconds`` publishes the SLA to turn the ratio back into sec
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable, Literal
+from typing import Literal
 
 MetricType = Literal["counter", "gauge", "histogram"]
 MODEL_LABEL = "model_name"
@@ -47,26 +48,32 @@ DENOISE_STEP = MetricSpec(
     "sd_denoise_step_seconds", "histogram", "s", "one denoising step: one UNet forward over the jobs stepped together"
 )
 VAE_DECODE = MetricSpec(
-    "sd_vae_decode_seconds", "histogram", "s", "VAE decode, safety check and post-processing of the jobs that finished together"
+    "sd_vae_decode_seconds", "histogram", "s", "VAE decode, safety check and post-processing of jobs done together"
 )
 ENCODE = MetricSpec("sd_encode_seconds", "histogram", "s", "encoding one request's images into the response")
 BATCH_SIZE = MetricSpec(
-    "sd_batch_size", "histogram", "requests", "requests admitted together (one TorchServe batch, or the requests joining one iteration)"
+    "sd_batch_size",
+    "histogram",
+    "requests",
+    "requests admitted together (a TorchServe batch, or joining one iteration)",
 )
 PIPELINE_CALLS = MetricSpec(
-    "sd_pipeline_calls_total", "counter", "calls", "pipeline runs completed: groups of jobs of one shape decoded together"
+    "sd_pipeline_calls_total", "counter", "calls", "pipeline runs completed: jobs of one shape decoded together"
 )
 IMAGES = MetricSpec("sd_images_total", "counter", "images", "images generated")
 INVALID_REQUESTS = MetricSpec(
     "sd_invalid_requests_total", "counter", "requests", "requests rejected with 400, by rejected field", ("field",)
 )
 OOM_RETRIES = MetricSpec(
-    "sd_oom_retries_total", "counter", "retries",
-    "retries after running out of memory, by stage: a step split in halves, a VAE decode per image or in tiles", ("stage",),
+    "sd_oom_retries_total",
+    "counter",
+    "retries",
+    "retries after running out of memory, by stage: a step split in halves, a VAE decode per image or in tiles",
+    ("stage",),
 )
 OOM_STAGES = ("step", "vae_decode")
 WORKER_WARMUP = MetricSpec(
-    "sd_worker_warmup_seconds", "gauge", "s", "worker start: pipeline load, optimization, compile, warm-up and step profile"
+    "sd_worker_warmup_seconds", "gauge", "s", "worker start: load, optimization, compile, warm-up and step profile"
 )
 IN_FLIGHT = MetricSpec(
     "sd_in_flight_requests", "gauge", "requests", "requests in the denoising loop (admitted, not finished)"
@@ -75,7 +82,7 @@ ITERATION_BATCH_SIZE = MetricSpec(
     "sd_iteration_batch_size", "histogram", "images", "images stepped by one UNet forward"
 )
 DEADLINE_MISSES = MetricSpec(
-    "sd_deadline_misses_total", "counter", "requests", "requests that finished later than the latency SLA after admission"
+    "sd_deadline_misses_total", "counter", "requests", "requests finished later than the latency SLA after admission"
 )
 
 METRICS = (

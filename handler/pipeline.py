@@ -6,18 +6,19 @@ so what is measured is what is served.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 from pathlib import Path
 
 import torch
-from diffusers import AutoPipelineForText2Image, DiffusionPipeline
+from diffusers import AutoPipelineForText2Image
 from diffusers.models.attention_processor import AttnProcessor, AttnProcessor2_0, SlicedAttnProcessor
 from torch._inductor.runtime.cache_dir_utils import cache_dir
 
 from handler.config import HandlerSettings
 from handler.engine import StepEngine
-from handler.families import family_of
+from handler.families import Pipeline, family_of
 
 logger = logging.getLogger(__name__)
 
@@ -55,7 +56,7 @@ def _pipeline_source(settings: HandlerSettings, model_dir: str | Path) -> str:
     return settings.model_path
 
 
-def _set_attention(pipeline: DiffusionPipeline, settings: HandlerSettings) -> None:
+def _set_attention(pipeline: Pipeline, settings: HandlerSettings) -> None:
     processor_class = ATTENTION_PROCESSORS[settings.attention]
     for name in ATTENTION_COMPONENTS:
         getattr(pipeline, name).set_attn_processor(processor_class())
@@ -63,12 +64,13 @@ def _set_attention(pipeline: DiffusionPipeline, settings: HandlerSettings) -> No
         pipeline.enable_attention_slicing()
 
 
-def attention_summary(pipeline: DiffusionPipeline, settings: HandlerSettings) -> str:
+def attention_summary(pipeline: Pipeline, settings: HandlerSettings) -> str:
     """Check that every attention module runs the configured processor; return a summary.
     Attention slicing replaces the UNet's processors only."""
     configured = ATTENTION_PROCESSORS[settings.attention]
     expected = {"unet": SlicedAttnProcessor if settings.attention_slicing else configured, "vae": configured}
-    wrong, counts = [], {}
+    wrong: list[str] = []
+    counts: dict[str, int] = {}
     for component in ATTENTION_COMPONENTS:
         for module, processor in getattr(pipeline, component).attn_processors.items():
             name = expected[component].__name__
@@ -80,7 +82,7 @@ def attention_summary(pipeline: DiffusionPipeline, settings: HandlerSettings) ->
     return "+".join(f"{name} on {count} modules" for name, count in counts.items())
 
 
-def _apply_memory_options(pipeline: DiffusionPipeline, settings: HandlerSettings, device: torch.device) -> None:
+def _apply_memory_options(pipeline: Pipeline, settings: HandlerSettings, device: torch.device) -> None:
     if settings.vae_slicing:
         pipeline.vae.enable_slicing()
     if settings.vae_tiling:
@@ -96,7 +98,7 @@ def _apply_memory_options(pipeline: DiffusionPipeline, settings: HandlerSettings
         pipeline.enable_sequential_cpu_offload(gpu_id=device.index)
 
 
-def _apply_compile(pipeline: DiffusionPipeline, settings: HandlerSettings) -> None:
+def _apply_compile(pipeline: Pipeline, settings: HandlerSettings) -> None:
     options = settings.compile
     if not options.enabled:
         return
@@ -104,18 +106,19 @@ def _apply_compile(pipeline: DiffusionPipeline, settings: HandlerSettings) -> No
         # Read by inductor at each compilation (Triton's cache follows it), so setting it here is enough.
         Path(options.cache_dir).mkdir(parents=True, exist_ok=True)
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = options.cache_dir
-    kwargs = {"mode": options.mode, "fullgraph": options.fullgraph, "dynamic": options.dynamic}
+    compile_ = functools.partial(torch.compile, mode=options.mode, fullgraph=options.fullgraph, dynamic=options.dynamic)
     if "unet" in options.targets:
-        pipeline.unet = torch.compile(pipeline.unet, **kwargs)
+        pipeline.unet = compile_(pipeline.unet)
     if "vae_decoder" in options.targets:
-        pipeline.vae.decode = torch.compile(pipeline.vae.decode, **kwargs)
+        pipeline.vae.decode = compile_(pipeline.vae.decode)
 
 
 def compile_cache_summary() -> str:
     """Where inductor caches compiled code, and how many graphs this process found there (hit) or
     compiled (miss); a restarted worker with a persisted cache shows hits only."""
     counters = torch._dynamo.utils.counters["inductor"]
-    return f"dir={cache_dir()} fxgraph_cache_hit={counters['fxgraph_cache_hit']} fxgraph_cache_miss={counters['fxgraph_cache_miss']}"
+    hits, misses = counters["fxgraph_cache_hit"], counters["fxgraph_cache_miss"]
+    return f"dir={cache_dir()} fxgraph_cache_hit={hits} fxgraph_cache_miss={misses}"
 
 
 def synchronize(device: torch.device) -> None:
@@ -130,13 +133,13 @@ def release_cached_memory() -> None:
         torch.cuda.empty_cache()
 
 
-def native_size(pipeline: DiffusionPipeline) -> tuple[int, int]:
+def native_size(pipeline: Pipeline) -> tuple[int, int]:
     """The resolution the model was trained at: UNet sample size times the VAE scale factor."""
     side = pipeline.unet.config.sample_size * pipeline.vae_scale_factor
     return side, side
 
 
-def _apply_safety_checker(pipeline: DiffusionPipeline, settings: HandlerSettings) -> str:
+def _apply_safety_checker(pipeline: Pipeline, settings: HandlerSettings) -> str:
     """Keep the model's safety checker unless ``handler.safety_checker`` is false; say which."""
     if getattr(pipeline, "safety_checker", None) is None:
         return "none (the model ships none)"

@@ -65,7 +65,9 @@ def decode(incoming: IncomingRequest, policy: RequestPolicy) -> GenerationReques
     if incoming.fields and has_body:
         names = ", ".join(sorted(incoming.fields))
         raise RequestError.single(
-            "body", "one_source", f"send fields either in the body or as form/query fields, not both (got fields {names})"
+            "body",
+            "one_source",
+            f"send fields either in the body or as form/query fields, not both (got fields {names})",
         )
     if incoming.fields:
         return decode_form(incoming.fields, policy).with_seed()
@@ -117,7 +119,7 @@ def success(request: GenerationRequest, images: list[Image], metadata: dict[str,
     ``metadata`` (``timings`` gains ``encode_s``); a streamed request gets its ``done`` event line."""
     started = time.perf_counter()
     flags = metadata["nsfw_content_detected"] or [None] * len(images)
-    encoded = [encode_image(image, request.output_format, flag) for image, flag in zip(images, flags)]
+    encoded = [encode_image(image, request.output_format, flag) for image, flag in zip(images, flags, strict=True)]
     metadata["timings"]["encode_s"] = round(time.perf_counter() - started, 6)
     kind = content_type(request)
     if kind in CONTENT_TYPES.values():

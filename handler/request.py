@@ -161,7 +161,7 @@ class GenerationRequest(BaseModel):
     @field_validator(*UPPER_LIMITS)
     @classmethod
     def _within_upper_limit(cls, value: float, info: ValidationInfo) -> float:
-        setting = UPPER_LIMITS[info.field_name]
+        setting = UPPER_LIMITS[str(info.field_name)]
         limit = getattr(_policy(info).limits, setting)
         if value > limit:
             raise _above_limit(value, limit, setting)
@@ -262,7 +262,9 @@ def _decode_text(raw: bytes | bytearray) -> str:
     try:
         return bytes(raw).decode("utf-8")
     except UnicodeDecodeError as error:
-        raise RequestError.single("body", "utf8", f"body is not valid UTF-8: {error.reason} at byte {error.start}") from None
+        raise RequestError.single(
+            "body", "utf8", f"body is not valid UTF-8: {error.reason} at byte {error.start}"
+        ) from None
 
 
 def _parse_json(raw: bytes | bytearray) -> Any:
@@ -270,12 +272,16 @@ def _parse_json(raw: bytes | bytearray) -> Any:
     try:
         return json.loads(text)
     except json.JSONDecodeError as error:
-        raise RequestError.single("body", "json", f"body is not valid JSON: {error.msg} at line {error.lineno} column {error.colno}") from None
+        raise RequestError.single(
+            "body", "json", f"body is not valid JSON: {error.msg} at line {error.lineno} column {error.colno}"
+        ) from None
     except RecursionError:
         raise RequestError.single("body", "json", "body is nested too deeply") from None
     except ValueError:  # json.loads reads integers of up to sys.get_int_max_str_digits() digits
         raise RequestError.single(
-            "body", "json", f"body has a number of more than {sys.get_int_max_str_digits()} digits, longer than this server reads"
+            "body",
+            "json",
+            f"body has a number of more than {sys.get_int_max_str_digits()} digits, longer than this server reads",
         ) from None
 
 
@@ -296,7 +302,11 @@ def decode_body(body: Any, content_type: str | None, policy: RequestPolicy) -> G
     is_text = media_type.startswith(TEXT_CONTENT_PREFIX)
     if isinstance(body, (bytes, bytearray)):
         if not body.strip():
-            raise RequestError.single("body", "required", 'body is empty (or JSON null): send a JSON object such as {"prompt": "a red circle"}')
+            raise RequestError.single(
+                "body",
+                "required",
+                'body is empty (or JSON null): send a JSON object such as {"prompt": "a red circle"}',
+            )
         if is_text:
             body = _decode_text(body)
         elif media_type:
@@ -306,9 +316,11 @@ def decode_body(body: Any, content_type: str | None, policy: RequestPolicy) -> G
     if is_text and isinstance(body, str):
         return validate_fields({"prompt": body}, policy, strict=True)
     if not isinstance(body, dict):
-        raise RequestError.single("body", 
+        raise RequestError.single(
+            "body",
             "object",
-            f"body must be a JSON object of request fields (or a text/plain prompt), got a JSON {_json_type_name(body)}",
+            "body must be a JSON object of request fields (or a text/plain prompt), "
+            f"got a JSON {_json_type_name(body)}",
         )
     return validate_fields(body, policy, strict=True)
 
@@ -324,5 +336,7 @@ def _json_or_prompt(raw: bytes | bytearray) -> tuple[Any, bool]:
 
 def decode_form(fields: dict[str, Any], policy: RequestPolicy) -> GenerationRequest:
     """Validate form or query fields, which arrive as text (or bytes) per field."""
-    decoded = {name: _decode_text(value) if isinstance(value, (bytes, bytearray)) else value for name, value in fields.items()}
+    decoded = {
+        name: _decode_text(value) if isinstance(value, (bytes, bytearray)) else value for name, value in fields.items()
+    }
     return validate_fields(decoded, policy, strict=False)

@@ -51,7 +51,7 @@ class StepProfile:
         """Time one step at each size for this image size (two steps each: the first may allocate
         or compile). Running out of memory at a size caps the shape below it."""
         shape = self.engine.latent_shape(width, height)
-        timings = {}
+        timings: dict[int, float] = {}
         for size in self.sizes():
             job = self.engine.start(JobSpec("profile", None, tuple(range(size)), width, height, 2, "ddim", 7.5))
             if not self._timed_steps(job, timings):
@@ -59,7 +59,12 @@ class StepProfile:
                 self.ran_out_of_memory(shape, job.unet_rows, alone=True)
                 break
         self.seconds[shape] = timings
-        logger.info("step-time profile %s: %s; cap %d rows", shape, {k: round(v, 4) for k, v in timings.items()}, self.cap(shape))
+        logger.info(
+            "step-time profile %s: %s; cap %d rows",
+            shape,
+            {k: round(v, 4) for k, v in timings.items()},
+            self.cap(shape),
+        )
         return timings
 
     def _timed_steps(self, job: DenoiseJob, timings: dict[int, float]) -> bool:
@@ -122,7 +127,8 @@ def choose(waiting: dict[str, DenoiseJob], slacks: dict[str, float], cap: Callab
         return []
     order = sorted(waiting, key=lambda name: slacks[name])
     shape = waiting[order[0]].latent_shape
-    limit, rows, chosen = cap(shape), 0, []
+    limit, rows = cap(shape), 0
+    chosen: list[str] = []
     for name in order:
         job = waiting[name]
         if job.latent_shape != shape or chosen and rows + job.unet_rows > limit:

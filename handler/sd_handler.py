@@ -38,7 +38,9 @@ def _content_type(context: Any, index: int, body_key: str | None) -> str | None:
         if isinstance(part, dict) and part.get("content-type"):
             return part["content-type"]
     headers = context.get_all_request_header(index)
-    return next((value for name, value in headers.items() if name.lower() == "content-type" and isinstance(value, str)), None)
+    return next(
+        (value for name, value in headers.items() if name.lower() == "content-type" and isinstance(value, str)), None
+    )
 
 
 def _over_grpc(context: Any, index: int) -> bool:
@@ -53,8 +55,12 @@ def to_incoming(row: dict[str, Any], context: Any, index: int) -> IncomingReques
     body_key = next((key for key in BODY_KEYS if key in row), None)
     fields = {name: value for name, value in row.items() if name not in BODY_KEYS}
     body = row.get(body_key) if body_key else None
-    return IncomingRequest(body=body, content_type=_content_type(context, index, body_key), fields=fields,
-                           over_grpc=_over_grpc(context, index))
+    return IncomingRequest(
+        body=body,
+        content_type=_content_type(context, index, body_key),
+        fields=fields,
+        over_grpc=_over_grpc(context, index),
+    )
 
 
 def _stopping_criterion(response: Response) -> Callable[[Any], bool | None]:
@@ -94,8 +100,11 @@ class StableDiffusionHandler(BaseHandler):
         settings = HandlerSettings.from_model_yaml(model_yaml)
         continuous = continuous_batching(model_yaml)
         self.service, settings = build_service(
-            settings, properties["model_dir"], torchserve_metric_sink(context.metrics, context.model_name),
-            properties.get("gpu_id"), streaming=continuous,
+            settings,
+            properties["model_dir"],
+            torchserve_metric_sink(context.metrics, context.model_name),
+            properties.get("gpu_id"),
+            streaming=continuous,
         )
         self._loop = self._iterate if continuous else self._run_batch
         loaded = time.perf_counter()
@@ -117,7 +126,9 @@ class StableDiffusionHandler(BaseHandler):
     def handle(self, data: list[dict[str, Any]], context: Any) -> list[bytes]:
         self.context = context
         ids = [context.request_ids[index] for index in range(len(data))]
-        requests = {rid: to_incoming(row, context, index) for index, (rid, row) in enumerate(zip(ids, data))}
+        requests = {
+            rid: to_incoming(row, context, index) for index, (rid, row) in enumerate(zip(ids, data, strict=True))
+        }
         responses = self._loop(requests, context)
         for index, rid in enumerate(ids):
             self._set_response_meta(context, index, responses[rid], requests[rid].over_grpc)

@@ -20,6 +20,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -50,8 +51,14 @@ logger = logging.getLogger(__name__)
 def job_spec(request: GenerationRequest) -> JobSpec:
     """What the engine generates for a validated request (image k from seed + k)."""
     return JobSpec(
-        request.prompt, request.negative_prompt, tuple(request.image_seeds()), request.width, request.height,
-        request.num_inference_steps, request.scheduler, request.guidance_scale,
+        request.prompt,
+        request.negative_prompt,
+        tuple(request.image_seeds()),
+        request.width,
+        request.height,
+        request.num_inference_steps,
+        request.scheduler,
+        request.guidance_scale,
     )
 
 
@@ -74,9 +81,16 @@ class DiffusionService:
     """Serves text-to-image requests with one step engine, in either batching mode."""
 
     def __init__(
-        self, engine: StepEngine, policy: RequestPolicy, profile: StepProfile, metrics: DiffusionMetrics,
-        latency_sla_seconds: float, log_prompts: bool = False, iteration_budget_seconds: float = 0.0,
-        synchronize_steps: bool = True, clock: Callable[[], float] = time.perf_counter,
+        self,
+        engine: StepEngine,
+        policy: RequestPolicy,
+        profile: StepProfile,
+        metrics: DiffusionMetrics,
+        latency_sla_seconds: float,
+        log_prompts: bool = False,
+        iteration_budget_seconds: float = 0.0,
+        synchronize_steps: bool = True,
+        clock: Callable[[], float] = time.perf_counter,
     ):
         self.engine = engine
         self.policy = policy
@@ -135,10 +149,18 @@ class DiffusionService:
             if not self.profile.fits(self.engine.latent_shape(shape.width, shape.height), shape.batch_size):
                 logger.warning("warm-up shape %s does not fit in memory; skipped", shape.model_dump())
                 continue
-            job = self.engine.start(JobSpec(
-                "warm-up", None, tuple(range(shape.batch_size)), shape.width, shape.height, shape.num_inference_steps,
-                defaults.scheduler, defaults.guidance_scale,
-            ))
+            job = self.engine.start(
+                JobSpec(
+                    "warm-up",
+                    None,
+                    tuple(range(shape.batch_size)),
+                    shape.width,
+                    shape.height,
+                    shape.num_inference_steps,
+                    defaults.scheduler,
+                    defaults.guidance_scale,
+                )
+            )
             while not job.done:
                 self.engine.step([job])
             self.engine.decode(job.latents, shape.width, shape.height)
@@ -156,7 +178,9 @@ class DiffusionService:
             try:
                 request = decode(incoming, self.policy)
             except RequestError as error:
-                logger.info("request %s rejected: %s", rid, ", ".join(f"{item.label} ({item.rule})" for item in error.errors))
+                logger.info(
+                    "request %s rejected: %s", rid, ", ".join(f"{item.label} ({item.rule})" for item in error.errors)
+                )
                 self.metrics.request_rejected([item.label for item in error.errors])
                 responses[rid] = bad_request(error)
                 continue
@@ -174,8 +198,13 @@ class DiffusionService:
                 responses[rid] = internal_error("admission", error)
                 continue
             if job is None:
-                logger.warning("request %s does not fit in memory (%d image(s) of %dx%d)", rid,
-                               request.num_images_per_prompt, request.width, request.height)
+                logger.warning(
+                    "request %s does not fit in memory (%d image(s) of %dx%d)",
+                    rid,
+                    request.num_images_per_prompt,
+                    request.width,
+                    request.height,
+                )
                 responses[rid] = does_not_fit(request)
                 continue
             self.flights[rid] = Flight(request, job, arrived, self.clock(), arrived + self.sla, len(new))
@@ -225,7 +254,7 @@ class DiffusionService:
             return self._stepped(chosen, rows, time.perf_counter() - started)
         # Retried outside the except block, whose traceback would keep the failed forward's tensors alive.
         release_cached_memory()
-        pending = [rid for rid, job, step in zip(chosen, jobs, steps_before) if job.step == step]
+        pending = [rid for rid, job, step in zip(chosen, jobs, steps_before, strict=True) if job.step == step]
         self.profile.ran_out_of_memory(jobs[0].latent_shape, rows, alone=len(chosen) == 1)
         if len(chosen) == 1:
             logger.error("request %s does not fit in memory even alone: %s", chosen[0], out_of_memory)
@@ -247,8 +276,12 @@ class DiffusionService:
             if flight.job.done:
                 flight.denoised = now
             elif flight.request.stream:
-                progress = {"event": "progress", "step": flight.job.step, "total_steps": flight.job.total_steps,
-                            "elapsed_s": round(now - flight.arrived, 6)}
+                progress = {
+                    "event": "progress",
+                    "step": flight.job.step,
+                    "total_steps": flight.job.total_steps,
+                    "elapsed_s": round(now - flight.arrived, 6),
+                }
                 responses[rid] = self._part(flight, stream_event(progress), final=False)
         return responses
 
@@ -266,7 +299,9 @@ class DiffusionService:
             if images:
                 self.metrics.decoded(images, seconds)
             for rid, result in decoded.items():
-                responses[rid] = self._final(rid, result, seconds) if isinstance(result, Decoded) else self._fail(rid, result)
+                responses[rid] = (
+                    self._final(rid, result, seconds) if isinstance(result, Decoded) else self._fail(rid, result)
+                )
         return responses
 
     def _decode(self, rids: list[str]) -> dict[str, Decoded | Response]:
@@ -274,8 +309,10 @@ class DiffusionService:
         An error response for a job that could not be decoded."""
         jobs = [self.flights[rid].job for rid in rids]
         try:
-            decoded = self.engine.decode(torch.cat([job.latents for job in jobs]), jobs[0].spec.width, jobs[0].spec.height)
-            return dict(zip(rids, decoded.split([job.images for job in jobs])))
+            decoded = self.engine.decode(
+                torch.cat([job.latents for job in jobs]), jobs[0].spec.width, jobs[0].spec.height
+            )
+            return dict(zip(rids, decoded.split([job.images for job in jobs]), strict=True))
         except torch.OutOfMemoryError:
             pass  # retried below, outside the except block (its traceback holds the decode's tensors)
         except Exception as error:
@@ -302,9 +339,13 @@ class DiffusionService:
                 release_cached_memory()
                 if not tiled:
                     self.metrics.out_of_memory_retry("vae_decode")
-                    logger.warning("out of memory decoding one %dx%d image; decoding it in tiles", job.spec.width, job.spec.height)
+                    logger.warning(
+                        "out of memory decoding one %dx%d image; decoding it in tiles", job.spec.width, job.spec.height
+                    )
             else:
-                logger.error("one %dx%d image does not decode even in tiles: %s", job.spec.width, job.spec.height, failure)
+                logger.error(
+                    "one %dx%d image does not decode even in tiles: %s", job.spec.width, job.spec.height, failure
+                )
                 return internal_error("VAE decode", failure)
         return Decoded.join(parts)
 
@@ -312,7 +353,7 @@ class DiffusionService:
 
     def _final(self, rid: str, decoded: Decoded, decode_seconds: float) -> Response:
         flight = self.flights[rid]
-        metadata = {
+        metadata: dict[str, Any] = {
             "seed": flight.request.seed,
             "parameters": flight.request.parameters(),
             "nsfw_content_detected": decoded.nsfw_content_detected,
@@ -363,7 +404,11 @@ def _joined(earlier: Response, later: Response) -> Response:
 
 
 def build_service(
-    settings: HandlerSettings, model_dir: str | Path, sink: MetricSink, gpu_id: int | None = None, streaming: bool = False
+    settings: HandlerSettings,
+    model_dir: str | Path,
+    sink: MetricSink,
+    gpu_id: int | None = None,
+    streaming: bool = False,
 ) -> tuple[DiffusionService, HandlerSettings]:
     """Load the pipeline and build the service exactly as a worker does (the handler, the
     benchmarks and the tests share this); return it with the settings resolved to the model's

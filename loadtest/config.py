@@ -62,8 +62,10 @@ class SweepPoint(_Section):
 
     @property
     def label(self) -> str:
-        return (f"{self.mode}, batch {self.batch_size}, delay {self.max_batch_delay} ms, {self.workers} workers, "
-                f"{self.concurrency} users")
+        return (
+            f"{self.mode}, batch {self.batch_size}, delay {self.max_batch_delay} ms, {self.workers} workers, "
+            f"{self.concurrency} users"
+        )
 
 
 class SweepSection(_Section):
@@ -81,7 +83,9 @@ class SweepSection(_Section):
         """Every combination, grouped so each registration (batch size, delay, mode) is made once;
         the modes alternate, so a drift of the machine's speed during the sweep does not favour one."""
         return [
-            SweepPoint(continuous_batching=mode, batch_size=batch, max_batch_delay=delay, workers=workers, concurrency=users)
+            SweepPoint(
+                continuous_batching=mode, batch_size=batch, max_batch_delay=delay, workers=workers, concurrency=users
+            )
             for batch, delay, mode, workers, users in itertools.product(
                 self.batch_size, self.max_batch_delay, self.continuous_batching, self.workers, self.concurrency
             )

@@ -96,7 +96,10 @@ class StableDiffusionUser(HttpUser):
             "seed": self.random.randrange(2**32),
         }
         with self.client.post(
-            f"/predictions/{MODEL_NAME}", json=body, headers=self.headers, name=entry.name,
+            f"/predictions/{MODEL_NAME}",
+            json=body,
+            headers=self.headers,
+            name=entry.name,
             catch_response=True,
             context={"runner": self.environment.runner, "images": entry.num_images_per_prompt},
         ) as response:

@@ -32,15 +32,18 @@ def model_config_snippet(result: PointResult) -> str:
 
 
 def markdown_table(results: list[PointResult]) -> str:
-    header = ("| batching | batch size | delay (ms) | workers | users | images/s | requests/s | p50 (s) | p95 (s) | p99 (s) "
-              "| errors | queue (s) | handler (s) | mean batch | images per forward | meets SLA |")
+    header = (
+        "| batching | batch size | delay (ms) | workers | users | images/s | requests/s | p50 (s) | p95 (s) | p99 (s) "
+        "| errors | queue (s) | handler (s) | mean batch | images per forward | meets SLA |"
+    )
     lines = [header, "|" + "|".join([" --- "] * (header.count("|") - 1)) + "|"]
     for result in results:
         point, client, server = result.point, result.client, result.server
         lines.append(
             f"| {point.mode} | {point.batch_size} | {point.max_batch_delay} | {point.workers} | {point.concurrency} "
             f"| {client.images_per_s:.2f} | {client.requests_per_s:.2f} | {client.p50_s:.2f} | {client.p95_s:.2f} "
-            f"| {client.p99_s:.2f} | {client.error_ratio:.1%} | {server.mean_queue_s:.2f} | {server.mean_handler_s:.2f} "
+            f"| {client.p99_s:.2f} | {client.error_ratio:.1%} | {server.mean_queue_s:.2f} "
+            f"| {server.mean_handler_s:.2f} "
             f"| {server.mean_batch_size:.2f} | {server.mean_step_images:.2f} | {'yes' if result.meets_sla else 'no'} |"
         )
     return "\n".join(lines)
@@ -51,8 +54,13 @@ def plot_throughput_vs_p95(results: list[PointResult], config: BenchmarkConfig, 
     for result in results:
         color = "tab:green" if result.meets_sla else "tab:red"
         axis.scatter(result.client.p95_s, result.client.images_per_s, color=color, s=50)
-        axis.annotate(result.point.label, (result.client.p95_s, result.client.images_per_s), fontsize=7,
-                      xytext=(4, 4), textcoords="offset points")
+        axis.annotate(
+            result.point.label,
+            (result.client.p95_s, result.client.images_per_s),
+            fontsize=7,
+            xytext=(4, 4),
+            textcoords="offset points",
+        )
     axis.axvline(config.sla.p95_seconds, color="tab:red", linestyle="--", label=f"SLA p95 {config.sla.p95_seconds:g} s")
     axis.set_xlabel("client p95 latency (s)")
     axis.set_ylabel("throughput (images/s)")
@@ -107,8 +115,12 @@ def write_report(results: list[PointResult], config: BenchmarkConfig, out: Path)
     ]
     if best is None:
         closest = min(results, key=lambda result: result.client.p95_s)
-        lines += ["## Best configuration", "", "No configuration meets the SLA. Closest: "
-                  f"{closest.point.label} ({'; '.join(closest.violations)}).", ""]
+        lines += [
+            "## Best configuration",
+            "",
+            f"No configuration meets the SLA. Closest: {closest.point.label} ({'; '.join(closest.violations)}).",
+            "",
+        ]
     else:
         plot_latency_distribution(best, config, out / "best_latency_distribution.png")
         snippet = model_config_snippet(best)

@@ -29,8 +29,13 @@ class PointResult:
     request_log: str
 
     def as_row(self) -> dict:
-        return {**self.point.model_dump(), **self.client.as_dict(), **asdict(self.server),
-                "meets_sla": self.meets_sla, "violations": "; ".join(self.violations)}
+        return {
+            **self.point.model_dump(),
+            **self.client.as_dict(),
+            **asdict(self.server),
+            "meets_sla": self.meets_sla,
+            "violations": "; ".join(self.violations),
+        }
 
 
 def _delta(before: dict, after: dict, name: str) -> float:

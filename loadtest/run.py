@@ -53,7 +53,8 @@ class LoadResult:
             problems.append(f"p95 latency {self.p95_s:.3f} s exceeds the SLA {sla.p95_seconds:.3f} s")
         if self.error_ratio > sla.max_error_ratio:
             problems.append(
-                f"error ratio {self.error_ratio:.2%} ({self.failures} of {self.requests}) exceeds {sla.max_error_ratio:.2%}"
+                f"error ratio {self.error_ratio:.2%} ({self.failures} of {self.requests}) "
+                f"exceeds {sla.max_error_ratio:.2%}"
             )
         return problems
 
@@ -67,7 +68,7 @@ def summarize(request_log: Path) -> LoadResult:
     latencies = np.array([float(row["latency_s"]) for row in rows])
     succeeded = [row for row in rows if row["ok"] == "1"]
     ends = [float(row["end_time"]) for row in rows]
-    starts = [end - latency for end, latency in zip(ends, latencies)]
+    starts = [end - latency for end, latency in zip(ends, latencies, strict=True)]
     elapsed = max(ends) - min(starts) if rows else 0.0
     quantiles = {f"{q:g}%": float(np.percentile(latencies, q)) if rows else 0.0 for q in PERCENTILES}
     return LoadResult(
@@ -83,17 +84,44 @@ def summarize(request_log: Path) -> LoadResult:
 
 
 def run_locust(
-    config_path: Path, host: str, key: str, users: int, spawn_rate: float, requests: int,
-    duration_s: float, report_prefix: Path, model_name: str | None = None,
+    config_path: Path,
+    host: str,
+    key: str,
+    users: int,
+    spawn_rate: float,
+    requests: int,
+    duration_s: float,
+    report_prefix: Path,
+    model_name: str | None = None,
 ) -> LoadResult:
     """Run locust headless (bounded by requests and time) and return its figures."""
     report_prefix.parent.mkdir(parents=True, exist_ok=True)
     command = [
-        sys.executable, "-m", "locust", "-f", str(LOCUSTFILE), "--headless",
-        "--host", host, "--users", str(users), "--spawn-rate", str(spawn_rate),
-        "--run-time", f"{int(duration_s)}s", "--stop-timeout", "60",
-        "--csv", str(report_prefix), "--html", f"{report_prefix}.html", "--only-summary",
-        "--exit-code-on-error", "0", "--loglevel", "WARNING",
+        sys.executable,
+        "-m",
+        "locust",
+        "-f",
+        str(LOCUSTFILE),
+        "--headless",
+        "--host",
+        host,
+        "--users",
+        str(users),
+        "--spawn-rate",
+        str(spawn_rate),
+        "--run-time",
+        f"{int(duration_s)}s",
+        "--stop-timeout",
+        "60",
+        "--csv",
+        str(report_prefix),
+        "--html",
+        f"{report_prefix}.html",
+        "--only-summary",
+        "--exit-code-on-error",
+        "0",
+        "--loglevel",
+        "WARNING",
     ]
     env = {
         **os.environ,
@@ -113,8 +141,12 @@ def run_locust(
 def main() -> None:
     parser = argparse.ArgumentParser(description="Load-test a running server against the SLA of benchmark_config.yaml.")
     parser.add_argument("--config", type=Path, default=DEFAULT_CONFIG)
-    parser.add_argument("--server-config", type=Path, default=CONFIG_PROPERTIES,
-                        help="config.properties of the server (its inference address)")
+    parser.add_argument(
+        "--server-config",
+        type=Path,
+        default=CONFIG_PROPERTIES,
+        help="config.properties of the server (its inference address)",
+    )
     parser.add_argument("--key-file", type=Path, default=RUNTIME / KEY_FILE)
     parser.add_argument("--users", type=int, help="override loadtest.users")
     parser.add_argument("--requests", type=int, help="override loadtest.requests")

@@ -35,8 +35,9 @@ class ModelRegistration:
         self.url = f"{server.addresses.management}/models"
 
     def _call(self, method: str, endpoint: str, **params) -> dict:
-        response = requests.request(method, endpoint, params=params, headers=self.server.auth(management=True),
-                                     timeout=REGISTER_TIMEOUT_S)
+        response = requests.request(
+            method, endpoint, params=params, headers=self.server.auth(management=True), timeout=REGISTER_TIMEOUT_S
+        )
         if response.status_code != 200:
             raise RuntimeError(f"{method} {endpoint} {params} -> {response.status_code}: {response.text}")
         return response.json()
@@ -46,13 +47,22 @@ class ModelRegistration:
 
     def register(self, archive: str, batch_size: int, max_batch_delay: int, workers: int) -> None:
         """Register ``archive`` (a file in the model store) under the server's model name."""
-        self._call("POST", self.url, url=archive, model_name=self.server.model_name, batch_size=batch_size,
-                   max_batch_delay=max_batch_delay, initial_workers=workers, synchronous="true")
+        self._call(
+            "POST",
+            self.url,
+            url=archive,
+            model_name=self.server.model_name,
+            batch_size=batch_size,
+            max_batch_delay=max_batch_delay,
+            initial_workers=workers,
+            synchronous="true",
+        )
         self.verify(batch_size, max_batch_delay, workers)
 
     def scale(self, workers: int) -> None:
-        self._call("PUT", f"{self.url}/{self.server.model_name}", min_worker=workers, max_worker=workers,
-                   synchronous="true")
+        self._call(
+            "PUT", f"{self.url}/{self.server.model_name}", min_worker=workers, max_worker=workers, synchronous="true"
+        )
 
     def verify(self, batch_size: int, max_batch_delay: int, workers: int) -> None:
         """Fail unless the describe API shows exactly these settings and that many READY workers."""
@@ -78,19 +88,32 @@ def warm_up(server: TorchServe, config: BenchmarkConfig) -> None:
         requests.post(url, json=body, headers=server.auth(), timeout=REGISTER_TIMEOUT_S).raise_for_status()
 
 
-def measure(server: TorchServe, config_path: Path, config: BenchmarkConfig, point: SweepPoint, out: Path) -> PointResult:
+def measure(
+    server: TorchServe, config_path: Path, config: BenchmarkConfig, point: SweepPoint, out: Path
+) -> PointResult:
     warm_up(server, config)
     before = server.metric_samples()
     slug = f"{point.mode}-b{point.batch_size}-d{point.max_batch_delay}-w{point.workers}-c{point.concurrency}"
     client = run_locust(
-        config_path, server.addresses.inference, server.keys.inference, users=point.concurrency,
-        spawn_rate=point.concurrency, requests=config.sweep.requests_per_point,
-        duration_s=config.sweep.duration_s_per_point, report_prefix=out / "points" / slug,
+        config_path,
+        server.addresses.inference,
+        server.keys.inference,
+        users=point.concurrency,
+        spawn_rate=point.concurrency,
+        requests=config.sweep.requests_per_point,
+        duration_s=config.sweep.duration_s_per_point,
+        report_prefix=out / "points" / slug,
         model_name=server.model_name,
     )
     violations = client.sla_violations(config.sla)
-    return PointResult(point, client, server_figures(before, server.metric_samples()), not violations, violations,
-                       str(out / "points" / f"{slug}_requests.csv"))
+    return PointResult(
+        point,
+        client,
+        server_figures(before, server.metric_samples()),
+        not violations,
+        violations,
+        str(out / "points" / f"{slug}_requests.csv"),
+    )
 
 
 def run_sweep(config_path: Path, out: Path) -> list[PointResult]:
@@ -101,13 +124,22 @@ def run_sweep(config_path: Path, out: Path) -> list[PointResult]:
     with tempfile.TemporaryDirectory(prefix="sweep-") as tmp:
         workdir = Path(tmp)
         archives = {
-            mode: build(model_dir, write_model_config(workdir / f"config-{mode}", continuousBatching=mode),
-                        workdir / "model_store", model_name=f"{config.model.name}-{'continuous' if mode else 'dynamic'}").name
+            mode: build(
+                model_dir,
+                write_model_config(workdir / f"config-{mode}", continuousBatching=mode),
+                workdir / "model_store",
+                model_name=f"{config.model.name}-{'continuous' if mode else 'dynamic'}",
+            ).name
             for mode in sorted(set(config.sweep.continuous_batching))
         }
         server_config = config_on_free_ports(CONFIG_PROPERTIES, workdir, enable_model_api="true")
-        server = TorchServe(server_config, workdir / "model_store", workdir / "server", model_name=config.model.name,
-                            env={"TMPDIR": tmp})
+        server = TorchServe(
+            server_config,
+            workdir / "model_store",
+            workdir / "server",
+            model_name=config.model.name,
+            env={"TMPDIR": tmp},
+        )
         server.start(load_model=False)
         try:
             server.wait_started()
@@ -119,8 +151,9 @@ def run_sweep(config_path: Path, out: Path) -> list[PointResult]:
                 if registered != (point.continuous_batching, point.batch_size, point.max_batch_delay):
                     if registered is not None:
                         registration.unregister()
-                    registration.register(archives[point.continuous_batching], point.batch_size, point.max_batch_delay,
-                                          point.workers)
+                    registration.register(
+                        archives[point.continuous_batching], point.batch_size, point.max_batch_delay, point.workers
+                    )
                     registered = (point.continuous_batching, point.batch_size, point.max_batch_delay)
                 registration.scale(point.workers)
                 registration.verify(point.batch_size, point.max_batch_delay, point.workers)

@@ -29,6 +29,8 @@ from diffusers import (
     DDIMScheduler,
     DiffusionPipeline,
     EulerDiscreteScheduler,
+    LatentConsistencyModelPipeline,
+    LCMScheduler,
     StableDiffusionPipeline,
     StableDiffusionXLPipeline,
     UNet2DConditionModel,
@@ -56,6 +58,10 @@ CALIBRATION_FILE = "calibration.json"
 # image: the calibration image scores 1.0, unrelated images score well below (about 0.7 at most).
 FLAG_THRESHOLD = 0.9
 NEVER = 10.0  # a concept threshold no cosine reaches
+# Pipeline arguments of a model that ships no safety checker.
+WITHOUT_SAFETY_CHECKER = {"safety_checker": None, "feature_extractor": None, "requires_safety_checker": False}
+# The transformer size of every tiny CLIP model (text encoders and the safety checker's two towers).
+TINY_CLIP = {"hidden_size": HIDDEN_SIZE, "intermediate_size": 64, "num_attention_heads": 4}
 
 
 def build_tokenizer() -> CLIPTokenizer:
@@ -67,11 +73,9 @@ def build_tokenizer() -> CLIPTokenizer:
 
 def _text_config(tokenizer: CLIPTokenizer, **overrides) -> CLIPTextConfig:
     return CLIPTextConfig(
+        **TINY_CLIP,
         vocab_size=len(tokenizer),
-        hidden_size=HIDDEN_SIZE,
-        intermediate_size=64,
         num_hidden_layers=5,
-        num_attention_heads=4,
         max_position_embeddings=77,
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,
@@ -120,12 +124,17 @@ def _unet(**config) -> UNet2DConditionModel:
     )
 
 
-def _stable_diffusion(tokenizer: CLIPTokenizer, text_encoder: CLIPTextModel, unet: UNet2DConditionModel,
-                      scheduler: DDIMScheduler) -> StableDiffusionPipeline:
+def _stable_diffusion(
+    tokenizer: CLIPTokenizer, text_encoder: CLIPTextModel, unet: UNet2DConditionModel, scheduler: DDIMScheduler
+) -> StableDiffusionPipeline:
     """A ``StableDiffusionPipeline`` without a safety checker (the VAE's weights are drawn here)."""
     return StableDiffusionPipeline(
-        vae=_vae(), text_encoder=text_encoder, tokenizer=tokenizer, unet=unet, scheduler=scheduler,
-        safety_checker=None, feature_extractor=None, requires_safety_checker=False,
+        vae=_vae(),
+        text_encoder=text_encoder,
+        tokenizer=tokenizer,
+        unet=unet,
+        scheduler=scheduler,
+        **WITHOUT_SAFETY_CHECKER,
     )
 
 
@@ -169,7 +178,9 @@ def build_sdxl_pipeline(seed: int) -> StableDiffusionXLPipeline:
     return StableDiffusionXLPipeline(
         vae=_vae(force_upcast=True),
         text_encoder=CLIPTextModel(_text_config(tokenizer, hidden_act="gelu")),
-        text_encoder_2=CLIPTextModelWithProjection(_text_config(tokenizer, hidden_act="gelu", projection_dim=HIDDEN_SIZE)),
+        text_encoder_2=CLIPTextModelWithProjection(
+            _text_config(tokenizer, hidden_act="gelu", projection_dim=HIDDEN_SIZE)
+        ),
         tokenizer=tokenizer,
         tokenizer_2=build_tokenizer(),
         unet=unet,
@@ -179,12 +190,27 @@ def build_sdxl_pipeline(seed: int) -> StableDiffusionXLPipeline:
     )
 
 
+def write_lcm_model(directory: Path, source: Path) -> Path:
+    """An LCM pipeline made of the SD 1.x model at ``source`` (a pipeline the step engine refuses),
+    written to ``directory``."""
+    sd = StableDiffusionPipeline.from_pretrained(source, use_safetensors=True)
+    LatentConsistencyModelPipeline(
+        vae=sd.vae,
+        text_encoder=sd.text_encoder,
+        tokenizer=sd.tokenizer,
+        unet=sd.unet,
+        scheduler=LCMScheduler.from_config(sd.scheduler.config),
+        **WITHOUT_SAFETY_CHECKER,
+    ).save_pretrained(directory, safe_serialization=True)
+    return directory
+
+
 def build_safety_checker() -> tuple[StableDiffusionSafetyChecker, CLIPImageProcessor]:
     """A tiny CLIP safety checker (32x32 input) that flags nothing until ``calibrate`` sets it."""
-    vision = CLIPVisionConfig(hidden_size=HIDDEN_SIZE, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                              image_size=32, patch_size=4)
-    text = CLIPTextConfig(hidden_size=HIDDEN_SIZE, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                          vocab_size=100, bos_token_id=0, eos_token_id=1, pad_token_id=1)
+    vision = CLIPVisionConfig(**TINY_CLIP, num_hidden_layers=2, image_size=32, patch_size=4)
+    text = CLIPTextConfig(
+        **TINY_CLIP, num_hidden_layers=2, vocab_size=100, bos_token_id=0, eos_token_id=1, pad_token_id=1
+    )
     checker = StableDiffusionSafetyChecker(
         CLIPConfig(text_config=text.to_dict(), vision_config=vision.to_dict(), projection_dim=HIDDEN_SIZE)
     ).eval()
@@ -193,7 +219,9 @@ def build_safety_checker() -> tuple[StableDiffusionSafetyChecker, CLIPImageProce
 
 
 @torch.no_grad()
-def calibrate(pipeline: StableDiffusionPipeline, checker: StableDiffusionSafetyChecker, extractor: CLIPImageProcessor) -> None:
+def calibrate(
+    pipeline: StableDiffusionPipeline, checker: StableDiffusionSafetyChecker, extractor: CLIPImageProcessor
+) -> None:
     """Make ``checker`` flag the image of ``CALIBRATION`` (diffusers' own call) and pass others.
 
     A random CLIP maps every image to nearly the same direction, so the visual projection removes
@@ -223,12 +251,23 @@ def build_safety_pipeline(seed: int) -> StableDiffusionPipeline:
     checker, extractor = build_safety_checker()
     calibrate(base, checker, extractor)
     return StableDiffusionPipeline(
-        vae=base.vae, text_encoder=base.text_encoder, tokenizer=base.tokenizer, unet=base.unet, scheduler=base.scheduler,
-        safety_checker=checker, feature_extractor=extractor, requires_safety_checker=True,
+        vae=base.vae,
+        text_encoder=base.text_encoder,
+        tokenizer=base.tokenizer,
+        unet=base.unet,
+        scheduler=base.scheduler,
+        safety_checker=checker,
+        feature_extractor=extractor,
+        requires_safety_checker=True,
     )
 
 
-BUILDERS = {"sd1": build_pipeline, "sd2": build_sd2_pipeline, "sdxl": build_sdxl_pipeline, "sd1-safety": build_safety_pipeline}
+BUILDERS = {
+    "sd1": build_pipeline,
+    "sd2": build_sd2_pipeline,
+    "sdxl": build_sdxl_pipeline,
+    "sd1-safety": build_safety_pipeline,
+}
 
 
 def write(family: str, output: Path, seed: int = 0) -> DiffusionPipeline:

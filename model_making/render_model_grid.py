@@ -18,6 +18,7 @@ from pathlib import Path
 import matplotlib.pyplot as plt
 import numpy as np
 import requests
+from matplotlib.figure import Figure
 from PIL import Image
 
 from model_making.shapes import COLOURS, SHAPES, Judgement, accuracy, dominant_colour, shape_of
@@ -33,15 +34,19 @@ def generate(server: TorchServe, prompt: str, seed: int, **fields) -> np.ndarray
     """One image from the server, as an RGB array."""
     response = requests.post(
         f"{server.addresses.inference}/predictions/{server.model_name}",
-        json={"prompt": prompt, "seed": seed, **fields}, headers=server.auth(), timeout=300,
+        json={"prompt": prompt, "seed": seed, **fields},
+        headers=server.auth(),
+        timeout=300,
     )
     response.raise_for_status()
     return np.asarray(Image.open(io.BytesIO(response.content)).convert("RGB"))
 
 
-def plot_grid(images: dict[tuple[str, int], np.ndarray], seeds: list[int], output: Path) -> None:
+def plot_grid(images: dict[tuple[str, int], np.ndarray], seeds: list[int]) -> Figure:
     """Rows are prompts, columns seeds; each image titled with what it reads as."""
-    figure, axes = plt.subplots(len(PROMPTS), len(seeds), figsize=(1.3 * len(seeds), 1.45 * len(PROMPTS)), squeeze=False)
+    figure, axes = plt.subplots(
+        len(PROMPTS), len(seeds), figsize=(1.3 * len(seeds), 1.45 * len(PROMPTS)), squeeze=False
+    )
     for row, prompt in enumerate(PROMPTS):
         for column, seed in enumerate(seeds):
             axis, image = axes[row][column], images[(prompt, seed)]
@@ -53,9 +58,7 @@ def plot_grid(images: dict[tuple[str, int], np.ndarray], seeds: list[int], outpu
                 axis.set_ylabel(prompt, fontsize=7)
     figure.suptitle("Default model through TorchServe: prompt x seed (title: colour and shape read back)", fontsize=8)
     figure.tight_layout()
-    output.parent.mkdir(parents=True, exist_ok=True)
-    figure.savefig(output, dpi=110)
-    logger.info("grid written to %s", output)
+    return figure
 
 
 def main() -> None:
@@ -70,13 +73,15 @@ def main() -> None:
         with serve_archive(args.model_dir, MODEL_CONFIG, Path(tmp)) as server:
             asked = [(prompt, seed) for prompt in PROMPTS for seed in seeds]
             with ThreadPoolExecutor(4) as pool:
-                images = dict(zip(asked, pool.map(lambda item: generate(server, *item), asked)))
+                images = dict(zip(asked, pool.map(lambda item: generate(server, *item), asked), strict=True))
     judgements = [
         Judgement(prompt.split()[1], prompt.split()[2], seed, dominant_colour(image), shape_of(image))
         for (prompt, seed), image in images.items()
     ]
     logger.info("read back: %s", ", ".join(f"{name} {score:.0%}" for name, score in accuracy(judgements).items()))
-    plot_grid(images, seeds, args.output)
+    args.output.parent.mkdir(parents=True, exist_ok=True)
+    plot_grid(images, seeds).savefig(args.output, dpi=110)
+    logger.info("grid written to %s", args.output)
 
 
 if __name__ == "__main__":

@@ -157,6 +157,7 @@ class Judgement:
 
 def accuracy(judgements: list[Judgement]) -> dict[str, float]:
     """Share of images on colour, per colour and overall, and share of the right shape."""
+
     def share(items: list[Judgement], attribute: str) -> float:
         return sum(getattr(j, f"seen_{attribute}") == getattr(j, attribute) for j in items) / max(1, len(items))
 

@@ -67,7 +67,9 @@ def cosine_with_warmup(optimizer: torch.optim.Optimizer, steps: int, warmup: int
     return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
 
 
-def train_vae(pipeline: StableDiffusionPipeline, images: torch.Tensor, plan: TrainingPlan, generator: torch.Generator) -> None:
+def train_vae(
+    pipeline: StableDiffusionPipeline, images: torch.Tensor, plan: TrainingPlan, generator: torch.Generator
+) -> None:
     """Stage 1: reconstruction of the dataset's pictures."""
     vae = pipeline.vae.train()
     optimizer = torch.optim.AdamW(vae.parameters(), lr=plan.vae_learning_rate, weight_decay=0.0)
@@ -100,12 +102,20 @@ def encode_latents(pipeline: StableDiffusionPipeline, images: torch.Tensor) -> t
 
 def tokenize(pipeline: StableDiffusionPipeline, captions: list[str]) -> torch.Tensor:
     return pipeline.tokenizer(
-        captions, padding="max_length", max_length=pipeline.tokenizer.model_max_length, truncation=True, return_tensors="pt"
+        captions,
+        padding="max_length",
+        max_length=pipeline.tokenizer.model_max_length,
+        truncation=True,
+        return_tensors="pt",
     ).input_ids
 
 
 def train_denoiser(
-    pipeline: StableDiffusionPipeline, latents: torch.Tensor, token_ids: torch.Tensor, plan: TrainingPlan, generator: torch.Generator
+    pipeline: StableDiffusionPipeline,
+    latents: torch.Tensor,
+    token_ids: torch.Tensor,
+    plan: TrainingPlan,
+    generator: torch.Generator,
 ) -> None:
     """Stage 2: noise prediction by the UNet, conditioned on the (also trained) text encoder."""
     unet, text_encoder = pipeline.unet.train(), pipeline.text_encoder.train()
@@ -148,7 +158,9 @@ def train_denoiser(
 
 
 @torch.no_grad()
-def evaluate(pipeline: StableDiffusionPipeline, seeds: range = range(4), steps: int = 25, guidance_scale: float = 7.5) -> dict[str, float]:
+def evaluate(
+    pipeline: StableDiffusionPipeline, seeds: range = range(4), steps: int = 25, guidance_scale: float = 7.5
+) -> dict[str, float]:
     """Generate every colour x shape prompt for ``seeds`` and read colour and shape back."""
     asked = [(colour, shape, seed) for colour in COLOURS for shape in SHAPES for seed in seeds]
     images = pipeline(
@@ -159,7 +171,10 @@ def evaluate(pipeline: StableDiffusionPipeline, seeds: range = range(4), steps: 
         output_type="np",
     ).images
     pixels = (images * 255).round().astype(np.uint8)
-    return accuracy([Judgement(c, s, seed, dominant_colour(p), shape_of(p)) for (c, s, seed), p in zip(asked, pixels)])
+    judgements = [
+        Judgement(c, s, seed, dominant_colour(p), shape_of(p)) for (c, s, seed), p in zip(asked, pixels, strict=True)
+    ]
+    return accuracy(judgements)
 
 
 def train(plan: TrainingPlan) -> StableDiffusionPipeline:
@@ -189,9 +204,15 @@ def main() -> None:
     pipeline = train(plan)
     minutes = (time.monotonic() - started) / 60
     scores = evaluate(pipeline)
-    logger.info("in-process check, 25 DDIM steps, guidance 7.5: %s", ", ".join(f"{k} {v:.0%}" for k, v in scores.items()))
+    logger.info(
+        "in-process check, 25 DDIM steps, guidance 7.5: %s", ", ".join(f"{k} {v:.0%}" for k, v in scores.items())
+    )
     pipeline.save_pretrained(args.output, safe_serialization=True)
-    record = {"plan": asdict(plan), "minutes": round(minutes, 1), "accuracy": {k: round(v, 3) for k, v in scores.items()}}
+    record = {
+        "plan": asdict(plan),
+        "minutes": round(minutes, 1),
+        "accuracy": {k: round(v, 3) for k, v in scores.items()},
+    }
     (args.output / "training.json").write_text(json.dumps(record, indent=2) + "\n")
     logger.info("trained in %.1f min; pipeline written to %s", minutes, args.output)
 

@@ -1,15 +1,14 @@
 """Build the Grafana dashboard JSON (docker/grafana/dashboards/stable-diffusion.json) with the
-grafana-foundation-sdk. The JSON is committed; a test checks it equals what this script builds.
+grafana-foundation-sdk (``make dashboard``, through ``observability.generate``). The JSON is
+committed; a test checks it equals what this module builds.
 
 Queries read the recording rules of docker/prometheus/rules/recording.yml where one exists.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import logging
-from pathlib import Path
 
 from grafana_foundation_sdk.builders import dashboard, prometheus, stat, timeseries
 from grafana_foundation_sdk.cog.encoder import JSONEncoder
@@ -35,7 +34,9 @@ def query(expr: str, legend: str) -> prometheus.Dataquery:
     return prometheus.Dataquery().expr(expr).legend_format(legend).datasource(DATASOURCE)
 
 
-def series_panel(title: str, description: str, unit: str, queries: list[prometheus.Dataquery], width: int = 12) -> timeseries.Panel:
+def series_panel(
+    title: str, description: str, unit: str, queries: list[prometheus.Dataquery], width: int = 12
+) -> timeseries.Panel:
     panel = (
         timeseries.Panel()
         .title(title)
@@ -77,27 +78,43 @@ def latency_panel() -> timeseries.Panel:
 def panels() -> list[list[timeseries.Panel | stat.Panel]]:
     """Rows of panels, top to bottom."""
     traffic = [
-        series_panel("Request rate", "Inference requests per second (TorchServe frontend).", "reqps",
-                     [query(f"model_name:ts_inference_requests:rate5m{{{MODEL}}}", "{{model_name}}")]),
+        series_panel(
+            "Request rate",
+            "Inference requests per second (TorchServe frontend).",
+            "reqps",
+            [query(f"model_name:ts_inference_requests:rate5m{{{MODEL}}}", "{{model_name}}")],
+        ),
         latency_panel(),
-        series_panel("Queue latency", "Mean time a request waits in TorchServe's queue before a worker takes it.", "s",
-                     [query(f"model_name:ts_queue_latency_seconds:mean5m{{{MODEL}}}", "{{model_name}}")]),
-        series_panel("Images per second", "Images generated per second.", "short",
-                     [query(f"model_name:sd_images:rate5m{{{MODEL}}}", "{{model_name}}")]),
+        series_panel(
+            "Queue latency",
+            "Mean time a request waits in TorchServe's queue before a worker takes it.",
+            "s",
+            [query(f"model_name:ts_queue_latency_seconds:mean5m{{{MODEL}}}", "{{model_name}}")],
+        ),
+        series_panel(
+            "Images per second",
+            "Images generated per second.",
+            "short",
+            [query(f"model_name:sd_images:rate5m{{{MODEL}}}", "{{model_name}}")],
+        ),
     ]
     pipeline = [
         series_panel(
-            "Batch size", "Mean requests admitted together (a TorchServe batch, or the requests joining one "
+            "Batch size",
+            "Mean requests admitted together (a TorchServe batch, or the requests joining one "
             "continuous-batching iteration), and mean images per UNet forward (jobs of one latent shape share a "
-            "forward whatever their steps; the step-time profile caps it).", "short",
+            "forward whatever their steps; the step-time profile caps it).",
+            "short",
             [
                 query(f"model_name:sd_batch_size:mean5m{{{MODEL}}}", "requests per batch {{model_name}}"),
                 query(f"model_name:sd_iteration_batch_size:mean5m{{{MODEL}}}", "images per forward {{model_name}}"),
             ],
         ),
         series_panel(
-            "Denoising step time", "Time of one denoising step (one UNet forward over the jobs stepped together), "
-            "and the VAE decode of the jobs that finished together.", "s",
+            "Denoising step time",
+            "Time of one denoising step (one UNet forward over the jobs stepped together), "
+            "and the VAE decode of the jobs that finished together.",
+            "s",
             [
                 query(f"model_name:sd_denoise_step_seconds:mean5m{{{MODEL}}}", "step mean {{model_name}}"),
                 query(f"model_name:sd_denoise_step_seconds:p95_5m{{{MODEL}}}", "step p95 {{model_name}}"),
@@ -105,25 +122,36 @@ def panels() -> list[list[timeseries.Panel | stat.Panel]]:
             ],
         ),
         series_panel(
-            "In flight and deadlines", "Requests in the denoising loop, requests finished later than the SLA per "
-            "second, and steps or decodes retried after running out of memory per second.", "short",
+            "In flight and deadlines",
+            "Requests in the denoising loop, requests finished later than the SLA per "
+            "second, and steps or decodes retried after running out of memory per second.",
+            "short",
             [
                 query(f"sd_in_flight_requests{{{MODEL}}}", "in flight {{model_name}}"),
-                query(f"sum by (model_name) (rate(sd_deadline_misses_total{{{MODEL}}}[5m]))", "deadline misses/s {{model_name}}"),
-                query(f"sum by (model_name) (rate(sd_oom_retries_total{{{MODEL}}}[5m]))", "OOM retries/s {{model_name}}"),
+                query(
+                    f"sum by (model_name) (rate(sd_deadline_misses_total{{{MODEL}}}[5m]))",
+                    "deadline misses/s {{model_name}}",
+                ),
+                query(
+                    f"sum by (model_name) (rate(sd_oom_retries_total{{{MODEL}}}[5m]))", "OOM retries/s {{model_name}}"
+                ),
             ],
         ),
         series_panel(
-            "Errors by status code", "4xx and 5xx responses per second (all TorchServe APIs), and rejected "
-            "requests by the field that broke a rule.", "reqps",
+            "Errors by status code",
+            "4xx and 5xx responses per second (all TorchServe APIs), and rejected "
+            "requests by the field that broke a rule.",
+            "reqps",
             [
                 query('code:ts_requests:rate5m{code=~"4xx|5xx"}', "{{code}}"),
                 query(f"model_name_field:sd_invalid_requests:rate5m{{{MODEL}}}", "400 on {{field}}"),
             ],
         ),
         series_panel(
-            "Workers", "Workers loaded since the server started, worker restarts in 15 minutes, and the "
-            "last worker's start time (load, compile, warm-up).", "short",
+            "Workers",
+            "Workers loaded since the server started, worker restarts in 15 minutes, and the "
+            "last worker's start time (load, compile, warm-up).",
+            "short",
             [
                 query("count(WorkerLoadTime)", "workers loaded"),
                 query("sum(changes(WorkerLoadTime[15m]))", "restarts (15m)"),
@@ -132,11 +160,21 @@ def panels() -> list[list[timeseries.Panel | stat.Panel]]:
         ),
     ]
     resources = [
-        series_panel("CPU and memory", "Host CPU and memory utilization (TorchServe system metrics).", "percent",
-                     [query("CPUUtilization", "CPU {{Hostname}}"), query("MemoryUtilization", "memory {{Hostname}}")]),
-        series_panel("GPU utilization and memory", GPU_ONLY, "percent",
-                     [query("GPUUtilization", "GPU {{DeviceId}} {{Hostname}}"),
-                      query("GPUMemoryUtilization", "GPU memory {{DeviceId}} {{Hostname}}")]),
+        series_panel(
+            "CPU and memory",
+            "Host CPU and memory utilization (TorchServe system metrics).",
+            "percent",
+            [query("CPUUtilization", "CPU {{Hostname}}"), query("MemoryUtilization", "memory {{Hostname}}")],
+        ),
+        series_panel(
+            "GPU utilization and memory",
+            GPU_ONLY,
+            "percent",
+            [
+                query("GPUUtilization", "GPU {{DeviceId}} {{Hostname}}"),
+                query("GPUMemoryUtilization", "GPU memory {{DeviceId}} {{Hostname}}"),
+            ],
+        ),
     ]
     return [traffic, pipeline, resources]
 
@@ -171,17 +209,3 @@ def build() -> dict:
 
 def render() -> str:
     return json.dumps(build(), indent=2, sort_keys=True) + "\n"
-
-
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--output", type=Path, default=OUTPUT)
-    args = parser.parse_args()
-    logging.basicConfig(level=logging.INFO, format="%(message)s")
-    args.output.parent.mkdir(parents=True, exist_ok=True)
-    args.output.write_text(render())
-    logger.info("dashboard written to %s", args.output)
-
-
-if __name__ == "__main__":
-    main()

@@ -3,8 +3,8 @@
 TorchServe emits only the metrics its metrics_config declares. The file is TorchServe's own default
 (``ts/configs/metrics.yaml`` of the pinned release: its frontend metrics and the model metrics
 HandlerTime and PredictionTime) plus every spec of ``handler.metrics.METRICS`` under its type, with
-the dimensions the handler records. ``make metrics-config`` rewrites it; a unit test keeps it equal
-to this output.
+the dimensions the handler records. ``make metrics-config`` rewrites it (through
+``observability.generate``); a unit test keeps it equal to this output.
 """
 
 from __future__ import annotations
@@ -16,7 +16,6 @@ from typing import get_args
 import yaml
 
 from handler.metrics import METRICS, MetricType
-from server.paths import METRICS_CONFIG
 
 logger = logging.getLogger("build_metrics_config")
 
@@ -37,7 +36,11 @@ def metrics_config() -> dict:
     defaults = config["model_metrics"]
     config["model_metrics"] = {
         kind: defaults.get(kind, [])
-        + [{"name": spec.name, "unit": spec.unit, "dimensions": spec.dimensions} for spec in METRICS if spec.type == kind]
+        + [
+            {"name": spec.name, "unit": spec.unit, "dimensions": spec.dimensions}
+            for spec in METRICS
+            if spec.type == kind
+        ]
         for kind in get_args(MetricType)
     }
     return config
@@ -45,13 +48,3 @@ def metrics_config() -> dict:
 
 def render() -> str:
     return HEADER + yaml.safe_dump(metrics_config(), sort_keys=False, default_flow_style=None, width=120)
-
-
-def main() -> None:
-    logging.basicConfig(level=logging.INFO, format="%(message)s")
-    METRICS_CONFIG.write_text(render())
-    logger.info("wrote %s", METRICS_CONFIG)
-
-
-if __name__ == "__main__":
-    main()

@@ -1,8 +1,6 @@
 """Write deploy/k8s/prometheusrule.yaml: the recording and alert rules of docker/prometheus/rules/
-as a Prometheus Operator PrometheusRule, so Kubernetes and Compose evaluate the same rules.
-
-    python -m observability.build_prometheus_rule
-"""
+as a Prometheus Operator PrometheusRule, so Kubernetes and Compose evaluate the same rules
+(``make prometheus-rule``, through ``observability.generate``)."""
 
 from __future__ import annotations
 
@@ -33,13 +31,3 @@ def prometheus_rule(rule_files: list[Path] = RULE_FILES) -> dict:
 
 def render() -> str:
     return HEADER + yaml.safe_dump(prometheus_rule(), sort_keys=False, width=120)
-
-
-def main() -> None:
-    logging.basicConfig(level=logging.INFO, format="%(message)s")
-    OUTPUT.write_text(render())
-    logger.info("wrote %s", OUTPUT)
-
-
-if __name__ == "__main__":
-    main()

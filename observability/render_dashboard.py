@@ -43,8 +43,14 @@ def drive_load(server: TorchServe, duration: float, concurrency: int) -> dict[in
         chooser = random.Random(seed)
         while time.monotonic() < deadline:
             side = chooser.choice(SIZES)
-            body = {"prompt": "a red circle", "width": side, "height": side, "num_inference_steps": chooser.choice(STEPS),
-                    "num_images_per_prompt": chooser.choice([1, 1, 1, 2]), "seed": chooser.randrange(1000)}
+            body = {
+                "prompt": "a red circle",
+                "width": side,
+                "height": side,
+                "num_inference_steps": chooser.choice(STEPS),
+                "num_images_per_prompt": chooser.choice([1, 1, 1, 2]),
+                "seed": chooser.randrange(1000),
+            }
             if chooser.random() < 0.05:
                 body["width"] = 100
             status = requests.post(url, json=body, headers=server.auth(), timeout=300).status_code
@@ -68,18 +74,19 @@ def plot(prometheus: Prometheus, start: float, end: float, output: Path, model: 
     """One subplot per dashboard time-series panel (the GPU panel left out: the rendered server runs
     on a CPU)."""
     dashboard = json.loads(DASHBOARD.read_text())
-    panels = [panel for panel in dashboard["panels"]
-              if panel["type"] == "timeseries" and panel.get("description") != GPU_ONLY]
+    panels = [
+        panel for panel in dashboard["panels"] if panel["type"] == "timeseries" and panel.get("description") != GPU_ONLY
+    ]
     columns = 3
     rows = -(-len(panels) // columns)
     figure, axes = plt.subplots(rows, columns, figsize=(6 * columns, 3.6 * rows), squeeze=False)
     step = max(1.0, (end - start) / 300)
-    for axis, panel in zip(axes.flat, panels):
+    for axis, panel in zip(axes.flat, panels, strict=False):
         for target in panel["targets"]:
             for series in prometheus.query_range(target["expr"].replace("$model", model), start, end, step):
                 label = target["legendFormat"]
                 for key, value in series["metric"].items():
-                    label = label.replace("{{%s}}" % key, value)
+                    label = label.replace(f"{{{{{key}}}}}", value)
                 times = [float(point[0]) - start for point in series["values"]]
                 values = [float(point[1]) for point in series["values"]]
                 style = "--" if label.startswith("SLA") else "-"
@@ -91,7 +98,7 @@ def plot(prometheus: Prometheus, start: float, end: float, output: Path, model: 
         axis.tick_params(labelsize=7)
         axis.legend(fontsize=7, loc="upper left")
         axis.grid(alpha=0.3)
-    for axis in axes.flat[len(panels):]:
+    for axis in axes.flat[len(panels) :]:
         axis.axis("off")
     figure.suptitle("Stable Diffusion on TorchServe: dashboard panels from Prometheus query_range", fontsize=12)
     figure.tight_layout()

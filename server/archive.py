@@ -44,7 +44,9 @@ def write_model_config(directory: Path, handler: dict | None = None, **frontend)
     config.update(frontend)
     shipped = config["handler"]
     for key, setting in (handler or {}).items():
-        shipped[key] = {**shipped[key], **setting} if isinstance(setting, dict) and isinstance(shipped.get(key), dict) else setting
+        shipped[key] = (
+            {**shipped[key], **setting} if isinstance(setting, dict) and isinstance(shipped.get(key), dict) else setting
+        )
     directory.mkdir(parents=True, exist_ok=True)
     path = directory / "model-config.yaml"
     path.write_text(yaml.safe_dump(config))
@@ -157,8 +159,14 @@ def archive_path(export_path: Path, archive_format: str, model_name: str = MODEL
     return export_path / (model_name if archive_format == "no-archive" else f"{model_name}.mar")
 
 
-def build(model_dir: Path, config: Path, export_path: Path, archive_format: str = "auto", model_name: str = MODEL_NAME,
-          gpus: int | None = None) -> Path:
+def build(
+    model_dir: Path,
+    config: Path,
+    export_path: Path,
+    archive_format: str = "auto",
+    model_name: str = MODEL_NAME,
+    gpus: int | None = None,
+) -> Path:
     """Build the archive unless an identical one exists; return its path. ``gpus``: the GPUs the
     worker count is chosen for (default: those visible here)."""
     config_text, settings = packaged_config(config, visible_gpus() if gpus is None else gpus)
@@ -173,7 +181,10 @@ def build(model_dir: Path, config: Path, export_path: Path, archive_format: str 
         logger.info("%s is up to date", target)
         return target
     export_path.mkdir(parents=True, exist_ok=True)
-    for stale in (archive_path(export_path, "default", model_name), archive_path(export_path, "no-archive", model_name)):
+    for stale in (
+        archive_path(export_path, "default", model_name),
+        archive_path(export_path, "no-archive", model_name),
+    ):
         shutil.rmtree(stale) if stale.is_dir() else stale.unlink(missing_ok=True)
     with tempfile.TemporaryDirectory(prefix="mar-stage-", dir=export_path) as tmp:
         stage, packaged = Path(tmp) / "files", Path(tmp) / "model-config.yaml"
@@ -181,13 +192,20 @@ def build(model_dir: Path, config: Path, export_path: Path, archive_format: str 
         packaged.write_text(config_text)
         command = [
             console_script("torch-model-archiver"),
-            "--model-name", model_name,
-            "--version", "1.0",
-            "--handler", str(HANDLER_PACKAGE / "sd_handler.py"),
-            "--extra-files", str(stage),
-            "--config-file", str(packaged),
-            "--export-path", str(export_path),
-            "--archive-format", archive_format,
+            "--model-name",
+            model_name,
+            "--version",
+            "1.0",
+            "--handler",
+            str(HANDLER_PACKAGE / "sd_handler.py"),
+            "--extra-files",
+            str(stage),
+            "--config-file",
+            str(packaged),
+            "--export-path",
+            str(export_path),
+            "--archive-format",
+            archive_format,
         ]
         logger.info("packaging %s (%d files, %s) into %s", model_dir, len(model_files), archive_format, target)
         subprocess.run(command, check=True)
@@ -200,8 +218,12 @@ def main() -> None:
     parser.add_argument("--model-dir", type=Path, required=True, help="local diffusers pipeline directory")
     parser.add_argument("--config", type=Path, default=MODEL_CONFIG, help="model-config.yaml to package")
     parser.add_argument("--export-path", type=Path, default=MODEL_STORE, help="model store to write to")
-    parser.add_argument("--archive-format", choices=["auto", "default", "no-archive"], default="auto",
-                        help="auto: a directory (no-archive) for models over 1 GiB, else a .mar")
+    parser.add_argument(
+        "--archive-format",
+        choices=["auto", "default", "no-archive"],
+        default="auto",
+        help="auto: a directory (no-archive) for models over 1 GiB, else a .mar",
+    )
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     build(args.model_dir.resolve(), args.config.resolve(), args.export_path.resolve(), args.archive_format)

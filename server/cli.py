@@ -36,12 +36,17 @@ def example_curl(server: TorchServe) -> str:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description="Serve the stable-diffusion archive with TorchServe in the foreground.")
+    parser = argparse.ArgumentParser(
+        description="Serve the stable-diffusion archive with TorchServe in the foreground."
+    )
     parser.add_argument("--config", type=Path, default=CONFIG_PROPERTIES)
     parser.add_argument("--model-store", type=Path, default=MODEL_STORE)
     parser.add_argument("--workdir", type=Path, default=RUNTIME, help="key_file.json and logs/ go here")
-    parser.add_argument("--timeout", type=float,
-                        help="seconds to wait for a ready worker [the archive's startupTimeout + %d]" % FRONTEND_START_SECONDS)
+    parser.add_argument(
+        "--timeout",
+        type=float,
+        help=f"seconds to wait for a ready worker [the archive's startupTimeout + {FRONTEND_START_SECONDS}]",
+    )
     parser.add_argument("--bind", help="listen on this host instead of the config's (0.0.0.0 in a container)")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")

@@ -69,8 +69,15 @@ def archive_ready_timeout(model_store: Path, model_name: str = MODEL_NAME) -> fl
 class TorchServe:
     """One TorchServe frontend (and its workers) in its own process group and working directory."""
 
-    def __init__(self, config: Path, model_store: Path, workdir: Path, model_name: str = MODEL_NAME,
-                 env: dict[str, str] | None = None, bind: str | None = None):
+    def __init__(
+        self,
+        config: Path,
+        model_store: Path,
+        workdir: Path,
+        model_name: str = MODEL_NAME,
+        env: dict[str, str] | None = None,
+        bind: str | None = None,
+    ):
         self.config = config.resolve()
         self.model_store = model_store.resolve()
         self.workdir = workdir.resolve()
@@ -105,9 +112,14 @@ class TorchServe:
         (self.workdir / "logs").mkdir(parents=True, exist_ok=True)
         (self.workdir / KEY_FILE).unlink(missing_ok=True)
         command = [
-            console_script("torchserve"), "--start", "--foreground", "--ncs",
-            "--ts-config", str(self._effective_config()),
-            "--model-store", str(self.model_store),
+            console_script("torchserve"),
+            "--start",
+            "--foreground",
+            "--ncs",
+            "--ts-config",
+            str(self._effective_config()),
+            "--model-store",
+            str(self.model_store),
         ]
         if load_model:
             command += ["--models", f"{self.model_name}={find_archive(self.model_store, self.model_name)}"]
@@ -183,7 +195,8 @@ class TorchServe:
         try:
             response = requests.get(
                 f"{self.addresses.management}/models/{self.model_name}",
-                headers=self.auth(management=True), timeout=5,
+                headers=self.auth(management=True),
+                timeout=5,
             )
         except requests.ConnectionError:
             return []
@@ -226,7 +239,11 @@ class TorchServe:
 
 @contextmanager
 def serve_archive(
-    model_dir: Path, model_config: Path, workdir: Path, startup_timeout: float | None = None, gpus: int | None = None,
+    model_dir: Path,
+    model_config: Path,
+    workdir: Path,
+    startup_timeout: float | None = None,
+    gpus: int | None = None,
     **properties: str,
 ) -> Iterator[TorchServe]:
     """Build the archive from ``model_dir`` and ``model_config`` (workers for ``gpus`` GPUs, default

@@ -106,7 +106,9 @@ class Addresses:
     @classmethod
     def from_properties(cls, properties: dict[str, str]) -> Addresses:
         inference, management, metrics = (properties.get(key, default) for key, default in DEFAULT_ADDRESSES.items())
-        grpc_inference = f"{properties.get('grpc_inference_address', '127.0.0.1')}:{properties.get('grpc_inference_port', '7070')}"
+        grpc_inference = (
+            f"{properties.get('grpc_inference_address', '127.0.0.1')}:{properties.get('grpc_inference_port', '7070')}"
+        )
         return cls(inference=inference, management=management, metrics=metrics, grpc_inference=grpc_inference)
 
 

@@ -31,7 +31,16 @@ JSON_VALUES = st.recursive(
     max_leaves=8,
 )
 UNKNOWN_NAMES = st.sampled_from(
-    ["steps", "Prompt", "prompt ", "body", "data", "__proto__", "a,b:c|#d", "x\n[METRICS]sd_images_total.images:1|#model_name:m"]
+    [
+        "steps",
+        "Prompt",
+        "prompt ",
+        "body",
+        "data",
+        "__proto__",
+        "a,b:c|#d",
+        "x\n[METRICS]sd_images_total.images:1|#model_name:m",
+    ]
 ) | TEXT.filter(lambda name: name not in FIELDS)
 
 
@@ -39,15 +48,51 @@ def boundary_values(limits: RequestLimits) -> dict[str, list[Any]]:
     """Per field: values at and just past its rules, and the wrong types clients send. Valid ones
     are cheap to generate (a long side only with a short one)."""
     chars, steps, images = limits.max_prompt_chars, limits.max_inference_steps, limits.max_images_per_request
-    texts = ["a red circle", "", " \t\n", "\u3000", "x" * chars, "x" * (chars + 1), "\ud800", "a\udfffb", "\U0001f600", "\x00", "ddim"]
-    sides = [0, 8, limits.min_side - 8, limits.min_side, limits.min_side + 1, limits.min_side + 8, limits.max_side,
-             limits.max_side + 8, -limits.min_side, float(limits.min_side), str(limits.min_side), True]
+    texts = [
+        "a red circle",
+        "",
+        " \t\n",
+        "\u3000",
+        "x" * chars,
+        "x" * (chars + 1),
+        "\ud800",
+        "a\udfffb",
+        "\U0001f600",
+        "\x00",
+        "ddim",
+    ]
+    sides = [
+        0,
+        8,
+        limits.min_side - 8,
+        limits.min_side,
+        limits.min_side + 1,
+        limits.min_side + 8,
+        limits.max_side,
+        limits.max_side + 8,
+        -limits.min_side,
+        float(limits.min_side),
+        str(limits.min_side),
+        True,
+    ]
     return {
         "prompt": texts,
         "negative_prompt": [None, *texts],
         "num_inference_steps": [0, 1, 2, steps, steps + 1, -1, 2.0, 2.5, "2", True, 10**12],
-        "guidance_scale": [0, -0.0, 1, 7.5, limits.max_guidance_scale, limits.max_guidance_scale + 1e-9, -1e-300,
-                           math.nan, math.inf, 1e308, "7.5", True],
+        "guidance_scale": [
+            0,
+            -0.0,
+            1,
+            7.5,
+            limits.max_guidance_scale,
+            limits.max_guidance_scale + 1e-9,
+            -1e-300,
+            math.nan,
+            math.inf,
+            1e308,
+            "7.5",
+            True,
+        ],
         "seed": [None, 0, -1, MAX_SEED, MAX_SEED + 1, 1.0, "1", True],
         "width": sides,
         "height": sides,
@@ -78,15 +123,37 @@ def request_fields(limits: RequestLimits) -> st.SearchStrategy[dict[str, Any]]:
 # JSON texts, written out: every escape JSON has (and a few it has not), every spelling of a number.
 STRING_PIECES = st.one_of(
     st.characters(exclude_characters='"\\'),  # raw control characters (not JSON) and lone surrogates included
-    st.sampled_from(['\\"', "\\\\", "\\/", "\\b", "\\f", "\\n", "\\r", "\\t", "\\u0000", "\\ud800", "\\udfff", "\\ud83d\\ude00"]),
+    st.sampled_from(
+        ['\\"', "\\\\", "\\/", "\\b", "\\f", "\\n", "\\r", "\\t", "\\u0000", "\\ud800", "\\udfff", "\\ud83d\\ude00"]
+    ),
     st.integers(0, 0xFFFF).map("\\u{:04x}".format),
     st.integers(0, 0xFFFF).map("\\u{:04X}".format),
     st.sampled_from(["\\x41", "\\u12", "\\", "\\U0001F600", "\\a"]),  # not JSON
 )
 JSON_STRINGS = st.lists(STRING_PIECES, max_size=10).map(lambda pieces: '"' + "".join(pieces) + '"')
-JSON_NUMBERS = INTEGERS.map(str) | st.floats(allow_nan=False, allow_infinity=False).map(repr) | st.sampled_from(
-    ["-0", "-0.0", "0e0", "1E+2", "1e309", "-1e999", "2.5e-400", "NaN", "Infinity", "-Infinity", "01", "1.", ".5",
-     "+1", "0x10", "9" * 4301]
+JSON_NUMBERS = (
+    INTEGERS.map(str)
+    | st.floats(allow_nan=False, allow_infinity=False).map(repr)
+    | st.sampled_from(
+        [
+            "-0",
+            "-0.0",
+            "0e0",
+            "1E+2",
+            "1e309",
+            "-1e999",
+            "2.5e-400",
+            "NaN",
+            "Infinity",
+            "-Infinity",
+            "01",
+            "1.",
+            ".5",
+            "+1",
+            "0x10",
+            "9" * 4301,
+        ]
+    )
 )
 JSON_KEYS = st.sampled_from([json.dumps(name) for name in FIELDS]) | JSON_STRINGS
 
@@ -97,8 +164,10 @@ def _object(members: list[tuple[str, str]]) -> str:
 
 JSON_TEXTS = st.recursive(
     st.sampled_from(["true", "false", "null"]) | JSON_NUMBERS | JSON_STRINGS,
-    lambda inner: st.lists(inner, max_size=3).map(lambda items: "[" + ",".join(items) + "]")
-    | st.lists(st.tuples(JSON_KEYS, inner), max_size=4).map(_object),
+    lambda inner: (
+        st.lists(inner, max_size=3).map(lambda items: "[" + ",".join(items) + "]")
+        | st.lists(st.tuples(JSON_KEYS, inner), max_size=4).map(_object)
+    ),
     max_leaves=10,
 )
 WHITESPACE = st.sampled_from(["", " ", "\n", "\t", "\r\n"])
@@ -111,7 +180,9 @@ def _encoded(text: str) -> st.SearchStrategy[bytes]:
     """``text`` as a client may encode it: UTF-8 (not UTF-8 where it has lone surrogates), with a
     byte order mark, UTF-16, or cut off halfway."""
     data = text.encode("utf-8", "surrogatepass")
-    return st.sampled_from([data, codecs.BOM_UTF8 + data, text.encode("utf-16", "surrogatepass"), data[: len(data) // 2]])
+    return st.sampled_from(
+        [data, codecs.BOM_UTF8 + data, text.encode("utf-16", "surrogatepass"), data[: len(data) // 2]]
+    )
 
 
 RAW_BODIES = st.one_of(
@@ -124,12 +195,29 @@ RAW_BODIES = st.one_of(
 
 JSON_CONTENT_TYPES = ("application/json", "application/json; charset=utf-8", None, "application/octet-stream")
 CONTENT_TYPES = (
-    *JSON_CONTENT_TYPES, "", "application/json;charset=UTF-8", "Application/JSON", "application/json ; charset=latin-1",
-    "text/plain", "text/plain; charset=utf-8", "text/html", "text/csv; charset=iso-8859-1", "text", "textual/json",
-    "multipart/form-data", "application/xml", "image/png", "*/*", ";", "; charset=utf-8", "json",
+    *JSON_CONTENT_TYPES,
+    "",
+    "application/json;charset=UTF-8",
+    "Application/JSON",
+    "application/json ; charset=latin-1",
+    "text/plain",
+    "text/plain; charset=utf-8",
+    "text/html",
+    "text/csv; charset=iso-8859-1",
+    "text",
+    "textual/json",
+    "multipart/form-data",
+    "application/xml",
+    "image/png",
+    "*/*",
+    ";",
+    "; charset=utf-8",
+    "json",
 )
 # What an HTTP header value can carry (netty reads header bytes as ISO-8859-1 and trims them).
-HEADER_TEXT = st.text(st.characters(min_codepoint=0x20, max_codepoint=0xFF, exclude_characters="\x7f"), max_size=30).map(str.strip)
+HEADER_TEXT = st.text(
+    st.characters(min_codepoint=0x20, max_codepoint=0xFF, exclude_characters="\x7f"), max_size=30
+).map(str.strip)
 
 
 def frontend_decodes_form(content_type: str) -> bool:
@@ -137,7 +225,11 @@ def frontend_decodes_form(content_type: str) -> bool:
     Content-Type into form fields instead of passing it on as the body: multipart/form-data with a
     boundary parameter, or application/x-www-form-urlencoded. It answers a malformed form itself."""
     lowered = content_type.lower()
-    return lowered.startswith("multipart/form-data") and "boundary" in lowered or lowered.split(";")[0] == "application/x-www-form-urlencoded"
+    return (
+        lowered.startswith("multipart/form-data")
+        and "boundary" in lowered
+        or lowered.split(";")[0] == "application/x-www-form-urlencoded"
+    )
 
 
 # The Content-Type header of a body (None: no header); form types are in FORM_PARTS.

@@ -17,13 +17,17 @@ RUNNERS = {"bash": ["bash", "-euo", "pipefail", "-c"], "python": [sys.executable
 
 def readme_examples() -> dict[str, tuple[str, str]]:
     """Name -> (language, code) of every example marked ``<!-- example: NAME -->`` in the README."""
-    return {match["name"]: (match["language"], match["code"]) for match in EXAMPLE.finditer((ROOT / "README.md").read_text())}
+    return {
+        match["name"]: (match["language"], match["code"])
+        for match in EXAMPLE.finditer((ROOT / "README.md").read_text())
+    }
 
 
 def run_example(name: str, server: TorchServe, cwd: Path) -> subprocess.CompletedProcess:
     language, code = readme_examples()[name]
     code = code.replace("http://127.0.0.1:8080", server.addresses.inference).replace(
-        "http://127.0.0.1:8081", server.addresses.management)
+        "http://127.0.0.1:8081", server.addresses.management
+    )
     result = subprocess.run(RUNNERS[language] + [code], cwd=cwd, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, f"README example {name!r} failed:\n{result.stdout}\n{result.stderr}"
     return result

@@ -32,14 +32,19 @@ RECOVERY_TIMEOUT_S = 180
 
 
 @contextmanager
-def serving(tmp: Path, config: Path = MODEL_CONFIG, model_dir: Path = MODEL_DIR,
-            **properties: str) -> Iterator[TorchServe]:
+def serving(
+    tmp: Path, config: Path = MODEL_CONFIG, model_dir: Path = MODEL_DIR, **properties: str
+) -> Iterator[TorchServe]:
     """The real archive of ``model_dir``, built with ``config``, served on free loopback ports
     (config.properties plus ``properties``) until the block ends."""
     if not (model_dir / "model_index.json").is_file():
-        pytest.fail(f"{model_dir} is missing: the default model is committed (`make train-default-model` rebuilds "
-                    "it); the tiny ones come from `make model`")
-    with serve_archive(model_dir, config, tmp, STARTUP_TIMEOUT, gpus=1, **properties) as server:  # one worker, GPU or not
+        pytest.fail(
+            f"{model_dir} is missing: the default model is committed (`make train-default-model` rebuilds "
+            "it); the tiny ones come from `make model`"
+        )
+    with serve_archive(
+        model_dir, config, tmp, STARTUP_TIMEOUT, gpus=1, **properties
+    ) as server:  # one worker, GPU or not
         yield server
 
 
@@ -50,8 +55,14 @@ class Client:
         self.server = server
         self.url = f"{server.addresses.inference}/predictions/{server.model_name}"
 
-    def predict(self, body=None, *, data=None, content_type="application/json", headers=None, **kwargs) -> requests.Response:
-        all_headers = {**self.server.auth(), **({"Content-Type": content_type} if content_type else {}), **(headers or {})}
+    def predict(
+        self, body=None, *, data=None, content_type="application/json", headers=None, **kwargs
+    ) -> requests.Response:
+        all_headers = {
+            **self.server.auth(),
+            **({"Content-Type": content_type} if content_type else {}),
+            **(headers or {}),
+        }
         if body is not None:
             return requests.post(self.url, json=body, headers=all_headers, timeout=120, **kwargs)
         return requests.post(self.url, data=data, headers=all_headers, timeout=120, **kwargs)
@@ -91,7 +102,11 @@ def group_processes(server: TorchServe) -> list[psutil.Process]:
 
 
 def workers(server: TorchServe) -> list[psutil.Process]:
-    return [process for process in group_processes(server) if "model_service_worker" in " ".join(process.info["cmdline"] or [])]
+    return [
+        process
+        for process in group_processes(server)
+        if "model_service_worker" in " ".join(process.info["cmdline"] or [])
+    ]
 
 
 def wait_until_serving(client: Client) -> float:

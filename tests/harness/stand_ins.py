@@ -24,8 +24,13 @@ class SolidColorEngine:
 
     device = torch.device("cpu")
 
-    def __init__(self, out_of_memory_above_images: int = 1000, decode_out_of_memory_above_images: int = 1000,
-                 tiles_fail: bool = False, flagged_seeds: set[int] | None = None):
+    def __init__(
+        self,
+        out_of_memory_above_images: int = 1000,
+        decode_out_of_memory_above_images: int = 1000,
+        tiles_fail: bool = False,
+        flagged_seeds: set[int] | None = None,
+    ):
         self.out_of_memory_above_images = out_of_memory_above_images
         self.decode_out_of_memory_above_images = decode_out_of_memory_above_images
         self.tiles_fail = tiles_fail
@@ -40,10 +45,16 @@ class SolidColorEngine:
     def start(self, spec: JobSpec) -> DenoiseJob:
         if spec.prompt == FAILS_AT_START:
             raise RuntimeError("text encoder broke")
-        latents = torch.tensor([float(seed % 256) for seed in spec.seeds]).view(-1, 1, 1, 1).expand(
-            -1, *self.latent_shape(spec.width, spec.height)).clone()
+        latents = (
+            torch.tensor([float(seed % 256) for seed in spec.seeds])
+            .view(-1, 1, 1, 1)
+            .expand(-1, *self.latent_shape(spec.width, spec.height))
+            .clone()
+        )
         rows = spec.images * (2 if spec.guidance_scale > 1 else 1)
-        return DenoiseJob(spec, None, torch.arange(spec.num_inference_steps), latents, Conditioning(torch.zeros(rows, 1, 1)))
+        return DenoiseJob(
+            spec, None, torch.arange(spec.num_inference_steps), latents, Conditioning(torch.zeros(rows, 1, 1))
+        )
 
     def step(self, jobs: list[DenoiseJob]) -> None:
         self.steps.append([job.spec.prompt for job in jobs])
@@ -87,7 +98,9 @@ class Clock:
         return self.now
 
 
-def make_service(engine=None, sink=None, streaming=True, cap_profile=(2, 4, 8, 16), sla=2.0, **kwargs) -> DiffusionService:
+def make_service(
+    engine=None, sink=None, streaming=True, cap_profile=(2, 4, 8, 16), sla=2.0, **kwargs
+) -> DiffusionService:
     """A service whose profile says one forward takes the same time for 2 to 16 UNet rows (cap 16
     rows: 8 guided images)."""
     engine = engine or SolidColorEngine()
@@ -95,5 +108,12 @@ def make_service(engine=None, sink=None, streaming=True, cap_profile=(2, 4, 8, 1
     profile = StepProfile(engine, max_images=8)
     for shape in (SHAPE, (4, 8, 16), (4, 16, 16)):
         profile.seconds[shape] = {size: 0.1 for size in cap_profile}
-    return DiffusionService(engine, policy, profile, DiffusionMetrics(sink or RecordingSink(), sla), sla,
-                            clock=kwargs.pop("clock", Clock()), **kwargs)
+    return DiffusionService(
+        engine,
+        policy,
+        profile,
+        DiffusionMetrics(sink or RecordingSink(), sla),
+        sla,
+        clock=kwargs.pop("clock", Clock()),
+        **kwargs,
+    )

@@ -20,12 +20,18 @@ CUDA_ONLY = {"compile-max-autotune-no-cudagraphs", "compile-reduce-overhead"}
 @pytest.fixture(scope="module")
 def report(tmp_path_factory) -> dict:
     output, scratch = tmp_path_factory.mktemp("gpu-report"), tmp_path_factory.mktemp("gpu-scratch")
-    subprocess.run(["make", "--no-print-directory", "bench-gpu", f"BENCH_ARGS=--quick --output-dir {output} --scratch {scratch}"],
-                   cwd=ROOT, check=True, timeout=1800)
+    subprocess.run(
+        ["make", "--no-print-directory", "bench-gpu", f"BENCH_ARGS=--quick --output-dir {output} --scratch {scratch}"],
+        cwd=ROOT,
+        check=True,
+        timeout=1800,
+    )
     with Image.open(output / "gpu.png") as plot:
         assert plot.format == "PNG" and plot.width > 1000
-    return {"markdown": (output / "gpu.md").read_text(),
-            **{section: json.loads((output / f"{section}.json").read_text()) for section in SECTIONS}}
+    return {
+        "markdown": (output / "gpu.md").read_text(),
+        **{section: json.loads((output / f"{section}.json").read_text()) for section in SECTIONS},
+    }
 
 
 def test_every_section_records_where_it_ran(report):
@@ -49,7 +55,12 @@ def test_variants_are_measured_against_eager_or_skipped_as_cuda_only(report):
         assert row["unet_it_s"] > 0 and row["images_per_s"] > 0 and row["max_abs_diff"] <= 1, name
     assert rows["eager"]["max_abs_diff"] == 0 and rows["eager"]["unet_call_flops"] > 0
     profile = rows["eager"]["profile"]
-    assert profile["wall_s"] > 0 and profile["latency_s"] == rows["eager"]["latency_s"] and profile["top_operators"] and all(op["seconds"] > 0 for op in profile["top_operators"])
+    assert (
+        profile["wall_s"] > 0
+        and profile["latency_s"] == rows["eager"]["latency_s"]
+        and profile["top_operators"]
+        and all(op["seconds"] > 0 for op in profile["top_operators"])
+    )
     compiled = rows["compile-default"]
     assert compiled["compile_counters"]["fxgraph_cache_miss"] > 0
     assert compiled["warm"]["compile_counters"].get("fxgraph_cache_miss", 0) == 0
@@ -59,7 +70,8 @@ def test_scaling_measures_eager_and_the_fastest_compile_mode_at_every_batch(repo
     scaling = report["scaling"]
     assert scaling["compiled"] == "compile-default"  # the only compile mode a CPU runs
     assert [(row["variant"], row["batch"]) for row in scaling["rows"]] == [
-        (name, batch) for name in ("eager", "compile-default") for batch in QUICK.batches]
+        (name, batch) for name in ("eager", "compile-default") for batch in QUICK.batches
+    ]
     assert all(row["status"] == "ok" and row["images_per_s"] > 0 for row in scaling["rows"])
     # batch 1 was compiled by the variants section: the shared cache serves it
     batch_1 = next(row for row in scaling["rows"] if row["variant"] == "compile-default" and row["batch"] == 1)

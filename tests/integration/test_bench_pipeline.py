@@ -25,8 +25,21 @@ SDPA_TOLERANCE = 1
 def report(tmp_path_factory) -> dict:
     output = tmp_path_factory.mktemp("bench")
     subprocess.run(
-        [sys.executable, "-m", "bench.pipeline", "--quick", "--attention-repeats", "1", "--output-dir", str(output), "--name", "quick"],
-        cwd=ROOT, check=True, timeout=1800,
+        [
+            sys.executable,
+            "-m",
+            "bench.pipeline",
+            "--quick",
+            "--attention-repeats",
+            "1",
+            "--output-dir",
+            str(output),
+            "--name",
+            "quick",
+        ],
+        cwd=ROOT,
+        check=True,
+        timeout=1800,
     )
     assert (output / "quick.md").is_file()
     with Image.open(output / "quick.png") as chart:
@@ -68,7 +81,9 @@ def test_a_compiled_variant_compiles_cold_and_loads_from_the_cache_warm(report):
     for result in compiled:
         cold, warm = result["compile_counters"], result["warm"]["compile_counters"]
         assert cold["fxgraph_cache_miss"] > 0 and cold.get("fxgraph_cache_hit", 0) == 0, result["name"]
-        assert warm["fxgraph_cache_hit"] == cold["fxgraph_cache_miss"] and warm.get("fxgraph_cache_miss", 0) == 0, result["name"]
+        assert warm["fxgraph_cache_hit"] == cold["fxgraph_cache_miss"] and warm.get("fxgraph_cache_miss", 0) == 0, (
+            result["name"]
+        )
         assert result["max_abs_diff"] <= SDPA_TOLERANCE, result["name"]
 
 

@@ -22,7 +22,7 @@ def _worker_starts(log: str) -> list[dict]:
     caches, ready = COMPILE_LOG.findall(log), READY_LOG.findall(log)
     return [
         {"dir": directory, "hits": int(hits), "misses": int(misses), "load_s": float(load), "warmup_s": float(warmup)}
-        for (directory, hits, misses), (load, warmup) in zip(caches, ready)
+        for (directory, hits, misses), (load, warmup) in zip(caches, ready, strict=False)
     ]
 
 
@@ -56,4 +56,7 @@ def test_a_restarted_compiled_worker_loads_its_kernels_from_the_persisted_cache(
     assert (before == after).all(), "the cached kernels must give the image the freshly compiled ones gave"
     record_property("compile_cold_warmup_s", cold["warmup_s"])
     record_property("compile_warm_warmup_s", warm["warmup_s"])
-    print(f"compiled VAE decoder worker start: warm-up {cold['warmup_s']:.1f} s cold, {warm['warmup_s']:.1f} s from the cache")
+    print(
+        f"compiled VAE decoder worker start: warm-up {cold['warmup_s']:.1f} s cold, "
+        f"{warm['warmup_s']:.1f} s from the cache"
+    )

@@ -29,8 +29,15 @@ def reference() -> Reference:
 
 
 def assert_diffusers_image(reference: Reference, body: dict, image: np.ndarray) -> None:
-    expected = reference(body["prompt"], body["seed"], 64, 64, body["num_inference_steps"],
-                         scheduler=body.get("scheduler", "ddim"), guidance_scale=body.get("guidance_scale", 7.5))
+    expected = reference(
+        body["prompt"],
+        body["seed"],
+        64,
+        64,
+        body["num_inference_steps"],
+        scheduler=body.get("scheduler", "ddim"),
+        guidance_scale=body.get("guidance_scale", 7.5),
+    )
     difference = np.abs(image.astype(np.int16) - np.asarray(expected.images[0], dtype=np.int16))
     assert difference.max() <= 1, f"{body}: differs from diffusers by {difference.max()}"
 
@@ -58,7 +65,13 @@ def test_staggered_requests_get_diffusers_images_and_short_ones_overtake(continu
 @pytest.mark.parametrize("scheduler", sorted(SCHEDULERS))
 def test_every_scheduler_gives_diffusers_image_while_requests_join(continuous_client, reference, scheduler):
     guidance = 1.0 if scheduler == "pndm" else 7.5  # pndm diverges at 7.5 on the default model
-    body = {"prompt": "a yellow circle", "seed": 11, "num_inference_steps": 12, "scheduler": scheduler, "guidance_scale": guidance}
+    body = {
+        "prompt": "a yellow circle",
+        "seed": 11,
+        "num_inference_steps": 12,
+        "scheduler": scheduler,
+        "guidance_scale": guidance,
+    }
     joining = {**body, "seed": 12, "num_inference_steps": 6}
     with ThreadPoolExecutor(2) as pool:
         first = pool.submit(continuous_client.image, **body)
@@ -70,8 +83,13 @@ def test_every_scheduler_gives_diffusers_image_while_requests_join(continuous_cl
 
 
 def test_streamed_progress_parses_and_ends_with_the_image(continuous_client, reference):
-    response = requests.post(continuous_client.url, json={**SHORT, "stream": True}, headers=continuous_client.server.auth(),
-                             stream=True, timeout=120)
+    response = requests.post(
+        continuous_client.url,
+        json={**SHORT, "stream": True},
+        headers=continuous_client.server.auth(),
+        stream=True,
+        timeout=120,
+    )
     assert response.status_code == 200 and response.headers["Content-Type"] == "application/x-ndjson"
     events = [json.loads(line) for line in response.iter_lines() if line]
     progress, done = events[:-1], events[-1]

@@ -51,11 +51,13 @@ def test_shape_is_recognisable_for_most_prompts(default_judgements):
 def test_batched_mixed_colour_requests_each_get_their_own_colour(client):
     bodies = [
         {"prompt": f"a {colour} {shape}", "seed": 3, "response_format": "json"}
-        for colour, shape in zip(COLOURS, ["circle", "square", "triangle", "circle"])
+        for colour, shape in zip(COLOURS, ["circle", "square", "triangle", "circle"], strict=False)
     ]
     responses = run_behind_blocker(client, bodies)
     payloads = [response.json() for response in responses]
-    assert all(payload["batch"]["max_step_images"] >= 2 for payload in payloads), "the requests never shared a UNet forward"
+    assert all(payload["batch"]["max_step_images"] >= 2 for payload in payloads), (
+        "the requests never shared a UNet forward"
+    )
     seen = [dominant_colour(decode_json_images(payload)[0]) for payload in payloads]
     assert seen == list(COLOURS)
 
@@ -66,14 +68,19 @@ def test_batched_mixed_colour_requests_each_get_their_own_colour(client):
 PNDM_AT_HIGH_GUIDANCE = pytest.mark.xfail(strict=True, reason="PNDM diverges at guidance 7.5 on the default model")
 
 
-@pytest.mark.parametrize(("scheduler", "guidance_scale"), [
-    pytest.param(name, guidance, marks=[PNDM_AT_HIGH_GUIDANCE] if (name, guidance) == ("pndm", 7.5) else [])
-    for name in SCHEDULERS for guidance in (1.0, 7.5)
-])
+@pytest.mark.parametrize(
+    ("scheduler", "guidance_scale"),
+    [
+        pytest.param(name, guidance, marks=[PNDM_AT_HIGH_GUIDANCE] if (name, guidance) == ("pndm", 7.5) else [])
+        for name in SCHEDULERS
+        for guidance in (1.0, 7.5)
+    ],
+)
 def test_every_scheduler_and_guidance_stays_on_colour(client, scheduler, guidance_scale):
     judgements = [
         judge(client, colour, "circle", seed, scheduler=scheduler, guidance_scale=guidance_scale)
-        for colour in COLOURS for seed in range(3)
+        for colour in COLOURS
+        for seed in range(3)
     ]
     score = accuracy(judgements)["colour"]
     misses = [(j.colour, j.seed, j.seen_colour) for j in judgements if j.seen_colour != j.colour]

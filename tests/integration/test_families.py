@@ -18,13 +18,12 @@ from dataclasses import dataclass
 import numpy as np
 import pytest
 import requests
-from diffusers import LatentConsistencyModelPipeline, LCMScheduler, StableDiffusionPipeline
 from PIL import Image
 
 from bench.reference import Reference
 from handler.encode import EXIF_IMAGE_DESCRIPTION
 from handler.protocol import NSFW_HEADER
-from model_making.make_tiny_model import CALIBRATION, CALIBRATION_FILE
+from model_making.make_tiny_model import CALIBRATION, CALIBRATION_FILE, write_lcm_model
 from server import TorchServe
 from server import write_model_config as model_config
 from server.paths import TINY_MODEL_DIRS
@@ -54,8 +53,13 @@ class Served:
 def served(request, tmp_path_factory) -> Iterator[Served]:
     family, mode = request.param
     tmp = tmp_path_factory.mktemp(f"{family}-{mode}")
-    config = model_config(tmp, handler={"limits": {"max_inference_steps": LONG["num_inference_steps"]}},
-                          continuousBatching=mode == "continuous", batchSize=8, maxBatchDelay=50 if mode == "dynamic" else 10)
+    config = model_config(
+        tmp,
+        handler={"limits": {"max_inference_steps": LONG["num_inference_steps"]}},
+        continuousBatching=mode == "continuous",
+        batchSize=8,
+        maxBatchDelay=50 if mode == "dynamic" else 10,
+    )
     with serving(tmp, config, TINY_MODEL_DIRS[family]) as server:
         yield Served(family, mode, server, Client(server))
 
@@ -70,9 +74,14 @@ def reference(references: dict[str, Reference], served: Served, body: dict):
     if served.family not in references:
         references[served.family] = Reference(TINY_MODEL_DIRS[served.family])
     return references[served.family](
-        body["prompt"], body["seed"], body.get("width", served.side), body.get("height", served.side),
-        body["num_inference_steps"], negative_prompt=body.get("negative_prompt"),
-        num_images_per_prompt=body.get("num_images_per_prompt", 1), scheduler=body.get("scheduler", "ddim"),
+        body["prompt"],
+        body["seed"],
+        body.get("width", served.side),
+        body.get("height", served.side),
+        body["num_inference_steps"],
+        negative_prompt=body.get("negative_prompt"),
+        num_images_per_prompt=body.get("num_images_per_prompt", 1),
+        scheduler=body.get("scheduler", "ddim"),
         guidance_scale=body.get("guidance_scale", 7.5),
     )
 
@@ -98,7 +107,9 @@ def timed(client: Client, body: dict) -> tuple[requests.Response, float]:
     return response, time.monotonic()
 
 
-def behind_long(client: Client, bodies: list[dict]) -> tuple[tuple[requests.Response, float], list[tuple[requests.Response, float]]]:
+def behind_long(
+    client: Client, bodies: list[dict]
+) -> tuple[tuple[requests.Response, float], list[tuple[requests.Response, float]]]:
     """``bodies`` sent together while a long request runs: TorchServe batches them (dynamic) or
     they join the running one (continuous). Responses with their arrival times."""
     with ThreadPoolExecutor(len(bodies) + 1) as pool:
@@ -109,25 +120,51 @@ def behind_long(client: Client, bodies: list[dict]) -> tuple[tuple[requests.Resp
 
 
 def test_a_seeded_request_gets_diffusers_images(served, references):
-    body = {"prompt": "a red circle", "negative_prompt": "blue", "seed": 5, "num_inference_steps": 6,
-            "num_images_per_prompt": 2, "response_format": "json"}
+    body = {
+        "prompt": "a red circle",
+        "negative_prompt": "blue",
+        "seed": 5,
+        "num_inference_steps": 6,
+        "num_images_per_prompt": 2,
+        "response_format": "json",
+    }
     assert_diffusers_images(references, served, body, served.client.predict(body))
 
 
 def test_mixed_steps_schedulers_and_guidance_share_forwards_and_each_gets_diffusers_images(served, references):
     bodies = [
-        {"prompt": "a green triangle", "seed": 2, "num_inference_steps": 4, "scheduler": "euler_a", "response_format": "json"},
-        {"prompt": "a yellow square", "seed": 3, "num_inference_steps": 8, "scheduler": "dpmpp_2m", "guidance_scale": 1.0,
-         "response_format": "json"},
-        {"prompt": "a blue circle", "seed": 4, "num_inference_steps": 6, "num_images_per_prompt": 2, "response_format": "json"},
+        {
+            "prompt": "a green triangle",
+            "seed": 2,
+            "num_inference_steps": 4,
+            "scheduler": "euler_a",
+            "response_format": "json",
+        },
+        {
+            "prompt": "a yellow square",
+            "seed": 3,
+            "num_inference_steps": 8,
+            "scheduler": "dpmpp_2m",
+            "guidance_scale": 1.0,
+            "response_format": "json",
+        },
+        {
+            "prompt": "a blue circle",
+            "seed": 4,
+            "num_inference_steps": 6,
+            "num_images_per_prompt": 2,
+            "response_format": "json",
+        },
     ]
     (long, long_done), followers = behind_long(served.client, bodies)
     assert long.status_code == 200, long.text
-    for body, (response, _) in zip(bodies, followers):
+    for body, (response, _) in zip(bodies, followers, strict=True):
         assert_diffusers_images(references, served, body, response)
         assert response.json()["batch"]["max_step_images"] >= 2, "the request never shared a UNet forward"
     if served.mode == "dynamic":
-        assert [response.json()["batch"]["requests"] for response, _ in followers] == [3, 3, 3], "not one TorchServe batch"
+        assert [response.json()["batch"]["requests"] for response, _ in followers] == [3, 3, 3], (
+            "not one TorchServe batch"
+        )
         assert max(response.json()["batch"]["max_step_images"] for response, _ in followers) == 4
     else:
         assert all(done < long_done for _, done in followers), "a short request waited for the long one"
@@ -154,21 +191,28 @@ def test_the_safety_checker_flags_as_diffusers_does_and_says_so(served, referenc
     assert both.json()["nsfw_content_detected"] == [True, False]
     assert images_of(flagged)[0].max() == 0 and images_of(passed)[0].max() > 0
     for response, flag in ((flagged, "true"), (passed, "false")):
-        assert Image.open(io.BytesIO(response.content)).getexif()[EXIF_IMAGE_DESCRIPTION] == f"nsfw_content_detected={flag}"
+        assert (
+            Image.open(io.BytesIO(response.content)).getexif()[EXIF_IMAGE_DESCRIPTION]
+            == f"nsfw_content_detected={flag}"
+        )
         # with continuous batching only an answer in one part (a request finished in the call that
         # admitted it) can carry the header
         assert response.headers.get(NSFW_HEADER) in ((flag,) if served.mode == "dynamic" else (flag, None))
     if served.mode == "continuous":  # TorchServe sent this one's headers before its image existed
         long = served.client.predict({**passed_body, "num_inference_steps": LONG["num_inference_steps"]})
         assert long.status_code == 200 and NSFW_HEADER not in long.headers
-        assert Image.open(io.BytesIO(long.content)).getexif()[EXIF_IMAGE_DESCRIPTION].startswith("nsfw_content_detected=")
+        assert (
+            Image.open(io.BytesIO(long.content)).getexif()[EXIF_IMAGE_DESCRIPTION].startswith("nsfw_content_detected=")
+        )
 
 
 def test_metrics_move_by_what_was_sent_in_both_modes(served):
     before = served.server.metric_samples()
-    bodies = [{"prompt": "a", "seed": 1, "num_inference_steps": 5},
-              {"prompt": "b", "seed": 2, "num_inference_steps": 3, "num_images_per_prompt": 2},
-              {"prompt": "c", "num_inference_steps": 0}]
+    bodies = [
+        {"prompt": "a", "seed": 1, "num_inference_steps": 5},
+        {"prompt": "b", "seed": 2, "num_inference_steps": 3, "num_images_per_prompt": 2},
+        {"prompt": "c", "num_inference_steps": 0},
+    ]
     with ThreadPoolExecutor(3) as pool:
         statuses = [response.status_code for response in pool.map(served.client.predict, bodies)]
     assert statuses == [200, 200, 400]
@@ -189,14 +233,11 @@ def test_metrics_move_by_what_was_sent_in_both_modes(served):
 
 
 def test_an_unsupported_pipeline_is_refused_at_worker_load_naming_it(tmp_path):
-    sd = StableDiffusionPipeline.from_pretrained(TINY_MODEL_DIRS["sd1-safety"].parent / "tiny-sd", use_safetensors=True)
-    LatentConsistencyModelPipeline(
-        vae=sd.vae, text_encoder=sd.text_encoder, tokenizer=sd.tokenizer, unet=sd.unet,
-        scheduler=LCMScheduler.from_config(sd.scheduler.config), safety_checker=None, feature_extractor=None,
-        requires_safety_checker=False,
-    ).save_pretrained(tmp_path / "lcm", safe_serialization=True)
+    write_lcm_model(tmp_path / "lcm", TINY_MODEL_DIRS["sd1"])
     started = time.monotonic()
-    with pytest.raises(RuntimeError, match="LatentConsistencyModelPipeline is not supported.*StableDiffusionXLPipeline"):
+    with pytest.raises(
+        RuntimeError, match="LatentConsistencyModelPipeline is not supported.*StableDiffusionXLPipeline"
+    ):
         with serving(tmp_path, model_config(tmp_path), tmp_path / "lcm"):
             pass
     assert time.monotonic() - started < 120, "the refusal should stop the server at the first failed load"

@@ -50,21 +50,30 @@ JSON_BODIES = st.builds(
         "data": json.dumps(fields, ensure_ascii=ensure_ascii).encode("utf-8", "surrogatepass"),
         "headers": _headers(content_type),
     },
-    request_fields(LIMITS), st.booleans(), st.sampled_from(JSON_CONTENT_TYPES),
+    request_fields(LIMITS),
+    st.booleans(),
+    st.sampled_from(JSON_CONTENT_TYPES),
 )
-ANY_BODIES = st.builds(lambda raw, content_type: {"data": raw, "headers": _headers(content_type)}, RAW_BODIES, CONTENT_TYPE_HEADERS)
+ANY_BODIES = st.builds(
+    lambda raw, content_type: {"data": raw, "headers": _headers(content_type)}, RAW_BODIES, CONTENT_TYPE_HEADERS
+)
 # Form field names netty parses as sent (its own multipart parsing of odd names is TorchServe's business).
-FORM_NAMES = st.sampled_from([*FIELDS, "body", "data"]) | st.text(string.ascii_letters + string.digits + "_-. ", min_size=1, max_size=12)
+FORM_NAMES = st.sampled_from([*FIELDS, "body", "data"]) | st.text(
+    string.ascii_letters + string.digits + "_-. ", min_size=1, max_size=12
+)
 BASE_FORM = [(name, str(value).encode()) for name, value in BASE_FIELDS.items()]
 MULTIPART_FORMS = st.builds(
-    lambda base, parts: {"files": [(name, (None, value)) for name, value in base] + [
-        (name, ("upload" if upload else None, value, upload)) for name, value, upload in parts
-    ]},
-    st.sampled_from([BASE_FORM, []]), st.lists(st.tuples(FORM_NAMES, FORM_VALUES, UPLOAD_CONTENT_TYPES), max_size=4),
+    lambda base, parts: {
+        "files": [(name, (None, value)) for name, value in base]
+        + [(name, ("upload" if upload else None, value, upload)) for name, value, upload in parts]
+    },
+    st.sampled_from([BASE_FORM, []]),
+    st.lists(st.tuples(FORM_NAMES, FORM_VALUES, UPLOAD_CONTENT_TYPES), max_size=4),
 )
 URLENCODED_FORMS = st.builds(
     lambda base, fields: {"data": base + fields},
-    st.sampled_from([BASE_FORM, []]), st.lists(st.tuples(FORM_NAMES, FORM_VALUES), max_size=4),
+    st.sampled_from([BASE_FORM, []]),
+    st.lists(st.tuples(FORM_NAMES, FORM_VALUES), max_size=4),
 )
 SENT = st.one_of(JSON_BODIES, ANY_BODIES, MULTIPART_FORMS, URLENCODED_FORMS)
 
@@ -146,7 +155,9 @@ def _json_body(text: bytes) -> dict[str, Any]:
 @example(sent=_json_body(b'{"prompt": "a \\ud800 circle", "num_inference_steps": 2}'))
 @example(sent=_json_body(b'{"prompt": "x", "seed": ' + b"9" * 5000 + b"}"))
 @example(sent=_json_body(b'{"prompt": ' + b"[" * 990 + b"]" * 990 + b"}"))
-@example(sent=_json_body(b'{"prompt": "x", "a\\n[METRICS]sd_images_total.images:1000|#model_name:stable-diffusion": 1}'))
+@example(
+    sent=_json_body(b'{"prompt": "x", "a\\n[METRICS]sd_images_total.images:1000|#model_name:stable-diffusion": 1}')
+)
 @settings(max_examples=EXAMPLES, phases=(Phase.explicit, Phase.generate))  # no shrinking against a server: minutes
 @given(sent=SENT)
 def test_a_fuzzed_request_gets_images_or_a_clear_4xx_and_never_fails_its_batchmate(client, workers_before, sent):

@@ -53,7 +53,9 @@ def test_a_bad_request_is_a_reply_holding_the_json_error_and_the_server_still_se
     assert is_image(call(server, body(prompt="a red circle", **FAST)))
 
 
-@pytest.mark.parametrize("authorization", [None, "Bearer wrong", "management"], ids=["missing", "wrong", "management-key"])
+@pytest.mark.parametrize(
+    "authorization", [None, "Bearer wrong", "management"], ids=["missing", "wrong", "management-key"]
+)
 def test_a_call_without_the_inference_key_is_refused(server, authorization):
     if authorization == "management":
         authorization = f"Bearer {server.keys.management}"
@@ -82,7 +84,10 @@ def test_continuous_batching_refuses_grpc_naming_why(continuous_server, continuo
     inverted), and continuous batching answers in parts: without the refusal, Predictions got an
     empty reply and StreamPredictions the first progress lines, then nothing until its deadline."""
     target, key = continuous_server.addresses.grpc_inference, continuous_server.keys.inference
-    refusals = [predict(target, key, body(**LONG)), *stream_predictions(target, key, body(**LONG, stream=True), timeout=STREAM_DEADLINE)]
+    refusals = [
+        predict(target, key, body(**LONG)),
+        *stream_predictions(target, key, body(**LONG, stream=True), timeout=STREAM_DEADLINE),
+    ]
     for reply in refusals:
         error = as_error(reply)
         assert error["code"] == 400 and error["errors"][0]["field"] == "body"
@@ -93,7 +98,15 @@ def test_continuous_batching_refuses_grpc_naming_why(continuous_server, continuo
 
 def test_the_cli_exits_non_zero_printing_the_json_error(server, tmp_path, capsys):
     key_file = server.workdir / "key_file.json"
-    argv = ["a red circle", "--target", server.addresses.grpc_inference, "--key-file", str(key_file), "--output", str(tmp_path / "x.png")]
+    argv = [
+        "a red circle",
+        "--target",
+        server.addresses.grpc_inference,
+        "--key-file",
+        str(key_file),
+        "--output",
+        str(tmp_path / "x.png"),
+    ]
     assert main([*argv, "--json", '{"width": 100}']) == 1
     assert json.loads(capsys.readouterr().err)["errors"][0]["field"] == "width"
     assert not (tmp_path / "x.png").exists()
@@ -113,6 +126,9 @@ def repo_cwd(cwd, server, monkeypatch) -> Path:
 
 def test_the_readme_grpc_examples_run_as_written(server, client, repo_cwd):
     run_example("grpc-cli", server, repo_cwd)
-    assert_same_image(decode_png((repo_cwd / "image.png").read_bytes()), client.image(prompt="a red circle", seed=42, num_inference_steps=25))
+    assert_same_image(
+        decode_png((repo_cwd / "image.png").read_bytes()),
+        client.image(prompt="a red circle", seed=42, num_inference_steps=25),
+    )
     output = run_example("grpc-python", server, repo_cwd).stdout.splitlines()
     assert output[0].startswith("image, ") and output[1] == "400 width: Input should be a multiple of 8 (given: 100)"

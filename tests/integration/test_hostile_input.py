@@ -63,8 +63,12 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize(("case", "data", "content_type", "status", "field", "words"), CASES, ids=[case[0] for case in CASES])
-def test_hostile_input_is_refused_clearly_and_the_server_still_serves(client, case, data, content_type, status, field, words):
+@pytest.mark.parametrize(
+    ("case", "data", "content_type", "status", "field", "words"), CASES, ids=[case[0] for case in CASES]
+)
+def test_hostile_input_is_refused_clearly_and_the_server_still_serves(
+    client, case, data, content_type, status, field, words
+):
     response = client.predict(data=data, content_type=content_type)
     assert response.status_code == status, response.text
     assert response.headers["Content-Type"] == "application/json"
@@ -85,10 +89,26 @@ def test_a_body_over_max_request_size_gets_413_and_the_server_still_serves(clien
     oversized = tmp_path / "body.json"
     oversized.write_text(json.dumps({"prompt": "x" * (limit + 1)}))
     result = subprocess.run(
-        ["curl", "-sS", "-o", "/dev/null", "-w", "%{http_code}", "-X", "POST", client.url,
-         "-H", f"Authorization: Bearer {server.keys.inference}", "-H", "Content-Type: application/json",
-         "--data-binary", f"@{oversized}"],
-        capture_output=True, text=True, timeout=60,
+        [
+            "curl",
+            "-sS",
+            "-o",
+            "/dev/null",
+            "-w",
+            "%{http_code}",
+            "-X",
+            "POST",
+            client.url,
+            "-H",
+            f"Authorization: Bearer {server.keys.inference}",
+            "-H",
+            "Content-Type: application/json",
+            "--data-binary",
+            f"@{oversized}",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
     )
     assert result.stdout == "413", result.stdout + result.stderr
     assert client.predict({"prompt": "still serving", **FAST}).status_code == 200
@@ -97,9 +117,15 @@ def test_a_body_over_max_request_size_gets_413_and_the_server_still_serves(clien
 # Malformed form bodies that TorchServe's frontend (netty's form decoder) refuses itself, before
 # any worker: it answers 500 ErrorDataDecoderException, which the handler cannot change.
 FRONTEND_FORM_ERRORS = [
-    ("multipart part with a charset Java does not know", {"files": [("prompt", (None, b"x")), ("x", ("f", b"v", "text/plain; charset=latin-1"))]}),
+    (
+        "multipart part with a charset Java does not know",
+        {"files": [("prompt", (None, b"x")), ("x", ("f", b"v", "text/plain; charset=latin-1"))]},
+    ),
     ("multipart boundary without a value", {"data": b"--x\r\n", "content_type": "multipart/form-data; boundary"}),
-    ("bad %-escape in a urlencoded body", {"data": b"prompt=a%zzred", "content_type": "application/x-www-form-urlencoded"}),
+    (
+        "bad %-escape in a urlencoded body",
+        {"data": b"prompt=a%zzred", "content_type": "application/x-www-form-urlencoded"},
+    ),
 ]
 
 

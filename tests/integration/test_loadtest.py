@@ -18,11 +18,22 @@ pytestmark = pytest.mark.slow
 
 def run_loadtest(server, tmp_path, *extra: str) -> subprocess.CompletedProcess:
     command = [
-        sys.executable, "-m", "loadtest.run",
-        "--server-config", str(server.workdir / "config.properties"),
-        "--key-file", str(server.workdir / "key_file.json"),
-        "--users", "2", "--requests", "6", "--duration", "90",
-        "--report-dir", str(tmp_path), *extra,
+        sys.executable,
+        "-m",
+        "loadtest.run",
+        "--server-config",
+        str(server.workdir / "config.properties"),
+        "--key-file",
+        str(server.workdir / "key_file.json"),
+        "--users",
+        "2",
+        "--requests",
+        "6",
+        "--duration",
+        "90",
+        "--report-dir",
+        str(tmp_path),
+        *extra,
     ]
     return subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300)
 
@@ -44,18 +55,35 @@ def test_an_impossible_sla_fails_the_loadtest_and_says_why(server, tmp_path):
 
 def test_sweep_over_both_modes_writes_a_report_naming_the_best(tmp_path):
     config = yaml.safe_load(DEFAULT_CONFIG.read_text())
-    config["sweep"] = {"continuous_batching": [False, True], "batch_size": [1, 4], "max_batch_delay": [50], "workers": [1],
-                       "concurrency": [4], "requests_per_point": 8, "duration_s_per_point": 90}
+    config["sweep"] = {
+        "continuous_batching": [False, True],
+        "batch_size": [1, 4],
+        "max_batch_delay": [50],
+        "workers": [1],
+        "concurrency": [4],
+        "requests_per_point": 8,
+        "duration_s_per_point": 90,
+    }
     config["sla"] = {"p95_seconds": 60.0, "max_error_ratio": 0.0}
     config["warmup_requests"] = 2
     config_path = tmp_path / "benchmark_config.yaml"
     config_path.write_text(yaml.safe_dump(config))
     out = tmp_path / "report"
-    result = subprocess.run([sys.executable, "-m", "loadtest.sweep", "--config", str(config_path), "--output", str(out)],
-                            cwd=ROOT, capture_output=True, text=True, timeout=900)
+    result = subprocess.run(
+        [sys.executable, "-m", "loadtest.sweep", "--config", str(config_path), "--output", str(out)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     points = json.loads((out / "points.json").read_text())
-    assert [(point["continuous_batching"], point["batch_size"]) for point in points] == [(False, 1), (True, 1), (False, 4), (True, 4)]
+    assert [(point["continuous_batching"], point["batch_size"]) for point in points] == [
+        (False, 1),
+        (True, 1),
+        (False, 4),
+        (True, 4),
+    ]
     assert all(point["requests"] >= 8 and point["failures"] == 0 and point["meets_sla"] for point in points)
     assert points[0]["mean_batch_size"] == 1.0 and points[2]["mean_batch_size"] > 1.0
     assert points[3]["mean_step_images"] > 1.0, "continuous batching with 4 in flight never shared a forward"

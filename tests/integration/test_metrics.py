@@ -41,7 +41,9 @@ def test_metric_values_match_the_traffic_of_a_dynamic_batch(dynamic_client, dyna
     assert delta("sd_iteration_batch_size_sum") == blocker_steps + 3 * (1 + 2)  # image-steps
     assert delta("sd_iteration_batch_size_count") == delta("sd_denoise_step_seconds_count")
     assert blocker_steps + 3 <= delta("sd_denoise_step_seconds_count") <= blocker_steps + 6
-    assert delta("sd_pipeline_calls_total") == delta("sd_vae_decode_seconds_count") == 2  # the followers finish together
+    assert (
+        delta("sd_pipeline_calls_total") == delta("sd_vae_decode_seconds_count") == 2
+    )  # the followers finish together
     assert delta("sd_images_total") == 1 + 3
     assert delta("sd_request_latency_seconds_count") == delta("sd_request_latency_sla_ratio_count") == 3
     assert delta("sd_encode_seconds_count") == 3 and delta("sd_deadline_misses_total") == 0

@@ -38,7 +38,9 @@ def prometheus(server, client, tmp_path_factory) -> Prometheus:
         )
         assert all(response.status_code == 200 for response in responses)
         for quantile in ("p50", "p95", "p99"):  # NaN until the rate windows hold the traffic; wait for numbers
-            instance.wait_for(f'model_name:sd_request_latency_seconds:{quantile}_5m{{model_name="{MODEL}"}} > 0', timeout=60)
+            instance.wait_for(
+                f'model_name:sd_request_latency_seconds:{quantile}_5m{{model_name="{MODEL}"}} > 0', timeout=60
+            )
         time.sleep(3)  # a few evaluation rounds for rules built on rules
         yield instance
 
@@ -53,7 +55,7 @@ def top_level_operands(expr: str) -> list[str]:
             match = SPLIT_OPERATORS.match(expr, index)
             if match:
                 cuts += [match.start(), match.end()]
-    pieces = [expr[start:end] for start, end in zip(cuts[::2], cuts[1::2] + [len(expr)])]
+    pieces = [expr[start:end] for start, end in zip(cuts[::2], cuts[1::2] + [len(expr)], strict=False)]
     operands = [MODIFIER.sub("", piece).strip() for piece in pieces]
     return [operand for operand in operands if operand and not re.fullmatch(r"[\d.]+", operand)]
 
@@ -72,7 +74,11 @@ def test_every_rule_is_loaded_and_healthy(prometheus):
 
 
 def test_every_recording_rule_returns_data(prometheus):
-    empty = [rule["name"] for rule in prometheus.rules() if rule["type"] == "recording" and not prometheus.query(rule["name"])]
+    empty = [
+        rule["name"]
+        for rule in prometheus.rules()
+        if rule["type"] == "recording" and not prometheus.query(rule["name"])
+    ]
     assert empty == []
 
 
@@ -121,8 +127,10 @@ def test_autoscaler_metric_query_reads_queueing_per_instance(prometheus):
     [rule] = values["rules"]["custom"]
     series = rule["seriesQuery"].split("{")[0]
     query = (
-        rule["metricsQuery"].replace("<<.Series>>", series)
-        .replace("<<.LabelMatchers>>", f'model_name="{MODEL}"').replace("<<.GroupBy>>", "hostname")
+        rule["metricsQuery"]
+        .replace("<<.Series>>", series)
+        .replace("<<.LabelMatchers>>", f'model_name="{MODEL}"')
+        .replace("<<.GroupBy>>", "hostname")
     )
     [result] = prometheus.query(query)
     assert set(result["metric"]) == {"hostname"}

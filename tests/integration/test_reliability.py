@@ -43,8 +43,11 @@ TOO_SLOW = {"prompt": "too slow", "num_inference_steps": 600, "num_images_per_pr
 @pytest.fixture(scope="module")
 def fault_server(tmp_path_factory) -> Iterator[TorchServe]:
     tmp = tmp_path_factory.mktemp("faults")
-    config = model_config(tmp, handler={"fault_injection": FAULTS, "limits": {"max_inference_steps": TOO_SLOW["num_inference_steps"]}},
-                          responseTimeout=RESPONSE_TIMEOUT_S)
+    config = model_config(
+        tmp,
+        handler={"fault_injection": FAULTS, "limits": {"max_inference_steps": TOO_SLOW["num_inference_steps"]}},
+        responseTimeout=RESPONSE_TIMEOUT_S,
+    )
     with serving(tmp, config, job_queue_size=str(JOB_QUEUE_SIZE), enable_model_api="true") as server:
         yield server
 
@@ -67,8 +70,9 @@ def test_concurrent_requests_are_stepped_within_the_measured_memory_cap(fault_cl
     assert [response.status_code for response in responses] == [200] * 4
     assert all(response.json()["batch"]["max_step_images"] <= 2 for response in responses)
     after = fault_server.metric_samples()
-    assert value(after, "sd_oom_retries_total", stage="step") == value(before, "sd_oom_retries_total", stage="step"), \
+    assert value(after, "sd_oom_retries_total", stage="step") == value(before, "sd_oom_retries_total", stage="step"), (
         "a forward ran out of memory"
+    )
 
 
 def test_a_decode_that_runs_out_of_memory_is_retried_image_by_image(fault_client, fault_server, client):
@@ -78,7 +82,9 @@ def test_a_decode_that_runs_out_of_memory_is_retried_image_by_image(fault_client
     assert response.status_code == 200, response.text
     retries = value(fault_server.metric_samples(), "sd_oom_retries_total", stage="vae_decode")
     assert retries - value(before, "sd_oom_retries_total", stage="vae_decode") == 1
-    for retried, expected in zip(decode_json_images(response.json()), decode_json_images(client.predict(body).json()), strict=True):
+    for retried, expected in zip(
+        decode_json_images(response.json()), decode_json_images(client.predict(body).json()), strict=True
+    ):
         assert_same_image(retried, expected)
 
 
@@ -90,8 +96,12 @@ def mode_client(request, tmp_path_factory, fault_client) -> Iterator[tuple[str, 
         yield request.param, fault_client
         return
     tmp = tmp_path_factory.mktemp(f"faults-{request.param}")
-    config = model_config(tmp, handler={"limits": {"max_inference_steps": TOO_SLOW["num_inference_steps"]}},
-                          continuousBatching=continuous, responseTimeout=RESPONSE_TIMEOUT_S)
+    config = model_config(
+        tmp,
+        handler={"limits": {"max_inference_steps": TOO_SLOW["num_inference_steps"]}},
+        continuousBatching=continuous,
+        responseTimeout=RESPONSE_TIMEOUT_S,
+    )
     with serving(tmp, config) as server:
         yield request.param, Client(server)
 
@@ -143,7 +153,10 @@ def test_the_response_timeout_bounds_a_dynamic_batch_and_one_continuous_iteratio
     assert 500 <= response.status_code < 600, response.text
     assert elapsed < RESPONSE_TIMEOUT_S + 30
     recovery = wait_until_serving(client)
-    print(f"response timeout, dynamic batching: {response.status_code} after {elapsed:.1f} s, serving again after {recovery:.1f} s")
+    print(
+        f"response timeout, dynamic batching: {response.status_code} after {elapsed:.1f} s, "
+        f"serving again after {recovery:.1f} s"
+    )
 
 
 def test_overload_gets_fast_503s_and_the_server_serves_normally_afterwards(fault_client):
@@ -172,14 +185,21 @@ def test_every_port_binds_to_loopback(server):
     assert len(listening) >= 5  # inference, management, metrics, gRPC inference and management
     for address in listening:
         ip = ipaddress.ip_address(address.ip)
-        assert ip.is_loopback or (ip.version == 6 and ip.ipv4_mapped is not None and ip.ipv4_mapped.is_loopback), address
+        assert ip.is_loopback or (ip.version == 6 and ip.ipv4_mapped is not None and ip.ipv4_mapped.is_loopback), (
+            address
+        )
 
 
-@pytest.mark.parametrize("url", ["https://example.com/stable-diffusion.mar", "file:///etc/passwd",
-                                 "http://127.0.0.1:9/stable-diffusion.mar"])
+@pytest.mark.parametrize(
+    "url", ["https://example.com/stable-diffusion.mar", "file:///etc/passwd", "http://127.0.0.1:9/stable-diffusion.mar"]
+)
 def test_allowed_urls_restrict_registration_to_the_local_model_store(fault_server, url):
-    response = requests.post(f"{fault_server.addresses.management}/models", params={"url": url},
-                             headers=fault_server.auth(management=True), timeout=30)
+    response = requests.post(
+        f"{fault_server.addresses.management}/models",
+        params={"url": url},
+        headers=fault_server.auth(management=True),
+        timeout=30,
+    )
     assert response.status_code == 404, response.text
     assert "does not match any allowed URL(s)" in response.json()["message"]
 

@@ -62,29 +62,45 @@ def group_members(group: int) -> list[int]:
 
 def healthcheck(workdir: Path) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-m", "server.healthcheck", "--workdir", str(workdir)], cwd=ROOT, capture_output=True, text=True
+        [sys.executable, "-m", "server.healthcheck", "--workdir", str(workdir)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
     )
 
 
-@pytest.mark.parametrize(("bind_address", "stop_signal"), [
-    (None, signal.SIGINT),             # make serve, stopped with Ctrl-C
-    ("0.0.0.0", signal.SIGTERM),       # the container, stopped by `docker stop`
-], ids=["make-serve", "container"])
+@pytest.mark.parametrize(
+    ("bind_address", "stop_signal"),
+    [
+        (None, signal.SIGINT),  # make serve, stopped with Ctrl-C
+        ("0.0.0.0", signal.SIGTERM),  # the container, stopped by `docker stop`
+    ],
+    ids=["make-serve", "container"],
+)
 def test_start_script_serves_a_working_curl_and_stops_leaving_no_process(tmp_path, bind_address, stop_signal):
     """server/start.sh as `make serve` and the container run it, in a temporary directory: it
     packages the model (no-archive), serves it, prints a working curl, passes the health check
     (which reads the key itself), and stops cleanly."""
     runtime = tmp_path / "runtime"
     env = {
-        **os.environ, "TMPDIR": str(tmp_path), "PYTHON": sys.executable, "MODEL_DIR": str(MODEL_DIR),
-        "MODEL_STORE": str(tmp_path / "model_store"), "ARCHIVE_FORMAT": "no-archive", "WORKDIR": str(runtime),
+        **os.environ,
+        "TMPDIR": str(tmp_path),
+        "PYTHON": sys.executable,
+        "MODEL_DIR": str(MODEL_DIR),
+        "MODEL_STORE": str(tmp_path / "model_store"),
+        "ARCHIVE_FORMAT": "no-archive",
+        "WORKDIR": str(runtime),
         "CONFIG": str(config_on_free_ports(ROOT / "config.properties", tmp_path)),
     }
     if bind_address:
         env["BIND_ADDRESS"] = bind_address
     serve = subprocess.Popen(
-        [str(ROOT / "server" / "start.sh")], cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-        text=True, env=env,
+        [str(ROOT / "server" / "start.sh")],
+        cwd=tmp_path,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=env,
     )
     try:
         curl, output = read_until_curl(serve, STARTUP_TIMEOUT)

@@ -27,10 +27,13 @@ def test_seed_is_reported_when_none_was_sent_and_reproduces_the_image(client):
     assert_same_image(decode_png(response.content), client.image(prompt="a red circle", seed=seed))
 
 
-@pytest.mark.parametrize(("output_format", "content_type", "magic"), [
-    ("jpeg", "image/jpeg", b"\xff\xd8\xff"),
-    ("webp", "image/webp", b"RIFF"),
-])
+@pytest.mark.parametrize(
+    ("output_format", "content_type", "magic"),
+    [
+        ("jpeg", "image/jpeg", b"\xff\xd8\xff"),
+        ("webp", "image/webp", b"RIFF"),
+    ],
+)
 def test_other_output_formats(client, output_format, content_type, magic):
     response = client.predict({"prompt": "a square", "output_format": output_format, **FAST})
     assert response.status_code == 200
@@ -60,7 +63,7 @@ def test_more_than_one_image_is_json_even_in_image_mode(client):
 
 
 def test_text_plain_body_is_the_prompt(client):
-    response = client.predict(data="a blue square".encode(), content_type="text/plain")
+    response = client.predict(data=b"a blue square", content_type="text/plain")
     assert response.status_code == 200 and response.headers["Content-Type"] == "image/png"
     seed = int(response.headers["X-Seed"])
     expected = client.predict({"prompt": "a blue square", "seed": seed})
@@ -69,8 +72,10 @@ def test_text_plain_body_is_the_prompt(client):
 
 def test_form_fields(client):
     response = requests.post(
-        client.url, files={"prompt": (None, "a red circle"), "num_inference_steps": (None, "4"), "seed": (None, "8")},
-        headers=client.server.auth(), timeout=60,
+        client.url,
+        files={"prompt": (None, "a red circle"), "num_inference_steps": (None, "4"), "seed": (None, "8")},
+        headers=client.server.auth(),
+        timeout=60,
     )
     assert response.status_code == 200, response.text
     assert_same_image(decode_png(response.content), client.image(prompt="a red circle", seed=8))
@@ -110,7 +115,9 @@ def test_a_mixed_batch_shares_one_forward_per_shape_whatever_steps_scheduler_and
     payloads = [response.json() for response in responses]
     assert [payload["batch"]["requests"] for payload in payloads] == [4] * 4
     assert payloads[0]["batch"]["max_step_images"] == 1, "the 128x64 request has a latent shape of its own"
-    assert [payload["batch"]["max_step_images"] for payload in payloads[1:]] == [4] * 3, "one forward for the 64x64 group"
+    assert [payload["batch"]["max_step_images"] for payload in payloads[1:]] == [4] * 3, (
+        "one forward for the 64x64 group"
+    )
     assert decode_json_images(payloads[0])[0].shape == (64, 128, 3)
     assert len(payloads[2]["images"]) == 2
 
@@ -118,7 +125,9 @@ def test_a_mixed_batch_shares_one_forward_per_shape_whatever_steps_scheduler_and
 def test_missing_or_wrong_token_is_refused(client, server):
     body = json.dumps({"prompt": "x", **FAST})
     for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": f"Bearer {server.keys.management}"}):
-        response = requests.post(client.url, data=body, headers={"Content-Type": "application/json", **headers}, timeout=30)
+        response = requests.post(
+            client.url, data=body, headers={"Content-Type": "application/json", **headers}, timeout=30
+        )
         assert response.status_code == 400 and "Token Authorization failed" in response.text
     describe = f"{server.addresses.management}/models/{server.model_name}"
     for headers in ({}, {"Authorization": f"Bearer {server.keys.inference}"}):
@@ -130,7 +139,9 @@ def test_missing_or_wrong_token_is_refused(client, server):
 def test_model_api_is_off(server):
     """Registering and unregistering models is refused even with the management key."""
     models = f"{server.addresses.management}/models"
-    register = requests.post(models, params={"url": "stable-diffusion.mar"}, headers=server.auth(management=True), timeout=30)
+    register = requests.post(
+        models, params={"url": "stable-diffusion.mar"}, headers=server.auth(management=True), timeout=30
+    )
     unregister = requests.delete(f"{models}/{server.model_name}", headers=server.auth(management=True), timeout=30)
     assert register.status_code == unregister.status_code == 405
     assert len(describe_workers(server)) >= 1
@@ -148,8 +159,10 @@ def test_scaling_workers_up_and_down(client, server):
     scale = f"{server.addresses.management}/models/{server.model_name}"
     for count in (2, 1):
         response = requests.put(
-            scale, params={"min_worker": count, "max_worker": count, "synchronous": "true"},
-            headers=server.auth(management=True), timeout=300,
+            scale,
+            params={"min_worker": count, "max_worker": count, "synchronous": "true"},
+            headers=server.auth(management=True),
+            timeout=300,
         )
         assert response.status_code == 200, response.text
         workers = describe_workers(server)

@@ -23,7 +23,9 @@ def mixed_body(index: int) -> dict:
     side = chooser.choice([64, 64, 64, 128])
     return {
         "prompt": chooser.choice(["a red circle", "a blue square", "a green triangle", "a yellow circle"]),
-        "width": side, "height": chooser.choice([64, side]), "seed": index,
+        "width": side,
+        "height": chooser.choice([64, side]),
+        "seed": index,
         "num_inference_steps": chooser.choice([2, 4, 6]),
         "num_images_per_prompt": chooser.choice([1, 1, 1, 2]),
         "scheduler": chooser.choice(["ddim", "euler", "euler_a", "dpmpp_2m", "pndm"]),
@@ -46,7 +48,10 @@ def check(client, index: int) -> str | None:
             return f"request {index}: wrong image size"
     elif body["output_format"] == "png":
         shapes = {image.shape for image in decode_json_images(response.json())}
-        if shapes != {(body["height"], body["width"], 3)} or len(response.json()["images"]) != body["num_images_per_prompt"]:
+        if (
+            shapes != {(body["height"], body["width"], 3)}
+            or len(response.json()["images"]) != body["num_images_per_prompt"]
+        ):
             return f"request {index}: wrong images"
     return None
 
@@ -55,11 +60,18 @@ def test_soak_answers_every_request_without_restarts_or_unbounded_memory(client,
     with ThreadPoolExecutor(CONCURRENCY) as pool:
         assert [problem for problem in pool.map(lambda index: check(client, index), range(WARMUP)) if problem] == []
         before = worker_rss_mb(server)
-        problems = [problem for problem in pool.map(lambda index: check(client, index), range(WARMUP, WARMUP + REQUESTS)) if problem]
+        problems = [
+            problem
+            for problem in pool.map(lambda index: check(client, index), range(WARMUP, WARMUP + REQUESTS))
+            if problem
+        ]
     after = worker_rss_mb(server)
     assert problems == []
     assert set(after) == set(before), "a worker restarted during the soak"
     growth = max(after[pid] - before[pid] for pid in before)
     record_property("soak_worker_rss_growth_mb", round(growth, 1))
-    print(f"soak: {REQUESTS} requests at concurrency {CONCURRENCY}, worker RSS {before} -> {after} MB, growth {growth:.1f} MB")
+    print(
+        f"soak: {REQUESTS} requests at concurrency {CONCURRENCY}, "
+        f"worker RSS {before} -> {after} MB, growth {growth:.1f} MB"
+    )
     assert growth < MAX_RSS_GROWTH_MB

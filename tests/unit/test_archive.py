@@ -28,7 +28,13 @@ def test_archive_holds_handler_package_config_and_safetensors_only(tmp_path, mod
     archive = build(model_copy, CONFIG, tmp_path / "store")
     assert archive == tmp_path / "store" / "stable-diffusion.mar" and find_archive(tmp_path / "store") == archive.name
     names = set(zipfile.ZipFile(archive).namelist())
-    assert {"sd_handler.py", "handler/sd_handler.py", "handler/request.py", "model-config.yaml", "MAR-INF/MANIFEST.json"} <= names
+    assert {
+        "sd_handler.py",
+        "handler/sd_handler.py",
+        "handler/request.py",
+        "model-config.yaml",
+        "MAR-INF/MANIFEST.json",
+    } <= names
     assert "model/unet/diffusion_pytorch_model.safetensors" in names and "model/model_index.json" in names
     assert not any(name.endswith(".bin") for name in names)
 
@@ -37,7 +43,9 @@ def test_unchanged_inputs_skip_the_build_and_a_change_rebuilds(tmp_path, model_c
     archive = build(model_copy, CONFIG, tmp_path / "store")
     built_at = archive.stat().st_mtime_ns
     assert build(model_copy, CONFIG, tmp_path / "store").stat().st_mtime_ns == built_at
-    (model_copy / "scheduler" / "scheduler_config.json").write_text((model_copy / "scheduler" / "scheduler_config.json").read_text() + " ")
+    (model_copy / "scheduler" / "scheduler_config.json").write_text(
+        (model_copy / "scheduler" / "scheduler_config.json").read_text() + " "
+    )
     assert build(model_copy, CONFIG, tmp_path / "store").stat().st_mtime_ns != built_at
 
 
@@ -56,17 +64,20 @@ def test_a_model_without_safetensors_is_refused(tmp_path, model_copy):
         build(model_copy, CONFIG, tmp_path / "store")
 
 
-@pytest.mark.parametrize(("config", "gpus", "workers"), [
-    ({}, 0, 1),                                          # a CPU host: one worker
-    ({}, 1, 1),
-    ({}, 4, 4),                                          # one worker per visible GPU
-    ({"deviceIds": [0, 2]}, 4, 2),                       # one per GPU the config names
-    ({"deviceType": "cpu"}, 4, 1),                       # on the CPU of a GPU host
-    ({"handler": {"device": "cpu"}}, 4, 1),
-    ({"continuousBatching": True}, 4, 1),                # TorchServe 0.12: continuous batching, one worker
-    ({"minWorkers": 2, "maxWorkers": 2}, 4, 2),          # set by the user: kept
-    ({"maxWorkers": 3}, 0, None),                        # one of them set: left to TorchServe as written
-])
+@pytest.mark.parametrize(
+    ("config", "gpus", "workers"),
+    [
+        ({}, 0, 1),  # a CPU host: one worker
+        ({}, 1, 1),
+        ({}, 4, 4),  # one worker per visible GPU
+        ({"deviceIds": [0, 2]}, 4, 2),  # one per GPU the config names
+        ({"deviceType": "cpu"}, 4, 1),  # on the CPU of a GPU host
+        ({"handler": {"device": "cpu"}}, 4, 1),
+        ({"continuousBatching": True}, 4, 1),  # TorchServe 0.12: continuous batching, one worker
+        ({"minWorkers": 2, "maxWorkers": 2}, 4, 2),  # set by the user: kept
+        ({"maxWorkers": 3}, 0, None),  # one of them set: left to TorchServe as written
+    ],
+)
 def test_workers_default_to_one_per_gpu_used(config, gpus, workers):
     filled, reason = default_workers(config, gpus)
     assert reason

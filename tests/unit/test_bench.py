@@ -27,13 +27,21 @@ def test_every_variant_is_valid_handler_settings_and_differs_from_the_baseline()
     assert settings[BASELINE].attention == "vanilla" and settings[BASELINE].dtype == "float32"
     assert len({value.model_dump_json() for value in settings.values()}) == len(VARIANTS)
     compiled = {name for name, value in settings.items() if value.compile.enabled}
-    assert compiled == {"compile-default", "compile-reduce-overhead", "compile-max-autotune", "compile-max-autotune-no-cudagraphs"}
+    assert compiled == {
+        "compile-default",
+        "compile-reduce-overhead",
+        "compile-max-autotune",
+        "compile-max-autotune-no-cudagraphs",
+    }
     assert {settings[name].compile.mode for name in compiled} == {name.removeprefix("compile-") for name in compiled}
 
 
 def test_on_a_cpu_only_the_cuda_graph_variants_are_skipped_and_say_why():
     skipped = {variant.name: variant.skip_reason(torch.device("cpu")) for variant in VARIANTS}
-    assert {name for name, reason in skipped.items() if reason} == {"compile-reduce-overhead", "compile-max-autotune-no-cudagraphs"}
+    assert {name for name, reason in skipped.items() if reason} == {
+        "compile-reduce-overhead",
+        "compile-max-autotune-no-cudagraphs",
+    }
     assert skipped["compile-reduce-overhead"] == "CUDA only"
 
 
@@ -49,7 +57,9 @@ def test_workload_gives_every_variant_the_same_prompts_and_seeds():
     specs = workload.specs()
     assert [spec.seeds for spec in specs] == [(index,) for index in range(6)]
     assert specs[0].prompt == specs[4].prompt != specs[1].prompt
-    assert {spec.num_inference_steps for spec in specs} == {2} and workload.specs(3, steps=5)[2].num_inference_steps == 5
+    assert {spec.num_inference_steps for spec in specs} == {2} and workload.specs(3, steps=5)[
+        2
+    ].num_inference_steps == 5
 
 
 def test_image_distance_is_zero_for_identical_images_and_psnr_otherwise():
@@ -80,13 +90,18 @@ def test_sd15_architecture_has_sd15s_parameter_count():
     assert unet_flops(unet.config, 2, 64, 64, 77) / 1e12 == pytest.approx(1.6065, abs=1e-3)
 
 
-@pytest.mark.parametrize("architecture, family, scheduler, unet_parameters, text_parameters", [
-    (sd15, "SD 1.x", "DDIMScheduler", 859_520_964, 123_060_480),
-    (sdxl, "SDXL", "EulerDiscreteScheduler", 2_567_463_684, 123_060_480 + 694_659_840),
-])
-def test_random_weight_architectures_build_the_published_pipelines(monkeypatch, architecture, family, scheduler,
-                                                                   unet_parameters, text_parameters):
-    """Built on the meta device (shapes, no weights): the pipeline make bench-gpu writes, of the family the handler detects."""
+@pytest.mark.parametrize(
+    "architecture, family, scheduler, unet_parameters, text_parameters",
+    [
+        (sd15, "SD 1.x", "DDIMScheduler", 859_520_964, 123_060_480),
+        (sdxl, "SDXL", "EulerDiscreteScheduler", 2_567_463_684, 123_060_480 + 694_659_840),
+    ],
+)
+def test_random_weight_architectures_build_the_published_pipelines(
+    monkeypatch, architecture, family, scheduler, unet_parameters, text_parameters
+):
+    """Built on the meta device (shapes, no weights): the pipeline make bench-gpu writes, of the family the
+    handler detects."""
     scheduler_class = getattr(architecture, scheduler)
 
     def scheduler_on_cpu(**config):  # a scheduler keeps its tables on the CPU, which the meta device refuses
@@ -110,15 +125,39 @@ def test_sdxl_unet_flops_at_1024_with_guidance():
 
 
 def test_markdown_has_one_full_row_per_variant_whatever_its_status():
-    ok = {"name": BASELINE, "status": "ok", "dtype": "float32", "latency_s": 0.5, "speedup": 1.0, "images_per_s": 2.0,
-          "unet_it_s": 50.0, "peak_memory_mib": 3.2, "memory_measure": "rss_peak_growth", "max_abs_diff": 0, "psnr_db": None,
-          "warmup_overhead_s": 0.1, "unet_call_flops": 1e9}
+    ok = {
+        "name": BASELINE,
+        "status": "ok",
+        "dtype": "float32",
+        "latency_s": 0.5,
+        "speedup": 1.0,
+        "images_per_s": 2.0,
+        "unet_it_s": 50.0,
+        "peak_memory_mib": 3.2,
+        "memory_measure": "rss_peak_growth",
+        "max_abs_diff": 0,
+        "psnr_db": None,
+        "warmup_overhead_s": 0.1,
+        "unet_call_flops": 1e9,
+    }
     report = {
-        "model": "tiny", "baseline": BASELINE,
-        "workload": {"width": 64, "height": 64, "steps": 2, "scheduler": "ddim", "batch": 1, "guidance_scale": 7.5, "repeats": 1},
+        "model": "tiny",
+        "baseline": BASELINE,
+        "workload": {
+            "width": 64,
+            "height": 64,
+            "steps": 2,
+            "scheduler": "ddim",
+            "batch": 1,
+            "guidance_scale": 7.5,
+            "repeats": 1,
+        },
         "environment": {"device_name": "cpu", "date": "2026-11-23", "torch": "2.13.0", "diffusers": "0.42.1"},
-        "variants": [ok, {"name": "compile-reduce-overhead", "status": "skipped", "reason": "CUDA only"},
-                     {"name": "sdpa-fp16", "status": "failed", "error": "RuntimeError: boom"}],
+        "variants": [
+            ok,
+            {"name": "compile-reduce-overhead", "status": "skipped", "reason": "CUDA only"},
+            {"name": "sdpa-fp16", "status": "failed", "error": "RuntimeError: boom"},
+        ],
         "attention": [],
     }
     table = [line for line in markdown(report).splitlines() if line.startswith("| ")]
@@ -132,7 +171,12 @@ def test_engine_overhead_table_states_the_ratio_per_family_and_batch():
     from bench.engine import Row
     from bench.engine import markdown as engine_markdown
 
-    rows = [Row("sd1", "shapes-sd", 1, 64, 25, 0.200, 0.210, 0, 0), Row("sdxl", "tiny-sdxl", 8, 64, 25, 0.400, 0.380, 1, 2)]
-    table = engine_markdown(rows, {"device_name": "cpu", "torch": "2.13.0", "diffusers": "0.42.1", "date": "2026-11-23"})
+    rows = [
+        Row("sd1", "shapes-sd", 1, 64, 25, 0.200, 0.210, 0, 0),
+        Row("sdxl", "tiny-sdxl", 8, 64, 25, 0.400, 0.380, 1, 2),
+    ]
+    table = engine_markdown(
+        rows, {"device_name": "cpu", "torch": "2.13.0", "diffusers": "0.42.1", "date": "2026-11-23"}
+    )
     assert "| sd1 | shapes-sd | 1 | 64x64 | 25 | 0.2000 | 0.2100 | 1.050x | 0 | 0 |" in table
     assert "| sdxl | tiny-sdxl | 8 | 64x64 | 25 | 0.4000 | 0.3800 | 0.950x | 1 | 2 |" in table

@@ -23,7 +23,9 @@ def test_shipped_model_config_is_valid_and_batches():
 
 
 def test_continuous_batching_is_refused_with_more_than_one_worker():
-    assert continuous_batching({"continuousBatching": True}) and continuous_batching({"continuousBatching": True, "maxWorkers": 1})
+    assert continuous_batching({"continuousBatching": True}) and continuous_batching(
+        {"continuousBatching": True, "maxWorkers": 1}
+    )
     assert not continuous_batching({"continuousBatching": False, "maxWorkers": 4}) and not continuous_batching(None)
     for workers in ({"minWorkers": 2}, {"maxWorkers": 4}):
         with pytest.raises(ValueError, match="one worker per model"):
@@ -58,8 +60,13 @@ def test_bad_settings_fail_at_load(handler):
 
 def test_compile_cache_dir_is_absolute_after_expanding_home_and_variables(monkeypatch):
     monkeypatch.setenv("SD_CACHE", "/srv/cache")
-    assert HandlerSettings.model_validate({"compile": {"cache_dir": "${SD_CACHE}/inductor"}}).compile.cache_dir == "/srv/cache/inductor"
-    assert HandlerSettings.model_validate({"compile": {"cache_dir": "~/inductor"}}).compile.cache_dir == str(Path.home() / "inductor")
+    assert (
+        HandlerSettings.model_validate({"compile": {"cache_dir": "${SD_CACHE}/inductor"}}).compile.cache_dir
+        == "/srv/cache/inductor"
+    )
+    assert HandlerSettings.model_validate({"compile": {"cache_dir": "~/inductor"}}).compile.cache_dir == str(
+        Path.home() / "inductor"
+    )
     with pytest.raises(ValidationError, match="must be an absolute path.*'cache'"):
         HandlerSettings.model_validate({"compile": {"cache_dir": "cache"}})
 
@@ -68,7 +75,10 @@ def test_native_size_fills_unset_default_size_and_is_checked():
     settings = HandlerSettings()
     assert settings.with_native_size(64, 64).defaults.width == 64
     pinned = HandlerSettings.model_validate({"defaults": {"width": 256, "height": 128}})
-    assert (pinned.with_native_size(64, 64).defaults.width, pinned.with_native_size(64, 64).defaults.height) == (256, 128)
+    assert (pinned.with_native_size(64, 64).defaults.width, pinned.with_native_size(64, 64).defaults.height) == (
+        256,
+        128,
+    )
     with pytest.raises(ValidationError):
         HandlerSettings.model_validate({"limits": {"max_side": 512}}).with_native_size(1024, 1024)
 
@@ -99,7 +109,12 @@ def test_metrics_yaml_declares_exactly_the_handler_metrics():
     from handler.metrics import METRICS
 
     declared = yaml.safe_load((ROOT / "metrics.yaml").read_text())["model_metrics"]
-    ours = {(item["name"], kind, tuple(item["dimensions"])) for kind, items in declared.items() for item in items if item["name"].startswith("sd_")}
+    ours = {
+        (item["name"], kind, tuple(item["dimensions"]))
+        for kind, items in declared.items()
+        for item in items
+        if item["name"].startswith("sd_")
+    }
     assert ours == {(spec.name, spec.type, tuple(spec.dimensions)) for spec in METRICS}
     assert PROPERTIES["metrics_config"] == "metrics.yaml"
 
@@ -113,8 +128,12 @@ def test_allowed_urls_match_only_archives_in_a_local_model_store():
         return any(re.fullmatch(pattern, url) for pattern in patterns)
 
     assert allowed("file:///srv/app/model_store/stable-diffusion.mar")
-    for url in ("https://example.com/model_store/x.mar", "file:///etc/passwd", "file:///srv/model_store/../x.mar/y",
-                "s3://bucket/model_store/x.mar"):
+    for url in (
+        "https://example.com/model_store/x.mar",
+        "file:///etc/passwd",
+        "file:///srv/model_store/../x.mar/y",
+        "s3://bucket/model_store/x.mar",
+    ):
         assert not allowed(url), url
 
 
@@ -122,9 +141,13 @@ def test_bind_moves_every_listener_and_clients_reach_all_interfaces_via_loopback
     properties = read_properties(ROOT / "config.properties")
     bound = bound_to(properties, "0.0.0.0")
     assert [bound[key] for key in ("inference_address", "management_address", "metrics_address")] == [
-        "http://0.0.0.0:8080", "http://0.0.0.0:8081", "http://0.0.0.0:8082"]
+        "http://0.0.0.0:8080",
+        "http://0.0.0.0:8081",
+        "http://0.0.0.0:8082",
+    ]
     assert bound["grpc_inference_address"] == bound["grpc_management_address"] == "0.0.0.0"
-    assert {key: value for key, value in bound.items() if "address" not in key} == \
-        {key: value for key, value in properties.items() if "address" not in key}
+    assert {key: value for key, value in bound.items() if "address" not in key} == {
+        key: value for key, value in properties.items() if "address" not in key
+    }
     assert reachable(bound)["inference_address"] == "http://127.0.0.1:8080"
     assert reachable(properties) == properties

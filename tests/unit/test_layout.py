@@ -75,7 +75,9 @@ def test_the_operations_side_uses_the_server_package_through_its_entry_points():
     for module in (module for module in modules() if folder(module) not in {"server", "tests"}):
         for imported in imports(module):
             if folder(imported) == "server":
-                assert imported in ENTRY_MODULES, f"{module} imports {imported}: use `from server import` or server.paths"
+                assert imported in ENTRY_MODULES, (
+                    f"{module} imports {imported}: use `from server import` or server.paths"
+                )
         for node in ast.walk(ast.parse(modules()[module].read_text())):
             if isinstance(node, ast.ImportFrom) and node.module == "server":
                 names = {alias.name for alias in node.names}
@@ -89,7 +91,7 @@ def test_no_module_imports_itself_through_a_circle():
     def visit(module: str) -> None:
         if module in done:
             return
-        assert module not in visiting, "import circle: " + " -> ".join([*visiting[visiting.index(module):], module])
+        assert module not in visiting, "import circle: " + " -> ".join([*visiting[visiting.index(module) :], module])
         visiting.append(module)
         for imported in sorted(imports(module)):
             visit(imported)

@@ -21,8 +21,13 @@ def test_shipped_configs_are_valid_and_sweep_batching(path):
     assert {1, 4} <= set(config.sweep.batch_size)
     assert config.prompts() and all(entry.width % 8 == 0 for entry in config.request_mix)
     sweep = config.sweep
-    assert len(sweep.points()) == (len(sweep.continuous_batching) * len(sweep.batch_size) * len(sweep.max_batch_delay)
-                                   * len(sweep.workers) * len(sweep.concurrency))
+    assert len(sweep.points()) == (
+        len(sweep.continuous_batching)
+        * len(sweep.batch_size)
+        * len(sweep.max_batch_delay)
+        * len(sweep.workers)
+        * len(sweep.concurrency)
+    )
 
 
 def test_the_shipped_sweep_measures_both_batching_modes():
@@ -31,11 +36,16 @@ def test_the_shipped_sweep_measures_both_batching_modes():
     assert points[0].label.startswith("dynamic, batch") and points[-1].label.startswith("continuous, batch")
 
 
-@pytest.mark.parametrize("change", [{"sla": {"p95_seconds": 0, "max_error_ratio": 0.01}},
-                                    {"request_mix": []},
-                                    {"request_mix": [{"weight": 1, "width": 100, "height": 64, "num_inference_steps": 4}]},
-                                    {"sweep": {"batch_size": []}},
-                                    {"unknown": 1}])
+@pytest.mark.parametrize(
+    "change",
+    [
+        {"sla": {"p95_seconds": 0, "max_error_ratio": 0.01}},
+        {"request_mix": []},
+        {"request_mix": [{"weight": 1, "width": 100, "height": 64, "num_inference_steps": 4}]},
+        {"sweep": {"batch_size": []}},
+        {"unknown": 1},
+    ],
+)
 def test_bad_configs_are_refused(change):
     data = CONFIG.model_dump(mode="json")
     data.update(change)
@@ -57,7 +67,11 @@ def test_summary_has_exact_percentiles_and_throughput(tmp_path):
     rows[1] = ["64x64", 0, 0.2, 0, 100.2]
     result = summarize(write_log(tmp_path / "log.csv", rows))
     assert (result.requests, result.failures) == (100, 1)
-    assert result.p50_s == pytest.approx(5.05) and result.p95_s == pytest.approx(9.505) and result.p99_s == pytest.approx(9.901)
+    assert (
+        result.p50_s == pytest.approx(5.05)
+        and result.p95_s == pytest.approx(9.505)
+        and result.p99_s == pytest.approx(9.901)
+    )
     assert result.requests_per_s == pytest.approx(99 / 10.0)  # first start 100.0, last end 110.0
     assert result.images_per_s == pytest.approx(100 / 10.0)
     assert result.error_ratio == pytest.approx(0.01)
@@ -76,14 +90,26 @@ def test_sla_verdicts_name_what_broke():
 
 
 def point(batch, images_per_s, p95, meets, tmp_path, continuous=False):
-    log = write_log(tmp_path / f"b{batch}.csv", [["64x64", 1, 0.5 + index / 100, 1, 100 + index] for index in range(20)])
+    log = write_log(
+        tmp_path / f"b{batch}.csv", [["64x64", 1, 0.5 + index / 100, 1, 100 + index] for index in range(20)]
+    )
     sweep_point = CONFIG.sweep.points()[0].model_copy(update={"batch_size": batch, "continuous_batching": continuous})
-    return PointResult(sweep_point, result(p95=p95, images_per_s=images_per_s), ServerFigures(0.1, 0.5, float(batch), 2.5, 10),
-                       meets, [] if meets else ["p95 latency too high"], str(log))
+    return PointResult(
+        sweep_point,
+        result(p95=p95, images_per_s=images_per_s),
+        ServerFigures(0.1, 0.5, float(batch), 2.5, 10),
+        meets,
+        [] if meets else ["p95 latency too high"],
+        str(log),
+    )
 
 
 def test_the_best_point_is_the_fastest_that_meets_the_sla(tmp_path):
-    results = [point(1, 2.0, 1.0, True, tmp_path), point(4, 3.0, 1.5, True, tmp_path), point(8, 5.0, 20.0, False, tmp_path)]
+    results = [
+        point(1, 2.0, 1.0, True, tmp_path),
+        point(4, 3.0, 1.5, True, tmp_path),
+        point(8, 5.0, 20.0, False, tmp_path),
+    ]
     assert best_point(results).point.batch_size == 4
     assert best_point([results[2]]) is None
 
@@ -108,11 +134,19 @@ def test_report_says_when_nothing_meets_the_sla(tmp_path):
 
 def test_server_figures_are_deltas():
     def samples(requests, queue_us, latency_sum, latency_count, batch_sum, batch_count, step_sum, step_count, images):
-        return {("ts_inference_requests_total", frozenset()): requests, ("ts_queue_latency_microseconds_total", frozenset()): queue_us,
-                ("sd_request_latency_seconds_sum", frozenset()): latency_sum, ("sd_request_latency_seconds_count", frozenset()): latency_count,
-                ("sd_batch_size_sum", frozenset()): batch_sum, ("sd_batch_size_count", frozenset()): batch_count,
-                ("sd_iteration_batch_size_sum", frozenset()): step_sum, ("sd_iteration_batch_size_count", frozenset()): step_count,
-                ("sd_images_total", frozenset()): images}
+        return {
+            ("ts_inference_requests_total", frozenset()): requests,
+            ("ts_queue_latency_microseconds_total", frozenset()): queue_us,
+            ("sd_request_latency_seconds_sum", frozenset()): latency_sum,
+            ("sd_request_latency_seconds_count", frozenset()): latency_count,
+            ("sd_batch_size_sum", frozenset()): batch_sum,
+            ("sd_batch_size_count", frozenset()): batch_count,
+            ("sd_iteration_batch_size_sum", frozenset()): step_sum,
+            ("sd_iteration_batch_size_count", frozenset()): step_count,
+            ("sd_images_total", frozenset()): images,
+        }
 
     figures = server_figures(samples(10, 1e6, 5, 10, 10, 5, 40, 20, 10), samples(30, 5e6, 25, 30, 30, 10, 100, 40, 34))
-    assert figures == ServerFigures(mean_queue_s=0.2, mean_handler_s=1.0, mean_batch_size=4.0, mean_step_images=3.0, images=24)
+    assert figures == ServerFigures(
+        mean_queue_s=0.2, mean_handler_s=1.0, mean_batch_size=4.0, mean_step_images=3.0, images=24
+    )

@@ -9,7 +9,8 @@ import pytest
 import yaml
 
 from observability import build_metrics_config
-from observability.build_dashboard import OUTPUT, render
+from observability.build_dashboard import OUTPUT
+from observability.generate import GENERATED, is_current
 from observability.prometheus import binary
 from server.paths import GRAFANA_DIR, METRICS_CONFIG, PROMETHEUS_DIR, ROOT
 
@@ -21,8 +22,14 @@ def promtool(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run([binary("promtool"), *args], cwd=PROMETHEUS_DIR, capture_output=True, text=True, timeout=120)
 
 
-@pytest.mark.parametrize("args", [("check", "config", "prometheus.yml"), ("check", "rules", "rules/recording.yml", "rules/alerts.yml"),
-                                  ("test", "rules", "tests/alerts_test.yml")])
+@pytest.mark.parametrize(
+    "args",
+    [
+        ("check", "config", "prometheus.yml"),
+        ("check", "rules", "rules/recording.yml", "rules/alerts.yml"),
+        ("test", "rules", "tests/alerts_test.yml"),
+    ],
+)
 def test_promtool_accepts_config_rules_and_rule_tests(args):
     result = promtool(*args)
     assert result.returncode == 0, result.stdout + result.stderr
@@ -30,20 +37,32 @@ def test_promtool_accepts_config_rules_and_rule_tests(args):
 
 
 def test_every_alert_has_a_unit_test_and_a_runbook_entry():
-    alerts = [rule["alert"] for group in yaml.safe_load((PROMETHEUS_DIR / "rules" / "alerts.yml").read_text())["groups"] for rule in group["rules"]]
-    tested = {item["alertname"] for test in yaml.safe_load((PROMETHEUS_DIR / "tests" / "alerts_test.yml").read_text())["tests"] for item in test.get("alert_rule_test", [])}
+    alerts = [
+        rule["alert"]
+        for group in yaml.safe_load((PROMETHEUS_DIR / "rules" / "alerts.yml").read_text())["groups"]
+        for rule in group["rules"]
+    ]
+    tested = {
+        item["alertname"]
+        for test in yaml.safe_load((PROMETHEUS_DIR / "tests" / "alerts_test.yml").read_text())["tests"]
+        for item in test.get("alert_rule_test", [])
+    }
     runbook = (ROOT / "docs" / "observability.md").read_text()
     assert set(alerts) == tested
     for alert in alerts:
         assert f"`{alert}`" in runbook, f"{alert} has no entry in docs/observability.md"
 
 
-def test_committed_dashboard_is_what_the_builder_makes():
-    assert OUTPUT.read_text() == render(), "run `make dashboard` and commit the result"
+@pytest.mark.parametrize("name", GENERATED)
+def test_committed_generated_files_are_what_their_builders_make(name):
+    assert is_current(name), f"{GENERATED[name][0]} is stale: run `make {name}` and commit the result"
 
 
-def test_committed_metrics_config_is_what_the_builder_makes():
-    assert METRICS_CONFIG.read_text() == build_metrics_config.render(), "run `make metrics-config` and commit the result"
+def test_the_generator_check_fails_on_a_stale_file(tmp_path, monkeypatch):
+    stale = tmp_path / "metrics.yaml"
+    stale.write_text("# edited by hand\n")
+    monkeypatch.setitem(GENERATED, "metrics-config", (stale, build_metrics_config.render))
+    assert not is_current("metrics-config")
 
 
 def panels(kind: str | None = None) -> list[dict]:
@@ -52,8 +71,19 @@ def panels(kind: str | None = None) -> list[dict]:
 
 def test_dashboard_has_the_panels_operators_need():
     titles = " | ".join(panel["title"] for panel in panels()).lower()
-    for needed in ("request rate", "latency", "sla", "queue latency", "batch size", "denoising step", "images per second",
-                   "errors by status code", "workers", "cpu and memory", "gpu"):
+    for needed in (
+        "request rate",
+        "latency",
+        "sla",
+        "queue latency",
+        "batch size",
+        "denoising step",
+        "images per second",
+        "errors by status code",
+        "workers",
+        "cpu and memory",
+        "gpu",
+    ):
         assert needed in titles, needed
     for panel in panels("timeseries"):
         assert panel["datasource"] == {"type": "prometheus", "uid": "${datasource}"}
@@ -64,7 +94,9 @@ def test_dashboard_panels_do_not_overlap():
     occupied = set()
     for panel in panels():
         grid = panel["gridPos"]
-        cells = {(x, y) for x in range(grid["x"], grid["x"] + grid["w"]) for y in range(grid["y"], grid["y"] + grid["h"])}
+        cells = {
+            (x, y) for x in range(grid["x"], grid["x"] + grid["w"]) for y in range(grid["y"], grid["y"] + grid["h"])
+        }
         assert not cells & occupied, panel["title"]
         assert grid["x"] + grid["w"] <= 24
         occupied |= cells

@@ -11,7 +11,9 @@ from handler.protocol import IncomingRequest, decode
 from handler.request import GenerationRequest, RequestError, RequestPolicy, decode_body, decode_form
 
 POLICY = RequestPolicy(
-    RequestLimits(max_prompt_chars=50, max_inference_steps=30, max_side=512, max_pixels=256 * 512, max_images_per_request=3),
+    RequestLimits(
+        max_prompt_chars=50, max_inference_steps=30, max_side=512, max_pixels=256 * 512, max_images_per_request=3
+    ),
     RequestDefaults(width=64, height=64, num_inference_steps=4),
 )
 
@@ -195,7 +197,10 @@ def test_each_image_has_its_own_reproducible_seed():
     assert request.image_seeds() == [10, 11, 12]
     wrapped = decode_body({"prompt": "x", "seed": MAX_SEED, "num_images_per_prompt": 2}, "application/json", POLICY)
     assert wrapped.image_seeds() == [MAX_SEED, 0]
-    drawn = {GenerationRequest.model_validate({**request.model_dump(), "seed": None}, context=POLICY).with_seed().seed for _ in range(5)}
+    drawn = {
+        GenerationRequest.model_validate({**request.model_dump(), "seed": None}, context=POLICY).with_seed().seed
+        for _ in range(5)
+    }
     assert len(drawn) > 1 and all(0 <= seed <= MAX_SEED for seed in drawn)
 
 

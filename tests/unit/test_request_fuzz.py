@@ -42,13 +42,16 @@ from tests.harness.client_inputs import (
 )
 from tests.harness.stand_ins import FAILS_AT_START, FAILS_STEPPING, RecordingSink, make_service
 
-SHIPPED = HandlerSettings.from_model_yaml(yaml.safe_load((ROOT / "model-config.yaml").read_text())).with_native_size(64, 64)
+SHIPPED = HandlerSettings.from_model_yaml(yaml.safe_load((ROOT / "model-config.yaml").read_text())).with_native_size(
+    64, 64
+)
 POLICY = RequestPolicy(SHIPPED.limits, SHIPPED.defaults)
 POLICIES = st.sampled_from([POLICY, replace(POLICY, streaming=True)])
 VALID = IncomingRequest({"prompt": "a red circle", "num_inference_steps": 3, "seed": 1}, JSON_CONTENT_TYPE)
 
 
 # TorchServe, as the handler meets it.
+
 
 def worker_value(content_type: str, raw: bytes) -> Any:
     """One input part as TorchServe's worker hands it to the handler. Mirrors
@@ -77,11 +80,13 @@ def handed_over(parts: list[tuple[str, str, bytes]], content_type: str | None) -
     the Content-Type header (None: not sent) of one HTTP request."""
     request = {
         "requestId": b"fuzzed",
-        # Every HTTP request carries headers (a Host at least); a gRPC one none, which is how the handler tells them apart.
+        # Every HTTP request carries headers (a Host at least); a gRPC one none, which is how the handler tells
+        # them apart.
         "headers": [{"name": b"Host", "value": b"127.0.0.1:8080"}]
         + ([] if content_type is None else [{"name": b"Content-Type", "value": content_type.encode()}]),
         "parameters": [
-            {"name": name, "contentType": part_type, "value": worker_value(part_type, raw)} for name, part_type, raw in parts
+            {"name": name, "contentType": part_type, "value": worker_value(part_type, raw)}
+            for name, part_type, raw in parts
         ],
     }
     headers, rows, _ = Service.retrieve_data_for_inference([request])
@@ -111,12 +116,15 @@ def json_fields_request(fields: dict[str, Any], ensure_ascii: bool, content_type
     return body_request(json.dumps(fields, ensure_ascii=ensure_ascii).encode("utf-8", "surrogatepass"), content_type)
 
 
-JSON_FIELD_REQUESTS = st.builds(json_fields_request, request_fields(POLICY.limits), st.booleans(), st.sampled_from(JSON_CONTENT_TYPES))
+JSON_FIELD_REQUESTS = st.builds(
+    json_fields_request, request_fields(POLICY.limits), st.booleans(), st.sampled_from(JSON_CONTENT_TYPES)
+)
 RAW_BODY_REQUESTS = st.builds(body_request, RAW_BODIES, CONTENT_TYPE_HEADERS)
 FORM_REQUESTS = st.builds(form_request, FORM_PARTS, st.booleans())
 
 
 # The property.
+
 
 def _refuse_constant(name: str) -> None:
     raise AssertionError(f"error JSON holds {name}, which is not JSON")
@@ -155,8 +163,10 @@ def assert_within_policy(request: GenerationRequest, policy: RequestPolicy) -> N
         assert type(text) is str and len(text) <= limits.max_prompt_chars
         text.encode("utf-8")  # no lone surrogates: the tokenizer refuses them
     assert type(request.negative_prompt) in (str, type(None)) and request.prompt.strip()
-    for value, upper in ((request.num_inference_steps, limits.max_inference_steps),
-                         (request.num_images_per_prompt, limits.max_images_per_request)):
+    for value, upper in (
+        (request.num_inference_steps, limits.max_inference_steps),
+        (request.num_images_per_prompt, limits.max_images_per_request),
+    ):
         assert type(value) is int and 1 <= value <= upper
     assert type(request.guidance_scale) is float and 0 <= request.guidance_scale <= limits.max_guidance_scale
     assert type(request.seed) is int and 0 <= request.seed <= MAX_SEED
@@ -211,7 +221,9 @@ class _Connection:
 
 
 @settings(max_examples=200)
-@given(content_type=st.sampled_from([value for value in CONTENT_TYPES if value is not None]) | HEADER_TEXT, raw=RAW_BODIES)
+@given(
+    content_type=st.sampled_from([value for value in CONTENT_TYPES if value is not None]) | HEADER_TEXT, raw=RAW_BODIES
+)
 def test_worker_value_mirrors_torchserves_own_decoding(content_type, raw):
     """``worker_value`` gives what TorchServe's ``_retrieve_input_data`` reads from the frame the
     frontend sends (repr compared: NaN is not equal to itself)."""
@@ -225,7 +237,9 @@ def test_worker_value_mirrors_torchserves_own_decoding(content_type, raw):
 
 SERVICE_POLICY = make_service(streaming=False).policy
 ANY_REQUEST = st.one_of(
-    st.builds(json_fields_request, request_fields(SERVICE_POLICY.limits), st.booleans(), st.sampled_from(JSON_CONTENT_TYPES)),
+    st.builds(
+        json_fields_request, request_fields(SERVICE_POLICY.limits), st.booleans(), st.sampled_from(JSON_CONTENT_TYPES)
+    ),
     RAW_BODY_REQUESTS,
     FORM_REQUESTS,
 )
@@ -264,6 +278,10 @@ def test_a_fuzzed_request_never_fails_the_valid_request_in_its_batch(fuzzed):
         payload = json.loads(answer.body, parse_constant=_refuse_constant)
         assert payload["type"] == "InvalidRequest" and payload["errors"]
         for error in payload["errors"]:
-            assert error["field"] in FIELD_LABELS or error["rule"] == "unknown_field" and error["field"] in sent_names(fuzzed)
+            assert (
+                error["field"] in FIELD_LABELS
+                or error["rule"] == "unknown_field"
+                and error["field"] in sent_names(fuzzed)
+            )
     labels = {labels for name, _, labels in sink.records if name == "sd_invalid_requests_total"}
     assert labels <= {(label,) for label in FIELD_LABELS | {UNKNOWN_FIELD_LABEL}}

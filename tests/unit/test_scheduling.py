@@ -22,7 +22,9 @@ def profile(timings: dict[int, float] | None = None, max_images: int = 16) -> St
 def job(images: int = 1, side: int = 64, steps: int = 10, done_steps: int = 0) -> DenoiseJob:
     spec = JobSpec("p", None, tuple(range(images)), side, side, steps, "ddim", 7.5)
     latents = torch.zeros(images, 4, side // 8, side // 8)
-    return DenoiseJob(spec, None, torch.arange(steps), latents, Conditioning(torch.zeros(2 * images, 1, 1)), step=done_steps)
+    return DenoiseJob(
+        spec, None, torch.arange(steps), latents, Conditioning(torch.zeros(2 * images, 1, 1)), step=done_steps
+    )
 
 
 def test_sizes_double_up_to_the_most_images():

@@ -33,7 +33,9 @@ def batch(service: DiffusionService, *incoming: IncomingRequest) -> list:
     return [responses[str(index)] for index in range(len(incoming))]
 
 
-def run(service: DiffusionService, arrivals: dict[int, dict[str, IncomingRequest]], limit: int = 200) -> dict[str, list]:
+def run(
+    service: DiffusionService, arrivals: dict[int, dict[str, IncomingRequest]], limit: int = 200
+) -> dict[str, list]:
     """Continuous batching: iterate until every request has its final part; ``arrivals`` maps an
     iteration to the requests that arrive then."""
     parts: dict[str, list] = {}
@@ -42,8 +44,12 @@ def run(service: DiffusionService, arrivals: dict[int, dict[str, IncomingRequest
         live.update(arrivals.get(iteration, {}))
         if not live and iteration > max(arrivals):
             return parts
-        for rid, part in service.iterate({rid: live[rid] if iteration in arrivals and rid in arrivals[iteration]
-                                          else IncomingRequest(None) for rid in live}).items():
+        for rid, part in service.iterate(
+            {
+                rid: live[rid] if iteration in arrivals and rid in arrivals[iteration] else IncomingRequest(None)
+                for rid in live
+            }
+        ).items():
             parts.setdefault(rid, []).append(part)
             if part.final:
                 del live[rid]
@@ -52,11 +58,16 @@ def run(service: DiffusionService, arrivals: dict[int, dict[str, IncomingRequest
 
 # Dynamic batching: one call, every request answered.
 
+
 def test_requests_of_one_shape_share_each_forward_whatever_their_steps_scheduler_and_guidance():
     engine = SolidColorEngine()
     service = make_service(engine, streaming=False)
-    responses = batch(service, body(seed=10, num_inference_steps=2), body(seed=20, num_images_per_prompt=2, response_format="json",
-                      scheduler="euler_a", guidance_scale=1.0), body(seed=30, num_inference_steps=4, width=128))
+    responses = batch(
+        service,
+        body(seed=10, num_inference_steps=2),
+        body(seed=20, num_images_per_prompt=2, response_format="json", scheduler="euler_a", guidance_scale=1.0),
+        body(seed=30, num_inference_steps=4, width=128),
+    )
     assert [response.status for response in responses] == [200, 200, 200]
     assert grey(responses[0].body) == 10 and grey(responses[2].body) == 30
     payload = json.loads(responses[1].body)
@@ -71,7 +82,12 @@ def test_requests_of_one_shape_share_each_forward_whatever_their_steps_scheduler
 
 
 def test_a_bad_request_fails_alone():
-    responses = batch(make_service(streaming=False), body(seed=5), body(width=100), IncomingRequest(bytearray(b"{"), "application/json"))
+    responses = batch(
+        make_service(streaming=False),
+        body(seed=5),
+        body(width=100),
+        IncomingRequest(bytearray(b"{"), "application/json"),
+    )
     assert [response.status for response in responses] == [200, 400, 400]
     assert json.loads(responses[1].body)["errors"][0]["field"] == "width"
     assert grey(responses[0].body) == 5
@@ -107,8 +123,11 @@ def test_an_unexpected_decoding_error_fails_only_that_request(monkeypatch):
 
 
 def test_fields_in_both_body_and_form_are_refused_and_form_fields_alone_work():
-    both, form = batch(make_service(streaming=False), IncomingRequest({"prompt": "x"}, "application/json", {"seed": "1"}),
-                       IncomingRequest(None, None, {"prompt": "x", "seed": "9", "num_inference_steps": "2"}))
+    both, form = batch(
+        make_service(streaming=False),
+        IncomingRequest({"prompt": "x"}, "application/json", {"seed": "1"}),
+        IncomingRequest(None, None, {"prompt": "x", "seed": "9", "num_inference_steps": "2"}),
+    )
     assert both.status == 400 and json.loads(both.body)["errors"][0]["rule"] == "one_source"
     assert form.status == 200 and form.headers["X-Seed"] == "9"
 
@@ -138,7 +157,11 @@ def test_only_a_request_too_large_alone_fails_and_the_next_like_it_is_refused_at
 
 def test_decode_out_of_memory_retries_image_by_image_then_in_tiles():
     sink, engine = RecordingSink(), SolidColorEngine(decode_out_of_memory_above_images=1)
-    responses = batch(make_service(engine, sink, streaming=False), body(seed=1, num_images_per_prompt=2, response_format="json"), body(seed=5))
+    responses = batch(
+        make_service(engine, sink, streaming=False),
+        body(seed=1, num_images_per_prompt=2, response_format="json"),
+        body(seed=5),
+    )
     assert [response.status for response in responses] == [200, 200]
     assert engine.decodes[-4:] == [(3, False), (1, False), (1, False), (1, False)]
     engine = SolidColorEngine(decode_out_of_memory_above_images=0)
@@ -184,9 +207,16 @@ def test_stream_is_refused_with_dynamic_batching():
 
 # Continuous batching: one iteration per call.
 
+
 def test_staggered_requests_with_different_steps_each_get_their_own_image_and_short_ones_leave_first():
-    parts = run(make_service(), {0: {"a": body(seed=1, num_inference_steps=12)}, 3: {"b": body(seed=2, num_inference_steps=3)},
-                                 5: {"c": body(seed=3, num_inference_steps=5, width=128)}})
+    parts = run(
+        make_service(),
+        {
+            0: {"a": body(seed=1, num_inference_steps=12)},
+            3: {"b": body(seed=2, num_inference_steps=3)},
+            5: {"c": body(seed=3, num_inference_steps=5, width=128)},
+        },
+    )
     assert all(parts[rid][0].status == 200 and parts[rid][0].content_type == "image/png" for rid in parts)
     assert all(part.body == b"" and not part.final for rid in parts for part in parts[rid][:-1])
     assert parts["a"][0].headers == {"X-Seed": "1"} and parts["a"][1].headers == {}
@@ -246,7 +276,11 @@ def test_a_failure_after_the_status_was_sent_reaches_the_client_as_200_with_a_js
     failed = service.iterate({"s": IncomingRequest(None), "n": IncomingRequest(None)})[stepped]
     assert failed.final and not failed.first and failed.status == 200 and stepped not in service.flights
     payload = json.loads(failed.body.decode().splitlines()[-1])
-    assert "boom" in payload["message"] and payload["code"] == 500 and (payload.get("event") == "error") == (stepped == "s")
+    assert (
+        "boom" in payload["message"]
+        and payload["code"] == 500
+        and (payload.get("event") == "error") == (stepped == "s")
+    )
     engine.broken = False
     parts = run(service, {0: {waiting: IncomingRequest(None)}})[waiting]
     assert parts[-1].final and parts[-1].status == 200 and waiting not in service.flights
@@ -254,7 +288,9 @@ def test_a_failure_after_the_status_was_sent_reaches_the_client_as_200_with_a_js
 
 def test_a_flagged_image_is_marked_in_json_in_the_header_of_a_one_part_answer_and_in_its_exif():
     service = make_service(SolidColorEngine(flagged_seeds={7}), streaming=False)
-    flagged, passed, several = batch(service, body(seed=7), body(seed=8), body(seed=6, num_images_per_prompt=2, response_format="json"))
+    flagged, passed, several = batch(
+        service, body(seed=7), body(seed=8), body(seed=6, num_images_per_prompt=2, response_format="json")
+    )
     assert flagged.headers[NSFW_HEADER] == "true" and passed.headers[NSFW_HEADER] == "false"
     assert Image.open(io.BytesIO(flagged.body)).getexif()[0x010E] == "nsfw_content_detected=true"
     assert json.loads(several.body)["nsfw_content_detected"] == [False, True] and NSFW_HEADER not in several.headers
@@ -265,16 +301,33 @@ def test_a_flagged_image_is_marked_in_json_in_the_header_of_a_one_part_answer_an
 
 
 def test_both_loops_record_the_same_metrics():
-    traffic = [body(seed=1, num_inference_steps=3), body(seed=2, num_inference_steps=2, num_images_per_prompt=2), body(width=100)]
+    traffic = [
+        body(seed=1, num_inference_steps=3),
+        body(seed=2, num_inference_steps=2, num_images_per_prompt=2),
+        body(width=100),
+    ]
     dynamic, continuous = RecordingSink(), RecordingSink()
     batch(make_service(sink=dynamic, streaming=False), *traffic)
     run(make_service(sink=continuous), {0: {str(index): item for index, item in enumerate(traffic)}})
-    assert dynamic.names() == continuous.names() == {
-        "sd_batch_size", "sd_latency_sla_seconds", "sd_invalid_requests_total", "sd_in_flight_requests",
-        "sd_iteration_batch_size", "sd_denoise_step_seconds", "sd_pipeline_calls_total", "sd_images_total",
-        "sd_vae_decode_seconds", "sd_request_latency_seconds", "sd_request_latency_sla_ratio", "sd_encode_seconds",
-        "sd_deadline_misses_total",
-    }
+    assert (
+        dynamic.names()
+        == continuous.names()
+        == {
+            "sd_batch_size",
+            "sd_latency_sla_seconds",
+            "sd_invalid_requests_total",
+            "sd_in_flight_requests",
+            "sd_iteration_batch_size",
+            "sd_denoise_step_seconds",
+            "sd_pipeline_calls_total",
+            "sd_images_total",
+            "sd_vae_decode_seconds",
+            "sd_request_latency_seconds",
+            "sd_request_latency_sla_ratio",
+            "sd_encode_seconds",
+            "sd_deadline_misses_total",
+        }
+    )
     for sink in (dynamic, continuous):
         assert sink.values("sd_batch_size") == [3]
         assert sum(sink.values("sd_iteration_batch_size")) == 3 + 2 * 2  # image-steps, however batched

@@ -24,7 +24,7 @@ def test_dataset_is_deterministic_by_seed_and_captions_name_what_is_drawn():
     assert first.captions == second.captions and np.array_equal(first.pixels(), second.pixels())
     assert first.captions != other.captions
     assert 0.03 < first.captions.count("") / len(first) < 0.2, "about a tenth of captions are empty"
-    for spec, caption in zip(first.specs, first.captions):
+    for spec, caption in zip(first.specs, first.captions, strict=True):
         if caption:
             assert caption.startswith("a ") and caption.endswith(f"{spec.colour} {spec.shape}")
     assert {spec.colour for spec in first.specs} == set(COLOURS) and {spec.shape for spec in first.specs} == set(SHAPES)
