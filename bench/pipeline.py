@@ -93,8 +93,9 @@ class Runner:
 
     def measure(self, variant: Variant, run: str, env: dict[str, str], extra: list[str]) -> dict:
         result_path, images_path = self.scratch / f"{variant.name}-{run}.json", self.scratch / f"{variant.name}.npy"
-        for stale in (result_path, images_path):  # a crashed process must not pass for an earlier one
-            stale.unlink(missing_ok=True)
+        # A crashed process must not pass for an earlier one. The result is written after the images,
+        # so removing it is enough; the images stay, as a failed warm run keeps the cold run's.
+        result_path.unlink(missing_ok=True)
         arguments = [
             "--variant",
             variant.name,
