@@ -40,15 +40,16 @@ import numpy as np
 
 from bench import sd15, sdxl
 from bench.engine import measure_model
-from bench.gpu_report import SECTION_RENDERERS, percent_text, render, seconds_text
+from bench.gpu_report import SECTION_RENDERERS, percent_text, render
 from bench.measure import PROMPTS, Workload
 from bench.pipeline import Runner, environment, summary
+from bench.report import number_text
 from bench.variants import by_name, select
 from handler.pipeline import release_cached_memory, resolve_device
 from loadtest.client import closed_loop
 from loadtest.results import server_figures
 from server import console_script, serve_archive, write_model_config
-from server.paths import BUILD, REPORTS, ROOT
+from server.paths import BUILD, REPORTS, ROOT, TINY_MODEL_DIRS
 
 logger = logging.getLogger("bench-gpu")
 
@@ -106,8 +107,8 @@ FULL = Plan(
     max_batch_limit=128,
 )
 QUICK = Plan(
-    "models/tiny-sd",
-    "models/tiny-sdxl",
+    str(TINY_MODEL_DIRS["sd1"].relative_to(ROOT)),
+    str(TINY_MODEL_DIRS["sdxl"].relative_to(ROOT)),
     64,
     1,
     1,
@@ -296,7 +297,7 @@ class GpuBench:
                         mode,
                         concurrency,
                         point["images_per_s"],
-                        seconds_text(point["p95_s"]),
+                        number_text(point["p95_s"]),
                         percent_text(point["ratio"]),
                         figures.mean_step_images,
                     )

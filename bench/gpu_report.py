@@ -13,7 +13,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 
 from bench.engine import GOAL as ENGINE_GOAL  # noqa: E402
 from bench.engine import Row, table  # noqa: E402
-from bench.report import variants_table  # noqa: E402
+from bench.report import number_text, variants_table  # noqa: E402
 
 SD15_UNET_GOAL = 105.0  # it/s, SD 1.5 512x512 batch 1 on an H100: stable-fast's published 104.6
 SD15_ANCHORS = {"plain PyTorch (stable-fast, H100)": 54.5, "torch.compile (stable-fast, H100)": 66.0}
@@ -200,11 +200,11 @@ def _served(section: dict) -> list[str]:
             str(point["requests"]),
             str(point["errors"]),
             f"{point['images_per_s']:.2f}",
-            seconds_text(point["p50_s"]),
-            seconds_text(point["p95_s"]),
-            seconds_text(point["ceiling_images_per_s"]),
+            number_text(point["p50_s"]),
+            number_text(point["p95_s"]),
+            number_text(point["ceiling_images_per_s"]),
             percent_text(point["ratio"]),
-            seconds_text(point.get("mean_step_images")),
+            number_text(point.get("mean_step_images")),
         ]
         for point in section["points"]
     ]
@@ -237,10 +237,6 @@ SECTION_RENDERERS = {
     "served": ("4. Served through TorchServe (closed loop)", "points", _served),
     "sdxl": ("5. SDXL", "variants", _sdxl),
 }
-
-
-def seconds_text(value: float | None) -> str:
-    return "—" if value is None else f"{value:.2f}"
 
 
 def percent_text(value: float | None) -> str:

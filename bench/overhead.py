@@ -57,10 +57,9 @@ def in_process(repeats: int) -> float:
 
 
 def over_http(server: TorchServe, repeats: int) -> float:
-    url = f"{server.addresses.inference}/predictions/{server.model_name}"
 
     def once() -> None:
-        requests.post(url, json=REQUEST, headers=server.auth(), timeout=120).raise_for_status()
+        requests.post(server.predictions_url, json=REQUEST, headers=server.auth(), timeout=120).raise_for_status()
 
     return median_seconds(once, repeats)
 

@@ -13,7 +13,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
 
-def _number(value: float | None, digits: int = 2) -> str:
+def number_text(value: float | None, digits: int = 2) -> str:
     return "—" if value is None else f"{value:.{digits}f}"
 
 
@@ -47,7 +47,8 @@ def _variant_row(variant: dict) -> str:
     return (
         f"| {variant['name']} | {variant['dtype']} | {variant['latency_s']:.3f} | {speedup} "
         f"| {_significant(variant['images_per_s'])} | {_significant(variant['unet_it_s'])} | {tflops} "
-        f"| {_mib(variant['peak_memory_mib'])} | {_number(cold_s, 1)} | {_number(warm.get('warmup_overhead_s'), 1)} "
+        f"| {_mib(variant['peak_memory_mib'])} | {number_text(cold_s, 1)} "
+        f"| {number_text(warm.get('warmup_overhead_s'), 1)} "
         f"| {variant.get('max_batch', '—')} | {variant.get('max_abs_diff', '—')} | {_psnr(variant)} |"
     )
 

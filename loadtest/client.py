@@ -13,10 +13,9 @@ from server import TorchServe
 
 def post(server: TorchServe, body: dict, timeout: float = 600) -> tuple[float, bool]:
     """Seconds until the answer, and whether it was a 200."""
-    url = f"{server.addresses.inference}/predictions/{server.model_name}"
     started = time.monotonic()
     try:
-        ok = requests.post(url, json=body, headers=server.auth(), timeout=timeout).status_code == 200
+        ok = requests.post(server.predictions_url, json=body, headers=server.auth(), timeout=timeout).status_code == 200
     except requests.RequestException:
         ok = False
     return time.monotonic() - started, ok

@@ -10,8 +10,6 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from server.paths import BENCHMARK_CONFIG, ROOT
 
-DEFAULT_CONFIG = BENCHMARK_CONFIG
-
 
 class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -102,7 +100,7 @@ class BenchmarkConfig(_Section):
     sweep: SweepSection
 
     @classmethod
-    def load(cls, path: Path = DEFAULT_CONFIG) -> BenchmarkConfig:
+    def load(cls, path: Path = BENCHMARK_CONFIG) -> BenchmarkConfig:
         return cls.model_validate(yaml.safe_load(Path(path).read_text()))
 
     def prompts(self) -> list[str]:

@@ -24,9 +24,10 @@ import gevent
 from locust import HttpUser, constant, events, task
 from PIL import Image
 
-from loadtest.config import DEFAULT_CONFIG, BenchmarkConfig, MixEntry
+from loadtest.config import BenchmarkConfig, MixEntry
+from server.paths import BENCHMARK_CONFIG
 
-CONFIG = BenchmarkConfig.load(Path(os.environ.get("LOADTEST_CONFIG", DEFAULT_CONFIG)))
+CONFIG = BenchmarkConfig.load(Path(os.environ.get("LOADTEST_CONFIG", BENCHMARK_CONFIG)))
 PROMPTS = CONFIG.prompts()
 MODEL_NAME = os.environ.get("LOADTEST_MODEL", CONFIG.model.name)
 MAX_REQUESTS = int(os.environ.get("LOADTEST_MAX_REQUESTS", "0"))

@@ -17,9 +17,9 @@ from pathlib import Path
 
 import numpy as np
 
-from loadtest.config import DEFAULT_CONFIG, SLA, BenchmarkConfig
+from loadtest.config import SLA, BenchmarkConfig
 from server import KEY_FILE, Addresses, Keys, read_properties
-from server.paths import CONFIG_PROPERTIES, REPORTS, ROOT, RUNTIME
+from server.paths import BENCHMARK_CONFIG, CONFIG_PROPERTIES, REPORTS, ROOT, RUNTIME
 
 logger = logging.getLogger("loadtest")
 
@@ -140,7 +140,7 @@ def run_locust(
 
 def main() -> None:
     parser = argparse.ArgumentParser(description="Load-test a running server against the SLA of benchmark_config.yaml.")
-    parser.add_argument("--config", type=Path, default=DEFAULT_CONFIG)
+    parser.add_argument("--config", type=Path, default=BENCHMARK_CONFIG)
     parser.add_argument(
         "--server-config",
         type=Path,

@@ -15,12 +15,12 @@ from pathlib import Path
 import requests
 from tqdm import tqdm
 
-from loadtest.config import DEFAULT_CONFIG, BenchmarkConfig, SweepPoint
+from loadtest.config import BenchmarkConfig, SweepPoint
 from loadtest.report import write_report
 from loadtest.results import PointResult, server_figures
 from loadtest.run import run_locust
 from server import TorchServe, build, config_on_free_ports, write_model_config
-from server.paths import CONFIG_PROPERTIES, REPORTS, ROOT
+from server.paths import BENCHMARK_CONFIG, CONFIG_PROPERTIES, REPORTS, ROOT
 
 logger = logging.getLogger("sweep")
 
@@ -81,11 +81,12 @@ class ModelRegistration:
 
 def warm_up(server: TorchServe, config: BenchmarkConfig) -> None:
     """Requests of every kind in the mix, not measured."""
-    url = f"{server.addresses.inference}/predictions/{server.model_name}"
     for index in range(config.warmup_requests):
         entry = config.request_mix[index % len(config.request_mix)]
         body = {"prompt": "warm-up", **entry.model_dump(exclude={"weight"})}
-        requests.post(url, json=body, headers=server.auth(), timeout=REGISTER_TIMEOUT_S).raise_for_status()
+        requests.post(
+            server.predictions_url, json=body, headers=server.auth(), timeout=REGISTER_TIMEOUT_S
+        ).raise_for_status()
 
 
 def measure(
@@ -170,7 +171,7 @@ def run_sweep(config_path: Path, out: Path) -> list[PointResult]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--config", type=Path, default=DEFAULT_CONFIG)
+    parser.add_argument("--config", type=Path, default=BENCHMARK_CONFIG)
     parser.add_argument("--output", type=Path, help="report directory (default reports/sweep-<time>)")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")

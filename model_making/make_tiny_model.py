@@ -190,10 +190,9 @@ def build_sdxl_pipeline(seed: int) -> StableDiffusionXLPipeline:
     )
 
 
-def write_lcm_model(directory: Path, source: Path) -> Path:
-    """An LCM pipeline made of the SD 1.x model at ``source`` (a pipeline the step engine refuses),
-    written to ``directory``."""
-    sd = StableDiffusionPipeline.from_pretrained(source, use_safetensors=True)
+def write_lcm_model(directory: Path, sd: StableDiffusionPipeline) -> None:
+    """An LCM pipeline made of ``sd``'s components (a pipeline the step engine refuses), written to
+    ``directory``."""
     LatentConsistencyModelPipeline(
         vae=sd.vae,
         text_encoder=sd.text_encoder,
@@ -202,7 +201,6 @@ def write_lcm_model(directory: Path, source: Path) -> Path:
         scheduler=LCMScheduler.from_config(sd.scheduler.config),
         **WITHOUT_SAFETY_CHECKER,
     ).save_pretrained(directory, safe_serialization=True)
-    return directory
 
 
 def build_safety_checker() -> tuple[StableDiffusionSafetyChecker, CLIPImageProcessor]:

@@ -33,7 +33,7 @@ PROMPTS = [f"a {colour} {shape}" for colour in COLOURS for shape in SHAPES]
 def generate(server: TorchServe, prompt: str, seed: int, **fields) -> np.ndarray:
     """One image from the server, as an RGB array."""
     response = requests.post(
-        f"{server.addresses.inference}/predictions/{server.model_name}",
+        server.predictions_url,
         json={"prompt": prompt, "seed": seed, **fields},
         headers=server.auth(),
         timeout=300,

@@ -8,7 +8,6 @@ Queries read the recording rules of docker/prometheus/rules/recording.yml where 
 from __future__ import annotations
 
 import json
-import logging
 
 from grafana_foundation_sdk.builders import dashboard, prometheus, stat, timeseries
 from grafana_foundation_sdk.cog.encoder import JSONEncoder
@@ -20,8 +19,6 @@ from grafana_foundation_sdk.models.dashboard import (
 )
 
 from server.paths import GRAFANA_DIR
-
-logger = logging.getLogger("build_dashboard")
 
 OUTPUT = GRAFANA_DIR / "dashboards" / "stable-diffusion.json"
 UID = "stable-diffusion"

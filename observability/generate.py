@@ -1,14 +1,12 @@
-"""Rewrite the generated files from their builders, or check them (CI's unit tests do the same).
+"""Rewrite the generated files from their builders (a unit test checks each committed one).
 
-python -m observability.generate [NAME ...]           # make dashboard / prometheus-rule / metrics-config
-python -m observability.generate --check              # exit 1 naming each file that differs
+python -m observability.generate [NAME ...]   # make dashboard / prometheus-rule / metrics-config
 """
 
 from __future__ import annotations
 
 import argparse
 import logging
-import sys
 from collections.abc import Callable
 from pathlib import Path
 
@@ -34,17 +32,11 @@ def is_current(name: str) -> bool:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("names", nargs="*", metavar="NAME", help=f"some of {', '.join(GENERATED)} [all]")
-    parser.add_argument("--check", action="store_true", help="change nothing; fail if a file is stale")
     args = parser.parse_args()
     names = args.names or list(GENERATED)
     if unknown := set(names) - set(GENERATED):
         parser.error(f"unknown {sorted(unknown)}; choose from {', '.join(GENERATED)}")
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    if args.check:
-        stale = [name for name in names if not is_current(name)]
-        for name in stale:
-            logger.error("%s is stale: run `make %s`", GENERATED[name][0].relative_to(ROOT), name)
-        sys.exit(1 if stale else 0)
     for name in names:
         path, render = GENERATED[name]
         path.write_text(render())

@@ -34,7 +34,6 @@ STEPS = [4, 8, 12, 20]
 
 def drive_load(server: TorchServe, duration: float, concurrency: int) -> dict[int, int]:
     """Send a request mix from ``concurrency`` threads for ``duration`` seconds; count statuses."""
-    url = f"{server.addresses.inference}/predictions/{server.model_name}"
     deadline = time.monotonic() + duration
     statuses: dict[int, int] = {}
     lock = threading.Lock()
@@ -53,7 +52,7 @@ def drive_load(server: TorchServe, duration: float, concurrency: int) -> dict[in
             }
             if chooser.random() < 0.05:
                 body["width"] = 100
-            status = requests.post(url, json=body, headers=server.auth(), timeout=300).status_code
+            status = requests.post(server.predictions_url, json=body, headers=server.auth(), timeout=300).status_code
             with lock:
                 statuses[status] = statuses.get(status, 0) + 1
 

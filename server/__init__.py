@@ -11,13 +11,12 @@ The model makers, observability tools, load tests and benchmarks use the names b
 else of this package (``tests/unit/test_layout.py`` keeps it so).
 """
 
-from server.archive import MODEL_NAME, build, console_script, write_model_config
+from server.archive import build, console_script, write_model_config
 from server.process import TorchServe, serve_archive
 from server.properties import KEY_FILE, Addresses, Keys, config_on_free_ports, free_port, read_properties
 
 __all__ = [
     "KEY_FILE",
-    "MODEL_NAME",
     "Addresses",
     "Keys",
     "TorchServe",

@@ -29,7 +29,7 @@ def example_curl(server: TorchServe) -> str:
     body = json.dumps({"prompt": "a red circle", "seed": 42})
     headers = [f"{name}: {value}" for name, value in server.auth().items()] + ["Content-Type: application/json"]
     return (
-        f"curl -sS -o image.png -X POST {server.addresses.inference}/predictions/{server.model_name} "
+        f"curl -sS -o image.png -X POST {server.predictions_url} "
         + " ".join(f"-H {shlex.quote(header)}" for header in headers)
         + f" -d {shlex.quote(body)}"
     )

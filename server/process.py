@@ -92,6 +92,11 @@ class TorchServe:
         self._log_offset = 0
 
     @property
+    def predictions_url(self) -> str:
+        """The inference API's endpoint for the model."""
+        return f"{self.addresses.inference}/predictions/{self.model_name}"
+
+    @property
     def console_log(self) -> Path:
         return self.workdir / "logs" / "console.log"
 

@@ -53,7 +53,7 @@ class Client:
 
     def __init__(self, server: TorchServe):
         self.server = server
-        self.url = f"{server.addresses.inference}/predictions/{server.model_name}"
+        self.url = server.predictions_url
 
     def predict(
         self, body=None, *, data=None, content_type="application/json", headers=None, **kwargs
@@ -69,7 +69,7 @@ class Client:
 
     def image(self, **fields) -> np.ndarray:
         """One image as an array, asserting success."""
-        response = self.predict({"num_inference_steps": 4, **fields})
+        response = self.predict({**FAST, **fields})
         assert response.status_code == 200, response.text
         return decode_png(response.content)
 

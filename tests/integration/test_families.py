@@ -23,7 +23,7 @@ from PIL import Image
 from bench.reference import Reference
 from handler.encode import EXIF_IMAGE_DESCRIPTION
 from handler.protocol import NSFW_HEADER
-from model_making.make_tiny_model import CALIBRATION, CALIBRATION_FILE, write_lcm_model
+from model_making.make_tiny_model import CALIBRATION, CALIBRATION_FILE, build_pipeline, write_lcm_model
 from server import TorchServe
 from server import write_model_config as model_config
 from server.paths import TINY_MODEL_DIRS
@@ -233,7 +233,7 @@ def test_metrics_move_by_what_was_sent_in_both_modes(served):
 
 
 def test_an_unsupported_pipeline_is_refused_at_worker_load_naming_it(tmp_path):
-    write_lcm_model(tmp_path / "lcm", TINY_MODEL_DIRS["sd1"])
+    write_lcm_model(tmp_path / "lcm", build_pipeline(seed=0))
     started = time.monotonic()
     with pytest.raises(
         RuntimeError, match="LatentConsistencyModelPipeline is not supported.*StableDiffusionXLPipeline"

@@ -15,8 +15,8 @@ from server import TorchServe
 from server.paths import ROOT
 from tests.harness.images import assert_same_image, decode_json_images, decode_png
 from tests.harness.readme import run_example
+from tests.harness.serving import FAST
 
-FAST = {"num_inference_steps": 4}
 # Longer than one continuous-batching iteration (iteration_budget_ms, 100 ms) on any device.
 LONG = {"prompt": "a red circle", "seed": 1, "num_inference_steps": 100}
 STREAM_DEADLINE = 60.0  # seconds; a refusal is immediate

@@ -8,7 +8,8 @@ import subprocess
 
 import pytest
 
-FAST = {"num_inference_steps": 4}
+from tests.harness.serving import FAST
+
 JSON = "application/json"
 
 

@@ -10,8 +10,7 @@ import sys
 import pytest
 import yaml
 
-from loadtest.config import DEFAULT_CONFIG
-from server.paths import ROOT
+from server.paths import BENCHMARK_CONFIG, ROOT
 
 pytestmark = pytest.mark.slow
 
@@ -54,7 +53,7 @@ def test_an_impossible_sla_fails_the_loadtest_and_says_why(server, tmp_path):
 
 
 def test_sweep_over_both_modes_writes_a_report_naming_the_best(tmp_path):
-    config = yaml.safe_load(DEFAULT_CONFIG.read_text())
+    config = yaml.safe_load(BENCHMARK_CONFIG.read_text())
     config["sweep"] = {
         "continuous_batching": [False, True],
         "batch_size": [1, 4],

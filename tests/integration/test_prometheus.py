@@ -14,7 +14,7 @@ import yaml
 from observability.build_dashboard import GPU_ONLY, OUTPUT
 from observability.prometheus import RULE_FILES, Prometheus
 from server import free_port
-from server.paths import ROOT
+from server.paths import K8S_DIR
 from tests.harness.serving import run_behind_blocker
 
 MODEL = "stable-diffusion"
@@ -123,7 +123,7 @@ def test_autoscaler_metric_query_reads_queueing_per_instance(prometheus):
     """The prometheus-adapter rule behind the HPA (deploy/k8s/prometheus-adapter/values.yaml), its
     template filled in as the adapter does (here the per-instance label is hostname, in a cluster
     it is pod): one series per instance, above zero after requests queued behind a busy worker."""
-    values = yaml.safe_load((ROOT / "deploy" / "k8s" / "prometheus-adapter" / "values.yaml").read_text())
+    values = yaml.safe_load((K8S_DIR / "prometheus-adapter" / "values.yaml").read_text())
     [rule] = values["rules"]["custom"]
     series = rule["seriesQuery"].split("{")[0]
     query = (

@@ -28,7 +28,7 @@ def test_a_readme_request_example_saves_a_png_of_the_default_size(name, server, 
 
 
 def test_the_readme_key_rotation_replaces_the_inference_key(server, cwd):
-    url = f"{server.addresses.inference}/predictions/{server.model_name}"
+    url = server.predictions_url
     old = server.keys
     run_example("rotate-key", server, cwd)
     server.keys = Keys.from_key_file(server.workdir / KEY_FILE)  # the session's other tests use the new key

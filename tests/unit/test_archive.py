@@ -9,23 +9,20 @@ import pytest
 import yaml
 
 from server.archive import archive_model_config, build, console_script, default_workers
-from server.paths import MODEL_CONFIG, TINY_MODEL_DIRS
+from server.paths import MODEL_CONFIG, RANDOM_MODEL_DIR
 from server.process import FRONTEND_START_SECONDS, archive_ready_timeout, find_archive, ready_timeout
-
-MODEL_DIR = TINY_MODEL_DIRS["sd1"]
-CONFIG = MODEL_CONFIG
 
 
 @pytest.fixture
 def model_copy(tmp_path) -> Path:
     copy = tmp_path / "model"
-    shutil.copytree(MODEL_DIR, copy)
+    shutil.copytree(RANDOM_MODEL_DIR, copy)
     return copy
 
 
 def test_archive_holds_handler_package_config_and_safetensors_only(tmp_path, model_copy):
     (model_copy / "unet" / "diffusion_pytorch_model.bin").write_bytes(b"pickle")
-    archive = build(model_copy, CONFIG, tmp_path / "store")
+    archive = build(model_copy, MODEL_CONFIG, tmp_path / "store")
     assert archive == tmp_path / "store" / "stable-diffusion.mar" and find_archive(tmp_path / "store") == archive.name
     names = set(zipfile.ZipFile(archive).namelist())
     assert {
@@ -40,18 +37,18 @@ def test_archive_holds_handler_package_config_and_safetensors_only(tmp_path, mod
 
 
 def test_unchanged_inputs_skip_the_build_and_a_change_rebuilds(tmp_path, model_copy):
-    archive = build(model_copy, CONFIG, tmp_path / "store")
+    archive = build(model_copy, MODEL_CONFIG, tmp_path / "store")
     built_at = archive.stat().st_mtime_ns
-    assert build(model_copy, CONFIG, tmp_path / "store").stat().st_mtime_ns == built_at
+    assert build(model_copy, MODEL_CONFIG, tmp_path / "store").stat().st_mtime_ns == built_at
     (model_copy / "scheduler" / "scheduler_config.json").write_text(
         (model_copy / "scheduler" / "scheduler_config.json").read_text() + " "
     )
-    assert build(model_copy, CONFIG, tmp_path / "store").stat().st_mtime_ns != built_at
+    assert build(model_copy, MODEL_CONFIG, tmp_path / "store").stat().st_mtime_ns != built_at
 
 
 def test_no_archive_format_is_a_directory_and_replaces_the_mar(tmp_path, model_copy):
-    build(model_copy, CONFIG, tmp_path / "store")
-    directory = build(model_copy, CONFIG, tmp_path / "store", archive_format="no-archive")
+    build(model_copy, MODEL_CONFIG, tmp_path / "store")
+    directory = build(model_copy, MODEL_CONFIG, tmp_path / "store", archive_format="no-archive")
     assert (directory / "MAR-INF" / "MANIFEST.json").is_file() and (directory / "model" / "model_index.json").is_file()
     assert not (tmp_path / "store" / "stable-diffusion.mar").exists()
     assert find_archive(tmp_path / "store") == "stable-diffusion"
@@ -61,7 +58,7 @@ def test_a_model_without_safetensors_is_refused(tmp_path, model_copy):
     for weights in model_copy.rglob("*.safetensors"):
         weights.rename(weights.with_suffix(".bin"))
     with pytest.raises(SystemExit, match="no .safetensors weights"):
-        build(model_copy, CONFIG, tmp_path / "store")
+        build(model_copy, MODEL_CONFIG, tmp_path / "store")
 
 
 @pytest.mark.parametrize(
@@ -88,18 +85,18 @@ def test_workers_default_to_one_per_gpu_used(config, gpus, workers):
 
 
 def test_the_archive_config_gets_the_worker_count_and_the_shipped_one_sets_none(tmp_path, model_copy):
-    shipped = yaml.safe_load(CONFIG.read_text())
+    shipped = yaml.safe_load(MODEL_CONFIG.read_text())
     assert "minWorkers" not in shipped and "maxWorkers" not in shipped
-    archive = build(model_copy, CONFIG, tmp_path / "store", gpus=2)
+    archive = build(model_copy, MODEL_CONFIG, tmp_path / "store", gpus=2)
     packaged = yaml.safe_load(zipfile.ZipFile(archive).read("model-config.yaml"))
     assert (packaged["minWorkers"], packaged["maxWorkers"]) == (2, 2) and packaged["handler"] == shipped["handler"]
-    build(model_copy, CONFIG, tmp_path / "store", gpus=1)
+    build(model_copy, MODEL_CONFIG, tmp_path / "store", gpus=1)
     packaged = yaml.safe_load(zipfile.ZipFile(archive).read("model-config.yaml"))
     assert packaged["minWorkers"] == 1, "a different GPU count rebuilds the archive"
 
 
 def test_an_absolute_model_path_packages_no_weights(tmp_path, model_copy):
-    config = yaml.safe_load(CONFIG.read_text())
+    config = yaml.safe_load(MODEL_CONFIG.read_text())
     config["handler"]["model_path"] = str(model_copy)
     (tmp_path / "config.yaml").write_text(yaml.safe_dump(config))
     names = zipfile.ZipFile(build(model_copy, tmp_path / "config.yaml", tmp_path / "store")).namelist()
@@ -108,7 +105,7 @@ def test_an_absolute_model_path_packages_no_weights(tmp_path, model_copy):
 
 @pytest.mark.parametrize("archive_format", ["default", "no-archive"])
 def test_serve_waits_as_long_as_the_archives_startup_timeout_allows(tmp_path, model_copy, archive_format):
-    config = yaml.safe_load(CONFIG.read_text())
+    config = yaml.safe_load(MODEL_CONFIG.read_text())
     config["startupTimeout"] = 1234
     (tmp_path / "config.yaml").write_text(yaml.safe_dump(config))
     store = build(model_copy, tmp_path / "config.yaml", tmp_path / "store", archive_format=archive_format).parent

@@ -7,19 +7,19 @@ import yaml
 from pydantic import ValidationError
 
 from handler.config import HandlerSettings, continuous_batching
-from server.paths import ROOT
+from server.paths import CONFIG_PROPERTIES, METRICS_CONFIG, MODEL_CONFIG
 from server.properties import bound_to, reachable, read_properties
 
-MODEL_CONFIG = yaml.safe_load((ROOT / "model-config.yaml").read_text())
-PROPERTIES = read_properties(ROOT / "config.properties")
+SHIPPED_CONFIG = yaml.safe_load(MODEL_CONFIG.read_text())
+PROPERTIES = read_properties(CONFIG_PROPERTIES)
 
 
 def test_shipped_model_config_is_valid_and_batches():
-    settings = HandlerSettings.from_model_yaml(MODEL_CONFIG)
+    settings = HandlerSettings.from_model_yaml(SHIPPED_CONFIG)
     assert settings.attention == "sdpa" and settings.dtype == "auto" and settings.safety_checker
-    assert not continuous_batching(MODEL_CONFIG) and settings.iteration_budget_ms > 0
-    assert MODEL_CONFIG["batchSize"] > 1 and MODEL_CONFIG["maxBatchDelay"] > 0
-    assert MODEL_CONFIG["batchSize"] <= settings.max_images_per_call
+    assert not continuous_batching(SHIPPED_CONFIG) and settings.iteration_budget_ms > 0
+    assert SHIPPED_CONFIG["batchSize"] > 1 and SHIPPED_CONFIG["maxBatchDelay"] > 0
+    assert SHIPPED_CONFIG["batchSize"] <= settings.max_images_per_call
 
 
 def test_continuous_batching_is_refused_with_more_than_one_worker():
@@ -98,7 +98,7 @@ def test_server_binds_loopback_with_auth_on_and_model_api_off():
 
 
 def test_response_size_fits_the_largest_allowed_response():
-    limits = HandlerSettings.from_model_yaml(MODEL_CONFIG).limits
+    limits = HandlerSettings.from_model_yaml(SHIPPED_CONFIG).limits
     png_bytes = limits.max_pixels * 3 * 1.01 + 4096  # incompressible RGB plus PNG framing
     base64_bytes = png_bytes * 4 / 3 * limits.max_images_per_request
     assert int(PROPERTIES["max_response_size"]) >= base64_bytes + 64 * 1024
@@ -108,7 +108,7 @@ def test_response_size_fits_the_largest_allowed_response():
 def test_metrics_yaml_declares_exactly_the_handler_metrics():
     from handler.metrics import METRICS
 
-    declared = yaml.safe_load((ROOT / "metrics.yaml").read_text())["model_metrics"]
+    declared = yaml.safe_load(METRICS_CONFIG.read_text())["model_metrics"]
     ours = {
         (item["name"], kind, tuple(item["dimensions"]))
         for kind, items in declared.items()
@@ -138,8 +138,7 @@ def test_allowed_urls_match_only_archives_in_a_local_model_store():
 
 
 def test_bind_moves_every_listener_and_clients_reach_all_interfaces_via_loopback():
-    properties = read_properties(ROOT / "config.properties")
-    bound = bound_to(properties, "0.0.0.0")
+    bound = bound_to(PROPERTIES, "0.0.0.0")
     assert [bound[key] for key in ("inference_address", "management_address", "metrics_address")] == [
         "http://0.0.0.0:8080",
         "http://0.0.0.0:8081",
@@ -147,7 +146,7 @@ def test_bind_moves_every_listener_and_clients_reach_all_interfaces_via_loopback
     ]
     assert bound["grpc_inference_address"] == bound["grpc_management_address"] == "0.0.0.0"
     assert {key: value for key, value in bound.items() if "address" not in key} == {
-        key: value for key, value in properties.items() if "address" not in key
+        key: value for key, value in PROPERTIES.items() if "address" not in key
     }
     assert reachable(bound)["inference_address"] == "http://127.0.0.1:8080"
-    assert reachable(properties) == properties
+    assert reachable(PROPERTIES) == PROPERTIES

@@ -4,7 +4,6 @@ pinned Kubernetes version and the custom resources' published schemas, and the K
 
 from __future__ import annotations
 
-import ast
 import copy
 import gzip
 import importlib.metadata
@@ -24,10 +23,10 @@ import yaml
 from dockerfile_parse import DockerfileParser
 
 from server import read_properties
-from server.paths import ROOT
+from server.paths import K8S_DIR, ROOT
+from tests.harness.imports import import_statements
 
 DOCKER = ROOT / "docker"
-K8S = ROOT / "deploy" / "k8s"
 KSERVE = ROOT / "deploy" / "kserve"
 SCHEMAS = ROOT / "tests" / "schemas"
 KUBERNETES_VERSION = "1.33"
@@ -107,17 +106,6 @@ def installed_closure(names: set[str]) -> set[str]:
     return seen
 
 
-def imported_modules(source: Path) -> set[str]:
-    """Modules a Python file imports (absolute imports), as written."""
-    modules = set()
-    for node in ast.walk(ast.parse(source.read_text())):
-        if isinstance(node, ast.Import):
-            modules |= {alias.name for alias in node.names}
-        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
-            modules.add(node.module)
-    return modules
-
-
 def schema(name: str) -> dict:
     return json.loads(gzip.decompress((SCHEMAS / f"{name}.json.gz").read_bytes()))
 
@@ -139,7 +127,7 @@ def kustomized() -> tuple[dict, ...]:
     kubectl = shutil.which("kubectl")
     if kubectl is None:
         pytest.fail("kubectl is missing: `make system-deps` installs it (Debian kubernetes-client)")
-    output = subprocess.run([kubectl, "kustomize", str(K8S)], capture_output=True, text=True, check=True).stdout
+    output = subprocess.run([kubectl, "kustomize", str(K8S_DIR)], capture_output=True, text=True, check=True).stdout
     return tuple(yaml.safe_load_all(output))
 
 
@@ -205,13 +193,12 @@ def test_the_serving_code_imports_only_what_requirements_txt_installs():
     copied = {source.rstrip("/") for source in SERVING_FILES if source.endswith("/")}
     sources = [path for folder in ("handler", "server") for path in (ROOT / folder).glob("*.py")]
     for source in sources:
-        for name in imported_modules(source):
+        for name, _ in import_statements(source):
             module = name.split(".")[0]
             if module in sys.stdlib_module_names:
                 continue
             if (ROOT / module).is_dir():
                 assert module in copied, f"{source.relative_to(ROOT)} imports {name}, which the image does not copy"
-                continue
                 continue
             owners = {name.lower().replace("_", "-") for name in distributions.get(module, [])}
             assert owners & provided, (
@@ -352,7 +339,7 @@ def test_pod_has_gpu_probes_without_keys_and_runs_as_non_root():
 def test_autoscaler_metric_is_served_by_the_adapter_rule_as_a_rate():
     hpa = by_kind("HorizontalPodAutoscaler")
     [metric] = hpa["spec"]["metrics"]
-    adapter = yaml.safe_load((K8S / "prometheus-adapter" / "values.yaml").read_text())
+    adapter = yaml.safe_load((K8S_DIR / "prometheus-adapter" / "values.yaml").read_text())
     [rule] = adapter["rules"]["custom"]
     assert rule["name"]["as"] == metric["pods"]["metric"]["name"]
     assert "rate(<<.Series>>" in rule["metricsQuery"], "a counter must be read through rate()"
@@ -361,8 +348,8 @@ def test_autoscaler_metric_is_served_by_the_adapter_rule_as_a_rate():
 
 
 def test_auth_proxy_checks_the_key_and_reaches_torchserve_on_loopback():
-    template = (K8S / "auth-proxy" / "default.conf.template").read_text()
-    pod_config = read_properties(K8S / "config.properties")
+    template = (K8S_DIR / "auth-proxy" / "default.conf.template").read_text()
+    pod_config = read_properties(K8S_DIR / "config.properties")
     assert '"Bearer ${INFERENCE_KEY}" 1;' in template and "return 401" in template
     assert f"proxy_pass {pod_config['inference_address']};" in template
     assert pod_config["inference_address"].startswith("http://127.0.0.1:")
@@ -370,7 +357,7 @@ def test_auth_proxy_checks_the_key_and_reaches_torchserve_on_loopback():
 
 
 @pytest.mark.parametrize(
-    "config", [K8S / "config.properties", KSERVE / "config" / "config.properties"], ids=["kubernetes", "kserve"]
+    "config", [K8S_DIR / "config.properties", KSERVE / "config" / "config.properties"], ids=["kubernetes", "kserve"]
 )
 def test_deployment_configs_differ_from_config_properties_only_where_documented(config):
     base, deployed = read_properties(ROOT / "config.properties"), read_properties(config)

@@ -157,8 +157,8 @@ def test_the_safety_checker_can_be_turned_off():
     assert_same_images(decoded, expected(reference, spec("flag this picture", seed=0, steps=4)))
 
 
-def test_an_unsupported_pipeline_is_refused_at_load_naming_it_and_the_supported_ones(tmp_path):
-    write_lcm_model(tmp_path / "lcm", TINY_MODEL_DIRS["sd1"])
+def test_an_unsupported_pipeline_is_refused_at_load_naming_it_and_the_supported_ones(tmp_path, engines):
+    write_lcm_model(tmp_path / "lcm", engines["sd1"].pipeline)
     with pytest.raises(
         UnsupportedPipeline, match="LatentConsistencyModelPipeline is not supported.*StableDiffusionXLPipeline"
     ):

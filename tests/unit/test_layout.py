@@ -11,6 +11,7 @@ import pytest
 
 import server
 from server.paths import ROOT
+from tests.harness.imports import import_statements
 
 # Each folder and the folders its code may import (tests may import everything).
 ALLOWED = {
@@ -42,14 +43,8 @@ def imports(module: str) -> frozenset[str]:
     """The project's modules that ``module`` imports, anywhere in its body (``from a import b`` names
     ``a.b`` where that is a module)."""
     found = set()
-    for node in ast.walk(ast.parse(modules()[module].read_text())):
-        if isinstance(node, ast.Import):
-            names = [alias.name for alias in node.names]
-        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
-            names = [node.module] + [f"{node.module}.{alias.name}" for alias in node.names]
-        else:
-            continue
-        found |= {name for name in names if name in modules()}
+    for imported, names in import_statements(modules()[module]):
+        found |= {name for name in [imported, *(f"{imported}.{name}" for name in names)] if name in modules()}
     return frozenset(found)
 
 
@@ -78,10 +73,10 @@ def test_the_operations_side_uses_the_server_package_through_its_entry_points():
                 assert imported in ENTRY_MODULES, (
                     f"{module} imports {imported}: use `from server import` or server.paths"
                 )
-        for node in ast.walk(ast.parse(modules()[module].read_text())):
-            if isinstance(node, ast.ImportFrom) and node.module == "server":
-                names = {alias.name for alias in node.names}
-                assert names <= set(server.__all__), f"{module} takes {names - set(server.__all__)} from server"
+        for imported, names in import_statements(modules()[module]):
+            if imported == "server":
+                taken = set(names) - set(server.__all__)
+                assert not taken, f"{module} takes {taken} from server"
 
 
 def test_no_module_imports_itself_through_a_circle():

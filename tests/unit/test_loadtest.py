@@ -6,16 +6,16 @@ import json
 import pytest
 from pydantic import ValidationError
 
-from loadtest.config import DEFAULT_CONFIG, SLA, BenchmarkConfig
+from loadtest.config import SLA, BenchmarkConfig
 from loadtest.report import best_point, write_report
 from loadtest.results import PointResult, ServerFigures, server_figures
 from loadtest.run import LoadResult, summarize
-from server.paths import ROOT
+from server.paths import BENCHMARK_CONFIG, ROOT
 
-CONFIG = BenchmarkConfig.load(DEFAULT_CONFIG)
+CONFIG = BenchmarkConfig.load(BENCHMARK_CONFIG)
 
 
-@pytest.mark.parametrize("path", [DEFAULT_CONFIG, ROOT / "loadtest" / "benchmark_uniform.yaml"])
+@pytest.mark.parametrize("path", [BENCHMARK_CONFIG, ROOT / "loadtest" / "benchmark_uniform.yaml"])
 def test_shipped_configs_are_valid_and_sweep_batching(path):
     config = BenchmarkConfig.load(path)
     assert {1, 4} <= set(config.sweep.batch_size)

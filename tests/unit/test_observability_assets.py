@@ -14,7 +14,6 @@ from observability.generate import GENERATED, is_current
 from observability.prometheus import binary
 from server.paths import GRAFANA_DIR, METRICS_CONFIG, PROMETHEUS_DIR, ROOT
 
-GRAFANA = GRAFANA_DIR
 DASHBOARD = json.loads(OUTPUT.read_text())
 
 
@@ -122,11 +121,11 @@ def test_dashboard_queries_use_only_known_metrics_and_variables():
 
 
 def test_grafana_provisioning_points_at_the_dashboard_and_datasource():
-    datasources = yaml.safe_load((GRAFANA / "provisioning" / "datasources" / "prometheus.yml").read_text())
+    datasources = yaml.safe_load((GRAFANA_DIR / "provisioning" / "datasources" / "prometheus.yml").read_text())
     assert datasources["apiVersion"] == 1
     (source,) = datasources["datasources"]
     assert source["type"] == "prometheus" and source["url"].startswith("http") and source["isDefault"]
-    providers = yaml.safe_load((GRAFANA / "provisioning" / "dashboards" / "stable-diffusion.yml").read_text())
+    providers = yaml.safe_load((GRAFANA_DIR / "provisioning" / "dashboards" / "stable-diffusion.yml").read_text())
     (provider,) = providers["providers"]
     assert provider["type"] == "file" and provider["options"]["path"]
     assert DASHBOARD["uid"] == "stable-diffusion" and DASHBOARD["title"]
