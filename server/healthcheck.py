@@ -15,15 +15,7 @@ from pathlib import Path
 
 import requests
 
-from server.properties import (
-    EFFECTIVE_CONFIG,
-    KEY_FILE,
-    Addresses,
-    Keys,
-    reachable,
-    read_properties,
-    token_authorization,
-)
+from server.properties import EFFECTIVE_CONFIG, KEY_FILE, reach
 
 
 def ping(workdir: Path, timeout: float) -> tuple[bool, str]:
@@ -31,14 +23,11 @@ def ping(workdir: Path, timeout: float) -> tuple[bool, str]:
     config = workdir / EFFECTIVE_CONFIG
     if not config.is_file():
         return False, f"{config} is missing: the server has not started"
-    properties = read_properties(config)
-    headers = {}
-    if token_authorization(properties):
-        try:
-            headers["Authorization"] = f"Bearer {Keys.from_key_file(workdir / KEY_FILE).inference}"
-        except (OSError, ValueError, KeyError) as error:
-            return False, f"no inference key in {workdir / KEY_FILE}: {error}"
-    url = f"{Addresses.from_properties(reachable(properties)).inference}/ping"
+    try:
+        addresses, headers = reach(workdir)
+    except (OSError, ValueError, KeyError) as error:
+        return False, f"no inference key in {workdir / KEY_FILE}: {error}"
+    url = f"{addresses.inference}/ping"
     try:
         response = requests.get(url, headers=headers, timeout=timeout)
     except requests.RequestException as error:

@@ -121,3 +121,15 @@ class Keys:
     def from_key_file(cls, path: Path) -> Keys:
         data = json.loads(path.read_text())
         return cls(inference=data["inference"]["key"], management=data["management"]["key"])
+
+
+def reach(workdir: Path) -> tuple[Addresses, dict[str, str]]:
+    """How a client on this host reaches the server whose working directory is ``workdir``: its
+    addresses and the headers its inference API wants, from the effective config.properties and the
+    key_file.json TorchServe leaves there. Raises OSError, ValueError or KeyError where they are
+    missing or unreadable."""
+    properties = read_properties(workdir / EFFECTIVE_CONFIG)
+    headers = {}
+    if token_authorization(properties):
+        headers["Authorization"] = f"Bearer {Keys.from_key_file(workdir / KEY_FILE).inference}"
+    return Addresses.from_properties(reachable(properties)), headers

@@ -1,5 +1,6 @@
 """Handler settings and the shipped configuration files."""
 
+import json
 from pathlib import Path
 
 import pytest
@@ -8,7 +9,7 @@ from pydantic import ValidationError
 
 from handler.config import HandlerSettings, continuous_batching
 from server.paths import CONFIG_PROPERTIES, METRICS_CONFIG, MODEL_CONFIG
-from server.properties import bound_to, reachable, read_properties
+from server.properties import EFFECTIVE_CONFIG, KEY_FILE, bound_to, reach, reachable, read_properties, write_properties
 
 SHIPPED_CONFIG = yaml.safe_load(MODEL_CONFIG.read_text())
 PROPERTIES = read_properties(CONFIG_PROPERTIES)
@@ -150,3 +151,14 @@ def test_bind_moves_every_listener_and_clients_reach_all_interfaces_via_loopback
     }
     assert reachable(bound)["inference_address"] == "http://127.0.0.1:8080"
     assert reachable(PROPERTIES) == PROPERTIES
+
+
+def test_a_client_reaches_the_server_in_a_working_directory_with_its_key(tmp_path):
+    write_properties(tmp_path / EFFECTIVE_CONFIG, bound_to(PROPERTIES, "0.0.0.0"))
+    with pytest.raises(OSError):
+        reach(tmp_path)  # no key file yet: the server has not written it
+    (tmp_path / KEY_FILE).write_text(json.dumps({"inference": {"key": "abc"}, "management": {"key": "def"}}))
+    addresses, headers = reach(tmp_path)
+    assert addresses.inference == "http://127.0.0.1:8080" and headers == {"Authorization": "Bearer abc"}
+    write_properties(tmp_path / EFFECTIVE_CONFIG, {**PROPERTIES, "disable_token_authorization": "true"})
+    assert reach(tmp_path)[1] == {}
