@@ -17,16 +17,19 @@ MODEL_DIR ?= $(DEFAULT_MODEL_DIR)
 ARCHIVE_FORMAT ?= auto
 PYTEST_ARGS ?=
 
-.PHONY: help venv system-deps lint format model train-default-model model-grid prometheus-rule metrics-config mar serve stop test test-fast unit-test integration-test dashboard dashboard-png loadtest sweep bench-overhead bench-pipeline bench-continuous bench-engine bench-gpu clean
+.PHONY: help venv system-deps lint format model train-default-model model-grid prometheus-rule metrics-config mar image image-test serve stop test test-fast unit-test integration-test dashboard dashboard-png loadtest sweep bench-overhead bench-pipeline bench-continuous bench-engine bench-gpu clean
 
 help:
 	@echo "make serve   set up, build the archive and serve it on 127.0.0.1:8080 (MODEL_DIR=/path for a real model)"
 	@echo "make test    set up and run the whole test suite"
-	@echo "make test-fast  the suite without the slow tier (soak, sweep, load test, benchmarks, cold compile)"
+	@echo "make test-fast  the suite without the slow tier (soak, sweep, load test, benchmarks, cold compile, image build)"
 	@echo "make lint   ruff (lint and format check) and mypy on handler/; CI runs it before the tests"
 	@echo "make format ruff's formatter and its safe fixes, in place"
 	@echo "make stop    stop a server started by make serve elsewhere"
 	@echo "make mar     build model_store/stable-diffusion.mar (or a directory for large models)"
+	@echo "make image   build the serving image, docker/Dockerfile: docker where an engine runs, else buildah"
+	@echo "             IMAGE_ARGS='--local-cpu' for the CPU variant from local parts (no registry), '--build-arg K=V'"
+	@echo "make image-test  build the CPU variant with buildah, serve a prompt from it, stop it (the slow tier runs it too)"
 	@echo "make model   generate the random-weight tiny models of every family into models/tiny-* (for tests)"
 	@echo "make train-default-model  retrain the default model into $(DEFAULT_MODEL_DIR) (about 26 min on 2 CPU cores)"
 	@echo "make model-grid     prompt x seed grid of the default model through TorchServe: docs/img/default-model-grid.png"
@@ -88,6 +91,15 @@ model-grid: venv
 # server/archive.py skips the work when handler, config and weights are unchanged.
 mar: venv
 	$(PY) -m server.archive --model-dir "$(MODEL_DIR)" --archive-format $(ARCHIVE_FORMAT)
+
+# The serving image (server/image.py): docker where a Docker engine runs, else buildah (installed with
+# apt-get where missing, as root). IMAGE_ARGS='--local-cpu' builds the CPU variant from local parts only,
+# what make image-test builds and runs; '--build-arg KEY=VALUE' sets the Dockerfile's build arguments.
+image: venv
+	$(PY) -m server.image $(IMAGE_ARGS)
+
+image-test: venv
+	$(PY) -m pytest tests/integration/test_image.py $(PYTEST_ARGS)
 
 # The container runs the same script (docker/Dockerfile).
 serve: venv

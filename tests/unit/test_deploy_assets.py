@@ -148,13 +148,35 @@ def instructions(parser: DockerfileParser, name: str) -> list[str]:
     return [item["value"] for item in parser.structure if item["instruction"] == name]
 
 
+def build_arg_defaults(parser: DockerfileParser) -> dict[str, str]:
+    return dict(value.partition("=")[::2] for value in instructions(parser, "ARG"))
+
+
 def test_dockerfile_base_is_a_pinned_cuda_runtime(dockerfile):
-    [base_arg] = [value for value in instructions(dockerfile, "ARG") if value.startswith("BASE_IMAGE=")]
-    image = base_arg.split("=", 1)[1]
+    image = build_arg_defaults(dockerfile)["BASE_IMAGE"]
     name, _, tag = image.partition(":")
-    assert name == "nvidia/cuda" and "runtime" in tag, image
+    # Fully qualified: buildah and podman resolve no short names without a registries.conf search list.
+    assert name == "docker.io/nvidia/cuda" and "runtime" in tag, image
     assert re.fullmatch(r"\d+\.\d+\.\d+-[a-z0-9.-]+", tag), f"base image tag not pinned: {image}"
     assert instructions(dockerfile, "FROM") == ["${BASE_IMAGE}"]
+
+
+def test_dockerfile_defaults_fit_the_cuda_base(dockerfile):
+    """The default torch build matches the base's CUDA release, and the default Python source its Ubuntu."""
+    defaults = build_arg_defaults(dockerfile)
+    cuda = re.search(r":(\d+)\.(\d+)\.\d+-runtime-ubuntu", defaults["BASE_IMAGE"])
+    assert cuda, defaults["BASE_IMAGE"]
+    assert defaults["TORCH_INDEX_URL"].endswith(f"/cu{cuda[1]}{cuda[2]}"), defaults["TORCH_INDEX_URL"]
+    assert defaults["PYTHON_SOURCE"] == "deadsnakes"
+    assert defaults["TORCH_WHEEL_DIR"] == defaults["PIP_CERT"] == ""
+
+
+def test_every_build_argument_is_documented(dockerfile):
+    header = (DOCKER / "Dockerfile").read_text().split("\nARG ", 1)[0]
+    deploy = (ROOT / "docs" / "deploy.md").read_text()
+    for name in build_arg_defaults(dockerfile):
+        assert f"#   {name} " in header, f"the Dockerfile's header does not document {name}"
+        assert f"`{name}`" in deploy, f"docs/deploy.md does not document {name}"
 
 
 def test_dockerfile_installs_the_pinned_dependencies_and_java_17(dockerfile):

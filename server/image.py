@@ -1,0 +1,251 @@
+"""Build the serving image, ``docker/Dockerfile``: with docker where a Docker engine runs, else with buildah.
+
+    python -m server.image                         # the GPU image on the CUDA base (make image)
+    python -m server.image --build-arg KEY=VALUE   # any of the Dockerfile's build arguments
+    python -m server.image --local-cpu             # the CPU variant from local parts only
+
+``--local-cpu`` builds what the image test builds (``make image-test``), with no container registry: a
+Debian 12 base made here with debootstrap (``FROM scratch`` and its root filesystem), Python from that
+base's own packages, the torch wheel that pip downloads here for the pin (the CPU build where pip's
+configuration offers one), and the CA bundle of this machine's pip, both mounted into the build. Only
+buildah mounts directories into a build, so ``--local-cpu`` needs buildah.
+
+buildah runs as root with the vfs storage driver and chroot isolation: no daemon, no overlay module,
+no user namespaces (docs/deploy.md, "Building the image without a Docker engine").
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from server.paths import ROOT
+
+logger = logging.getLogger("image")
+
+DOCKERFILE = ROOT / "docker" / "Dockerfile"
+IMAGE = "stable-diffusion-torchserve:0.1"
+CPU_IMAGE = f"{IMAGE}-cpu"
+LOCAL_BASE = "localhost/debian-minbase:bookworm"
+DEBIAN_MIRROR = "http://deb.debian.org/debian"
+# The suites Debian's own bookworm image lists: security fixes and stable updates with the release.
+DEBIAN_SOURCES = (
+    f"deb {DEBIAN_MIRROR} bookworm main\n"
+    f"deb {DEBIAN_MIRROR} bookworm-updates main\n"
+    "deb http://deb.debian.org/debian-security bookworm-security main\n"
+)
+# Where the build sees what --local-cpu mounts.
+WHEELS_MOUNT = "/run/build/wheels"
+PIP_CERT_MOUNT = "/run/build/pip-ca.crt"
+# The Debian packages that provide each tool.
+PACKAGES = {"buildah": "buildah", "debootstrap": "debootstrap"}
+
+
+class MissingTool(RuntimeError):
+    """A tool the build needs is not installed and could not be installed."""
+
+
+def require(*tools: str) -> None:
+    """Install the missing ``tools`` with apt-get where this runs as root on Debian or Ubuntu; raise
+    ``MissingTool`` saying why where that is not possible or fails."""
+    missing = [tool for tool in tools if shutil.which(tool) is None]
+    if not missing:
+        return
+    packages = [PACKAGES[tool] for tool in missing]
+    if os.geteuid() != 0 or shutil.which("apt-get") is None:
+        raise MissingTool(f"{', '.join(missing)} not installed; install the Debian packages {' '.join(packages)}")
+    logger.info("installing %s", " ".join(packages))
+    environment = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
+    for command in (["apt-get", "update"], ["apt-get", "install", "-y", *packages]):
+        result = subprocess.run(command, env=environment, capture_output=True, text=True)
+        if result.returncode != 0:
+            raise MissingTool(f"{' '.join(command)} failed: {result.stderr.strip()[-500:]}")
+    still_missing = [tool for tool in tools if shutil.which(tool) is None]
+    if still_missing:
+        raise MissingTool(f"{', '.join(still_missing)} still missing after installing {' '.join(packages)}")
+
+
+def docker_engine() -> bool:
+    """Whether a Docker engine answers here."""
+    if shutil.which("docker") is None:
+        return False
+    try:
+        return subprocess.run(["docker", "info"], capture_output=True, timeout=30).returncode == 0
+    except subprocess.TimeoutExpired:
+        return False
+
+
+@dataclass(frozen=True)
+class Buildah:
+    """buildah as root without a daemon: vfs storage, chroot isolation; ``root`` keeps its images and
+    containers apart from the machine's (the test's own storage)."""
+
+    root: Path | None = None
+
+    def command(self, *args: str) -> list[str]:
+        storage = ["--root", str(self.root), "--runroot", str(self.root / "run")] if self.root else []
+        return ["buildah", "--storage-driver", "vfs", *storage, *args]
+
+    def __call__(self, *args: str, **kwargs) -> subprocess.CompletedProcess:
+        """Run a buildah command to completion, raising on failure (stdout returned as text)."""
+        return subprocess.run(self.command(*args), check=True, text=True, **kwargs)
+
+    def has_image(self, name: str) -> bool:
+        return subprocess.run(self.command("inspect", "--type", "image", name), capture_output=True).returncode == 0
+
+
+def declared_build_args() -> set[str]:
+    """The build arguments docker/Dockerfile declares (its ARG lines)."""
+    lines = DOCKERFILE.read_text().splitlines()
+    return {line.split()[1].split("=")[0] for line in lines if line.startswith("ARG ")}
+
+
+@dataclass
+class Build:
+    """One build of docker/Dockerfile: its tag, build arguments and (buildah only) mounted paths."""
+
+    tag: str
+    build_args: dict[str, str] = field(default_factory=dict)
+    volumes: dict[Path, str] = field(default_factory=dict)  # host path -> path inside the build
+
+    def arguments(self) -> list[str]:
+        """The build's options and context, the same for docker build and buildah bud."""
+        undeclared = set(self.build_args) - declared_build_args()
+        if undeclared:
+            raise ValueError(
+                f"build arguments {sorted(undeclared)} are not declared in docker/Dockerfile, "
+                f"which declares {sorted(declared_build_args())}"
+            )
+        options = ["--file", str(DOCKERFILE), "--tag", self.tag]
+        for name, value in self.build_args.items():
+            options += ["--build-arg", f"{name}={value}"]
+        return [*options, str(ROOT)]
+
+    def docker(self) -> list[str]:
+        if self.volumes:
+            raise ValueError("docker build mounts nothing into a build: build with buildah (--engine buildah)")
+        return ["docker", "build", *self.arguments()]
+
+    def buildah(self, buildah: Buildah, pull: bool = True) -> list[str]:
+        # The docker format keeps HEALTHCHECK (the OCI image format has no field for it).
+        options = ["--isolation", "chroot", "--format", "docker", f"--pull={'true' if pull else 'never'}"]
+        for host, inside in self.volumes.items():
+            options += ["--volume", f"{host}:{inside}:ro"]
+        return buildah.command("bud", *options, *self.arguments())
+
+
+def debian_base(buildah: Buildah, tag: str, scratch: Path) -> None:
+    """Make a Debian 12 base image without a registry: debootstrap's minimal system, FROM scratch."""
+    rootfs = scratch / "rootfs"
+    logger.info("debootstrap --variant=minbase bookworm (about 30 s)")
+    subprocess.run(["debootstrap", "--variant=minbase", "bookworm", str(rootfs), DEBIAN_MIRROR], check=True)
+    (rootfs / "etc" / "apt" / "sources.list").write_text(DEBIAN_SOURCES)
+    context = scratch / "base"
+    context.mkdir()
+    subprocess.run(["tar", "-C", str(rootfs), "-cf", str(context / "rootfs.tar"), "."], check=True)
+    shutil.rmtree(rootfs)
+    (context / "Containerfile").write_text('FROM scratch\nADD rootfs.tar /\nCMD ["bash"]\n')
+    buildah("bud", "--isolation", "chroot", "--pull=never", "--tag", tag, str(context))
+    shutil.rmtree(context)
+
+
+def pinned(name: str) -> str:
+    """``name==version`` as requirements.txt pins it."""
+    for line in (ROOT / "requirements.txt").read_text().splitlines():
+        if line.split("==")[0].strip().lower() == name:
+            return line.strip()
+    raise LookupError(f"requirements.txt does not pin {name}")
+
+
+def torch_wheel(directory: Path) -> Path:
+    """Download the pinned torch wheel, as pip resolves it here, into ``directory``."""
+    subprocess.run(
+        [sys.executable, "-m", "pip", "download", "--quiet", "--no-deps", "--dest", str(directory), pinned("torch")],
+        check=True,
+    )
+    [wheel] = directory.glob("torch-*.whl")
+    return wheel
+
+
+def pip_cert() -> Path | None:
+    """The CA bundle this machine's pip verifies the index with, where it sets one (PIP_CERT, pip config)."""
+    configured = os.environ.get("PIP_CERT")
+    if not configured:
+        query = [sys.executable, "-m", "pip", "config", "get", "global.cert"]
+        configured = subprocess.run(query, capture_output=True, text=True).stdout.strip()
+    return Path(configured) if configured and Path(configured).is_file() else None
+
+
+def local_cpu_build(buildah: Buildah, tag: str, scratch: Path) -> Build:
+    """The CPU variant from local parts: the Debian base (made once per storage), the torch wheel, pip's CA."""
+    if not buildah.has_image(LOCAL_BASE):
+        require("debootstrap")
+        debian_base(buildah, LOCAL_BASE, scratch)
+    wheels = scratch / "wheels"
+    wheels.mkdir()
+    logger.info("torch wheel: %s", torch_wheel(wheels).name)
+    build = Build(
+        tag,
+        build_args={"BASE_IMAGE": LOCAL_BASE, "PYTHON_SOURCE": "base", "TORCH_WHEEL_DIR": WHEELS_MOUNT},
+        volumes={wheels: WHEELS_MOUNT},
+    )
+    if cert := pip_cert():
+        build.build_args["PIP_CERT"] = PIP_CERT_MOUNT
+        build.volumes[cert] = PIP_CERT_MOUNT
+    return build
+
+
+def build_image(build: Build, engine: str, buildah: Buildah, pull: bool = True, **kwargs) -> None:
+    """Run the build with ``engine`` (docker or buildah); ``kwargs`` go to subprocess.run."""
+    command = build.docker() if engine == "docker" else build.buildah(buildah, pull)
+    logger.info("%s", " ".join(command))
+    subprocess.run(command, check=True, **kwargs)
+
+
+def build_arg(text: str) -> tuple[str, str]:
+    """``KEY=VALUE`` from the command line."""
+    name, separator, value = text.partition("=")
+    if not separator or not name:
+        raise argparse.ArgumentTypeError(f"{text!r}: a build argument is KEY=VALUE")
+    return name, value
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--tag", help=f"the image's name [{IMAGE}; {CPU_IMAGE} with --local-cpu]")
+    parser.add_argument("--build-arg", action="append", type=build_arg, default=[], metavar="KEY=VALUE")
+    parser.add_argument("--local-cpu", action="store_true", help="the CPU variant from local parts (buildah)")
+    parser.add_argument("--engine", choices=["auto", "docker", "buildah"], default="auto")
+    args = parser.parse_args()
+    if args.local_cpu and args.engine == "docker":
+        parser.error("--local-cpu mounts the torch wheel into the build, which only buildah does")
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+
+    engine = args.engine
+    if engine == "auto":
+        engine = "docker" if docker_engine() and not args.local_cpu else "buildah"
+    try:
+        if engine == "buildah":
+            require("buildah")
+        buildah = Buildah()
+        with tempfile.TemporaryDirectory(prefix="image-") as scratch:
+            tag = args.tag or (CPU_IMAGE if args.local_cpu else IMAGE)
+            build = local_cpu_build(buildah, tag, Path(scratch)) if args.local_cpu else Build(tag)
+            build.build_args.update(args.build_arg)
+            build_image(build, engine, buildah, pull=not args.local_cpu)
+    except (MissingTool, ValueError) as error:
+        sys.exit(f"image: {error}")
+    except subprocess.CalledProcessError as error:
+        sys.exit(f"image: {' '.join(map(str, error.cmd))} exited with {error.returncode}")
+    logger.info("built %s with %s", tag, engine)
+
+
+if __name__ == "__main__":
+    main()

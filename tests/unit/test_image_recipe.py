@@ -1,0 +1,57 @@
+"""The image build's commands (server/image.py), without building: what docker and buildah are asked to do."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import pytest
+
+from server.image import DOCKERFILE, Build, Buildah, build_arg, declared_build_args, pinned
+from server.paths import ROOT
+
+
+def test_docker_and_buildah_get_the_same_file_tag_arguments_and_context():
+    build = Build("sd:test", build_args={"BASE_IMAGE": "docker.io/library/ubuntu:22.04"})
+    shared = ["--file", str(DOCKERFILE), "--tag", "sd:test", "--build-arg", "BASE_IMAGE=docker.io/library/ubuntu:22.04"]
+    assert build.docker() == ["docker", "build", *shared, str(ROOT)]
+    command = build.buildah(Buildah(), pull=False)
+    assert command[:3] == ["buildah", "--storage-driver", "vfs"] and command[-len(shared) - 1 :] == [*shared, str(ROOT)]
+    # Chroot isolation needs no user namespaces; the docker format keeps the HEALTHCHECK.
+    assert {"--isolation", "chroot", "--format", "docker", "--pull=never"} <= set(command)
+
+
+def test_buildah_mounts_read_only_and_keeps_its_own_storage_where_asked(tmp_path):
+    build = Build("sd:test", build_args={"TORCH_WHEEL_DIR": "/wheels"}, volumes={tmp_path: "/wheels"})
+    command = build.buildah(Buildah(root=tmp_path / "storage"))
+    assert command[command.index("--volume") + 1] == f"{tmp_path}:/wheels:ro"
+    assert command[command.index("--root") + 1] == str(tmp_path / "storage")
+    assert "--pull=true" in command
+
+
+def test_docker_refuses_mounts_it_cannot_make(tmp_path):
+    with pytest.raises(ValueError, match="buildah"):
+        Build("sd:test", volumes={tmp_path: "/wheels"}).docker()
+
+
+def test_a_build_argument_the_dockerfile_does_not_declare_is_refused():
+    with pytest.raises(ValueError, match=r"\['TORCH_VERSION'\] are not declared"):
+        Build("sd:test", build_args={"TORCH_VERSION": "2.0"}).arguments()
+
+
+def test_declared_build_arguments_are_the_dockerfiles_arg_lines():
+    assert declared_build_args() == {"BASE_IMAGE", "PYTHON_SOURCE", "TORCH_INDEX_URL", "TORCH_WHEEL_DIR", "PIP_CERT"}
+
+
+def test_build_arguments_on_the_command_line_are_key_value():
+    assert build_arg("PIP_CERT=") == ("PIP_CERT", "")
+    assert build_arg("BASE_IMAGE=a=b") == ("BASE_IMAGE", "a=b")
+    for text in ("BASE_IMAGE", "=x"):
+        with pytest.raises(argparse.ArgumentTypeError, match="KEY=VALUE"):
+            build_arg(text)
+
+
+def test_the_torch_pin_is_requirements_txts():
+    assert pinned("torch") in Path(ROOT / "requirements.txt").read_text().splitlines()
+    with pytest.raises(LookupError):
+        pinned("tensorflow")
