@@ -28,7 +28,7 @@ help:
 	@echo "make stop    stop a server started by make serve elsewhere"
 	@echo "make mar     build model_store/stable-diffusion.mar (or a directory for large models)"
 	@echo "make image   build the serving image, docker/Dockerfile: docker where an engine runs, else buildah"
-	@echo "             IMAGE_ARGS='--local-cpu' for the CPU variant from local parts (no registry), '--build-arg K=V'"
+	@echo "             IMAGE_ARGS='--local-cpu' for the CPU variant from local parts (no container registry), '--build-arg K=V'"
 	@echo "make image-test  build the CPU variant with buildah, serve a prompt from it, stop it (the slow tier runs it too)"
 	@echo "make model   generate the random-weight tiny models of every family into models/tiny-* (for tests)"
 	@echo "make train-default-model  retrain the default model into $(DEFAULT_MODEL_DIR) (about 26 min on 2 CPU cores)"

@@ -26,7 +26,7 @@ def ping(workdir: Path, timeout: float) -> tuple[bool, str]:
     try:
         addresses, headers = reach(workdir)
     except (OSError, ValueError, KeyError) as error:
-        return False, f"no inference key in {workdir / KEY_FILE}: {error}"
+        return False, f"cannot reach the server from {workdir} ({EFFECTIVE_CONFIG}, {KEY_FILE}): {error}"
     url = f"{addresses.inference}/ping"
     try:
         response = requests.get(url, headers=headers, timeout=timeout)

@@ -19,12 +19,14 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import platform
 import shutil
 import subprocess
 import sys
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from server.paths import ROOT
 
@@ -41,6 +43,8 @@ DEBIAN_SOURCES = (
     f"deb {DEBIAN_MIRROR} bookworm-updates main\n"
     "deb http://deb.debian.org/debian-security bookworm-security main\n"
 )
+# The image's Python (the Dockerfile's python3.11), for the torch wheel downloaded on the host.
+IMAGE_PYTHON = "3.11"
 # Where the build sees what --local-cpu mounts.
 WHEELS_MOUNT = "/run/build/wheels"
 PIP_CERT_MOUNT = "/run/build/pip-ca.crt"
@@ -93,7 +97,7 @@ class Buildah:
         storage = ["--root", str(self.root), "--runroot", str(self.root / "run")] if self.root else []
         return ["buildah", "--storage-driver", "vfs", *storage, *args]
 
-    def __call__(self, *args: str, **kwargs) -> subprocess.CompletedProcess:
+    def __call__(self, *args: str, **kwargs: Any) -> subprocess.CompletedProcess:
         """Run a buildah command to completion, raising on failure (stdout returned as text)."""
         return subprocess.run(self.command(*args), check=True, text=True, **kwargs)
 
@@ -133,27 +137,29 @@ class Build:
             raise ValueError("docker build mounts nothing into a build: build with buildah (--engine buildah)")
         return ["docker", "build", *self.arguments()]
 
-    def buildah(self, buildah: Buildah, pull: bool = True) -> list[str]:
+    def buildah(self, buildah: Buildah, pull: str = "true") -> list[str]:
+        """``pull``: buildah's policy for the base, true (pull a newer one), false (only a missing one), never."""
         # The docker format keeps HEALTHCHECK (the OCI image format has no field for it).
-        options = ["--isolation", "chroot", "--format", "docker", f"--pull={'true' if pull else 'never'}"]
+        options = ["--isolation", "chroot", "--format", "docker", f"--pull={pull}"]
         for host, inside in self.volumes.items():
             options += ["--volume", f"{host}:{inside}:ro"]
         return buildah.command("bud", *options, *self.arguments())
 
 
 def debian_base(buildah: Buildah, tag: str, scratch: Path) -> None:
-    """Make a Debian 12 base image without a registry: debootstrap's minimal system, FROM scratch."""
-    rootfs = scratch / "rootfs"
-    logger.info("debootstrap --variant=minbase bookworm (about 30 s)")
-    subprocess.run(["debootstrap", "--variant=minbase", "bookworm", str(rootfs), DEBIAN_MIRROR], check=True)
-    (rootfs / "etc" / "apt" / "sources.list").write_text(DEBIAN_SOURCES)
-    context = scratch / "base"
-    context.mkdir()
-    subprocess.run(["tar", "-C", str(rootfs), "-cf", str(context / "rootfs.tar"), "."], check=True)
-    shutil.rmtree(rootfs)
-    (context / "Containerfile").write_text('FROM scratch\nADD rootfs.tar /\nCMD ["bash"]\n')
-    buildah("bud", "--isolation", "chroot", "--pull=never", "--tag", tag, str(context))
-    shutil.rmtree(context)
+    """Make a Debian 12 base image without a container registry: debootstrap's minimal system, FROM scratch."""
+    rootfs, context = scratch / "rootfs", scratch / "base"
+    try:
+        logger.info("debootstrap --variant=minbase bookworm (about 30 s)")
+        subprocess.run(["debootstrap", "--variant=minbase", "bookworm", str(rootfs), DEBIAN_MIRROR], check=True)
+        (rootfs / "etc" / "apt" / "sources.list").write_text(DEBIAN_SOURCES)
+        context.mkdir()
+        subprocess.run(["tar", "-C", str(rootfs), "-cf", str(context / "rootfs.tar"), "."], check=True)
+        (context / "Containerfile").write_text('FROM scratch\nADD rootfs.tar /\nCMD ["bash"]\n')
+        buildah("bud", "--isolation", "chroot", "--pull=never", "--tag", tag, str(context))
+    finally:
+        for directory in (rootfs, context):
+            shutil.rmtree(directory, ignore_errors=True)
 
 
 def pinned(name: str) -> str:
@@ -165,13 +171,17 @@ def pinned(name: str) -> str:
 
 
 def torch_wheel(directory: Path) -> Path:
-    """Download the pinned torch wheel, as pip resolves it here, into ``directory``."""
-    subprocess.run(
-        [sys.executable, "-m", "pip", "download", "--quiet", "--no-deps", "--dest", str(directory), pinned("torch")],
-        check=True,
-    )
-    [wheel] = directory.glob("torch-*.whl")
-    return wheel
+    """Download the pinned torch wheel for the image's Python on this machine's architecture, as this
+    machine's pip resolves it (its index and links), into ``directory``."""
+    version = IMAGE_PYTHON.replace(".", "")
+    target = ["--python-version", IMAGE_PYTHON, "--implementation", "cp", "--abi", f"cp{version}"]
+    target += ["--platform", f"manylinux_2_28_{platform.machine()}", "--only-binary=:all:"]
+    download = ["download", "--quiet", "--no-deps", "--dest", str(directory), *target, pinned("torch")]
+    subprocess.run([sys.executable, "-m", "pip", *download], check=True)
+    wheels = list(directory.glob("torch-*.whl"))
+    if len(wheels) != 1:
+        raise LookupError(f"pip download {pinned('torch')} left {len(wheels)} torch wheels in {directory}")
+    return wheels[0]
 
 
 def pip_cert() -> Path | None:
@@ -202,7 +212,7 @@ def local_cpu_build(buildah: Buildah, tag: str, scratch: Path) -> Build:
     return build
 
 
-def build_image(build: Build, engine: str, buildah: Buildah, pull: bool = True, **kwargs) -> None:
+def build_image(build: Build, engine: str, buildah: Buildah, pull: str = "true", **kwargs: Any) -> None:
     """Run the build with ``engine`` (docker or buildah); ``kwargs`` go to subprocess.run."""
     command = build.docker() if engine == "docker" else build.buildah(buildah, pull)
     logger.info("%s", " ".join(command))
@@ -217,6 +227,15 @@ def build_arg(text: str) -> tuple[str, str]:
     return name, value
 
 
+def choose_engine(requested: str, local_cpu: bool) -> str:
+    """docker or buildah: as asked, else docker where an engine answers (--local-cpu needs buildah)."""
+    if requested == "auto":
+        requested = "docker" if docker_engine() and not local_cpu else "buildah"
+    if requested == "buildah":
+        require("buildah")
+    return requested
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tag", help=f"the image's name [{IMAGE}; {CPU_IMAGE} with --local-cpu]")
@@ -227,20 +246,15 @@ def main() -> None:
     if args.local_cpu and args.engine == "docker":
         parser.error("--local-cpu mounts the torch wheel into the build, which only buildah does")
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-
-    engine = args.engine
-    if engine == "auto":
-        engine = "docker" if docker_engine() and not args.local_cpu else "buildah"
+    tag = args.tag or (CPU_IMAGE if args.local_cpu else IMAGE)
     try:
-        if engine == "buildah":
-            require("buildah")
-        buildah = Buildah()
+        engine = choose_engine(args.engine, args.local_cpu)
         with tempfile.TemporaryDirectory(prefix="image-") as scratch:
-            tag = args.tag or (CPU_IMAGE if args.local_cpu else IMAGE)
-            build = local_cpu_build(buildah, tag, Path(scratch)) if args.local_cpu else Build(tag)
+            build = local_cpu_build(Buildah(), tag, Path(scratch)) if args.local_cpu else Build(tag)
             build.build_args.update(args.build_arg)
-            build_image(build, engine, buildah, pull=not args.local_cpu)
-    except (MissingTool, ValueError) as error:
+            # --local-cpu: the local base is there; any other base is pulled only where missing.
+            build_image(build, engine, Buildah(), pull="false" if args.local_cpu else "true")
+    except (MissingTool, LookupError, ValueError) as error:
         sys.exit(f"image: {error}")
     except subprocess.CalledProcessError as error:
         sys.exit(f"image: {' '.join(map(str, error.cmd))} exited with {error.returncode}")

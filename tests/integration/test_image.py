@@ -10,6 +10,7 @@ buildah or debootstrap cannot be installed.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -20,6 +21,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 from urllib.parse import urlparse
 
 import psutil
@@ -50,7 +52,7 @@ class Container:
 
     buildah: Buildah
     name: str
-    config: dict  # the image's Docker config: User, WorkingDir, Env, Entrypoint, Healthcheck
+    config: dict[str, Any]  # the image's Docker config: User, WorkingDir, Env, Entrypoint, Healthcheck
 
     def command(self, *argv: str) -> list[str]:
         run = ["run", "--isolation", "chroot", "--network", "host", "--user", self.config["User"]]
@@ -79,9 +81,10 @@ def entrypoint_process(runner: subprocess.Popen, timeout: float = 60.0) -> psuti
     """The entrypoint's process (a container's PID 1): what buildah's chroot helper starts."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline and runner.poll() is None:
-        for process in psutil.Process(runner.pid).children(recursive=True):
-            if process.cmdline()[:1] == ["buildah-chroot-exec"] and process.children():
-                return process.children()[0]
+        with contextlib.suppress(psutil.Error):  # buildah's helpers come and go
+            for process in psutil.Process(runner.pid).children(recursive=True):
+                if process.cmdline()[:1] == ["buildah-chroot-exec"] and process.children():
+                    return process.children()[0]
         time.sleep(0.2)
     raise AssertionError(f"buildah run started no entrypoint (exit code {runner.poll()})")
 
@@ -96,8 +99,8 @@ def image_ports() -> list[int]:
     properties = read_properties(CONFIG_PROPERTIES)
     addresses = Addresses.from_properties(properties)
     http = [urlparse(url).port or 80 for url in (addresses.inference, addresses.management, addresses.metrics)]
-    grpc = [int(properties.get("grpc_inference_port", "7070")), int(properties.get("grpc_management_port", "7071"))]
-    return http + grpc
+    grpc_inference = int(addresses.grpc_inference.rsplit(":", 1)[1])
+    return [*http, grpc_inference, int(properties.get("grpc_management_port", "7071"))]
 
 
 @pytest.fixture(scope="module")
@@ -121,12 +124,13 @@ def image(buildah, tmp_path_factory) -> str:
     log = scratch / "build.log"
     with log.open("w") as output:
         try:
-            build_image(build, "buildah", buildah, pull=False, stdout=output, stderr=subprocess.STDOUT)
+            build_image(build, "buildah", buildah, pull="never", stdout=output, stderr=subprocess.STDOUT)
         except subprocess.CalledProcessError:
             pytest.fail(f"building docker/Dockerfile failed; the build log ends:\n{tail(log)}")
-    for host_path in build.volumes:  # the torch wheel (the CA bundle is the host's own)
-        if host_path.is_relative_to(scratch):
-            shutil.rmtree(host_path)
+        finally:
+            for host_path in build.volumes:  # the torch wheel (the CA bundle is the host's own)
+                if host_path.is_relative_to(scratch):
+                    shutil.rmtree(host_path)
     return TAG
 
 
@@ -198,7 +202,8 @@ def test_the_image_serves_a_prompt_as_its_user_and_stops_on_sigterm(container, t
         assert not processes_in(root), [p.cmdline() for p in processes_in(root)]
     finally:
         for process in processes_in(root) if root else []:
-            process.kill()
+            with contextlib.suppress(psutil.NoSuchProcess):
+                process.kill()
         if runner.poll() is None:
             os.killpg(runner.pid, signal.SIGKILL)
             runner.wait()

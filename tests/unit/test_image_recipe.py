@@ -15,7 +15,7 @@ def test_docker_and_buildah_get_the_same_file_tag_arguments_and_context():
     build = Build("sd:test", build_args={"BASE_IMAGE": "docker.io/library/ubuntu:22.04"})
     shared = ["--file", str(DOCKERFILE), "--tag", "sd:test", "--build-arg", "BASE_IMAGE=docker.io/library/ubuntu:22.04"]
     assert build.docker() == ["docker", "build", *shared, str(ROOT)]
-    command = build.buildah(Buildah(), pull=False)
+    command = build.buildah(Buildah(), pull="never")
     assert command[:3] == ["buildah", "--storage-driver", "vfs"] and command[-len(shared) - 1 :] == [*shared, str(ROOT)]
     # Chroot isolation needs no user namespaces; the docker format keeps the HEALTHCHECK.
     assert {"--isolation", "chroot", "--format", "docker", "--pull=never"} <= set(command)
