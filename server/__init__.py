@@ -17,33 +17,27 @@ side effect of importing the package.
 from __future__ import annotations
 
 import importlib
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-if TYPE_CHECKING:
-    from server.archive import build, console_script, write_model_config
-    from server.process import TorchServe, serve_archive
-    from server.properties import KEY_FILE, Addresses, Keys, config_on_free_ports, free_port, read_properties
-
-__all__ = [
-    "KEY_FILE",
-    "Addresses",
-    "Keys",
-    "TorchServe",
-    "build",
-    "config_on_free_ports",
-    "console_script",
-    "free_port",
-    "read_properties",
-    "serve_archive",
-    "write_model_config",
-]
-_HOMES = ("server.properties", "server.process", "server.archive")
+# Each entry point and the module that defines it.
+_HOMES = {
+    "KEY_FILE": "server.properties",
+    "Addresses": "server.properties",
+    "Keys": "server.properties",
+    "config_on_free_ports": "server.properties",
+    "free_port": "server.properties",
+    "read_properties": "server.properties",
+    "TorchServe": "server.process",
+    "serve_archive": "server.process",
+    "build": "server.archive",
+    "console_script": "server.archive",
+    "write_model_config": "server.archive",
+}
+__all__ = sorted(_HOMES)
 
 
 def __getattr__(name: str) -> Any:
     """An entry point, imported from its module on first use."""
-    if name in __all__:
-        for home in map(importlib.import_module, _HOMES):
-            if hasattr(home, name):
-                return getattr(home, name)
-    raise AttributeError(f"module 'server' has no attribute {name!r}")
+    if name not in _HOMES:
+        raise AttributeError(f"module 'server' has no attribute {name!r}")
+    return getattr(importlib.import_module(_HOMES[name]), name)

@@ -28,11 +28,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from server.paths import ROOT
+from server.paths import DOCKERFILE, REQUIREMENTS, ROOT
 
 logger = logging.getLogger("image")
 
-DOCKERFILE = ROOT / "docker" / "Dockerfile"
 IMAGE = "stable-diffusion-torchserve:0.1"
 CPU_IMAGE = f"{IMAGE}-cpu"
 LOCAL_BASE = "localhost/debian-minbase:bookworm"
@@ -48,8 +47,6 @@ IMAGE_PYTHON = "3.11"
 # Where the build sees what --local-cpu mounts.
 WHEELS_MOUNT = "/run/build/wheels"
 PIP_CERT_MOUNT = "/run/build/pip-ca.crt"
-# The Debian packages that provide each tool.
-PACKAGES = {"buildah": "buildah", "debootstrap": "debootstrap"}
 
 
 class MissingTool(RuntimeError):
@@ -57,23 +54,22 @@ class MissingTool(RuntimeError):
 
 
 def require(*tools: str) -> None:
-    """Install the missing ``tools`` with apt-get where this runs as root on Debian or Ubuntu; raise
-    ``MissingTool`` saying why where that is not possible or fails."""
+    """Install the missing ``tools`` (each is its Debian package's name) with apt-get where this runs as
+    root on Debian or Ubuntu; raise ``MissingTool`` saying why where that is not possible or fails."""
     missing = [tool for tool in tools if shutil.which(tool) is None]
     if not missing:
         return
-    packages = [PACKAGES[tool] for tool in missing]
     if os.geteuid() != 0 or shutil.which("apt-get") is None:
-        raise MissingTool(f"{', '.join(missing)} not installed; install the Debian packages {' '.join(packages)}")
-    logger.info("installing %s", " ".join(packages))
+        raise MissingTool(f"{', '.join(missing)} not installed; install the Debian packages {' '.join(missing)}")
+    logger.info("installing %s", " ".join(missing))
     environment = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
-    for command in (["apt-get", "update"], ["apt-get", "install", "-y", *packages]):
+    for command in (["apt-get", "update"], ["apt-get", "install", "-y", *missing]):
         result = subprocess.run(command, env=environment, capture_output=True, text=True)
         if result.returncode != 0:
             raise MissingTool(f"{' '.join(command)} failed: {result.stderr.strip()[-500:]}")
-    still_missing = [tool for tool in tools if shutil.which(tool) is None]
+    still_missing = [tool for tool in missing if shutil.which(tool) is None]
     if still_missing:
-        raise MissingTool(f"{', '.join(still_missing)} still missing after installing {' '.join(packages)}")
+        raise MissingTool(f"{', '.join(still_missing)} still missing after apt-get install")
 
 
 def docker_engine() -> bool:
@@ -121,11 +117,12 @@ class Build:
 
     def arguments(self) -> list[str]:
         """The build's options and context, the same for docker build and buildah bud."""
-        undeclared = set(self.build_args) - declared_build_args()
+        declared = declared_build_args()
+        undeclared = set(self.build_args) - declared
         if undeclared:
             raise ValueError(
                 f"build arguments {sorted(undeclared)} are not declared in docker/Dockerfile, "
-                f"which declares {sorted(declared_build_args())}"
+                f"which declares {sorted(declared)}"
             )
         options = ["--file", str(DOCKERFILE), "--tag", self.tag]
         for name, value in self.build_args.items():
@@ -164,7 +161,7 @@ def debian_base(buildah: Buildah, tag: str, scratch: Path) -> None:
 
 def pinned(name: str) -> str:
     """``name==version`` as requirements.txt pins it."""
-    for line in (ROOT / "requirements.txt").read_text().splitlines():
+    for line in REQUIREMENTS.read_text().splitlines():
         if line.split("==")[0].strip().lower() == name:
             return line.strip()
     raise LookupError(f"requirements.txt does not pin {name}")
@@ -176,11 +173,12 @@ def torch_wheel(directory: Path) -> Path:
     version = IMAGE_PYTHON.replace(".", "")
     target = ["--python-version", IMAGE_PYTHON, "--implementation", "cp", "--abi", f"cp{version}"]
     target += ["--platform", f"manylinux_2_28_{platform.machine()}", "--only-binary=:all:"]
-    download = ["download", "--quiet", "--no-deps", "--dest", str(directory), *target, pinned("torch")]
+    torch = pinned("torch")
+    download = ["download", "--quiet", "--no-deps", "--dest", str(directory), *target, torch]
     subprocess.run([sys.executable, "-m", "pip", *download], check=True)
     wheels = list(directory.glob("torch-*.whl"))
     if len(wheels) != 1:
-        raise LookupError(f"pip download {pinned('torch')} left {len(wheels)} torch wheels in {directory}")
+        raise LookupError(f"pip download {torch} left {len(wheels)} torch wheels in {directory}")
     return wheels[0]
 
 
@@ -249,11 +247,12 @@ def main() -> None:
     tag = args.tag or (CPU_IMAGE if args.local_cpu else IMAGE)
     try:
         engine = choose_engine(args.engine, args.local_cpu)
+        buildah = Buildah()
         with tempfile.TemporaryDirectory(prefix="image-") as scratch:
-            build = local_cpu_build(Buildah(), tag, Path(scratch)) if args.local_cpu else Build(tag)
+            build = local_cpu_build(buildah, tag, Path(scratch)) if args.local_cpu else Build(tag)
             build.build_args.update(args.build_arg)
             # --local-cpu: the local base is there; any other base is pulled only where missing.
-            build_image(build, engine, Buildah(), pull="false" if args.local_cpu else "true")
+            build_image(build, engine, buildah, pull="false" if args.local_cpu else "true")
     except (MissingTool, LookupError, ValueError) as error:
         sys.exit(f"image: {error}")
     except subprocess.CalledProcessError as error:

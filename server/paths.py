@@ -11,6 +11,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 HANDLER_PACKAGE = ROOT / "handler"
+REQUIREMENTS = ROOT / "requirements.txt"  # what serving needs, pinned (the image installs only this file)
+DOCKERFILE = ROOT / "docker" / "Dockerfile"  # the serving image
 CONFIG_PROPERTIES = ROOT / "config.properties"  # TorchServe's server settings
 MODEL_CONFIG = ROOT / "model-config.yaml"  # the archive's frontend and handler settings
 METRICS_CONFIG = ROOT / "metrics.yaml"  # TorchServe's metrics_config (generated from handler/metrics.py)

@@ -215,7 +215,7 @@ class TorchServe:
             return {}
         if self.keys is None:
             raise RuntimeError("keys are known once the server has started")
-        return {"Authorization": f"Bearer {self.keys.management if management else self.keys.inference}"}
+        return self.keys.authorization(management)
 
     def stop(self, grace: float = STOP_GRACE_SECONDS) -> None:
         """SIGTERM the process group (the frontend stops its workers), SIGKILL what is left."""

@@ -122,6 +122,10 @@ class Keys:
         data = json.loads(path.read_text())
         return cls(inference=data["inference"]["key"], management=data["management"]["key"])
 
+    def authorization(self, management: bool = False) -> dict[str, str]:
+        """The Authorization header for the inference (or management) API."""
+        return {"Authorization": f"Bearer {self.management if management else self.inference}"}
+
 
 def reach(workdir: Path) -> tuple[Addresses, dict[str, str]]:
     """How a client on this host reaches the server whose working directory is ``workdir``: its
@@ -129,7 +133,5 @@ def reach(workdir: Path) -> tuple[Addresses, dict[str, str]]:
     key_file.json TorchServe leaves there. Raises OSError, ValueError or KeyError where they are
     missing or unreadable."""
     properties = read_properties(workdir / EFFECTIVE_CONFIG)
-    headers = {}
-    if token_authorization(properties):
-        headers["Authorization"] = f"Bearer {Keys.from_key_file(workdir / KEY_FILE).inference}"
+    headers = Keys.from_key_file(workdir / KEY_FILE).authorization() if token_authorization(properties) else {}
     return Addresses.from_properties(reachable(properties)), headers
