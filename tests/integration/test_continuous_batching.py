@@ -83,13 +83,7 @@ def test_every_scheduler_gives_diffusers_image_while_requests_join(continuous_cl
 
 
 def test_streamed_progress_parses_and_ends_with_the_image(continuous_client, reference):
-    response = requests.post(
-        continuous_client.url,
-        json={**SHORT, "stream": True},
-        headers=continuous_client.server.auth(),
-        stream=True,
-        timeout=120,
-    )
+    response = continuous_client.predict({**SHORT, "stream": True}, stream=True)
     assert response.status_code == 200 and response.headers["Content-Type"] == "application/x-ndjson"
     events = [json.loads(line) for line in response.iter_lines() if line]
     progress, done = events[:-1], events[-1]

@@ -51,7 +51,7 @@ def test_shape_is_recognisable_for_most_prompts(default_judgements):
 def test_batched_mixed_colour_requests_each_get_their_own_colour(client):
     bodies = [
         {"prompt": f"a {colour} {shape}", "seed": 3, "response_format": "json"}
-        for colour, shape in zip(COLOURS, ["circle", "square", "triangle", "circle"], strict=False)
+        for colour, shape in zip(COLOURS, ["circle", "square", "triangle", "circle"], strict=True)
     ]
     responses = run_behind_blocker(client, bodies)
     payloads = [response.json() for response in responses]

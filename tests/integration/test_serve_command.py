@@ -16,7 +16,7 @@ import psutil
 import pytest
 
 from server import config_on_free_ports, read_properties
-from server.paths import ROOT
+from server.paths import CONFIG_PROPERTIES, ROOT
 from server.properties import EFFECTIVE_CONFIG
 from tests.harness.images import decode_png
 from tests.harness.serving import MODEL_DIR, STARTUP_TIMEOUT
@@ -90,7 +90,7 @@ def test_start_script_serves_a_working_curl_and_stops_leaving_no_process(tmp_pat
         "MODEL_STORE": str(tmp_path / "model_store"),
         "ARCHIVE_FORMAT": "no-archive",
         "WORKDIR": str(runtime),
-        "CONFIG": str(config_on_free_ports(ROOT / "config.properties", tmp_path)),
+        "CONFIG": str(config_on_free_ports(CONFIG_PROPERTIES, tmp_path)),
     }
     if bind_address:
         env["BIND_ADDRESS"] = bind_address

@@ -8,9 +8,10 @@ from pathlib import Path
 import pytest
 import yaml
 
-from server.archive import archive_model_config, build, console_script, default_workers
+from server.archive import archive_model_config, build, console_script, default_workers, write_model_config
 from server.paths import MODEL_CONFIG, RANDOM_MODEL_DIR
 from server.process import FRONTEND_START_SECONDS, archive_ready_timeout, find_archive, ready_timeout
+from tests.harness.serving import SHIPPED_CONFIG
 
 
 @pytest.fixture
@@ -85,7 +86,7 @@ def test_workers_default_to_one_per_gpu_used(config, gpus, workers):
 
 
 def test_the_archive_config_gets_the_worker_count_and_the_shipped_one_sets_none(tmp_path, model_copy):
-    shipped = yaml.safe_load(MODEL_CONFIG.read_text())
+    shipped = SHIPPED_CONFIG
     assert "minWorkers" not in shipped and "maxWorkers" not in shipped
     archive = build(model_copy, MODEL_CONFIG, tmp_path / "store", gpus=2)
     packaged = yaml.safe_load(zipfile.ZipFile(archive).read("model-config.yaml"))
@@ -96,19 +97,15 @@ def test_the_archive_config_gets_the_worker_count_and_the_shipped_one_sets_none(
 
 
 def test_an_absolute_model_path_packages_no_weights(tmp_path, model_copy):
-    config = yaml.safe_load(MODEL_CONFIG.read_text())
-    config["handler"]["model_path"] = str(model_copy)
-    (tmp_path / "config.yaml").write_text(yaml.safe_dump(config))
-    names = zipfile.ZipFile(build(model_copy, tmp_path / "config.yaml", tmp_path / "store")).namelist()
+    config = write_model_config(tmp_path, handler={"model_path": str(model_copy)})
+    names = zipfile.ZipFile(build(model_copy, config, tmp_path / "store")).namelist()
     assert "handler/sd_handler.py" in names and not any(name.startswith("model/") for name in names)
 
 
 @pytest.mark.parametrize("archive_format", ["default", "no-archive"])
 def test_serve_waits_as_long_as_the_archives_startup_timeout_allows(tmp_path, model_copy, archive_format):
-    config = yaml.safe_load(MODEL_CONFIG.read_text())
-    config["startupTimeout"] = 1234
-    (tmp_path / "config.yaml").write_text(yaml.safe_dump(config))
-    store = build(model_copy, tmp_path / "config.yaml", tmp_path / "store", archive_format=archive_format).parent
+    config = write_model_config(tmp_path, startupTimeout=1234)
+    store = build(model_copy, config, tmp_path / "store", archive_format=archive_format).parent
     packaged = archive_model_config(store, find_archive(store))
     assert packaged["startupTimeout"] == 1234 and ready_timeout(packaged) == 1234 + FRONTEND_START_SECONDS
     assert archive_ready_timeout(store) == 1234 + FRONTEND_START_SECONDS

@@ -8,10 +8,10 @@ import yaml
 from pydantic import ValidationError
 
 from handler.config import HandlerSettings, continuous_batching
-from server.paths import CONFIG_PROPERTIES, METRICS_CONFIG, MODEL_CONFIG
+from server.paths import CONFIG_PROPERTIES, METRICS_CONFIG
 from server.properties import EFFECTIVE_CONFIG, KEY_FILE, bound_to, reach, reachable, read_properties, write_properties
+from tests.harness.serving import SHIPPED_CONFIG
 
-SHIPPED_CONFIG = yaml.safe_load(MODEL_CONFIG.read_text())
 PROPERTIES = read_properties(CONFIG_PROPERTIES)
 
 

@@ -23,7 +23,7 @@ import yaml
 from dockerfile_parse import DockerfileParser
 
 from server import read_properties
-from server.paths import K8S_DIR, ROOT
+from server.paths import CONFIG_PROPERTIES, DOCKERFILE, K8S_DIR, REQUIREMENTS, ROOT
 from tests.harness.imports import import_statements
 
 DOCKER = ROOT / "docker"
@@ -141,7 +141,7 @@ def by_kind(kind: str) -> dict:
 
 @pytest.fixture(scope="module")
 def dockerfile() -> DockerfileParser:
-    return DockerfileParser(fileobj=io.BytesIO((DOCKER / "Dockerfile").read_bytes()))
+    return DockerfileParser(fileobj=io.BytesIO(DOCKERFILE.read_bytes()))
 
 
 def instructions(parser: DockerfileParser, name: str) -> list[str]:
@@ -172,7 +172,7 @@ def test_dockerfile_defaults_fit_the_cuda_base(dockerfile):
 
 
 def test_every_build_argument_is_documented(dockerfile):
-    header = (DOCKER / "Dockerfile").read_text().split("\nARG ", 1)[0]
+    header = DOCKERFILE.read_text().split("\nARG ", 1)[0]
     deploy = (ROOT / "docs" / "deploy.md").read_text()
     for name in build_arg_defaults(dockerfile):
         assert f"#   {name} " in header, f"the Dockerfile's header does not document {name}"
@@ -198,22 +198,20 @@ def test_dockerfile_installs_and_copies_what_serving_needs_only(dockerfile):
 
 
 def test_requirements_are_split_into_serving_and_development():
-    serving = requirement_names(ROOT / "requirements.txt")
+    serving = requirement_names(REQUIREMENTS)
     assert not serving & DEV_ONLY, serving & DEV_ONLY
     assert (ROOT / "requirements-dev.txt").read_text().splitlines().count("-r requirements.txt") == 1
     assert DEV_ONLY <= requirement_names(ROOT / "requirements-dev.txt")
-    for line in (ROOT / "requirements.txt").read_text().splitlines() + (
-        ROOT / "requirements-dev.txt"
-    ).read_text().splitlines():
+    for line in (REQUIREMENTS).read_text().splitlines() + (ROOT / "requirements-dev.txt").read_text().splitlines():
         assert not line or line.startswith(("#", "-r ")) or "==" in line, f"not pinned: {line}"
 
 
 def test_the_serving_code_imports_only_what_requirements_txt_installs():
     """Every third-party module the image's code imports comes from requirements.txt or what it pulls in."""
-    provided = installed_closure(requirement_names(ROOT / "requirements.txt"))
+    provided = installed_closure(requirement_names(REQUIREMENTS))
     distributions = importlib.metadata.packages_distributions()
     copied = {source.rstrip("/") for source in SERVING_FILES if source.endswith("/")}
-    sources = [path for folder in ("handler", "server") for path in (ROOT / folder).glob("*.py")]
+    sources = [path for folder in copied for path in (ROOT / folder).glob("*.py")]
     for source in sources:
         for name, _ in import_statements(source):
             module = name.split(".")[0]
@@ -245,7 +243,7 @@ def test_dockerfile_holds_no_secrets(dockerfile):
             assert not re.search(r"(KEY|TOKEN|PASSWORD|SECRET)\w*=", item["value"], re.IGNORECASE), item["content"]
         if item["instruction"] == "COPY":
             assert "key_file" not in item["value"], item["content"]
-    assert "Bearer" not in (DOCKER / "Dockerfile").read_text()
+    assert "Bearer" not in DOCKERFILE.read_text()
 
 
 # --- Compose ------------------------------------------------------------------------------------
@@ -382,7 +380,7 @@ def test_auth_proxy_checks_the_key_and_reaches_torchserve_on_loopback():
     "config", [K8S_DIR / "config.properties", KSERVE / "config" / "config.properties"], ids=["kubernetes", "kserve"]
 )
 def test_deployment_configs_differ_from_config_properties_only_where_documented(config):
-    base, deployed = read_properties(ROOT / "config.properties"), read_properties(config)
+    base, deployed = read_properties(CONFIG_PROPERTIES), read_properties(config)
     changed = {key for key in base.keys() | deployed.keys() if base.get(key) != deployed.get(key)}
     assert changed <= DEPLOYMENT_KEYS, changed - DEPLOYMENT_KEYS
     assert deployed["enable_model_api"] == "false"

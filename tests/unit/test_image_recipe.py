@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 import argparse
-from pathlib import Path
 
 import pytest
 
-from server.image import DOCKERFILE, Build, Buildah, build_arg, declared_build_args, pinned
-from server.paths import ROOT
+from server.image import Build, Buildah, build_arg, declared_build_args, pinned
+from server.paths import DOCKERFILE, REQUIREMENTS, ROOT
 
 
 def test_docker_and_buildah_get_the_same_file_tag_arguments_and_context():
@@ -52,6 +51,6 @@ def test_build_arguments_on_the_command_line_are_key_value():
 
 
 def test_the_torch_pin_is_requirements_txts():
-    assert pinned("torch") in Path(ROOT / "requirements.txt").read_text().splitlines()
+    assert pinned("torch") in REQUIREMENTS.read_text().splitlines()
     with pytest.raises(LookupError):
         pinned("tensorflow")

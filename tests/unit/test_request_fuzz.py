@@ -17,7 +17,6 @@ from dataclasses import replace
 from typing import Any, get_args
 
 import hypothesis.strategies as st
-import yaml
 from hypothesis import assume, given, settings
 from PIL import Image
 from ts.context import Context
@@ -30,7 +29,6 @@ from handler.encode import JSON_CONTENT_TYPE
 from handler.protocol import IncomingRequest, Response, bad_request, decode
 from handler.request import FIELD_LABELS, UNKNOWN_FIELD_LABEL, GenerationRequest, RequestError, RequestPolicy
 from handler.sd_handler import to_incoming
-from server.paths import MODEL_CONFIG
 from tests.harness.client_inputs import (
     CONTENT_TYPE_HEADERS,
     CONTENT_TYPES,
@@ -40,9 +38,10 @@ from tests.harness.client_inputs import (
     RAW_BODIES,
     request_fields,
 )
+from tests.harness.serving import SHIPPED_CONFIG
 from tests.harness.stand_ins import FAILS_AT_START, FAILS_STEPPING, RecordingSink, make_service
 
-SHIPPED = HandlerSettings.from_model_yaml(yaml.safe_load(MODEL_CONFIG.read_text())).with_native_size(64, 64)
+SHIPPED = HandlerSettings.from_model_yaml(SHIPPED_CONFIG).with_native_size(64, 64)
 POLICY = RequestPolicy(SHIPPED.limits, SHIPPED.defaults)
 POLICIES = st.sampled_from([POLICY, replace(POLICY, streaming=True)])
 VALID = IncomingRequest({"prompt": "a red circle", "num_inference_steps": 3, "seed": 1}, JSON_CONTENT_TYPE)
