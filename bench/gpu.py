@@ -41,7 +41,7 @@ import numpy as np
 from bench import sd15, sdxl
 from bench.engine import measure_model
 from bench.gpu_report import SECTION_RENDERERS, percent_text, render
-from bench.measure import PROMPTS, Workload
+from bench.measure import PROMPTS, Workload, error_text
 from bench.pipeline import Runner, environment, summary
 from bench.report import number_text
 from bench.variants import by_name, select
@@ -142,6 +142,7 @@ class GpuBench:
         self.timeout = timeout
         self.caches = scratch / "inductor"  # shared, so a shape compiled in one section is warm in the next
         self.environment = environment(self.device)
+        self.measured: dict[str, dict] = {}  # what each section measured in this run, as last saved
 
     def workload(self, model: str, side: int, steps: int, batch: int = 1, max_batch_limit: int = 0) -> Workload:
         return Workload(
@@ -163,6 +164,7 @@ class GpuBench:
         """The section's file, rewritten after every measurement (``status`` "running" until it ends),
         so a call stopped at its time limit keeps what it measured."""
         self.output.mkdir(parents=True, exist_ok=True)
+        self.measured[name] = result
         result = {
             "section": name,
             "status": status,
@@ -203,6 +205,9 @@ class GpuBench:
                 "baseline": EAGER,
                 "variants": [rows[name] for name in SECTION_VARIANTS if name in rows],
             }
+
+        if rows:  # an earlier call's rows on this GPU stand even if this call fails before measuring
+            self.measured["variants"] = merged({})
 
         runner = Runner(
             workload,
@@ -343,17 +348,15 @@ class GpuBench:
         """One section, its file saved and the report rendered whatever happens; False when it failed."""
         started = time.perf_counter()
         logger.info("section %s", section)
+        self.measured.pop(section, None)
         try:
             result = self.variants(variant_names) if section == "variants" else getattr(self, section)()
             self.save(section, result, status="ok")
             failed = False
         except Exception as error:  # noqa: BLE001 - the next section still runs; the report says what failed
             logger.exception("section %s failed", section)
-            partial = self.section(section) or {}
-            kept = {
-                key: value for key, value in partial.items() if key not in ("section", "status", "environment", "plan")
-            }
-            self.save(section, {**kept, "error": f"{type(error).__name__}: {error}"[:2000]}, status="failed")
+            # What this run measured, never an earlier run's file (it may be another GPU's).
+            self.save(section, {**self.measured.get(section, {}), "error": error_text(error)}, status="failed")
             failed = True
         render(self.output)
         logger.info(

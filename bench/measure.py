@@ -272,12 +272,17 @@ def run_variant(
     return result
 
 
+def error_text(error: Exception) -> str:
+    """An exception as a result file reports it: its type and message, at most 2000 characters."""
+    return f"{type(error).__name__}: {error}".strip()[:2000]
+
+
 def _extra(name: str, measure) -> dict:
     try:
         return measure()
     except Exception as error:  # noqa: BLE001 - reported in the result
         traceback.print_exc()
-        return {f"{name}_error": f"{type(error).__name__}: {error}"[:2000]}
+        return {f"{name}_error": error_text(error)}
 
 
 def main() -> None:
@@ -299,7 +304,7 @@ def main() -> None:
         }
     except Exception as error:  # the benchmark reports a failed variant and goes on with the next
         traceback.print_exc()
-        result = {"status": "failed", "error": f"{type(error).__name__}: {error}".strip()[:2000]}
+        result = {"status": "failed", "error": error_text(error)}
     args.result.write_text(json.dumps(result, indent=2))
     sys.exit(0 if result["status"] == "ok" else 1)
 

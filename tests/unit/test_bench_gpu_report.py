@@ -1,5 +1,6 @@
 """`make bench-gpu`'s report from section files: goals and where each figure stands, partial runs,
-failed rows (pure logic; the quick run itself is tests/integration/test_bench_gpu.py)."""
+failed rows, what a failed section keeps (pure logic; the quick run itself is
+tests/integration/test_bench_gpu.py)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import json
 
 from PIL import Image
 
+from bench.gpu import QUICK, GpuBench
 from bench.gpu_report import goals, markdown, render
 
 ENVIRONMENT = {
@@ -161,3 +163,27 @@ def test_a_failed_or_stopped_section_says_so_and_keeps_what_it_measured(tmp_path
     for name, section in sections.items():
         (tmp_path / f"{name}.json").write_text(json.dumps(section))
     render(tmp_path)
+
+
+def test_a_section_that_fails_before_measuring_keeps_no_earlier_runs_figures(tmp_path, monkeypatch):
+    """An earlier run's file (perhaps another GPU's) is not relabelled with this run's environment."""
+    bench = GpuBench(QUICK, "cpu", tmp_path, tmp_path / "scratch", timeout=60)
+    earlier = _sections()["served"]  # another GPU's figures
+    (tmp_path / "served.json").write_text(json.dumps({"section": "served", "status": "ok", **earlier}))
+
+    def fails_at_once() -> dict:
+        raise FileNotFoundError("no java on PATH")
+
+    monkeypatch.setattr(bench, "served", fails_at_once)
+    assert not bench.run("served", None)
+    saved = json.loads((tmp_path / "served.json").read_text())
+    assert saved["status"] == "failed" and "points" not in saved and "no java" in saved["error"]
+
+    def fails_after_a_point() -> dict:
+        bench.save("served", {"points": earlier["points"][:1]})
+        raise RuntimeError("worker died")
+
+    monkeypatch.setattr(bench, "served", fails_after_a_point)
+    assert not bench.run("served", None)
+    saved = json.loads((tmp_path / "served.json").read_text())
+    assert saved["points"] == earlier["points"][:1] and saved["environment"] == bench.environment
