@@ -15,7 +15,7 @@ from handler.pipeline import synchronize
 
 def generate(engine: StepEngine, specs: list[JobSpec]) -> tuple[list[Decoded], list[float]]:
     """Decoded images per job, and the seconds of each forward (device time on CUDA)."""
-    jobs = [engine.start(spec) for spec in specs]
+    jobs = engine.start(specs)
     step_seconds = []
     while not all(job.done for job in jobs):
         started = time.perf_counter()

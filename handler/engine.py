@@ -4,10 +4,11 @@ Mirrors diffusers 0.42.1: ``StableDiffusionPipeline.__call__`` (SD 1.x, SD 2.x) 
 ``StableDiffusionXLPipeline.__call__`` (SDXL), cut at the denoising loop so jobs can join and
 leave between steps. Their numbered steps map to:
 
-- ``start``: 3. encode the prompt and 7. SDXL's added time ids (``handler.families``);
-  4. the job's own scheduler and timesteps; 5. initial latents from one CPU generator per image,
-  scaled by the scheduler's ``init_noise_sigma``; 6. ``prepare_extra_step_kwargs`` (eta 0 and
-  the generators, where the scheduler takes them).
+- ``start``: 3. encode the prompts of the jobs started together in one call and 7. SDXL's added
+  time ids (``handler.families``); 4. each job's own scheduler and timesteps (a copy of one built
+  per scheduler and step count); 5. initial latents from one CPU generator per image, scaled by
+  the scheduler's ``init_noise_sigma``; 6. ``prepare_extra_step_kwargs`` (eta 0 and the
+  generators, where the scheduler takes them).
 - ``step``: one iteration of the denoising loop (SD 7 / SDXL 8) for any set of jobs of one
   latent shape, in ONE UNet forward: each job's rows (doubled for classifier-free guidance when
   its guidance scale is above 1) at its own timestep, then per job the guidance and its own
@@ -26,7 +27,9 @@ kept in float32 instead of being upcast around each decode (same arithmetic).
 
 from __future__ import annotations
 
+import copy
 import inspect
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -130,22 +133,22 @@ class StepEngine:
     dtype: torch.dtype
     description: str
     fault_injection: FaultInjection = field(default_factory=FaultInjection)
+    _schedulers: dict[tuple[str, int], Scheduler] = field(default_factory=dict, init=False, repr=False)
 
     def latent_shape(self, width: int, height: int) -> tuple[int, int, int]:
         """Channels, height and width of one image's latents."""
         scale = self.pipeline.vae_scale_factor
         return self.pipeline.unet.config.in_channels, height // scale, width // scale
 
-    def start(self, spec: JobSpec) -> DenoiseJob:
-        """``__call__`` steps 3 to 7 for one job."""
-        guided = spec.guided
-        scheduler_class, overrides = SCHEDULERS[spec.scheduler]
-        scheduler = scheduler_class.from_config(self.pipeline.scheduler.config, **overrides)
+    def start(self, specs: Sequence[JobSpec]) -> list[DenoiseJob]:
+        """``__call__`` steps 3 to 7 for jobs started together: their prompts through the text
+        encoder(s) in one call, then each job's scheduler, latents and step arguments."""
+        conditionings = self.family.encode(specs)
+        return [self._start(spec, conditioning) for spec, conditioning in zip(specs, conditionings, strict=True)]
+
+    def _start(self, spec: JobSpec, conditioning: Conditioning) -> DenoiseJob:
         with torch.inference_mode():
-            conditioning = self.family.encode(
-                spec.prompt, spec.negative_prompt, spec.images, guided, spec.width, spec.height
-            )
-            scheduler.set_timesteps(spec.num_inference_steps, device=self.device)
+            scheduler = self._scheduler(spec.scheduler, spec.num_inference_steps)
             generators = [torch.Generator("cpu").manual_seed(seed) for seed in spec.seeds]
             shape = (spec.images, *self.latent_shape(spec.width, spec.height))
             latents = randn_tensor(
@@ -156,6 +159,17 @@ class StepEngine:
         return DenoiseJob(
             spec, scheduler, scheduler.timesteps, latents, conditioning, _step_kwargs(scheduler, generators)
         )
+
+    def _scheduler(self, name: str, steps: int) -> Scheduler:
+        """A fresh scheduler with ``steps`` timesteps (step 4): a copy of one built and set once per
+        (scheduler, steps), which costs a fifth of building it from the model's config."""
+        template = self._schedulers.get((name, steps))
+        if template is None:
+            scheduler_class, overrides = SCHEDULERS[name]
+            template = scheduler_class.from_config(self.pipeline.scheduler.config, **overrides)
+            template.set_timesteps(steps, device=self.device)
+            self._schedulers[(name, steps)] = template
+        return copy.deepcopy(template)
 
     def step(self, jobs: list[DenoiseJob]) -> None:
         """Advance every job one step with ONE UNet forward. All jobs must share a latent shape."""

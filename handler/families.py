@@ -6,7 +6,8 @@ it has them (``encode_prompt``, ``_get_add_time_ids``, ``run_safety_checker``, `
 
 - text conditioning: SD 1.x/2.x one text encoder; SDXL two, pooled embeddings and the six
   size/crop time ids as added conditioning, zeros for an absent negative prompt
-  (``force_zeros_for_empty_prompt``);
+  (``force_zeros_for_empty_prompt``); the texts of jobs started together go through the
+  encoders in one call;
 - the scheduler set-up: SDXL starts its schedulers at index 0 (``set_begin_index``);
 - the VAE decode: SDXL decodes in float32 when its VAE asks for it (``force_upcast``) and applies
   the VAE's latents mean and std where it has them;
@@ -18,6 +19,7 @@ The family is detected from the loaded pipeline's class; any other pipeline is r
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -44,6 +46,28 @@ class Scheduler(Protocol):
     def step(self, model_output: torch.Tensor, timestep: torch.Tensor, sample: torch.Tensor, **kwargs: Any) -> Any: ...
 
 
+class PromptSpec(Protocol):
+    """What a family conditions a job on (``handler.engine.JobSpec`` is one)."""
+
+    @property
+    def prompt(self) -> str: ...
+
+    @property
+    def negative_prompt(self) -> str | None: ...
+
+    @property
+    def width(self) -> int: ...
+
+    @property
+    def height(self) -> int: ...
+
+    @property
+    def images(self) -> int: ...
+
+    @property
+    def guided(self) -> bool: ...
+
+
 class UnsupportedPipeline(ValueError):
     """The model directory holds a pipeline the engine does not serve."""
 
@@ -63,6 +87,21 @@ class Conditioning:
         hidden = torch.cat([item.hidden_states for item in items])
         added = {name: torch.cat([item.added[name] for item in items]) for name in items[0].added}
         return hidden, added or None
+
+
+@dataclass(frozen=True)
+class TextEmbedding:
+    """One text through the family's text encoder(s): ``(1, tokens, width)`` hidden states and,
+    for SDXL, the second encoder's ``(1, width)`` pooled embedding."""
+
+    hidden_states: torch.Tensor
+    pooled: torch.Tensor | None = None
+
+    def zeros(self) -> TextEmbedding:
+        """SDXL's unconditional embedding for an absent negative prompt (``force_zeros_for_empty_prompt``)."""
+        return TextEmbedding(
+            torch.zeros_like(self.hidden_states), None if self.pooled is None else torch.zeros_like(self.pooled)
+        )
 
 
 @dataclass(frozen=True)
@@ -110,12 +149,37 @@ class StableDiffusionFamily:
     def safety_checker(self) -> bool:
         return getattr(self.pipeline, "safety_checker", None) is not None
 
-    def encode(
-        self, prompt: str, negative_prompt: str | None, images: int, guided: bool, width: int, height: int
-    ) -> Conditioning:
-        """``__call__`` step 3: encode the prompt (``num_images_per_prompt`` rows each)."""
-        positive, negative = self.pipeline.encode_prompt(prompt, self.device, images, guided, negative_prompt)
-        return Conditioning(torch.cat([negative, positive]) if guided else positive)
+    def encode(self, specs: Sequence[PromptSpec]) -> list[Conditioning]:
+        """``__call__`` step 3 for jobs started together: every distinct text they need (their
+        prompts, and the negative prompts of guided jobs) through the text encoder(s) in ONE
+        ``encode_prompt`` call, then each job's rows (``num_images_per_prompt`` of each text,
+        [negative; positive] with guidance). Each text is encoded on its own row, padded to the
+        tokenizer's length, so a job's rows equal its own ``encode_prompt`` call to float rounding."""
+        texts = list(dict.fromkeys(text for spec in specs for text in self._texts(spec)))
+        with torch.inference_mode():
+            embedded = dict(zip(texts, self._encode_texts(texts), strict=True)) if texts else {}
+            return [self._conditioning(spec, embedded) for spec in specs]
+
+    def _texts(self, spec: PromptSpec) -> list[str]:
+        negative = self._negative_text(spec)
+        return [spec.prompt] if not spec.guided or negative is None else [spec.prompt, negative]
+
+    def _negative_text(self, spec: PromptSpec) -> str | None:
+        """What a job's unconditional rows encode: its negative prompt, "" without one (as
+        ``encode_prompt`` does); None where the family conditions on zeros instead."""
+        return spec.negative_prompt or ""
+
+    def _encode_texts(self, texts: list[str]) -> list[TextEmbedding]:
+        hidden_states, _ = self.pipeline.encode_prompt(texts, self.device, 1, False)
+        return [TextEmbedding(row) for row in hidden_states.split(1)]
+
+    def _conditioning(self, spec: PromptSpec, embedded: dict[str, TextEmbedding]) -> Conditioning:
+        """``encode_prompt``'s output for one job: each text's rows repeated per image."""
+        positive = embedded[spec.prompt].hidden_states.repeat(spec.images, 1, 1)
+        if not spec.guided:
+            return Conditioning(positive)
+        negative = embedded[self._negative_text(spec) or ""].hidden_states.repeat(spec.images, 1, 1)
+        return Conditioning(torch.cat([negative, positive]))
 
     def prepare_scheduler(self, scheduler: Scheduler) -> None:
         """Nothing: ``StableDiffusionPipeline`` lets each scheduler find its first index."""
@@ -155,28 +219,45 @@ class StableDiffusionXLFamily(StableDiffusionFamily):
     def safety_checker(self) -> bool:
         return False
 
-    def encode(
-        self, prompt: str, negative_prompt: str | None, images: int, guided: bool, width: int, height: int
-    ) -> Conditioning:
-        """``__call__`` steps 3 and 7: both text encoders, pooled embeddings, time ids from the
-        original and target size (the request's size) and a (0, 0) crop."""
-        pipeline = self.pipeline
-        embeds, negative_embeds, pooled, negative_pooled = pipeline.encode_prompt(
-            prompt=prompt,
-            device=self.device,
-            num_images_per_prompt=images,
-            do_classifier_free_guidance=guided,
-            negative_prompt=negative_prompt,
+    def _negative_text(self, spec: PromptSpec) -> str | None:
+        if spec.negative_prompt is None and self.pipeline.config.force_zeros_for_empty_prompt:
+            return None
+        return spec.negative_prompt or ""
+
+    def _encode_texts(self, texts: list[str]) -> list[TextEmbedding]:
+        """Both text encoders (``encode_prompt``): hidden states, and the second's pooled embedding."""
+        hidden_states, _, pooled, _ = self.pipeline.encode_prompt(
+            prompt=texts, device=self.device, num_images_per_prompt=1, do_classifier_free_guidance=False
         )
+        return [
+            TextEmbedding(row, pooled_row)
+            for row, pooled_row in zip(hidden_states.split(1), pooled.split(1), strict=True)
+        ]
+
+    def _conditioning(self, spec: PromptSpec, embedded: dict[str, TextEmbedding]) -> Conditioning:
+        """``__call__`` steps 3 and 7 for one job: embeddings and pooled embeddings per image,
+        zeros for an absent negative prompt, time ids from the original and target size (the
+        request's size) and a (0, 0) crop."""
+        pipeline, images = self.pipeline, spec.images
+        positive = embedded[spec.prompt]
+        negative_text = self._negative_text(spec)
+        negative = positive.zeros() if negative_text is None else embedded[negative_text]
+        embeds, pooled = positive.hidden_states, positive.pooled
+        assert pooled is not None and negative.pooled is not None  # SDXL's second encoder pools
         projection_dim = (
             int(pooled.shape[-1]) if pipeline.text_encoder_2 is None else pipeline.text_encoder_2.config.projection_dim
         )
         time_ids = pipeline._get_add_time_ids(
-            (height, width), (0, 0), (height, width), dtype=embeds.dtype, text_encoder_projection_dim=projection_dim
+            (spec.height, spec.width),
+            (0, 0),
+            (spec.height, spec.width),
+            dtype=embeds.dtype,
+            text_encoder_projection_dim=projection_dim,
         )
-        if guided:
-            embeds = torch.cat([negative_embeds, embeds], dim=0)
-            pooled = torch.cat([negative_pooled, pooled], dim=0)
+        embeds, pooled = embeds.repeat(images, 1, 1), pooled.repeat(images, 1)
+        if spec.guided:
+            embeds = torch.cat([negative.hidden_states.repeat(images, 1, 1), embeds], dim=0)
+            pooled = torch.cat([negative.pooled.repeat(images, 1), pooled], dim=0)
             time_ids = torch.cat([time_ids, time_ids], dim=0)
         time_ids = time_ids.to(self.device).repeat(images, 1)
         return Conditioning(embeds.to(self.device), {"text_embeds": pooled.to(self.device), "time_ids": time_ids})

@@ -53,7 +53,7 @@ class StepProfile:
         shape = self.engine.latent_shape(width, height)
         timings: dict[int, float] = {}
         for size in self.sizes():
-            job = self.engine.start(JobSpec("profile", None, tuple(range(size)), width, height, 2, "ddim", 7.5))
+            (job,) = self.engine.start([JobSpec("profile", None, tuple(range(size)), width, height, 2, "ddim", 7.5)])
             if not self._timed_steps(job, timings):
                 release_cached_memory()  # outside the except block: the failed forward's tensors are gone
                 self.ran_out_of_memory(shape, job.unet_rows, alone=True)

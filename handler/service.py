@@ -1,10 +1,11 @@
 """One service for both TorchServe batching modes: admit, step, finish, answer.
 
 Requests become jobs of the step engine at admission: decoding and validation, the memory check,
-text encoding, the job's scheduler and latents. Everything that can fail for a request's own
-reasons fails there, with its own status. Then iterations: ``choose`` picks the jobs of one latent
-shape for ONE UNet forward whatever their steps, scheduler and guidance, and finished jobs are
-decoded together and answered. TorchServe's two modes are two loops over the same iteration:
+text encoding (one call for the requests admitted together), the job's scheduler and latents.
+Everything that can fail for a request's own reasons fails there, with its own status. Then
+iterations: ``choose`` picks the jobs of one latent shape for ONE UNet forward whatever their
+steps, scheduler and guidance, and finished jobs are decoded together and answered.
+TorchServe's two modes are two loops over the same iteration:
 
 - dynamic batching (``run_batch``): a batch is admitted, then iterated until every job is done;
 - continuous batching (``iterate``): one iteration per call; requests join and leave between
@@ -149,17 +150,19 @@ class DiffusionService:
             if not self.profile.fits(self.engine.latent_shape(shape.width, shape.height), shape.batch_size):
                 logger.warning("warm-up shape %s does not fit in memory; skipped", shape.model_dump())
                 continue
-            job = self.engine.start(
-                JobSpec(
-                    "warm-up",
-                    None,
-                    tuple(range(shape.batch_size)),
-                    shape.width,
-                    shape.height,
-                    shape.num_inference_steps,
-                    defaults.scheduler,
-                    defaults.guidance_scale,
-                )
+            (job,) = self.engine.start(
+                [
+                    JobSpec(
+                        "warm-up",
+                        None,
+                        tuple(range(shape.batch_size)),
+                        shape.width,
+                        shape.height,
+                        shape.num_inference_steps,
+                        defaults.scheduler,
+                        defaults.guidance_scale,
+                    )
+                ]
             )
             while not job.done:
                 self.engine.step([job])
@@ -169,35 +172,59 @@ class DiffusionService:
     # Admission.
 
     def _admit(self, new: dict[str, IncomingRequest]) -> dict[str, Response]:
-        """Decode, validate and start new requests; those that cannot start get their answer now."""
+        """Decode, validate and start new requests together; those that cannot start get their answer now."""
         if not new:
             return {}
         self.metrics.batch_received(len(new))
-        responses, arrived = {}, self.clock()
+        responses: dict[str, Response] = {}
+        valid: dict[str, GenerationRequest] = {}
+        arrived = self.clock()
         for rid, incoming in new.items():
+            outcome = self._validate(rid, incoming)
+            if isinstance(outcome, Response):
+                responses[rid] = outcome
+            else:
+                valid[rid] = outcome
+        for rid, started in self._start(valid).items():
+            if isinstance(started, Response):
+                responses[rid] = started
+            else:
+                self.flights[rid] = Flight(valid[rid], started, arrived, self.clock(), arrived + self.sla, len(new))
+        return responses
+
+    def _validate(self, rid: str, incoming: IncomingRequest) -> GenerationRequest | Response:
+        """The validated request, or its error answer."""
+        try:
+            request = decode(incoming, self.policy)
+        except RequestError as error:
+            rejected = ", ".join(f"{item.label} ({item.rule})" for item in error.errors)
+            logger.info("request %s rejected: %s", rid, rejected)
+            self.metrics.request_rejected([item.label for item in error.errors])
+            return bad_request(error)
+        except Exception as error:  # a bug must cost this request only, not its batchmates
+            logger.exception("request %s could not be decoded", rid)
+            return internal_error("decoding", error)
+        if self.log_prompts:
+            logger.info("request %s: %s", rid, request.parameters())
+        return request
+
+    def _start(self, requests: dict[str, GenerationRequest]) -> dict[str, DenoiseJob | Response]:
+        """Jobs for the requests, started together; 507 for a request whose shape and image count
+        already ran out of memory alone (a shape seen for the first time is profiled first)."""
+        outcomes: dict[str, DenoiseJob | Response] = {}
+        specs: dict[str, JobSpec] = {}
+        for rid, request in requests.items():
+            spec = job_spec(request)
             try:
-                request = decode(incoming, self.policy)
-            except RequestError as error:
-                logger.info(
-                    "request %s rejected: %s", rid, ", ".join(f"{item.label} ({item.rule})" for item in error.errors)
-                )
-                self.metrics.request_rejected([item.label for item in error.errors])
-                responses[rid] = bad_request(error)
-                continue
-            except Exception as error:  # a bug must cost this request only, not its batchmates
-                logger.exception("request %s could not be decoded", rid)
-                responses[rid] = internal_error("decoding", error)
-                continue
-            if self.log_prompts:
-                logger.info("request %s: %s", rid, request.parameters())
-            try:
-                job = self._start(request)
-            except Exception as error:  # out of memory (507) or a failure in text encoding (500)
+                fits = self._fits(spec)
+            except Exception as error:  # out of memory (507) or a failure while profiling (500)
                 logger.exception("request %s could not be started", rid)
                 release_cached_memory()
-                responses[rid] = internal_error("admission", error)
+                outcomes[rid] = internal_error("admission", error)
                 continue
-            if job is None:
+            if fits:
+                specs[rid] = spec
+            else:
                 logger.warning(
                     "request %s does not fit in memory (%d image(s) of %dx%d)",
                     rid,
@@ -205,21 +232,35 @@ class DiffusionService:
                     request.width,
                     request.height,
                 )
-                responses[rid] = does_not_fit(request)
-                continue
-            self.flights[rid] = Flight(request, job, arrived, self.clock(), arrived + self.sla, len(new))
-        return responses
+                outcomes[rid] = does_not_fit(request)
+        outcomes.update(self._start_together(specs))
+        return outcomes
 
-    def _start(self, request: GenerationRequest) -> DenoiseJob | None:
-        """The request's job; None when a job of its shape and image count already ran out of
-        memory alone. A shape seen for the first time is profiled first."""
-        spec = job_spec(request)
+    def _fits(self, spec: JobSpec) -> bool:
+        """False when a job of its shape and rows already ran out of memory alone."""
         shape = self.engine.latent_shape(spec.width, spec.height)
         if not self.profile.measured(shape):
             self.profile.measure(spec.width, spec.height)
-        if not self.profile.fits(shape, spec.unet_rows):
-            return None
-        return self.engine.start(spec)
+        return self.profile.fits(shape, spec.unet_rows)
+
+    def _start_together(self, specs: dict[str, JobSpec]) -> dict[str, DenoiseJob | Response]:
+        """Start jobs together (one text-encoder call); when that fails, each alone, so that a
+        failure (out of memory: 507, else 500) costs only its own request."""
+        if not specs:
+            return {}
+        try:
+            return dict(zip(specs, self.engine.start(list(specs.values())), strict=True))
+        except Exception as error:
+            if len(specs) == 1:
+                rid = next(iter(specs))
+                logger.exception("request %s could not be started", rid)
+                failure = internal_error("admission", error)
+            else:
+                logger.warning("starting requests %s together failed (%s); starting each alone", list(specs), error)
+        release_cached_memory()  # outside the except block, whose traceback holds the failed call's tensors
+        if len(specs) == 1:
+            return {rid: failure}
+        return {rid: outcome for one in specs.items() for rid, outcome in self._start_together(dict([one])).items()}
 
     # One iteration: step the chosen jobs, decode the finished ones.
 

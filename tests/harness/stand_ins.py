@@ -36,15 +36,22 @@ class SolidColorEngine:
         self.tiles_fail = tiles_fail
         self.flagged_seeds = flagged_seeds
         self.broken = False  # every step fails while set
+        self.starts: list[list[str]] = []  # prompts of the jobs in each start call
         self.steps: list[list[str]] = []  # prompts of the jobs in each forward
         self.decodes: list[tuple[int, bool]] = []  # (images, tiled)
 
     def latent_shape(self, width: int, height: int) -> tuple[int, int, int]:
         return 4, height // 8, width // 8
 
-    def start(self, spec: JobSpec) -> DenoiseJob:
-        if spec.prompt == FAILS_AT_START:
+    def start(self, specs: list[JobSpec]) -> list[DenoiseJob]:
+        """Jobs started together; the whole call fails when one prompt asks for it, as a shared
+        text-encoder call would."""
+        self.starts.append([spec.prompt for spec in specs])
+        if any(spec.prompt == FAILS_AT_START for spec in specs):
             raise RuntimeError("text encoder broke")
+        return [self._job(spec) for spec in specs]
+
+    def _job(self, spec: JobSpec) -> DenoiseJob:
         latents = (
             torch.tensor([float(seed % 256) for seed in spec.seeds])
             .view(-1, 1, 1, 1)

@@ -59,13 +59,13 @@ def expected(reference: Reference, job: JobSpec):
 
 
 def run(engine: StepEngine, plan: list[tuple[int, JobSpec]]) -> list[Decoded]:
-    """Step jobs that join at the given iterations together until all are done; decode each alone
-    as it finishes. Returns the decoded images in plan order."""
+    """Step jobs that join at the given iterations together until all are done (jobs joining at
+    one iteration are started together); decode each alone as it finishes. Returns the decoded
+    images in plan order."""
     running, finished, iteration = {}, {}, 0
     while len(finished) < len(plan):
-        for index, (joins, job) in enumerate(plan):
-            if joins == iteration:
-                running[index] = engine.start(job)
+        joining = {index: job for index, (joins, job) in enumerate(plan) if joins == iteration}
+        running.update(zip(joining, engine.start(list(joining.values())), strict=True))
         engine.step(list(running.values()))
         for index in [index for index, job in running.items() if job.done]:
             job = running.pop(index)
@@ -104,10 +104,36 @@ def test_jobs_joining_mid_flight_with_their_own_steps_scheduler_and_guidance_giv
         assert_same_images(decoded, expected(references[family], job))
 
 
+@pytest.mark.parametrize("family", FAMILIES)
+def test_jobs_started_together_share_one_text_encoder_call_and_each_gives_its_diffusers_image(
+    engines, references, family, monkeypatch
+):
+    """Different prompts, negative prompts (absent, empty, given), guidance on and off, image
+    counts and schedulers, two jobs with the same scheduler and steps (each its own copy)."""
+    side = 96 if family == "sd2" else 64
+    jobs = [
+        spec("a red circle", seed=1, side=side, steps=4),
+        spec("a red circle", seed=5, images=2, side=side, steps=4, negative=""),
+        spec("a green triangle", seed=2, side=side, steps=4, scheduler="dpmpp_2m", guidance=1.0),
+        spec("a yellow square", seed=4, side=side, steps=3, scheduler="dpmpp_2m", guidance=3.0, negative="blue"),
+        spec("a blue circle", seed=6, side=side, steps=3, scheduler="dpmpp_2m", negative="a red circle"),
+    ]
+    engine = engines[family]
+    calls = []
+    real = engine.pipeline.encode_prompt
+    monkeypatch.setattr(
+        engine.pipeline, "encode_prompt", lambda *args, **kwargs: calls.append(1) or real(*args, **kwargs)
+    )
+    decoded = run(engine, [(0, job) for job in jobs])
+    assert len(calls) == 1
+    for job, images in zip(jobs, decoded, strict=True):
+        assert_same_images(images, expected(references[family], job))
+
+
 def test_one_forward_needs_one_latent_shape(engines):
     engine = engines["sd1"]
     with pytest.raises(ValueError, match="one latent shape"):
-        engine.step([engine.start(spec(side=64)), engine.start(spec(side=128))])
+        engine.step(engine.start([spec(side=64), spec(side=128)]))
 
 
 def test_families_are_detected_from_the_loaded_pipeline(engines):
@@ -117,15 +143,14 @@ def test_families_are_detected_from_the_loaded_pipeline(engines):
 
 def test_sdxl_without_negative_prompt_conditions_on_zeros_and_on_its_size(engines):
     engine = engines["sdxl"]
-    absent = engine.start(spec(images=2, side=64))
-    empty = engine.start(spec(images=2, side=64, negative=""))
+    absent, empty = engine.start([spec(images=2, side=64), spec(images=2, side=64, negative="")])
     negative_rows = absent.conditioning.hidden_states[:2]
     assert (
         torch.count_nonzero(negative_rows) == 0
         and torch.count_nonzero(absent.conditioning.added["text_embeds"][:2]) == 0
     )
     assert torch.count_nonzero(empty.conditioning.hidden_states[:2]) > 0, "an explicit empty negative prompt is encoded"
-    wide = engine.start(JobSpec("x", None, (0,), 128, 64, 2, "ddim", 7.5))
+    (wide,) = engine.start([JobSpec("x", None, (0,), 128, 64, 2, "ddim", 7.5)])
     assert wide.conditioning.added["time_ids"].tolist() == [[64.0, 128.0, 0.0, 0.0, 64.0, 128.0]] * 2
 
 

@@ -87,7 +87,7 @@ def test_fault_injection_simulates_out_of_memory_above_its_pixel_budgets():
     assert len(decoded.images) == 1
     with pytest.raises(torch.OutOfMemoryError, match="simulated out of memory: 8192 pixels in one step"):
         generate(engine, [spec(), spec()])
-    job = engine.start(spec(images=2))
+    (job,) = engine.start([spec(images=2)])
     with pytest.raises(torch.OutOfMemoryError, match="8192 pixels in one VAE decode"):
         engine.decode(job.latents, 64, 64)
     assert len(engine.decode(job.latents, 64, 64, tiled=True).images) == 2

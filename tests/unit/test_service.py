@@ -101,9 +101,18 @@ def test_a_failing_step_fails_only_the_requests_that_took_it():
 
 
 def test_a_request_that_fails_at_admission_fails_alone_with_its_status():
-    responses = batch(make_service(streaming=False), body(prompt="explode at start"), body(seed=3))
+    engine = SolidColorEngine()
+    responses = batch(make_service(engine, streaming=False), body(prompt="explode at start"), body(seed=3))
     assert [response.status for response in responses] == [500, 200]
     assert "admission failed: RuntimeError: text encoder broke" in json.loads(responses[0].body)["message"]
+    assert engine.starts == [["explode at start", "p"], ["explode at start"], ["p"]], "together, then each alone"
+
+
+def test_requests_admitted_together_are_started_in_one_call():
+    engine = SolidColorEngine()
+    responses = batch(make_service(engine, streaming=False), body(seed=1), body(seed=2, width=128), body(seed=3))
+    assert [response.status for response in responses] == [200] * 3
+    assert engine.starts == [["p", "p", "p"]]
 
 
 def test_an_unexpected_decoding_error_fails_only_that_request(monkeypatch):
