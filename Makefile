@@ -26,7 +26,7 @@ help:
 	@echo "make lint   ruff (lint and format check) and mypy on handler/; CI runs it before the tests"
 	@echo "make format ruff's formatter and its safe fixes, in place"
 	@echo "make stop    stop a server started by make serve elsewhere"
-	@echo "make mar     build model_store/stable-diffusion.mar (or a directory for large models)"
+	@echo "make mar     build model_store/stable-diffusion.mar (or a directory for large models); GPUS=1 for a one-GPU pod"
 	@echo "make image   build the serving image, docker/Dockerfile: docker where an engine runs, else buildah"
 	@echo "             IMAGE_ARGS='--local-cpu' for the CPU variant from local parts (no container registry), '--build-arg K=V'"
 	@echo "make image-test  build the CPU variant with buildah, serve a prompt from it, stop it (the slow tier runs it too)"
@@ -88,9 +88,10 @@ train-default-model: venv
 model-grid: venv
 	$(PY) -m model_making.render_model_grid --output docs/img/default-model-grid.png
 
-# server/archive.py skips the work when handler, config and weights are unchanged.
+# server/archive.py skips the work when handler, config and weights are unchanged. GPUS: the GPUs of the
+# host that will serve the archive, where it is not this one (GPUS=1 for a one-GPU Kubernetes/KServe pod).
 mar: venv
-	$(PY) -m server.archive --model-dir "$(MODEL_DIR)" --archive-format $(ARCHIVE_FORMAT)
+	$(PY) -m server.archive --model-dir "$(MODEL_DIR)" --archive-format $(ARCHIVE_FORMAT) $(if $(GPUS),--gpus $(GPUS))
 
 # The serving image (server/image.py): docker where a Docker engine runs, else buildah (installed with
 # apt-get where missing, as root). IMAGE_ARGS='--local-cpu' builds the CPU variant from local parts only,

@@ -14,6 +14,11 @@ ResponseFormat = Literal["image", "json"]
 
 # The largest seed a request may carry (and the range of seeds drawn for requests without one).
 MAX_SEED = 2**32 - 1
+# TorchServe's responseTimeout where model-config.yaml sets none (ModelConfig.java), in seconds.
+TORCHSERVE_RESPONSE_TIMEOUT = 120
+# Share of responseTimeout a request may take in the worker by default: the rest answers a dynamic
+# batch (decode, encode) before TorchServe's timeout kills the worker with the batch in flight.
+REQUEST_TIMEOUT_SHARE = 0.9
 
 
 class _Section(BaseModel):
@@ -156,6 +161,14 @@ class HandlerSettings(_Section):
         "milliseconds have passed (at least one step, and never past a finished request), so TorchServe's per-call "
         "cost is shared by several short steps; new requests join between calls. 0: one step per call",
     )
+    request_timeout_s: float | None = Field(
+        None,
+        gt=0,
+        description="most seconds a request may spend in the worker from admission: a request that would pass it "
+        "is cancelled before its next step (504, sd_cancelled_requests_total{reason=deadline}). None: "
+        f"{REQUEST_TIMEOUT_SHARE:.0%} of the model's responseTimeout (TorchServe bounds a dynamic batch by it, killing "
+        "the worker, and one continuous-batching call, not a request)",
+    )
     metrics: MetricsSettings = MetricsSettings()
     log_prompts: bool = Field(False, description="log each request's parameters, prompt included, at INFO")
     fault_injection: FaultInjection = FaultInjection()
@@ -186,8 +199,14 @@ class HandlerSettings(_Section):
 
     @classmethod
     def from_model_yaml(cls, model_yaml_config: dict[str, Any] | None) -> HandlerSettings:
-        """Build settings from TorchServe's parsed ``model-config.yaml`` (``context.model_yaml_config``)."""
-        return cls.model_validate((model_yaml_config or {}).get("handler") or {})
+        """Build settings from TorchServe's parsed ``model-config.yaml`` (``context.model_yaml_config``),
+        ``request_timeout_s`` defaulting to its share of the model's ``responseTimeout``."""
+        config = model_yaml_config or {}
+        handler = dict(config.get("handler") or {})
+        if handler.get("request_timeout_s") is None:
+            response_timeout = float(config.get("responseTimeout", TORCHSERVE_RESPONSE_TIMEOUT))
+            handler["request_timeout_s"] = REQUEST_TIMEOUT_SHARE * response_timeout
+        return cls.model_validate(handler)
 
     def with_native_size(self, width: int, height: int) -> HandlerSettings:
         """These settings with the model's native size as the default for an unset width/height,

@@ -76,8 +76,32 @@ WORKER_WARMUP = MetricSpec(
     "sd_worker_warmup_seconds", "gauge", "s", "worker start: load, optimization, compile, warm-up and step profile"
 )
 IN_FLIGHT = MetricSpec(
-    "sd_in_flight_requests", "gauge", "requests", "requests in the denoising loop (admitted, not finished)"
+    "sd_in_flight_requests",
+    "gauge",
+    "requests",
+    "requests in this worker's denoising loop (admitted, not answered)",
+    ("worker",),
 )
+IN_FLIGHT_IMAGES = MetricSpec(
+    "sd_in_flight_images", "gauge", "images", "images of the requests in this worker's denoising loop", ("worker",)
+)
+WAITING = MetricSpec(
+    "sd_waiting_requests",
+    "gauge",
+    "requests",
+    "requests in this worker waiting for a denoising step: admitted, not finished, left out of the last UNet forward "
+    "(by the batch cap or another latent shape)",
+    ("worker",),
+)
+CANCELLED = MetricSpec(
+    "sd_cancelled_requests_total",
+    "counter",
+    "requests",
+    "requests the worker stopped denoising, by reason: client_gone (the client closed its connection) or deadline "
+    "(past request_timeout_s)",
+    ("reason",),
+)
+CANCEL_REASONS = ("client_gone", "deadline")
 ITERATION_BATCH_SIZE = MetricSpec(
     "sd_iteration_batch_size", "histogram", "images", "images stepped by one UNet forward"
 )
@@ -99,6 +123,9 @@ METRICS = (
     OOM_RETRIES,
     WORKER_WARMUP,
     IN_FLIGHT,
+    IN_FLIGHT_IMAGES,
+    WAITING,
+    CANCELLED,
     ITERATION_BATCH_SIZE,
     DEADLINE_MISSES,
 )
@@ -107,12 +134,24 @@ METRICS = (
 MetricSink = Callable[[MetricSpec, float, tuple[str, ...]], None]
 
 
-class DiffusionMetrics:
-    """What the service measures, in its own words."""
+@dataclass(frozen=True)
+class Queue:
+    """A worker's queue at one moment: requests and images in its denoising loop, and requests
+    waiting for a step."""
 
-    def __init__(self, sink: MetricSink, latency_sla_seconds: float):
+    requests: int = 0
+    images: int = 0
+    waiting: int = 0
+
+
+class DiffusionMetrics:
+    """What the service measures, in its own words. ``worker`` labels the per-worker gauges."""
+
+    def __init__(self, sink: MetricSink, latency_sla_seconds: float, worker: str = "0"):
         self.sink = sink
         self.latency_sla_seconds = latency_sla_seconds
+        self.worker = worker
+        self._queue: Queue | None = None
 
     def _record(self, spec: MetricSpec, value: float, *labels: str) -> None:
         self.sink(spec, value, labels)
@@ -126,8 +165,17 @@ class DiffusionMetrics:
         for field in sorted(set(fields)):
             self._record(INVALID_REQUESTS, 1, field)
 
-    def in_flight(self, requests: int) -> None:
-        self._record(IN_FLIGHT, requests)
+    def queue(self, queue: Queue) -> None:
+        """The queue gauges, recorded when they change (each record is a log line TorchServe parses)."""
+        if queue == self._queue:
+            return
+        self._queue = queue
+        self._record(IN_FLIGHT, queue.requests, self.worker)
+        self._record(IN_FLIGHT_IMAGES, queue.images, self.worker)
+        self._record(WAITING, queue.waiting, self.worker)
+
+    def cancelled(self, reason: str) -> None:
+        self._record(CANCELLED, 1, reason)
 
     def step(self, images: int, seconds: float) -> None:
         """One UNet forward over ``images`` images."""
@@ -151,7 +199,13 @@ class DiffusionMetrics:
         self._record(DEADLINE_MISSES, 1 if latency_seconds > self.latency_sla_seconds else 0)
 
     def worker_ready(self, seconds: float) -> None:
+        """A worker starts: its gauges read an empty queue (also where a worker of the same id died
+        with requests in flight), and the counters exist, so that their rate reads 0, not nothing."""
         self._record(WORKER_WARMUP, seconds)
         self._record(LATENCY_SLA, self.latency_sla_seconds)
-        for stage in OOM_STAGES:  # the counters exist from the start: their rate reads 0, not nothing
+        self._queue = None
+        self.queue(Queue())
+        for stage in OOM_STAGES:
             self._record(OOM_RETRIES, 0, stage)
+        for reason in CANCEL_REASONS:
+            self._record(CANCELLED, 0, reason)

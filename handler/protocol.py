@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -25,12 +25,6 @@ SEED_HEADER = "X-Seed"
 # chunk (TorchServe sends headers with the first chunk). The image's EXIF says it in every case.
 NSFW_HEADER = "X-NSFW-Content-Detected"
 STREAM_CONTENT_TYPE = "application/x-ndjson"
-# TorchServe 0.12 ends a gRPC call after the first part of an answer (GRPCJob.isOpen is inverted),
-# and with continuous batching answers leave in parts: the client would get an empty reply.
-GRPC_WITH_CONTINUOUS_BATCHING = (
-    "this server runs continuous batching, whose answers TorchServe 0.12 cannot deliver over gRPC "
-    "(it ends the call after the first part); send the request over HTTP"
-)
 
 
 @dataclass(frozen=True)
@@ -59,8 +53,8 @@ class Response:
 
 def decode(incoming: IncomingRequest, policy: RequestPolicy) -> GenerationRequest:
     """Validate one request, with a concrete seed. Raises ``RequestError``."""
-    if incoming.over_grpc and policy.streaming:
-        raise RequestError.single("body", "grpc_with_continuous_batching", GRPC_WITH_CONTINUOUS_BATCHING)
+    if incoming.over_grpc:
+        policy = replace(policy, over_grpc=True)
     has_body = not (incoming.body is None or isinstance(incoming.body, (bytes, bytearray)) and not incoming.body)
     if incoming.fields and has_body:
         names = ", ".join(sorted(incoming.fields))
@@ -85,6 +79,16 @@ def does_not_fit(request: GenerationRequest) -> Response:
         "even alone; ask for fewer images or fewer pixels"
     )
     return Response(507, error_json(507, "OutOfMemory", message), JSON_CONTENT_TYPE)
+
+
+def deadline_exceeded(steps_done: int, total_steps: int, timeout_seconds: float) -> Response:
+    """504: the request would pass its time limit in the worker before it finishes."""
+    message = (
+        f"the request was cancelled after {steps_done} of {total_steps} steps: it would not finish "
+        f"within the worker's time limit of {timeout_seconds:g} s (handler.request_timeout_s); ask for fewer steps, "
+        "images or pixels"
+    )
+    return Response(504, error_json(504, "DeadlineExceeded", message), JSON_CONTENT_TYPE)
 
 
 def internal_error(stage: str, error: Exception) -> Response:

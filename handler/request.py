@@ -82,6 +82,7 @@ class RequestPolicy:
     limits: RequestLimits = RequestLimits()
     defaults: RequestDefaults = RequestDefaults(width=512, height=512)
     streaming: bool = False  # continuous batching: answers leave in parts and can stream progress
+    over_grpc: bool = False  # the request came over gRPC, whose answers TorchServe 0.12 ends with their first part
 
 
 def _policy(info: ValidationInfo) -> RequestPolicy:
@@ -193,11 +194,18 @@ class GenerationRequest(BaseModel):
     @field_validator("stream")
     @classmethod
     def _stream_needs_the_step_engine(cls, value: bool, info: ValidationInfo) -> bool:
-        if value and not _policy(info).streaming:
+        policy = _policy(info)
+        if value and policy.over_grpc:
+            raise PydanticCustomError(
+                "streaming_unavailable",
+                "stream is not available over gRPC: TorchServe 0.12 ends a gRPC call with the first part of an "
+                "answer, so progress streams over HTTP only",
+            )
+        if value and not policy.streaming:
             raise PydanticCustomError(
                 "streaming_unavailable",
                 "stream needs the continuous-batching engine (continuousBatching: true in model-config.yaml); "
-                "this model runs request-level batching",
+                "this model runs dynamic batching",
             )
         return value
 

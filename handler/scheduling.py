@@ -103,6 +103,10 @@ class StepProfile:
         """False when a job of this many rows of this shape already ran out of memory alone."""
         return rows < self.too_large.get(shape, rows + 1)
 
+    def forward_seconds(self, shape: Shape) -> float:
+        """Estimated seconds of one forward of this shape at its cap (what a job's step may take)."""
+        return self.step_seconds(shape, self.cap(shape))
+
     def step_seconds(self, shape: Shape, rows: int) -> float:
         """Estimated seconds of one step of ``rows`` rows (nearest measured size at or above)."""
         timings = self.seconds.get(shape)
@@ -114,9 +118,7 @@ class StepProfile:
 
 def slack(job: DenoiseJob, deadline: float, now: float, profile: StepProfile) -> float:
     """Seconds to spare: time to the deadline minus the estimated time of the remaining steps."""
-    shape = job.latent_shape
-    per_step = profile.step_seconds(shape, profile.cap(shape))
-    return deadline - now - (job.total_steps - job.step) * per_step
+    return deadline - now - (job.total_steps - job.step) * profile.forward_seconds(job.latent_shape)
 
 
 def choose(waiting: dict[str, DenoiseJob], slacks: dict[str, float], cap: Callable[[Shape], int]) -> list[str]:

@@ -8,6 +8,8 @@ type, headers and, with continuous batching, stopping criteria.
 from __future__ import annotations
 
 import logging
+import os
+import sys
 import time
 from collections.abc import Callable
 from http import HTTPStatus
@@ -17,6 +19,7 @@ from ts.metrics.metric_cache_errors import MetricsCacheKeyError
 from ts.metrics.metric_type_enum import MetricTypes
 from ts.torch_handler.base_handler import BaseHandler
 
+from handler import single_worker
 from handler.config import HandlerSettings, continuous_batching
 from handler.metrics import MetricSink, MetricSpec
 from handler.pipeline import compile_cache_summary
@@ -70,6 +73,15 @@ def _stopping_criterion(response: Response) -> Callable[[Any], bool | None]:
     return lambda _response: done
 
 
+def worker_id(argv: list[str]) -> str:
+    """The worker's id as TorchServe's describe API shows it: the port its frontend connection is
+    named after (``--sock-name <tmp>/.ts.sock.9000``, or ``--port 9000``); else the process id."""
+    for flag in ("--sock-name", "--port"):
+        if flag in argv[:-1]:
+            return argv[argv.index(flag) + 1].rsplit(".", 1)[-1]
+    return str(os.getpid())
+
+
 def torchserve_metric_sink(cache: Any, model_name: str) -> MetricSink:
     """Record into TorchServe's metrics cache (the metrics declared in the ``metrics_config`` file).
     A function, not a class: TorchServe wants exactly one class in the handler module."""
@@ -99,12 +111,16 @@ class StableDiffusionHandler(BaseHandler):
         model_yaml = getattr(context, "model_yaml_config", None) or {}
         settings = HandlerSettings.from_model_yaml(model_yaml)
         continuous = continuous_batching(model_yaml)
+        if continuous:  # before anything slow: a refused second worker costs TorchServe's retries little
+            self._single_worker_lock = single_worker.claim(properties["model_dir"], context.model_name)
         self.service, settings = build_service(
             settings,
             properties["model_dir"],
             torchserve_metric_sink(context.metrics, context.model_name),
             properties.get("gpu_id"),
             streaming=continuous,
+            batch_size=properties.get("batch_size"),
+            worker=worker_id(sys.argv),
         )
         self._loop = self._iterate if continuous else self._run_batch
         loaded = time.perf_counter()
@@ -114,9 +130,13 @@ class StableDiffusionHandler(BaseHandler):
         if settings.compile.enabled:
             logger.info("compile cache: %s", compile_cache_summary())
         logger.info(
-            "stable-diffusion worker ready: %s batching=%s defaults=%s limits=%s load_s=%.2f warmup_s=%.2f",
+            "stable-diffusion worker %s ready: %s batching=%s batch_size=%s request_timeout_s=%g defaults=%s limits=%s "
+            "load_s=%.2f warmup_s=%.2f",
+            self.service.metrics.worker,
             self.service.engine.description,
             "continuous" if continuous else "dynamic",
+            properties.get("batch_size"),
+            settings.request_timeout_s,
             settings.defaults.model_dump(),
             settings.limits.model_dump(),
             loaded - started,

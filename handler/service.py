@@ -17,6 +17,7 @@ Every request gets exactly one final ``Response``; a bad or failing request neve
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
@@ -28,7 +29,7 @@ import torch
 from handler.config import HandlerSettings, WarmupShape
 from handler.engine import DenoiseJob, JobSpec, StepEngine
 from handler.families import Decoded
-from handler.metrics import DiffusionMetrics, MetricSink
+from handler.metrics import DiffusionMetrics, MetricSink, Queue
 from handler.pipeline import load_engine, native_size, release_cached_memory, synchronize
 from handler.protocol import (
     IncomingRequest,
@@ -36,6 +37,7 @@ from handler.protocol import (
     as_stream_error,
     bad_request,
     content_type,
+    deadline_exceeded,
     decode,
     does_not_fit,
     headers,
@@ -71,8 +73,10 @@ class Flight:
     job: DenoiseJob
     arrived: float
     admitted: float
-    deadline: float
+    deadline: float  # the latency SLA: what slack is measured against
+    expires: float  # the time limit: past it the request is cancelled
     admitted_with: int  # requests admitted together, itself included
+    over_grpc: bool = False
     denoised: float = 0.0
     max_step_images: int = 0
     parts_sent: int = 0
@@ -91,6 +95,8 @@ class DiffusionService:
         log_prompts: bool = False,
         iteration_budget_seconds: float = 0.0,
         synchronize_steps: bool = True,
+        request_timeout_seconds: float = math.inf,
+        batch_size: int | None = None,
         clock: Callable[[], float] = time.perf_counter,
     ):
         self.engine = engine
@@ -101,8 +107,11 @@ class DiffusionService:
         self.log_prompts = log_prompts
         self.iteration_budget = iteration_budget_seconds
         self.synchronize_steps = synchronize_steps
+        self.request_timeout = request_timeout_seconds
+        self.batch_size = batch_size  # TorchServe's: with continuous batching, the most requests in flight
         self.clock = clock
         self.flights: dict[str, Flight] = {}
+        self._waiting = 0  # requests left out of the last forward
         self._answered: list[tuple[float, float]] = []  # (arrived, encode seconds) since the last delivery
 
     # The two loops TorchServe's modes run.
@@ -115,30 +124,48 @@ class DiffusionService:
                 responses.update(self._iteration())
         finally:  # an unexpected error fails this batch (TorchServe answers it); the next starts clean
             self.flights.clear()
+            self._waiting = 0
             self._delivered()
         return responses
 
     def iterate(self, requests: dict[str, IncomingRequest]) -> dict[str, Response]:
         """Continuous batching: iterations for the requests TorchServe has in flight (by id), ids
-        not seen before admitted first; more iterations while the iteration budget lasts and no
-        request has finished. One ``Response`` per id: an empty body while a request that is not
-        streamed is still denoising."""
+        not seen before admitted first, until ``_call_done``. One ``Response`` per id: an empty
+        body while a request that is not streamed is still denoising. A flight whose id is
+        missing lost its client."""
         for gone in set(self.flights) - set(requests):
             logger.info("request %s left before it finished (client gone); dropping it", gone)
             del self.flights[gone]
+            self.metrics.cancelled("client_gone")
         started = self.clock()
         responses = self._admit({rid: incoming for rid, incoming in requests.items() if rid not in self.flights})
         while True:
             for rid, response in self._iteration().items():
                 responses[rid] = _joined(responses[rid], response) if rid in responses else response
-            finished = any(response.final for response in responses.values())
-            if finished or not self.flights or self.clock() - started >= self.iteration_budget:
+            if self._call_done(started, responses):
                 break
         for rid in requests:
             if rid not in responses:
                 responses[rid] = self._part(self.flights[rid], b"", final=False)
         self._delivered()
         return responses
+
+    def _call_done(self, started: float, responses: dict[str, Response]) -> bool:
+        """Whether a continuous-batching call returns now. Never while a gRPC request is unfinished:
+        TorchServe 0.12 ends a gRPC call with the first part of its answer, so that answer must
+        leave whole. Else when a request finished or none is left, or when the iteration budget is
+        spent and a new call helps someone: a request could join (fewer in flight than
+        TorchServe's batch size) or a streamed request awaits its progress lines. A full batch
+        without a stream keeps stepping: TorchServe would let no request join, so a return would
+        only cost a round trip."""
+        if any(flight.over_grpc for flight in self.flights.values()):
+            return False
+        if not self.flights or any(response.final for response in responses.values()):
+            return True
+        if self.clock() - started < self.iteration_budget:
+            return False
+        full = self.batch_size is not None and len(self.flights) >= self.batch_size
+        return not full or any(flight.request.stream for flight in self.flights.values())
 
     def warm_up(self, shapes: tuple[WarmupShape, ...]) -> float:
         """Profile each shape's step times, then run one job of it through start, steps and
@@ -189,7 +216,16 @@ class DiffusionService:
             if isinstance(started, Response):
                 responses[rid] = started
             else:
-                self.flights[rid] = Flight(valid[rid], started, arrived, self.clock(), arrived + self.sla, len(new))
+                self.flights[rid] = Flight(
+                    valid[rid],
+                    started,
+                    arrived,
+                    self.clock(),
+                    arrived + self.sla,
+                    arrived + self.request_timeout,
+                    len(new),
+                    new[rid].over_grpc,
+                )
         return responses
 
     def _validate(self, rid: str, incoming: IncomingRequest) -> GenerationRequest | Response:
@@ -265,14 +301,45 @@ class DiffusionService:
     # One iteration: step the chosen jobs, decode the finished ones.
 
     def _iteration(self) -> dict[str, Response]:
-        responses = {}
+        """Cancel what would pass its time limit, step the chosen jobs, decode the finished ones."""
+        responses = self._cancel_expired()
         waiting = {rid: flight.job for rid, flight in self.flights.items() if not flight.job.done}
+        chosen: list[str] = []
         if waiting:
             now = self.clock()
             slacks = {rid: slack(job, self.flights[rid].deadline, now, self.profile) for rid, job in waiting.items()}
-            responses.update(self._step(choose(waiting, slacks, self.profile.cap)))
+            chosen = choose(waiting, slacks, self.profile.cap)
+            responses.update(self._step(chosen))
+        self._waiting = len(waiting) - len(chosen)
         responses.update(self._finish([rid for rid, flight in self.flights.items() if flight.job.done]))
+        self.metrics.queue(self._queue())
         return responses
+
+    def _cancel_expired(self) -> dict[str, Response]:
+        """504 for the unfinished jobs whose next step (by the profile's estimate) would end past
+        their time limit."""
+        now, responses = self.clock(), {}
+        for rid, flight in list(self.flights.items()):
+            job = flight.job
+            if job.done or now + self.profile.forward_seconds(job.latent_shape) < flight.expires:
+                continue
+            logger.warning(
+                "request %s cancelled after %d of %d steps: past its time limit of %g s",
+                rid,
+                job.step,
+                job.total_steps,
+                self.request_timeout,
+            )
+            self.metrics.cancelled("deadline")
+            responses[rid] = self._fail(rid, deadline_exceeded(job.step, job.total_steps, self.request_timeout))
+        return responses
+
+    def _queue(self) -> Queue:
+        return Queue(
+            len(self.flights),
+            sum(flight.job.images for flight in self.flights.values()),
+            min(self._waiting, len(self.flights)),
+        )
 
     def _step(self, chosen: list[str]) -> dict[str, Response]:
         """One UNet forward for ``chosen``. Out of memory halves the jobs that did not advance (and
@@ -436,7 +503,7 @@ class DiffusionService:
         for arrived, encode_seconds in self._answered:
             self.metrics.request_completed(now - arrived, encode_seconds)
         self._answered.clear()
-        self.metrics.in_flight(len(self.flights))
+        self.metrics.queue(self._queue())
 
 
 def _joined(earlier: Response, later: Response) -> Response:
@@ -450,10 +517,13 @@ def build_service(
     sink: MetricSink,
     gpu_id: int | None = None,
     streaming: bool = False,
+    batch_size: int | None = None,
+    worker: str = "0",
 ) -> tuple[DiffusionService, HandlerSettings]:
     """Load the pipeline and build the service exactly as a worker does (the handler, the
     benchmarks and the tests share this); return it with the settings resolved to the model's
-    native size. ``streaming``: continuous batching, which can stream progress."""
+    native size. ``streaming``: continuous batching, which can stream progress; ``batch_size``:
+    TorchServe's; ``worker``: the label of this worker's gauges."""
     engine = load_engine(settings, model_dir, gpu_id)
     settings = settings.with_native_size(*native_size(engine.pipeline))
     sla = settings.metrics.latency_sla_seconds
@@ -461,10 +531,12 @@ def build_service(
         engine,
         RequestPolicy(settings.limits, settings.defaults, streaming=streaming),
         StepProfile(engine, settings.max_images_per_call),
-        DiffusionMetrics(sink, sla),
+        DiffusionMetrics(sink, sla, worker),
         sla,
         settings.log_prompts,
         settings.iteration_budget_ms / 1000,
         settings.metrics.synchronize_steps,
+        settings.request_timeout_s or math.inf,
+        batch_size,
     )
     return service, settings

@@ -42,9 +42,6 @@ class ModelRegistration:
             raise RuntimeError(f"{method} {endpoint} {params} -> {response.status_code}: {response.text}")
         return response.json()
 
-    def describe(self) -> dict:
-        return self._call("GET", f"{self.url}/{self.server.model_name}")[0]
-
     def register(self, archive: str, batch_size: int, max_batch_delay: int, workers: int) -> None:
         """Register ``archive`` (a file in the model store) under the server's model name."""
         self._call(
@@ -60,13 +57,13 @@ class ModelRegistration:
         self.verify(batch_size, max_batch_delay, workers)
 
     def scale(self, workers: int) -> None:
-        self._call(
-            "PUT", f"{self.url}/{self.server.model_name}", min_worker=workers, max_worker=workers, synchronous="true"
-        )
+        response = self.server.scale(workers, timeout=REGISTER_TIMEOUT_S)
+        if response.status_code != 200:
+            raise RuntimeError(f"scaling to {workers} workers -> {response.status_code}: {response.text}")
 
     def verify(self, batch_size: int, max_batch_delay: int, workers: int) -> None:
         """Fail unless the describe API shows exactly these settings and that many READY workers."""
-        described = self.describe()
+        described = self.server.describe()
         ready = [worker for worker in described["workers"] if worker["status"] == "READY"]
         shown = (described["batchSize"], described["maxBatchDelay"], described["minWorkers"], len(ready))
         if shown != (batch_size, max_batch_delay, workers, workers):
@@ -76,7 +73,7 @@ class ModelRegistration:
             )
 
     def unregister(self) -> None:
-        self._call("DELETE", f"{self.url}/{self.server.model_name}")
+        self._call("DELETE", self.server.model_url)
 
 
 def warm_up(server: TorchServe, config: BenchmarkConfig) -> None:

@@ -6,8 +6,10 @@ directory ``NAME/`` in the model store, which TorchServe loads without unzipping
 ``handler.model_path`` absolute, the worker loads the model from there and no weights are packaged.
 
 The packaged model-config.yaml is the given one with the worker count filled in where it sets
-neither ``minWorkers`` nor ``maxWorkers``: one worker per GPU visible here (TorchServe gives
-workers GPUs round-robin), one on a CPU host or device or with continuous batching.
+neither ``minWorkers`` nor ``maxWorkers`` (one worker per GPU visible here, or ``--gpus``:
+TorchServe gives workers GPUs round-robin; one on a CPU host or device or with continuous
+batching), then the batching mode where it does not set ``continuousBatching``: continuous
+batching with one worker, dynamic batching with several.
 """
 
 from __future__ import annotations
@@ -71,6 +73,20 @@ def default_workers(config: dict, gpus: int) -> tuple[dict, str]:
     return {**config, "minWorkers": workers, "maxWorkers": workers}, reason
 
 
+def default_batching(config: dict) -> tuple[dict, str]:
+    """``config`` with ``continuousBatching`` set where it does not set it, and why: the step
+    engine's continuous batching where the model runs one worker, dynamic batching where it runs
+    several (TorchServe 0.12 stalls continuous batching with more than one worker per model)."""
+    if "continuousBatching" in config:
+        return config, "set in the model config"
+    workers = max(int(config.get("minWorkers", 1)), int(config.get("maxWorkers", 1)))
+    if workers == 1:
+        return {**config, "continuousBatching": True}, "one worker: requests join and leave between steps"
+    return {**config, "continuousBatching": False}, (
+        f"{workers} workers: TorchServe 0.12 serves continuous batching with one worker per model"
+    )
+
+
 def visible_gpus() -> int:
     """CUDA devices this process sees (``CUDA_VISIBLE_DEVICES`` applies)."""
     import torch  # here: it takes seconds to import, and the health check imports this module's importers
@@ -78,14 +94,28 @@ def visible_gpus() -> int:
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
+def serving_defaults(config: dict, gpus: int) -> tuple[dict, str]:
+    """``config`` as it serves on a host with ``gpus`` GPUs: the worker count, then the batching
+    mode, filled in where it leaves them out; and a sentence saying what was chosen and why."""
+    with_workers, workers_reason = default_workers(config, gpus)
+    filled, batching_reason = default_batching(with_workers)
+    workers = filled.get("minWorkers", filled.get("maxWorkers", "TorchServe's default"))
+    mode = "continuous" if filled["continuousBatching"] else "dynamic"
+    return filled, (
+        f"workers: {workers} ({workers_reason}); batching: {mode} ({batching_reason}); "
+        "set minWorkers/maxWorkers and continuousBatching in model-config.yaml to choose"
+    )
+
+
 def packaged_config(config: Path, gpus: int) -> tuple[str, dict]:
-    """The model-config.yaml that goes into the archive: its text and its settings."""
+    """The model-config.yaml that goes into the archive, its text and its settings (the serving
+    defaults filled in, logged)."""
     text = config.read_text()
     loaded = yaml.safe_load(text) or {}
-    filled, reason = default_workers(loaded, gpus)
-    if filled is loaded:
+    filled, chosen = serving_defaults(loaded, gpus)
+    logger.info("%s", chosen)
+    if filled == loaded:
         return text, loaded
-    logger.info("workers: %d (%s; set minWorkers/maxWorkers to choose)", filled["minWorkers"], reason)
     return yaml.safe_dump(filled, sort_keys=False), filled
 
 
@@ -219,6 +249,11 @@ def main() -> None:
     parser.add_argument("--config", type=Path, default=MODEL_CONFIG, help="model-config.yaml to package")
     parser.add_argument("--export-path", type=Path, default=MODEL_STORE, help="model store to write to")
     parser.add_argument(
+        "--gpus",
+        type=int,
+        help="GPUs of the host that will serve the archive (default: those visible here); 1 for a one-GPU pod",
+    )
+    parser.add_argument(
         "--archive-format",
         choices=["auto", "default", "no-archive"],
         default="auto",
@@ -226,7 +261,9 @@ def main() -> None:
     )
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    build(args.model_dir.resolve(), args.config.resolve(), args.export_path.resolve(), args.archive_format)
+    build(
+        args.model_dir.resolve(), args.config.resolve(), args.export_path.resolve(), args.archive_format, gpus=args.gpus
+    )
 
 
 if __name__ == "__main__":

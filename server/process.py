@@ -97,6 +97,11 @@ class TorchServe:
         return f"{self.addresses.inference}/predictions/{self.model_name}"
 
     @property
+    def model_url(self) -> str:
+        """The management API's endpoint for the model (describe, scale)."""
+        return f"{self.addresses.management}/models/{self.model_name}"
+
+    @property
     def console_log(self) -> Path:
         return self.workdir / "logs" / "console.log"
 
@@ -198,16 +203,28 @@ class TorchServe:
     def worker_status(self) -> list[str]:
         """Status of each worker of the model, from the management API ([] while unknown)."""
         try:
-            response = requests.get(
-                f"{self.addresses.management}/models/{self.model_name}",
-                headers=self.auth(management=True),
-                timeout=5,
-            )
+            response = requests.get(self.model_url, headers=self.auth(management=True), timeout=5)
         except requests.ConnectionError:
             return []
         if response.status_code != 200:
             return []
         return [worker["status"] for model in response.json() for worker in model.get("workers", [])]
+
+    def describe(self) -> dict:
+        """The management API's description of the model: settings (``continuousBatching``,
+        ``batchSize``, ``minWorkers``, ...) and workers (``id``, ``pid``, ``status``)."""
+        response = requests.get(self.model_url, headers=self.auth(management=True), timeout=30)
+        response.raise_for_status()
+        return response.json()[0]
+
+    def scale(self, workers: int, timeout: float = 600) -> requests.Response:
+        """Ask the management API for exactly ``workers`` workers and wait for the outcome."""
+        return requests.put(
+            self.model_url,
+            params={"min_worker": workers, "max_worker": workers, "synchronous": "true"},
+            headers=self.auth(management=True),
+            timeout=timeout,
+        )
 
     def auth(self, management: bool = False) -> dict[str, str]:
         """The Authorization header for the inference (or management) API; none without token authorization."""

@@ -17,13 +17,15 @@ import requests
 import yaml
 
 from server import TorchServe, serve_archive
+from server.archive import serving_defaults
 from server.paths import DEFAULT_MODEL_DIR, MODEL_CONFIG
 from tests.harness.images import decode_png
 
 MODEL_DIR = DEFAULT_MODEL_DIR
 STARTUP_TIMEOUT = 600
 SHIPPED_CONFIG = yaml.safe_load(MODEL_CONFIG.read_text())
-SHIPPED_CONTINUOUS = bool(SHIPPED_CONFIG.get("continuousBatching"))
+# The mode the test servers run with the shipped model-config.yaml: packaged for one worker.
+SHIPPED_CONTINUOUS = serving_defaults(SHIPPED_CONFIG, gpus=1)[0]["continuousBatching"]
 FAST = {"num_inference_steps": 4}
 # Long enough to keep the worker busy while followers queue up behind it (the default model
 # runs ~30 steps/s at 64x64 here; on a faster machine the followers may still be batched).
@@ -76,6 +78,31 @@ class Client:
 
 def value(samples, name: str, **labels) -> float:
     return samples.get((name, frozenset({"model_name": "stable-diffusion", **labels}.items())), 0.0)
+
+
+def worker_of(server: TorchServe) -> str:
+    """The id of the server's one worker, as the describe API and the per-worker gauges name it."""
+    (worker,) = server.describe()["workers"]
+    return worker["id"]
+
+
+def gauge(server: TorchServe, name: str) -> float:
+    """A per-worker gauge of the server's one worker (``sd_in_flight_requests``, ...)."""
+    return value(server.metric_samples(), name, worker=worker_of(server))
+
+
+def eventually(condition, what: str, timeout: float = RECOVERY_TIMEOUT_S) -> None:
+    """Poll ``condition`` until it holds: the frontend parses the worker's metric lines as they come.
+    ``timeout`` is a fail-safe, not a measurement."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, f"{what}: not within {timeout:.0f} s"
+        time.sleep(0.05)
+
+
+def wait_until_denoising(server: TorchServe, requests_in_flight: int = 1) -> None:
+    """Until the worker holds this many requests in its denoising loop."""
+    eventually(lambda: gauge(server, "sd_in_flight_requests") == requests_in_flight, "requests in the denoising loop")
 
 
 def run_behind_blocker(client, bodies: list[dict], blocker_body: dict = BLOCKER) -> list[requests.Response]:

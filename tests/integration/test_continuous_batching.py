@@ -16,9 +16,9 @@ import requests
 from bench.reference import Reference
 from handler.engine import SCHEDULERS
 from tests.harness.images import decode_png
-from tests.harness.serving import MODEL_DIR, Client
+from tests.harness.serving import MODEL_DIR, Client, wait_until_denoising
 
-LONG = {"prompt": "a red circle", "seed": 1, "num_inference_steps": 60}
+LONG = {"prompt": "a red circle", "seed": 1, "num_inference_steps": 100}
 SHORT = {"prompt": "a blue square", "seed": 2, "num_inference_steps": 4}
 MEDIUM = {"prompt": "a green triangle", "seed": 3, "num_inference_steps": 10}
 
@@ -50,14 +50,14 @@ def timed(client: Client, body: dict) -> tuple[requests.Response, float]:
 def test_staggered_requests_get_diffusers_images_and_short_ones_overtake(continuous_client, reference):
     with ThreadPoolExecutor(3) as pool:
         long = pool.submit(timed, continuous_client, LONG)
-        time.sleep(0.5)  # the long request is denoising when the others arrive
+        wait_until_denoising(continuous_client.server)  # the long request is denoising when the others arrive
         short = pool.submit(timed, continuous_client, SHORT)
         medium = pool.submit(timed, continuous_client, MEDIUM)
         results = {"long": long.result(), "short": short.result(), "medium": medium.result()}
     for name, (response, _) in results.items():
         assert response.status_code == 200, (name, response.text)
         assert response.headers["Content-Type"] == "image/png"
-    assert results["short"][1] < results["long"][1], "the 4-step request waited for the 60-step one"
+    assert results["short"][1] < results["long"][1], "the 4-step request waited for the 100-step one"
     for name, body in {"long": LONG, "short": SHORT, "medium": MEDIUM}.items():
         assert_diffusers_image(reference, body, decode_png(results[name][0].content))
 

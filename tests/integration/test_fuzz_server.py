@@ -133,11 +133,7 @@ def assert_images_or_clear_4xx(response: requests.Response) -> None:
 
 def worker_processes(server: TorchServe) -> list[tuple[str, int, str]]:
     """(id, pid, startTime) of each worker, from the management API's describe; all READY."""
-    response = requests.get(
-        f"{server.addresses.management}/models/{server.model_name}", headers=server.auth(management=True), timeout=30
-    )
-    assert response.status_code == 200, response.text
-    workers = response.json()[0]["workers"]
+    workers = server.describe()["workers"]
     assert workers and all(worker["status"] == "READY" for worker in workers), workers
     return sorted((worker["id"], worker["pid"], worker["startTime"]) for worker in workers)
 

@@ -1,10 +1,12 @@
 """TorchServe's gRPC inference API through ``clients.grpc_client`` against a real server: the image
 HTTP gives, a plain prompt, errors as ordinary replies (TorchServe 0.12 sends no status over gRPC),
-keys, ``StreamPredictions``, continuous batching's answers, the CLI and the README's gRPC examples."""
+keys, ``StreamPredictions`` in both batching modes, continuous batching's whole answers, the CLI and
+the README's gRPC examples."""
 
 from __future__ import annotations
 
 import json
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import grpc
@@ -15,11 +17,11 @@ from server import TorchServe
 from server.paths import ROOT
 from tests.harness.images import assert_same_image, decode_json_images, decode_png
 from tests.harness.readme import run_example
-from tests.harness.serving import FAST
+from tests.harness.serving import FAST, wait_until_denoising
 
 # Longer than one continuous-batching iteration (iteration_budget_ms, 100 ms) on any device.
 LONG = {"prompt": "a red circle", "seed": 1, "num_inference_steps": 100}
-STREAM_DEADLINE = 60.0  # seconds; a refusal is immediate
+STREAM_DEADLINE = 120.0  # seconds
 
 
 def body(**fields) -> bytes:
@@ -67,33 +69,37 @@ def test_a_call_without_the_inference_key_is_refused(server, authorization):
     assert "Token Authorization failed" in refused.value.details()
 
 
-def test_stream_predictions_answers_in_one_reply_and_the_worker_survives(server, client):
+@pytest.mark.parametrize("mode", ["dynamic", "continuous"])
+def test_stream_predictions_answers_in_one_reply_and_the_worker_survives(request, mode):
     """Without the handler's ``ts_stream_next: false`` on a one-part answer, TorchServe 0.12 sends
     the reply, then fails the worker and the call (INTERNAL "Worker died.")."""
+    server, client = request.getfixturevalue(f"{mode}_server"), request.getfixturevalue(f"{mode}_client")
     target, key = server.addresses.grpc_inference, server.keys.inference
     replies = list(stream_predictions(target, key, body(prompt="a red circle", seed=7, **FAST)))
     assert len(replies) == 1
     assert_same_image(decode_png(replies[0]), client.image(prompt="a red circle", seed=7))
     [rejected] = stream_predictions(target, key, body(prompt="a red circle", stream=True))
-    assert as_error(rejected)["errors"][0]["field"] == "stream"  # streaming needs continuous batching
+    error = as_error(rejected)["errors"][0]
+    assert error["field"] == "stream" and "over HTTP only" in error["message"]
     assert set(server.worker_status()) == {"READY"}
 
 
-def test_continuous_batching_refuses_grpc_naming_why(continuous_server, continuous_client):
-    """TorchServe 0.12 ends a gRPC call after the first part of an answer (GRPCJob.isOpen is
-    inverted), and continuous batching answers in parts: without the refusal, Predictions got an
-    empty reply and StreamPredictions the first progress lines, then nothing until its deadline."""
+def test_continuous_batching_answers_grpc_whole_while_http_requests_share_its_steps(
+    continuous_server, continuous_client
+):
+    """TorchServe 0.12 ends a gRPC call with the first part of an answer (GRPCJob.isOpen is
+    inverted) and continuous batching answers in parts, so the handler holds its call until the
+    gRPC request is done: the reply is the whole image, and HTTP requests in flight still finish."""
     target, key = continuous_server.addresses.grpc_inference, continuous_server.keys.inference
-    refusals = [
-        predict(target, key, body(**LONG)),
-        *stream_predictions(target, key, body(**LONG, stream=True), timeout=STREAM_DEADLINE),
-    ]
-    for reply in refusals:
-        error = as_error(reply)
-        assert error["code"] == 400 and error["errors"][0]["field"] == "body"
-        assert error["errors"][0]["rule"] == "grpc_with_continuous_batching" and "over HTTP" in error["message"]
-    assert len(refusals) == 2 and set(continuous_server.worker_status()) == {"READY"}
-    assert continuous_client.predict({"prompt": "still served over HTTP", **FAST}).status_code == 200
+    with ThreadPoolExecutor(2) as pool:
+        http = pool.submit(continuous_client.predict, {**LONG, "seed": 2})
+        wait_until_denoising(continuous_server)
+        reply = predict(target, key, body(**LONG))
+        assert http.result().status_code == 200
+    assert_same_image(decode_png(reply), continuous_client.image(**LONG))
+    replies = list(stream_predictions(target, key, body(**LONG), timeout=STREAM_DEADLINE))
+    assert len(replies) == 1 and is_image(replies[0])
+    assert set(continuous_server.worker_status()) == {"READY"}
 
 
 def test_the_cli_exits_non_zero_printing_the_json_error(server, tmp_path, capsys):

@@ -129,9 +129,8 @@ def test_missing_or_wrong_token_is_refused(client, server):
             client.url, data=body, headers={"Content-Type": "application/json", **headers}, timeout=30
         )
         assert response.status_code == 400 and "Token Authorization failed" in response.text
-    describe = f"{server.addresses.management}/models/{server.model_name}"
     for headers in ({}, {"Authorization": f"Bearer {server.keys.inference}"}):
-        assert requests.get(describe, headers=headers, timeout=30).status_code == 400
+        assert requests.get(server.model_url, headers=headers, timeout=30).status_code == 400
     assert requests.get(f"{server.addresses.inference}/ping", timeout=30).status_code == 400
     assert requests.get(f"{server.addresses.inference}/ping", headers=server.auth(), timeout=30).status_code == 200
 
@@ -144,31 +143,18 @@ def test_model_api_is_off(server):
     )
     unregister = requests.delete(f"{models}/{server.model_name}", headers=server.auth(management=True), timeout=30)
     assert register.status_code == unregister.status_code == 405
-    assert len(describe_workers(server)) >= 1
+    assert len(server.describe()["workers"]) >= 1
 
 
-def describe_workers(server) -> list[dict]:
-    response = requests.get(
-        f"{server.addresses.management}/models/{server.model_name}", headers=server.auth(management=True), timeout=30
-    )
-    assert response.status_code == 200
-    return response.json()[0]["workers"]
-
-
-def test_scaling_workers_up_and_down(client, server):
-    scale = f"{server.addresses.management}/models/{server.model_name}"
+def test_scaling_workers_up_and_down_with_dynamic_batching(dynamic_client, dynamic_server):
+    """Continuous batching refuses a second worker (tests/integration/test_batching_mode.py)."""
     for count in (2, 1):
-        response = requests.put(
-            scale,
-            params={"min_worker": count, "max_worker": count, "synchronous": "true"},
-            headers=server.auth(management=True),
-            timeout=300,
-        )
+        response = dynamic_server.scale(count)
         assert response.status_code == 200, response.text
-        workers = describe_workers(server)
+        workers = dynamic_server.describe()["workers"]
         assert len(workers) == count
         assert all(worker["status"] == "READY" for worker in workers)
-        assert client.predict({"prompt": f"with {count} workers", **FAST}).status_code == 200
+        assert dynamic_client.predict({"prompt": f"with {count} workers", **FAST}).status_code == 200
 
 
 def test_inference_request_counter_grows_with_traffic(client, server):

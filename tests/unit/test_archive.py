@@ -1,5 +1,6 @@
 """Packaging: safetensors only, the archive layout TorchServe loads, rebuilds only on change."""
 
+import logging
 import shutil
 import sys
 import zipfile
@@ -8,7 +9,14 @@ from pathlib import Path
 import pytest
 import yaml
 
-from server.archive import archive_model_config, build, console_script, default_workers, write_model_config
+from server.archive import (
+    archive_model_config,
+    build,
+    console_script,
+    default_workers,
+    serving_defaults,
+    write_model_config,
+)
 from server.paths import MODEL_CONFIG, RANDOM_MODEL_DIR
 from server.process import FRONTEND_START_SECONDS, archive_ready_timeout, find_archive, ready_timeout
 from tests.harness.serving import SHIPPED_CONFIG
@@ -85,15 +93,42 @@ def test_workers_default_to_one_per_gpu_used(config, gpus, workers):
         assert (filled["minWorkers"], filled["maxWorkers"]) == (workers, workers)
 
 
-def test_the_archive_config_gets_the_worker_count_and_the_shipped_one_sets_none(tmp_path, model_copy):
+@pytest.mark.parametrize(
+    ("config", "gpus", "continuous"),
+    [
+        ({}, 0, True),  # a CPU host: one worker, so the step engine's continuous batching
+        ({}, 1, True),  # one visible GPU (a one-GPU pod, the Compose stack)
+        ({}, 4, False),  # one worker per GPU: TorchServe 0.12 stalls continuous batching with several
+        ({"deviceIds": [3]}, 4, True),
+        ({"handler": {"device": "cpu"}}, 4, True),
+        ({"minWorkers": 2, "maxWorkers": 2}, 1, False),  # several workers set by the user
+        ({"maxWorkers": 3}, 0, False),
+        ({"minWorkers": 1, "maxWorkers": 1}, 4, True),
+        ({"continuousBatching": False}, 0, False),  # the user's choice always wins
+        ({"continuousBatching": True}, 4, True),
+        ({"continuousBatching": True, "minWorkers": 2, "maxWorkers": 2}, 4, True),  # kept; the worker refuses it
+    ],
+)
+def test_the_batching_mode_follows_the_worker_count_unless_the_config_sets_it(config, gpus, continuous):
+    filled, chosen = serving_defaults(config, gpus)
+    assert filled["continuousBatching"] is continuous
+    assert ("batching: continuous" if continuous else "batching: dynamic") in chosen
+    if "continuousBatching" in config:
+        assert "batching: " + ("continuous" if continuous else "dynamic") + " (set in the model config)" in chosen
+
+
+def test_the_archive_config_gets_workers_and_batching_and_the_shipped_one_sets_neither(tmp_path, model_copy, caplog):
     shipped = SHIPPED_CONFIG
-    assert "minWorkers" not in shipped and "maxWorkers" not in shipped
+    assert not {"minWorkers", "maxWorkers", "continuousBatching"} & set(shipped)
     archive = build(model_copy, MODEL_CONFIG, tmp_path / "store", gpus=2)
     packaged = yaml.safe_load(zipfile.ZipFile(archive).read("model-config.yaml"))
-    assert (packaged["minWorkers"], packaged["maxWorkers"]) == (2, 2) and packaged["handler"] == shipped["handler"]
-    build(model_copy, MODEL_CONFIG, tmp_path / "store", gpus=1)
+    assert (packaged["minWorkers"], packaged["maxWorkers"], packaged["continuousBatching"]) == (2, 2, False)
+    assert packaged["handler"] == shipped["handler"]
+    with caplog.at_level(logging.INFO, logger="archive"):
+        build(model_copy, MODEL_CONFIG, tmp_path / "store", gpus=1)
     packaged = yaml.safe_load(zipfile.ZipFile(archive).read("model-config.yaml"))
-    assert packaged["minWorkers"] == 1, "a different GPU count rebuilds the archive"
+    assert (packaged["minWorkers"], packaged["continuousBatching"]) == (1, True), "a different GPU count rebuilds"
+    assert "workers: 1 (one per visible GPU, 1 visible); batching: continuous (one worker" in caplog.text
 
 
 def test_an_absolute_model_path_packages_no_weights(tmp_path, model_copy):

@@ -7,7 +7,12 @@ import pytest
 import yaml
 from pydantic import ValidationError
 
-from handler.config import HandlerSettings, continuous_batching
+from handler.config import (
+    REQUEST_TIMEOUT_SHARE,
+    TORCHSERVE_RESPONSE_TIMEOUT,
+    HandlerSettings,
+    continuous_batching,
+)
 from server.paths import CONFIG_PROPERTIES, METRICS_CONFIG
 from server.properties import EFFECTIVE_CONFIG, KEY_FILE, bound_to, reach, reachable, read_properties, write_properties
 from tests.harness.serving import SHIPPED_CONFIG
@@ -18,7 +23,7 @@ PROPERTIES = read_properties(CONFIG_PROPERTIES)
 def test_shipped_model_config_is_valid_and_batches():
     settings = HandlerSettings.from_model_yaml(SHIPPED_CONFIG)
     assert settings.attention == "sdpa" and settings.dtype == "auto" and settings.safety_checker
-    assert not continuous_batching(SHIPPED_CONFIG) and settings.iteration_budget_ms > 0
+    assert "continuousBatching" not in SHIPPED_CONFIG and settings.iteration_budget_ms > 0  # packaging picks
     assert SHIPPED_CONFIG["batchSize"] > 1 and SHIPPED_CONFIG["maxBatchDelay"] > 0
     assert SHIPPED_CONFIG["batchSize"] <= settings.max_images_per_call
 
@@ -34,8 +39,20 @@ def test_continuous_batching_is_refused_with_more_than_one_worker():
 
 
 def test_empty_handler_section_gives_defaults():
-    assert HandlerSettings.from_model_yaml({}) == HandlerSettings()
-    assert HandlerSettings.from_model_yaml(None) == HandlerSettings()
+    torchserve_default = HandlerSettings(request_timeout_s=REQUEST_TIMEOUT_SHARE * TORCHSERVE_RESPONSE_TIMEOUT)
+    assert HandlerSettings.from_model_yaml({}) == HandlerSettings.from_model_yaml(None) == torchserve_default
+
+
+def test_the_request_timeout_defaults_to_its_share_of_the_response_timeout_unless_set():
+    assert HandlerSettings.from_model_yaml({"responseTimeout": 300}).request_timeout_s == 270
+    assert (
+        HandlerSettings.from_model_yaml(
+            {"responseTimeout": 300, "handler": {"request_timeout_s": 20}}
+        ).request_timeout_s
+        == 20
+    )
+    with pytest.raises(ValidationError):
+        HandlerSettings.from_model_yaml({"handler": {"request_timeout_s": 0}})
 
 
 @pytest.mark.parametrize(

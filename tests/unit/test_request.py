@@ -219,10 +219,15 @@ def test_reported_parameters_are_the_effective_ones():
     }
 
 
-def test_grpc_is_refused_with_continuous_batching_only():
+def test_grpc_requests_are_served_in_both_modes_but_cannot_stream():
     body = bytearray(b"a red circle")
-    assert decode(IncomingRequest(body, over_grpc=True), POLICY).prompt == "a red circle"
-    with pytest.raises(RequestError) as caught:
-        decode(IncomingRequest(body, over_grpc=True), replace(POLICY, streaming=True))
-    assert [(error.field, error.rule) for error in caught.value.errors] == [("body", "grpc_with_continuous_batching")]
-    assert decode(IncomingRequest(body), replace(POLICY, streaming=True)).prompt == "a red circle"
+    for policy in (POLICY, replace(POLICY, streaming=True)):
+        assert decode(IncomingRequest(body, over_grpc=True), policy).prompt == "a red circle"
+        with pytest.raises(RequestError) as caught:
+            decode(IncomingRequest({"prompt": "x", "stream": True}, "application/json", over_grpc=True), policy)
+        (error,) = caught.value.errors
+        assert (error.field, error.rule) == ("stream", "streaming_unavailable") and "over HTTP only" in error.message
+    streamed = decode(
+        IncomingRequest({"prompt": "x", "stream": True}, "application/json"), replace(POLICY, streaming=True)
+    )
+    assert streamed.stream

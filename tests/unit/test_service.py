@@ -250,11 +250,77 @@ def test_a_bad_request_mid_flight_fails_alone_with_an_ordinary_400():
     assert parts["good"][-1].final and parts["good"][-1].body.startswith(b"\x89PNG")
 
 
-def test_a_request_whose_client_left_is_dropped():
-    service = make_service()
-    service.iterate({"x": body(num_inference_steps=10)})
-    assert "x" in service.flights
-    assert service.iterate({}) == {} and service.flights == {}
+def test_a_request_whose_client_left_is_dropped_and_counted():
+    sink = RecordingSink()
+    service = make_service(sink=sink)
+    service.iterate({"x": body(num_inference_steps=10), "y": body(num_inference_steps=10)})
+    assert set(service.flights) == {"x", "y"}
+    service.iterate({"y": IncomingRequest(None)})
+    assert set(service.flights) == {"y"} and service.flights["y"].job.step == 2, "x took no further step"
+    assert [labels for name, _, labels in sink.records if name == "sd_cancelled_requests_total"] == [("client_gone",)]
+
+
+@pytest.mark.parametrize("streaming", [False, True])
+def test_a_request_that_would_pass_its_time_limit_is_cancelled_with_504_and_its_batchmates_finish(streaming):
+    """The profile says a forward takes 0.1 s and the clock moves 1 ms a read: a 0.2 s limit cancels
+    a long request after some steps, before the step that would end past it."""
+    sink = RecordingSink()
+    service = make_service(sink=sink, streaming=streaming, request_timeout_seconds=0.2, clock=Clock())
+    traffic = {"long": body(num_inference_steps=100, seed=1), "short": body(num_inference_steps=2, seed=2)}
+    if streaming:
+        parts = run(service, {0: traffic})
+        long, short = parts["long"][-1], parts["short"][-1]
+        assert long.final and (long.status == 504) == long.first
+    else:
+        answers = service.run_batch(traffic)
+        long, short = answers["long"], answers["short"]
+        assert long.status == 504
+    error = json.loads(long.body)
+    assert error["type"] == "DeadlineExceeded" and "handler.request_timeout_s" in error["message"]
+    assert short.status == 200 and grey(short.body) == 2
+    assert [labels for name, _, labels in sink.records if name == "sd_cancelled_requests_total"] == [("deadline",)]
+    assert service.flights == {}
+
+
+def test_a_full_batch_without_a_stream_steps_past_the_budget_until_a_request_finishes():
+    """TorchServe lets no request join a full batch, so returning at the budget would only cost a
+    round trip; with room for one more, or a streamed request awaiting progress, the call returns."""
+    full = make_service(iteration_budget_seconds=0.0, batch_size=2)
+    answers = full.iterate({"a": body(num_inference_steps=5), "b": body(num_inference_steps=9)})
+    assert answers["a"].final and full.flights["b"].job.step == 5
+    room = make_service(iteration_budget_seconds=0.0, batch_size=3)
+    room.iterate({"a": body(num_inference_steps=5), "b": body(num_inference_steps=9)})
+    assert room.flights["a"].job.step == 1
+    streamed = make_service(iteration_budget_seconds=0.0, batch_size=2)
+    streamed.iterate({"a": body(num_inference_steps=5, stream=True), "b": body(num_inference_steps=9)})
+    assert streamed.flights["a"].job.step == 1
+
+
+def test_a_grpc_request_is_answered_in_one_part_sharing_its_forwards_with_http_requests():
+    """TorchServe 0.12 ends a gRPC call with the first part of its answer: the call holds until the
+    gRPC request is done, answering the HTTP requests that finish meanwhile with it."""
+    engine = SolidColorEngine()
+    service = make_service(engine, iteration_budget_seconds=0.0)
+    service.iterate({"h": body(num_inference_steps=20, seed=2)})
+    grpc = IncomingRequest(body(num_inference_steps=6, seed=1).body, "application/json", over_grpc=True)
+    answers = service.iterate({"h": IncomingRequest(None), "g": grpc, "short": body(num_inference_steps=2, seed=3)})
+    assert answers["g"].final and answers["g"].first and grey(answers["g"].body) == 1
+    assert answers["short"].final and not answers["h"].final and service.flights["h"].job.step == 1 + 6
+    assert all({"p"} == set(prompts) and len(prompts) >= 2 for prompts in engine.steps[1:3]), "shared forwards"
+
+
+def test_the_queue_gauges_count_requests_images_and_those_left_out_of_a_forward():
+    sink = RecordingSink()
+    service = make_service(sink=sink, cap_profile=(2,))
+    service.profile.seconds[SHAPE] = {2: 0.1, 4: 0.2}  # cap 2 rows: one guided image per forward
+    service.iterate({"a": body(num_images_per_prompt=1), "b": body(num_images_per_prompt=3, guidance_scale=1.0)})
+    gauges = {name: sink.values(name)[-1] for name in ("sd_in_flight_requests", "sd_in_flight_images")}
+    assert gauges == {"sd_in_flight_requests": 2, "sd_in_flight_images": 4}
+    assert sink.values("sd_waiting_requests")[-1] == 1, "one of the two waits behind the cap"
+    assert {labels for name, _, labels in sink.records if name.startswith("sd_in_flight")} == {("0",)}
+    run(service, {0: {"a": IncomingRequest(None), "b": IncomingRequest(None)}})
+    assert [sink.values(name)[-1] for name in ("sd_in_flight_requests", "sd_in_flight_images")] == [0, 0]
+    assert sink.values("sd_waiting_requests")[-1] == 0
 
 
 def test_least_slack_runs_first_within_the_profiles_cap():
@@ -326,6 +392,8 @@ def test_both_loops_record_the_same_metrics():
             "sd_latency_sla_seconds",
             "sd_invalid_requests_total",
             "sd_in_flight_requests",
+            "sd_in_flight_images",
+            "sd_waiting_requests",
             "sd_iteration_batch_size",
             "sd_denoise_step_seconds",
             "sd_pipeline_calls_total",
