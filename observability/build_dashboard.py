@@ -83,10 +83,11 @@ def panels() -> list[list[timeseries.Panel | stat.Panel]]:
         ),
         latency_panel(),
         series_panel(
-            "Queue latency",
-            "Mean time a request waits in TorchServe's queue before a worker takes it.",
+            "Queue wait",
+            "Mean time a request waits in TorchServe's queue before a worker admits it (Little's law: TorchServe's "
+            "end-to-end latency less the handler's, in both batching modes).",
             "s",
-            [query(f"model_name:ts_queue_latency_seconds:mean5m{{{MODEL}}}", "{{model_name}}")],
+            [query(f"model_name:sd_queue_wait_seconds:mean5m{{{MODEL}}}", "{{model_name}}")],
         ),
         series_panel(
             "Images per second",
@@ -119,16 +120,30 @@ def panels() -> list[list[timeseries.Panel | stat.Panel]]:
             ],
         ),
         series_panel(
-            "In flight and deadlines",
-            "Requests in the denoising loop, requests finished later than the SLA per "
-            "second, and steps or decodes retried after running out of memory per second.",
+            "Queue and in flight per worker",
+            "What autoscaling and routing read: images in each worker's denoising loop, requests in a worker "
+            "waiting for a step (left out of the last UNet forward), and requests waiting in TorchServe's queue "
+            "for a worker (mean over 5 minutes).",
             "short",
             [
-                query(f"sd_in_flight_requests{{{MODEL}}}", "in flight {{model_name}}"),
+                query(f"sd_in_flight_images{{{MODEL}}}", "images in flight, worker {{worker}}"),
+                query(f"sd_waiting_requests{{{MODEL}}}", "waiting for a step, worker {{worker}}"),
+                query(f"model_name:sd_queued_requests:mean5m{{{MODEL}}}", "in TorchServe's queue {{model_name}}"),
+            ],
+        ),
+        series_panel(
+            "In flight, deadlines and cancellations",
+            "Requests in the denoising loops, requests finished later than the SLA per second, requests "
+            "cancelled per second (client gone, or past request_timeout_s), and steps or decodes retried after "
+            "running out of memory per second.",
+            "short",
+            [
+                query(f"model_name:sd_in_flight_requests:sum{{{MODEL}}}", "in flight {{model_name}}"),
                 query(
                     f"sum by (model_name) (rate(sd_deadline_misses_total{{{MODEL}}}[5m]))",
                     "deadline misses/s {{model_name}}",
                 ),
+                query(f"model_name_reason:sd_cancelled_requests:rate5m{{{MODEL}}}", "cancelled/s: {{reason}}"),
                 query(
                     f"sum by (model_name) (rate(sd_oom_retries_total{{{MODEL}}}[5m]))", "OOM retries/s {{model_name}}"
                 ),

@@ -119,19 +119,22 @@ def test_latency_quantiles_are_consistent(prometheus):
     assert scalar(f"model_name:sd_batch_size:mean5m{selector}") >= 1
 
 
-def test_autoscaler_metric_query_reads_queueing_per_instance(prometheus):
-    """The prometheus-adapter rule behind the HPA (deploy/k8s/prometheus-adapter/values.yaml), its
-    template filled in as the adapter does (here the per-instance label is hostname, in a cluster
-    it is pod): one series per instance, above zero after requests queued behind a busy worker."""
+def test_autoscaler_metric_queries_read_each_instance(prometheus):
+    """The prometheus-adapter rules behind the HPA (deploy/k8s/prometheus-adapter/values.yaml), their
+    templates filled in as the adapter does (here the per-instance label is instance, in a cluster
+    it is pod): one series per instance each; requests queued behind the busy worker read above zero."""
     values = yaml.safe_load((K8S_DIR / "prometheus-adapter" / "values.yaml").read_text())
-    [rule] = values["rules"]["custom"]
-    series = rule["seriesQuery"].split("{")[0]
-    query = (
-        rule["metricsQuery"]
-        .replace("<<.Series>>", series)
-        .replace("<<.LabelMatchers>>", f'model_name="{MODEL}"')
-        .replace("<<.GroupBy>>", "hostname")
-    )
-    [result] = prometheus.query(query)
-    assert set(result["metric"]) == {"hostname"}
-    assert float(result["value"][1]) > 0, f"{query} read no queueing"
+    read = {}
+    for rule in values["rules"]["custom"]:
+        query = (
+            rule["metricsQuery"]
+            .replace("<<.Series>>", rule["seriesQuery"].split("{")[0])
+            .replace("<<.LabelMatchers>>", f'model_name="{MODEL}"')
+            .replace("<<.GroupBy>>", "instance")
+        )
+        [result] = prometheus.query(query)
+        assert set(result["metric"]) == {"instance"}, query
+        read[rule["name"]["as"]] = float(result["value"][1])
+    assert set(read) == {"sd_queued_requests", "sd_in_flight_images"}
+    assert read["sd_queued_requests"] > 0, "no queueing read"
+    assert read["sd_in_flight_images"] >= 0

@@ -15,8 +15,6 @@ def test_markdown_states_both_capacities_and_the_ratios_per_load():
     def point(engine, p95, images):
         return Point(engine, "uniform", 0.7, 3.0, 80, 0, 0.5, p95, 3.0, images)
 
-    table = markdown(
-        [point("request-level", 2.0, 3.0), point("continuous", 1.0, 3.3)], {"request-level": 4.0, "continuous": 5.0}
-    )
-    assert "continuous / request-level = 1.25x" in table
+    table = markdown([point("dynamic", 2.0, 3.0), point("continuous", 1.0, 3.3)], {"dynamic": 4.0, "continuous": 5.0})
+    assert "continuous / dynamic = 1.25x" in table
     assert "| uniform | 70% | 2.00x | 1.10x |" in table

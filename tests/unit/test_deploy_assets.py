@@ -23,8 +23,10 @@ import yaml
 from dockerfile_parse import DockerfileParser
 
 from server import read_properties
+from server.archive import serving_defaults
 from server.paths import CONFIG_PROPERTIES, DOCKERFILE, K8S_DIR, REQUIREMENTS, ROOT
 from tests.harness.imports import import_statements
+from tests.harness.serving import SHIPPED_CONFIG
 
 DOCKER = ROOT / "docker"
 KSERVE = ROOT / "deploy" / "kserve"
@@ -356,15 +358,34 @@ def test_pod_has_gpu_probes_without_keys_and_runs_as_non_root():
     assert proxy["env"][0]["valueFrom"]["secretKeyRef"]["name"] == "stable-diffusion-auth"
 
 
-def test_autoscaler_metric_is_served_by_the_adapter_rule_as_a_rate():
+def test_every_autoscaler_metric_is_served_per_pod_by_an_adapter_rule():
     hpa = by_kind("HorizontalPodAutoscaler")
-    [metric] = hpa["spec"]["metrics"]
     adapter = yaml.safe_load((K8S_DIR / "prometheus-adapter" / "values.yaml").read_text())
-    [rule] = adapter["rules"]["custom"]
-    assert rule["name"]["as"] == metric["pods"]["metric"]["name"]
-    assert "rate(<<.Series>>" in rule["metricsQuery"], "a counter must be read through rate()"
-    assert rule["resources"]["overrides"]["pod"] == {"resource": "pod"}
+    rules = {rule["name"]["as"]: rule for rule in adapter["rules"]["custom"]}
+    names = [metric["pods"]["metric"]["name"] for metric in hpa["spec"]["metrics"]]
+    assert names == ["sd_queued_requests", "sd_in_flight_images"] and set(names) == set(rules)
+    for rule in rules.values():
+        assert rule["resources"]["overrides"]["pod"] == {"resource": "pod"}
+        counter = rule["seriesQuery"].split("{")[0].endswith(("_total", "_microseconds"))
+        assert ("rate(<<.Series>>" in rule["metricsQuery"]) == counter, "counters through rate(), gauges as they are"
     assert hpa["spec"]["scaleTargetRef"]["name"] == by_kind("Deployment")["metadata"]["name"]
+
+
+def test_every_deployment_runs_one_gpu_per_pod_so_packaging_ships_continuous_batching(compose):
+    """The start script packages the model in the pod (or KServe's archive is built with GPUS=1):
+    one visible GPU, one worker, continuous batching. Pods scale, not workers."""
+    pod = by_kind("Deployment")["spec"]["template"]["spec"]
+    torchserve = next(c for c in pod["containers"] if c["name"] == "torchserve")
+    [device] = compose["services"]["torchserve"]["deploy"]["resources"]["reservations"]["devices"]
+    kserve = yaml.safe_load((KSERVE / "inferenceservice.yaml").read_text())["spec"]["predictor"]["model"]
+    gpus = {
+        torchserve["resources"]["limits"]["nvidia.com/gpu"],
+        device["count"],
+        int(kserve["resources"]["limits"]["nvidia.com/gpu"]),
+    }
+    assert gpus == {1}
+    filled, _ = serving_defaults(SHIPPED_CONFIG, gpus=1)
+    assert filled["continuousBatching"] is True and (filled["minWorkers"], filled["maxWorkers"]) == (1, 1)
 
 
 def test_auth_proxy_checks_the_key_and_reaches_torchserve_on_loopback():
