@@ -71,7 +71,6 @@ def main() -> None:
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
     shipped = yaml.safe_load(MODEL_CONFIG.read_text())
-    mode = "continuous batching" if shipped.get("continuousBatching") else "dynamic batching"
     results = {"request": REQUEST, "repeats": args.repeats}
     with tempfile.TemporaryDirectory(prefix="overhead-") as tmp:
         workdir = Path(tmp)
@@ -83,14 +82,16 @@ def main() -> None:
             server.wait_started()
             registration = ModelRegistration(server)
             for label, batch_size, delay in (
-                (f"{mode}, batch size 1", 1, 0),
+                ("batch size 1", 1, 0),
                 (
-                    f"{mode}, batch size {shipped['batchSize']}, delay {shipped['maxBatchDelay']} ms",
+                    f"batch size {shipped['batchSize']}, delay {shipped['maxBatchDelay']} ms",
                     shipped["batchSize"],
                     shipped["maxBatchDelay"],
                 ),
             ):
                 registration.register(archive.name, batch_size, delay, workers=1)
+                mode = "continuous batching" if server.describe()["continuousBatching"] else "dynamic batching"
+                label = f"{mode}, {label}"
                 logger.info("HTTP through TorchServe, %s", label)
                 results[f"http_median_s ({label})"] = over_http(server, args.repeats)
                 registration.unregister()
