@@ -38,7 +38,7 @@ help:
 	@echo "make bench-overhead serving overhead: TorchServe end to end vs the pipeline in-process"
 	@echo "make bench-pipeline attention / precision / channels_last / compile / slicing variants side by side; report in reports/"
 	@echo "                    BENCH_ARGS='--model sd15' for SD 1.5's architecture with random weights, '--quick' for CI"
-	@echo "make bench-continuous step-level continuous vs request-level batching, Poisson load; report in reports/continuous/"
+	@echo "make bench-continuous the shipped continuous batching vs dynamic batching, capacity and Poisson load; reports/continuous/"
 	@echo "make bench-engine   the step engine against the diffusers call it mirrors, per family, batch 1 and 8; reports/engine/"
 	@echo "make bench-gpu      SD 1.5 and SDXL at real sizes on the GPU: variants, batch scaling, engine, served, SDXL; reports/gpu/"
 	@echo "                    BENCH_ARGS='--quick' for the CPU check CI runs; PY=python3 where there is no venv (the lent GPU)"

@@ -14,7 +14,7 @@ from tests.harness.serving import Client, serving, wait_until_serving, workers
 pytestmark = pytest.mark.slow
 
 COMPILE_LOG = re.compile(r"compile cache: dir=(\S+) fxgraph_cache_hit=(\d+) fxgraph_cache_miss=(\d+)")
-READY_LOG = re.compile(r"stable-diffusion worker ready: .* load_s=([\d.]+) warmup_s=([\d.]+)")
+READY_LOG = re.compile(r"stable-diffusion worker \S+ ready: .* load_s=([\d.]+) warmup_s=([\d.]+)")
 
 
 def _worker_starts(log: str) -> list[dict]:
