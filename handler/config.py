@@ -165,9 +165,11 @@ class HandlerSettings(_Section):
         None,
         gt=0,
         description="most seconds a request may spend in the worker from admission: a request that would pass it "
-        "is cancelled before its next step (504, sd_cancelled_requests_total{reason=deadline}). None: "
-        f"{REQUEST_TIMEOUT_SHARE:.0%} of the model's responseTimeout (TorchServe bounds a dynamic batch by it, killing "
-        "the worker, and one continuous-batching call, not a request)",
+        "is cancelled before its next step (sd_cancelled_requests_total{reason=deadline}; 504, or a JSON error body "
+        "after a continuous-batching answer's 200 left). Below responseTimeout: TorchServe kills a worker whose "
+        f"call runs longer. None: {REQUEST_TIMEOUT_SHARE:.0%} of model-config.yaml's responseTimeout, or of "
+        f"TorchServe's {TORCHSERVE_RESPONSE_TIMEOUT} s where it sets none (config.properties' default_response_timeout "
+        "does not reach the worker)",
     )
     metrics: MetricsSettings = MetricsSettings()
     log_prompts: bool = Field(False, description="log each request's parameters, prompt included, at INFO")
@@ -203,10 +205,18 @@ class HandlerSettings(_Section):
         ``request_timeout_s`` defaulting to its share of the model's ``responseTimeout``."""
         config = model_yaml_config or {}
         handler = dict(config.get("handler") or {})
+        response_timeout = float(config.get("responseTimeout", TORCHSERVE_RESPONSE_TIMEOUT))
         if handler.get("request_timeout_s") is None:
-            response_timeout = float(config.get("responseTimeout", TORCHSERVE_RESPONSE_TIMEOUT))
             handler["request_timeout_s"] = REQUEST_TIMEOUT_SHARE * response_timeout
-        return cls.model_validate(handler)
+        settings = cls.model_validate(handler)
+        if settings.request_timeout_s is not None and settings.request_timeout_s >= response_timeout:
+            raise ValueError(
+                f"handler.request_timeout_s {settings.request_timeout_s:g} must be below responseTimeout "
+                f"{response_timeout:g}: TorchServe kills a worker whose call runs past responseTimeout, and a dynamic "
+                "batch (or a continuous-batching call holding a full batch or a gRPC request) lasts up to "
+                "request_timeout_s"
+            )
+        return settings
 
     def with_native_size(self, width: int, height: int) -> HandlerSettings:
         """These settings with the model's native size as the default for an unset width/height,

@@ -147,6 +147,7 @@ class StepEngine:
         return [self._start(spec, conditioning) for spec, conditioning in zip(specs, conditionings, strict=True)]
 
     def _start(self, spec: JobSpec, conditioning: Conditioning) -> DenoiseJob:
+        """Steps 4 to 6 for one job with its encoded prompt."""
         with torch.inference_mode():
             scheduler = self._scheduler(spec.scheduler, spec.num_inference_steps)
             generators = [torch.Generator("cpu").manual_seed(seed) for seed in spec.seeds]

@@ -178,7 +178,7 @@ class StableDiffusionFamily:
         positive = embedded[spec.prompt].hidden_states.repeat(spec.images, 1, 1)
         if not spec.guided:
             return Conditioning(positive)
-        negative = embedded[self._negative_text(spec) or ""].hidden_states.repeat(spec.images, 1, 1)
+        negative = embedded[spec.negative_prompt or ""].hidden_states.repeat(spec.images, 1, 1)
         return Conditioning(torch.cat([negative, positive]))
 
     def prepare_scheduler(self, scheduler: Scheduler) -> None:
@@ -240,10 +240,8 @@ class StableDiffusionXLFamily(StableDiffusionFamily):
         request's size) and a (0, 0) crop."""
         pipeline, images = self.pipeline, spec.images
         positive = embedded[spec.prompt]
-        negative_text = self._negative_text(spec)
-        negative = positive.zeros() if negative_text is None else embedded[negative_text]
         embeds, pooled = positive.hidden_states, positive.pooled
-        assert pooled is not None and negative.pooled is not None  # SDXL's second encoder pools
+        assert pooled is not None  # SDXL's second encoder pools
         projection_dim = (
             int(pooled.shape[-1]) if pipeline.text_encoder_2 is None else pipeline.text_encoder_2.config.projection_dim
         )
@@ -256,6 +254,9 @@ class StableDiffusionXLFamily(StableDiffusionFamily):
         )
         embeds, pooled = embeds.repeat(images, 1, 1), pooled.repeat(images, 1)
         if spec.guided:
+            negative_text = self._negative_text(spec)
+            negative = positive.zeros() if negative_text is None else embedded[negative_text]
+            assert negative.pooled is not None
             embeds = torch.cat([negative.hidden_states.repeat(images, 1, 1), embeds], dim=0)
             pooled = torch.cat([negative.pooled.repeat(images, 1), pooled], dim=0)
             time_ids = torch.cat([time_ids, time_ids], dim=0)

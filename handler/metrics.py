@@ -38,7 +38,10 @@ class MetricSpec:
 
 
 REQUEST_LATENCY = MetricSpec(
-    "sd_request_latency_seconds", "histogram", "s", "handler time of one request, from admission to its response"
+    "sd_request_latency_seconds",
+    "histogram",
+    "s",
+    "handler time of one admitted request, from admission to its answer (images or an error) leaving the worker",
 )
 REQUEST_LATENCY_SLA_RATIO = MetricSpec(
     "sd_request_latency_sla_ratio", "histogram", "ratio", "request latency divided by the configured SLA"
@@ -101,7 +104,8 @@ CANCELLED = MetricSpec(
     "(past request_timeout_s)",
     ("reason",),
 )
-CANCEL_REASONS = ("client_gone", "deadline")
+CancelReason = Literal["client_gone", "deadline"]
+CANCEL_REASONS: tuple[CancelReason, ...] = ("client_gone", "deadline")
 ITERATION_BATCH_SIZE = MetricSpec(
     "sd_iteration_batch_size", "histogram", "images", "images stepped by one UNet forward"
 )
@@ -135,7 +139,7 @@ MetricSink = Callable[[MetricSpec, float, tuple[str, ...]], None]
 
 
 @dataclass(frozen=True)
-class Queue:
+class QueueGauges:
     """A worker's queue at one moment: requests and images in its denoising loop, and requests
     waiting for a step."""
 
@@ -151,7 +155,7 @@ class DiffusionMetrics:
         self.sink = sink
         self.latency_sla_seconds = latency_sla_seconds
         self.worker = worker
-        self._queue: Queue | None = None
+        self._queue: QueueGauges | None = None
 
     def _record(self, spec: MetricSpec, value: float, *labels: str) -> None:
         self.sink(spec, value, labels)
@@ -165,7 +169,7 @@ class DiffusionMetrics:
         for field in sorted(set(fields)):
             self._record(INVALID_REQUESTS, 1, field)
 
-    def queue(self, queue: Queue) -> None:
+    def queue(self, queue: QueueGauges) -> None:
         """The queue gauges, recorded when they change (each record is a log line TorchServe parses)."""
         if queue == self._queue:
             return
@@ -174,7 +178,7 @@ class DiffusionMetrics:
         self._record(IN_FLIGHT_IMAGES, queue.images, self.worker)
         self._record(WAITING, queue.waiting, self.worker)
 
-    def cancelled(self, reason: str) -> None:
+    def cancelled(self, reason: CancelReason) -> None:
         self._record(CANCELLED, 1, reason)
 
     def step(self, images: int, seconds: float) -> None:
@@ -191,10 +195,12 @@ class DiffusionMetrics:
     def out_of_memory_retry(self, stage: str) -> None:
         self._record(OOM_RETRIES, 1, stage)
 
-    def request_completed(self, latency_seconds: float, encode_seconds: float) -> None:
+    def request_completed(self, latency_seconds: float, encode_seconds: float | None) -> None:
+        """An admitted request's answer left the worker (``encode_seconds`` None: it failed)."""
         self._record(REQUEST_LATENCY, latency_seconds)
         self._record(REQUEST_LATENCY_SLA_RATIO, latency_seconds / self.latency_sla_seconds)
-        self._record(ENCODE, encode_seconds)
+        if encode_seconds is not None:
+            self._record(ENCODE, encode_seconds)
         # 0 for a request in time, so the counter exists (and its rate is 0) before the first miss
         self._record(DEADLINE_MISSES, 1 if latency_seconds > self.latency_sla_seconds else 0)
 
@@ -204,7 +210,7 @@ class DiffusionMetrics:
         self._record(WORKER_WARMUP, seconds)
         self._record(LATENCY_SLA, self.latency_sla_seconds)
         self._queue = None
-        self.queue(Queue())
+        self.queue(QueueGauges())
         for stage in OOM_STAGES:
             self._record(OOM_RETRIES, 0, stage)
         for reason in CANCEL_REASONS:

@@ -104,6 +104,8 @@ class StableDiffusionHandler(BaseHandler):
     """Text-to-image with a diffusers Stable Diffusion pipeline on the step engine, under
     TorchServe's dynamic batching or, with ``continuousBatching: true``, its continuous batching."""
 
+    _single_worker_lock: int | None = None  # held for the process's life with continuous batching
+
     def initialize(self, context: Any) -> None:
         started = time.perf_counter()
         properties = context.system_properties

@@ -29,7 +29,7 @@ import torch
 from handler.config import HandlerSettings, WarmupShape
 from handler.engine import DenoiseJob, JobSpec, StepEngine
 from handler.families import Decoded
-from handler.metrics import DiffusionMetrics, MetricSink, Queue
+from handler.metrics import DiffusionMetrics, MetricSink, QueueGauges
 from handler.pipeline import load_engine, native_size, release_cached_memory, synchronize
 from handler.protocol import (
     IncomingRequest,
@@ -112,7 +112,8 @@ class DiffusionService:
         self.clock = clock
         self.flights: dict[str, Flight] = {}
         self._waiting = 0  # requests left out of the last forward
-        self._answered: list[tuple[float, float]] = []  # (arrived, encode seconds) since the last delivery
+        # (arrived, encode seconds; None for a failure) of the requests answered since the last delivery
+        self._answered: list[tuple[float, float | None]] = []
 
     # The two loops TorchServe's modes run.
 
@@ -288,15 +289,15 @@ class DiffusionService:
             return dict(zip(specs, self.engine.start(list(specs.values())), strict=True))
         except Exception as error:
             if len(specs) == 1:
-                rid = next(iter(specs))
+                (rid,) = specs
                 logger.exception("request %s could not be started", rid)
-                failure = internal_error("admission", error)
-            else:
-                logger.warning("starting requests %s together failed (%s); starting each alone", list(specs), error)
+                return {rid: internal_error("admission", error)}
+            logger.warning("starting requests %s together failed (%s); starting each alone", list(specs), error)
         release_cached_memory()  # outside the except block, whose traceback holds the failed call's tensors
-        if len(specs) == 1:
-            return {rid: failure}
-        return {rid: outcome for one in specs.items() for rid, outcome in self._start_together(dict([one])).items()}
+        outcomes: dict[str, DenoiseJob | Response] = {}
+        for rid, spec in specs.items():
+            outcomes.update(self._start_together({rid: spec}))
+        return outcomes
 
     # One iteration: step the chosen jobs, decode the finished ones.
 
@@ -334,12 +335,9 @@ class DiffusionService:
             responses[rid] = self._fail(rid, deadline_exceeded(job.step, job.total_steps, self.request_timeout))
         return responses
 
-    def _queue(self) -> Queue:
-        return Queue(
-            len(self.flights),
-            sum(flight.job.images for flight in self.flights.values()),
-            min(self._waiting, len(self.flights)),
-        )
+    def _queue(self) -> QueueGauges:
+        """The worker's queue now: requests and images in flight, and those the last forward left out."""
+        return QueueGauges(len(self.flights), sum(flight.job.images for flight in self.flights.values()), self._waiting)
 
     def _step(self, chosen: list[str]) -> dict[str, Response]:
         """One UNet forward for ``chosen``. Out of memory halves the jobs that did not advance (and
@@ -483,6 +481,7 @@ class DiffusionService:
 
     def _fail(self, rid: str, response: Response) -> Response:
         flight = self.flights.pop(rid)
+        self._answered.append((flight.arrived, None))
         body = as_stream_error(response) if flight.request.stream else response.body
         return self._part(flight, body, final=True, response=response)
 

@@ -47,9 +47,9 @@ def _delta(before: dict, after: dict, name: str) -> float:
 
 def server_figures(before: dict, after: dict) -> ServerFigures:
     """Means over one point. The queue time is TorchServe's end-to-end latency less the handler's
-    (arrival to admission), which holds in both batching modes: TorchServe's own queue latency
-    restarts at every continuous-batching iteration. (prometheus-client's parser names counter
-    samples ``*_total``.)"""
+    (arrival to admission), summed over the point's requests, per request; it holds in both batching
+    modes, where TorchServe's own queue latency restarts at every continuous-batching iteration.
+    (prometheus-client's parser names counter samples ``*_total``.)"""
     requests_served = _delta(before, after, "ts_inference_requests_total") or 1.0
     handled = _delta(before, after, "sd_request_latency_seconds_count") or 1.0
     batches = _delta(before, after, "sd_batch_size_count") or 1.0
@@ -57,7 +57,7 @@ def server_figures(before: dict, after: dict) -> ServerFigures:
     served_s = _delta(before, after, "ts_inference_latency_microseconds_total") / 1e6
     handler_s = _delta(before, after, "sd_request_latency_seconds_sum")
     return ServerFigures(
-        mean_queue_s=max(0.0, served_s / requests_served - handler_s / handled),
+        mean_queue_s=max(0.0, (served_s - handler_s) / requests_served),
         mean_handler_s=handler_s / handled,
         mean_batch_size=_delta(before, after, "sd_batch_size_sum") / batches,
         mean_step_images=_delta(before, after, "sd_iteration_batch_size_sum") / forwards,

@@ -126,8 +126,8 @@ def panels() -> list[list[timeseries.Panel | stat.Panel]]:
             "for a worker (mean over 5 minutes).",
             "short",
             [
-                query(f"sd_in_flight_images{{{MODEL}}}", "images in flight, worker {{worker}}"),
-                query(f"sd_waiting_requests{{{MODEL}}}", "waiting for a step, worker {{worker}}"),
+                query(f"sd_in_flight_images{{{MODEL}}}", "images in flight, worker {{worker}} {{Hostname}}"),
+                query(f"sd_waiting_requests{{{MODEL}}}", "waiting for a step, worker {{worker}} {{Hostname}}"),
                 query(f"model_name:sd_queued_requests:mean5m{{{MODEL}}}", "in TorchServe's queue {{model_name}}"),
             ],
         ),

@@ -58,9 +58,14 @@ def write_model_config(directory: Path, handler: dict | None = None, **frontend)
 def default_workers(config: dict, gpus: int) -> tuple[dict, str]:
     """``config`` with ``minWorkers``/``maxWorkers`` set where it sets neither, and why: one per GPU
     the workers will use (the visible ones, or ``deviceIds``); one on a CPU host or device, and one
-    with continuous batching (TorchServe 0.12 serves it with one worker only)."""
-    if "minWorkers" in config or "maxWorkers" in config:
+    with continuous batching (TorchServe 0.12 serves it with one worker only). Where it sets one of
+    them, the other is set to the same: TorchServe 0.12 ignores a lone one (it wants both, with
+    ``maxWorkers`` at least ``minWorkers``) and would start its default count instead."""
+    if "minWorkers" in config and "maxWorkers" in config:
         return config, "set in the model config"
+    if "minWorkers" in config or "maxWorkers" in config:
+        given = config.get("minWorkers", config.get("maxWorkers"))
+        return {**config, "minWorkers": given, "maxWorkers": given}, "set in the model config, for both bounds"
     on_cpu = gpus == 0 or config.get("deviceType") == "cpu" or (config.get("handler") or {}).get("device") == "cpu"
     if config.get("continuousBatching"):
         workers, reason = 1, "continuous batching serves one worker"
@@ -77,9 +82,15 @@ def default_batching(config: dict) -> tuple[dict, str]:
     """``config`` with ``continuousBatching`` set where it does not set it, and why: the step
     engine's continuous batching where the model runs one worker, dynamic batching where it runs
     several (TorchServe 0.12 stalls continuous batching with more than one worker per model)."""
-    if "continuousBatching" in config:
-        return config, "set in the model config"
     workers = max(int(config.get("minWorkers", 1)), int(config.get("maxWorkers", 1)))
+    if "continuousBatching" in config:
+        if config["continuousBatching"] and workers > 1:
+            logger.warning(
+                "continuousBatching: true with %d workers: every worker will refuse to load (TorchServe 0.12 serves "
+                "continuous batching with one worker per model); set one worker or continuousBatching: false",
+                workers,
+            )
+        return config, "set in the model config"
     if workers == 1:
         return {**config, "continuousBatching": True}, "one worker: requests join and leave between steps"
     return {**config, "continuousBatching": False}, (

@@ -53,6 +53,8 @@ def test_the_request_timeout_defaults_to_its_share_of_the_response_timeout_unles
     )
     with pytest.raises(ValidationError):
         HandlerSettings.from_model_yaml({"handler": {"request_timeout_s": 0}})
+    with pytest.raises(ValueError, match="must be below responseTimeout 300"):
+        HandlerSettings.from_model_yaml({"responseTimeout": 300, "handler": {"request_timeout_s": 300}})
 
 
 @pytest.mark.parametrize(

@@ -108,13 +108,14 @@ def test_jobs_joining_mid_flight_with_their_own_steps_scheduler_and_guidance_giv
 def test_jobs_started_together_share_one_text_encoder_call_and_each_gives_its_diffusers_image(
     engines, references, family, monkeypatch
 ):
-    """Different prompts, negative prompts (absent, empty, given), guidance on and off, image
-    counts and schedulers, two jobs with the same scheduler and steps (each its own copy)."""
+    """Different prompts, negative prompts (absent, empty, given; given without guidance, which
+    diffusers ignores), guidance on and off, image counts and schedulers, jobs with the same
+    scheduler and steps (each its own copy)."""
     side = 96 if family == "sd2" else 64
     jobs = [
         spec("a red circle", seed=1, side=side, steps=4),
         spec("a red circle", seed=5, images=2, side=side, steps=4, negative=""),
-        spec("a green triangle", seed=2, side=side, steps=4, scheduler="dpmpp_2m", guidance=1.0),
+        spec("a green triangle", seed=2, side=side, steps=4, scheduler="dpmpp_2m", guidance=1.0, negative="red"),
         spec("a yellow square", seed=4, side=side, steps=3, scheduler="dpmpp_2m", guidance=3.0, negative="blue"),
         spec("a blue circle", seed=6, side=side, steps=3, scheduler="dpmpp_2m", negative="a red circle"),
     ]
