@@ -35,7 +35,7 @@ help:
 	@echo "make model-grid     prompt x seed grid of the default model through TorchServe: docs/img/default-model-grid.png"
 	@echo "make loadtest       locust against the running server (make serve), judged against the SLA in benchmark_config.yaml"
 	@echo "make sweep          batch size / delay / workers / concurrency sweep on its own server; report in reports/"
-	@echo "make bench-overhead serving overhead: TorchServe end to end vs the pipeline in-process"
+	@echo "make bench-overhead serving overhead: TorchServe end to end vs the pipeline in-process; OpenAI API vs native"
 	@echo "make bench-pipeline attention / precision / channels_last / compile / slicing variants side by side; report in reports/"
 	@echo "                    BENCH_ARGS='--model sd15' for SD 1.5's architecture with random weights, '--quick' for CI"
 	@echo "make bench-continuous the shipped continuous batching vs dynamic batching, capacity and Poisson load; reports/continuous/"

@@ -3,7 +3,10 @@
 The same request (default model, 64x64, 4 steps, fixed seed) is generated N times in-process by
 the handler's own service (decode, step engine, encode: exactly what a worker runs) and N times over
 HTTP through TorchServe, one at a time, once registered with batch size 1 and once with the
-shipped batch size and delay (in the shipped batching mode). Prints medians and ratios and writes reports/overhead.json.
+shipped batch size and delay (in the shipped batching mode). With the shipped registration the
+same request also goes through the OpenAI Images API (``v1/images/generations``, JSON answer with
+base64 images) alternately with the native API asking for JSON, so the two paths are compared on the
+same work. Prints medians and ratios and writes reports/overhead.json.
 """
 
 from __future__ import annotations
@@ -29,6 +32,9 @@ from server.paths import CONFIG_PROPERTIES, DEFAULT_MODEL_DIR, MODEL_CONFIG, REP
 logger = logging.getLogger("overhead")
 
 REQUEST = {"prompt": "a red circle", "width": 64, "height": 64, "num_inference_steps": 4, "seed": 7}
+# The same work through each API, both answering JSON with one base64 PNG.
+NATIVE_JSON = {**REQUEST, "response_format": "json"}
+OPENAI = {"prompt": "a red circle", "size": "64x64", "num_inference_steps": 4, "seed": 7}
 WARMUP = 3
 
 
@@ -64,6 +70,20 @@ def over_http(server: TorchServe, repeats: int) -> float:
     return median_seconds(once, repeats)
 
 
+def native_and_openai(server: TorchServe, repeats: int) -> tuple[float, float]:
+    """Median seconds of the native JSON API and of the OpenAI API on the same request, taken in
+    alternation so that both see the same machine state."""
+    openai_url = f"{server.predictions_url}/1.0/v1/images/generations"
+    native, openai = [], []
+    for index in range(WARMUP + repeats):
+        for url, body, timings in ((server.predictions_url, NATIVE_JSON, native), (openai_url, OPENAI, openai)):
+            started = time.perf_counter()
+            requests.post(url, json=body, headers=server.auth(), timeout=120).raise_for_status()
+            if index >= WARMUP:
+                timings.append(time.perf_counter() - started)
+    return statistics.median(native), statistics.median(openai)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=30)
@@ -94,6 +114,11 @@ def main() -> None:
                 label = f"{mode}, {label}"
                 logger.info("HTTP through TorchServe, %s", label)
                 results[f"http_median_s ({label})"] = over_http(server, args.repeats)
+                if batch_size != 1:
+                    logger.info("native JSON and OpenAI APIs alternately, %s", label)
+                    results["native_json_median_s"], results["openai_median_s"] = native_and_openai(
+                        server, args.repeats
+                    )
                 registration.unregister()
         finally:
             server.stop()
@@ -108,6 +133,11 @@ def main() -> None:
                 f"TorchServe, {label}: median {value * 1000:.1f} ms = {value / base:.2f}x in-process "
                 f"(+{(value - base) * 1000:.1f} ms)"
             )
+    native, openai = results["native_json_median_s"], results["openai_median_s"]
+    print(
+        f"OpenAI Images API against the native JSON API (same request, alternated): {openai * 1000:.1f} ms against "
+        f"{native * 1000:.1f} ms = {openai / native:.2f}x ({(openai - native) * 1000:+.1f} ms)"
+    )
     args.output.parent.mkdir(parents=True, exist_ok=True)
     args.output.write_text(json.dumps(results, indent=2))
 

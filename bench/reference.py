@@ -1,20 +1,27 @@
 """diffusers' own pipeline call for a request: the reference every served image is checked against
 (the tests) and the step engine is timed against (``make bench-engine``).
 
-The pipeline is loaded by diffusers alone (``AutoPipelineForText2Image``, no handler code), and
-each call gets what a user of diffusers would pass for the request: one CPU generator per image
-seeded ``seed + k``, the request's scheduler built from the model's own scheduler configuration as
-the handler names it (``handler.engine.SCHEDULERS``), and the pipeline's defaults for everything
-a request cannot set.
+The pipeline is loaded by diffusers alone (``AutoPipelineForText2Image``, no handler code; a
+request with an input image calls ``AutoPipelineForImage2Image`` or, with a mask,
+``AutoPipelineForInpainting``, each ``from_pipe`` of it), and each call gets what a user of
+diffusers would pass for the request: one CPU generator per image seeded ``seed + k``, the
+request's scheduler built from the model's own scheduler configuration as the handler names it
+(``handler.engine.SCHEDULERS``), and the pipeline's defaults for everything a request cannot set.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
-from diffusers import AutoPipelineForText2Image, DiffusionPipeline
+from diffusers import (
+    AutoPipelineForImage2Image,
+    AutoPipelineForInpainting,
+    AutoPipelineForText2Image,
+    DiffusionPipeline,
+)
 from PIL.Image import Image
 
 from handler.config import MAX_SEED
@@ -50,20 +57,33 @@ class Reference:
         num_images_per_prompt: int = 1,
         scheduler: str = "ddim",
         guidance_scale: float = 7.5,
+        image: Image | None = None,
+        mask: Image | None = None,
+        strength: float = 1.0,
     ) -> ReferenceOutput:
         """One request: ``num_images_per_prompt`` images of one prompt, image k from ``seed + k``
-        (wrapping past the largest seed, as requests do)."""
+        (wrapping past the largest seed, as requests do); from ``image`` (of the request's size)
+        with ``strength``, repainting where ``mask`` is white."""
         seeds = [(seed + index) % (MAX_SEED + 1) for index in range(num_images_per_prompt)]
+        inputs: dict = {"width": width, "height": height}
+        pipeline = self.pipeline
+        if image is not None and mask is None:  # its size is the image's
+            pipeline, inputs = AutoPipelineForImage2Image.from_pipe(self.pipeline), {"image": image}
+        elif image is not None:
+            pipeline = AutoPipelineForInpainting.from_pipe(self.pipeline)
+            inputs.update(image=image, mask_image=mask)
+        if image is not None:
+            inputs["strength"] = strength
         return self._call(
             prompt,
             negative_prompt,
             num_images_per_prompt,
             seeds,
-            width,
-            height,
             num_inference_steps,
             scheduler,
             guidance_scale,
+            inputs,
+            pipeline,
         )
 
     def batch(
@@ -77,7 +97,8 @@ class Reference:
         guidance_scale: float = 7.5,
     ) -> ReferenceOutput:
         """Several one-image requests (prompt k from seed k) in one call, as a user batches them."""
-        return self._call(prompts, None, 1, seeds, width, height, num_inference_steps, scheduler, guidance_scale)
+        inputs = {"width": width, "height": height}
+        return self._call(prompts, None, 1, seeds, num_inference_steps, scheduler, guidance_scale, inputs)
 
     def _call(
         self,
@@ -85,23 +106,24 @@ class Reference:
         negative_prompt: str | None,
         images_per_prompt: int,
         seeds: list[int],
-        width: int,
-        height: int,
         num_inference_steps: int,
         scheduler: str,
         guidance_scale: float,
+        inputs: dict,
+        pipeline: Any = None,  # diffusers pipelines declare neither their components nor __call__ to a type checker
     ) -> ReferenceOutput:
+        pipeline = pipeline or self.pipeline
         scheduler_class, overrides = SCHEDULERS[scheduler]
-        self.pipeline.scheduler = scheduler_class.from_config(self.scheduler_config, **overrides)
-        output = self.pipeline(
+        pipeline.scheduler = scheduler_class.from_config(self.scheduler_config, **overrides)
+        pipeline.set_progress_bar_config(disable=True)
+        output = pipeline(
             prompt=prompt,
             negative_prompt=negative_prompt,
             num_images_per_prompt=images_per_prompt,
             num_inference_steps=num_inference_steps,
             guidance_scale=guidance_scale,
-            width=width,
-            height=height,
             generator=[torch.Generator("cpu").manual_seed(seed) for seed in seeds],
             output_type="pil",
+            **inputs,
         )
         return ReferenceOutput(output.images, getattr(output, "nsfw_content_detected", None))

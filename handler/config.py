@@ -35,6 +35,11 @@ class RequestLimits(_Section):
     max_side: int = Field(1024, ge=8, multiple_of=8, description="largest width or height, in pixels")
     max_pixels: int = Field(1024 * 1024, ge=64, description="largest width x height of one image")
     max_images_per_request: int = Field(4, ge=1, description="most images one request may ask for")
+    max_input_pixels: int = Field(
+        2048 * 2048,
+        ge=64,
+        description="largest input image (image-to-image, inpainting), in pixels, checked before decoding",
+    )
 
     @model_validator(mode="after")
     def _sides_are_ordered(self) -> RequestLimits:
@@ -55,6 +60,9 @@ class RequestDefaults(_Section):
     scheduler: SchedulerName = "ddim"
     output_format: OutputFormat = "png"
     response_format: ResponseFormat = "image"
+    strength: float = Field(
+        0.8, gt=0, le=1, description="image-to-image: how much of the schedule the image goes through"
+    )
 
 
 class CompileSettings(_Section):

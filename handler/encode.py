@@ -11,16 +11,20 @@ from PIL.Image import Exif, Image
 
 CONTENT_TYPES = {"png": "image/png", "jpeg": "image/jpeg", "webp": "image/webp"}
 JSON_CONTENT_TYPE = "application/json"
-JPEG_QUALITY = 90
-WEBP_QUALITY = 90
+# Quality of lossy formats when a request sets no output_compression (0..100, higher is better).
+DEFAULT_QUALITY = 90
 # EXIF tag ImageDescription: where an encoded image says whether the safety checker flagged it.
 EXIF_IMAGE_DESCRIPTION = 0x010E
 NSFW_DESCRIPTION = "nsfw_content_detected={}"
 
 
-def encode_image(image: Image, output_format: str, nsfw_content_detected: bool | None = None) -> bytes:
-    """PNG (lossless), JPEG or WebP bytes of one image. Where a safety checker ran, the image's
-    EXIF ImageDescription reads ``nsfw_content_detected=true`` (or ``false``)."""
+def encode_image(
+    image: Image, output_format: str, nsfw_content_detected: bool | None = None, quality: int | None = None
+) -> bytes:
+    """PNG (lossless), JPEG or WebP bytes of one image; ``quality`` (0..100) for JPEG and WebP,
+    ``DEFAULT_QUALITY`` when None. Where a safety checker ran, the image's EXIF ImageDescription
+    reads ``nsfw_content_detected=true`` (or ``false``)."""
+    quality = DEFAULT_QUALITY if quality is None else quality
     buffer = io.BytesIO()
     exif = Exif()
     if nsfw_content_detected is not None:
@@ -28,9 +32,9 @@ def encode_image(image: Image, output_format: str, nsfw_content_detected: bool |
     if output_format == "png":
         image.save(buffer, format="PNG", exif=exif)
     elif output_format == "jpeg":
-        image.convert("RGB").save(buffer, format="JPEG", quality=JPEG_QUALITY, exif=exif)
+        image.convert("RGB").save(buffer, format="JPEG", quality=quality, exif=exif)
     elif output_format == "webp":
-        image.save(buffer, format="WEBP", quality=WEBP_QUALITY, exif=exif)
+        image.save(buffer, format="WEBP", quality=quality, exif=exif)
     else:
         raise ValueError(f"unsupported output_format {output_format!r}; allowed: {', '.join(CONTENT_TYPES)}")
     return buffer.getvalue()

@@ -2,24 +2,28 @@
 
 Mirrors diffusers 0.42.1: ``StableDiffusionPipeline.__call__`` (SD 1.x, SD 2.x) and
 ``StableDiffusionXLPipeline.__call__`` (SDXL), cut at the denoising loop so jobs can join and
-leave between steps. Their numbered steps map to:
+leave between steps; a job with an input image mirrors the family's ``Img2ImgPipeline`` and, with
+a mask, its ``InpaintPipeline`` for the model's own (4-channel) UNet. Their numbered steps map to:
 
 - ``start``: 3. encode the prompts of the jobs started together in one call and 7. SDXL's added
   time ids (``handler.families``); 4. each job's own scheduler and timesteps (a copy of one built
-  per scheduler and step count); 5. initial latents from one CPU generator per image, scaled by
-  the scheduler's ``init_noise_sigma``; 6. ``prepare_extra_step_kwargs`` (eta 0 and the
-  generators, where the scheduler takes them).
+  per scheduler and step count; from an image, the last ``strength`` of them, ``get_timesteps``);
+  5. initial latents from one CPU generator per image, scaled by the scheduler's
+  ``init_noise_sigma`` (from an image: its VAE latents noised to the first timestep,
+  ``prepare_latents``; with a mask also ``prepare_mask_latents``); 6.
+  ``prepare_extra_step_kwargs`` (eta 0 and the generators, where the scheduler takes them).
 - ``step``: one iteration of the denoising loop (SD 7 / SDXL 8) for any set of jobs of one
   latent shape, in ONE UNet forward: each job's rows (doubled for classifier-free guidance when
   its guidance scale is above 1) at its own timestep, then per job the guidance and its own
-  ``scheduler.step``.
+  ``scheduler.step`` (and, inpainting, the unmasked area put back at the next noise level).
 - ``decode``: the end of ``__call__``: VAE decode (SDXL: float32 upcast, latents mean and std),
   the safety checker (SD, where the model has one) or the watermark (SDXL), PIL images.
 
 Left out, because no request can ask for it: ``guidance_rescale``, ``clip_skip``,
 ``cross_attention_kwargs`` and LoRA scales, IP-Adapter images, caller-supplied latents, embeddings,
-timesteps or sigmas, ``denoising_end``, ``prompt_2``/``negative_prompt_2`` and SDXL's negative
-size conditioning, output types other than PIL, step callbacks. UNets with a guidance embedding
+timesteps or sigmas, ``denoising_start``/``denoising_end``, ``prompt_2``/``negative_prompt_2``
+and SDXL's negative size conditioning and aesthetic scores, inpainting's ``padding_mask_crop`` and
+9-channel inpainting UNets, output types other than PIL, step callbacks. UNets with a guidance embedding
 (``time_cond_proj_dim``, LCM) are refused at load. Different by design: jobs of one shape share
 one UNet forward, so an image equals diffusers' to float rounding, not bit for bit; SDXL's VAE is
 kept in float32 instead of being upcast around each decode (same arithmetic).
@@ -41,6 +45,7 @@ from diffusers import (
     PNDMScheduler,
 )
 from diffusers.utils.torch_utils import randn_tensor
+from PIL.Image import Image
 
 from handler.config import FaultInjection
 from handler.families import Conditioning, Decoded, Pipeline, Scheduler, StableDiffusionFamily
@@ -70,6 +75,9 @@ class JobSpec:
     num_inference_steps: int
     scheduler: str
     guidance_scale: float
+    image: Image | None = None  # image-to-image from this picture (resized to width x height)
+    mask: Image | None = None  # inpainting: white where the image is repainted (with ``image``)
+    strength: float = 1.0  # how much of the schedule an input image goes through
 
     @property
     def images(self) -> int:
@@ -86,6 +94,23 @@ class JobSpec:
         return self.images * (2 if self.guided else 1)
 
 
+@dataclass(frozen=True)
+class Inpainting:
+    """What an inpainting job puts back after each step: the image's latents, the noise they are
+    noised with, and the latent-size mask (1 where the image is repainted)."""
+
+    image_latents: torch.Tensor
+    noise: torch.Tensor
+    mask: torch.Tensor
+
+    def blend(self, scheduler: Scheduler, latents: torch.Tensor, next_timestep: torch.Tensor | None) -> torch.Tensor:
+        """The inpaint pipeline's 4-channel step end: outside the mask, the image at the next noise level."""
+        proper = self.image_latents
+        if next_timestep is not None:
+            proper = scheduler.add_noise(proper, self.noise, torch.tensor([next_timestep]))
+        return (1 - self.mask) * proper + self.mask * latents
+
+
 @dataclass
 class DenoiseJob:
     """One job's state between steps: what ``__call__`` holds in its locals."""
@@ -97,6 +122,7 @@ class DenoiseJob:
     conditioning: Conditioning
     step_kwargs: dict = field(default_factory=dict)
     step: int = 0
+    inpainting: Inpainting | None = None
 
     @property
     def guided(self) -> bool:
@@ -148,17 +174,63 @@ class StepEngine:
 
     def _start(self, spec: JobSpec, conditioning: Conditioning) -> DenoiseJob:
         """Steps 4 to 6 for one job with its encoded prompt."""
+        dtype = conditioning.hidden_states.dtype
         with torch.inference_mode():
             scheduler = self._scheduler(spec.scheduler, spec.num_inference_steps)
             generators = [torch.Generator("cpu").manual_seed(seed) for seed in spec.seeds]
+            if spec.image is not None:
+                return self._start_from_image(spec, conditioning, scheduler, generators)
             shape = (spec.images, *self.latent_shape(spec.width, spec.height))
-            latents = randn_tensor(
-                shape, generator=generators, device=self.device, dtype=conditioning.hidden_states.dtype
-            )
+            latents = randn_tensor(shape, generator=generators, device=self.device, dtype=dtype)
             latents = latents * scheduler.init_noise_sigma
         self.family.prepare_scheduler(scheduler)
         return DenoiseJob(
             spec, scheduler, scheduler.timesteps, latents, conditioning, _step_kwargs(scheduler, generators)
+        )
+
+    def _start_from_image(
+        self, spec: JobSpec, conditioning: Conditioning, scheduler: Scheduler, generators: list[torch.Generator]
+    ) -> DenoiseJob:
+        """Steps 4 to 6 of the img2img and inpaint pipelines: the last ``strength`` of the schedule
+        (``get_timesteps``), and latents from the image's (``prepare_latents``, with a mask
+        ``prepare_mask_latents``)."""
+        assert spec.image is not None
+        dtype = conditioning.hidden_states.dtype
+        steps = spec.num_inference_steps
+        start = max(steps - min(int(steps * spec.strength), steps), 0) * scheduler.order
+        timesteps = scheduler.timesteps[start:]
+        if hasattr(scheduler, "set_begin_index"):
+            scheduler.set_begin_index(start)
+        first_timestep = timesteps[:1].repeat(spec.images)
+        pixels = self.family.preprocess(spec.image, spec.width, spec.height, dtype)
+        shape = (spec.images, *self.latent_shape(spec.width, spec.height))
+        inpainting = None
+        if spec.mask is None:  # img2img: each image encoded with its own generator
+            image_latents = self.family.encode_image(pixels.repeat(spec.images, 1, 1, 1), generators, inpaint=False)
+            noise = randn_tensor(shape, generator=generators, device=self.device, dtype=dtype)
+            latents = scheduler.add_noise(image_latents, noise, first_timestep)
+        else:  # inpaint: the image encoded once, with the first generator
+            image_latents = self.family.encode_image(pixels, generators[:1], inpaint=True).repeat(spec.images, 1, 1, 1)
+            noise = randn_tensor(shape, generator=generators, device=self.device, dtype=dtype)
+            if spec.strength == 1.0:
+                latents = noise * scheduler.init_noise_sigma
+            else:
+                latents = scheduler.add_noise(image_latents, noise, first_timestep)
+            mask = self.family.preprocess_mask(spec.mask, spec.width, spec.height)
+            # The pipeline encodes the masked image too (with the first generator, whose state the
+            # scheduler's steps then draw from), though a 4-channel UNet never reads its latents.
+            self.family.encode_image(pixels * (mask < 0.5), generators[:1], inpaint=True)
+            latent_size = shape[-2:]
+            mask = torch.nn.functional.interpolate(mask, size=latent_size).to(device=self.device, dtype=dtype)
+            inpainting = Inpainting(image_latents, noise, mask)
+        return DenoiseJob(
+            spec,
+            scheduler,
+            timesteps,
+            latents,
+            conditioning,
+            _step_kwargs(scheduler, generators),
+            inpainting=inpainting,
         )
 
     def _scheduler(self, name: str, steps: int) -> Scheduler:
@@ -206,6 +278,9 @@ class StepEngine:
                     job_noise, timestep, job.latents, **job.step_kwargs, return_dict=False
                 )[0]
                 job.step += 1
+                if job.inpainting is not None:
+                    next_timestep = job.timesteps[job.step] if not job.done else None
+                    job.latents = job.inpainting.blend(job.scheduler, job.latents, next_timestep)
 
     def decode(self, latents: torch.Tensor, width: int, height: int, tiled: bool = False) -> Decoded:
         """The end of ``__call__`` for finished latents of one shape (``tiled``: the VAE decodes in

@@ -9,6 +9,9 @@ it has them (``encode_prompt``, ``_get_add_time_ids``, ``run_safety_checker``, `
   (``force_zeros_for_empty_prompt``); the texts of jobs started together go through the
   encoders in one call;
 - the scheduler set-up: SDXL starts its schedulers at index 0 (``set_begin_index``);
+- the VAE encode of an input image (img2img and inpaint pipelines): SDXL encodes in float32 where
+  its VAE asks for it, and its img2img pipeline (not its inpaint one) applies the VAE's latents
+  mean and std;
 - the VAE decode: SDXL decodes in float32 when its VAE asks for it (``force_upcast``) and applies
   the VAE's latents mean and std where it has them;
 - post-processing: SD runs the model's safety checker (flagged images become black, as diffusers
@@ -25,6 +28,7 @@ from typing import Any, Protocol
 
 import torch
 from diffusers import StableDiffusionPipeline, StableDiffusionXLPipeline
+from diffusers.image_processor import VaeImageProcessor
 from PIL.Image import Image
 
 # A loaded StableDiffusionPipeline or StableDiffusionXLPipeline (family_of tells which). diffusers
@@ -38,12 +42,15 @@ class Scheduler(Protocol):
 
     timesteps: torch.Tensor
     init_noise_sigma: float
+    order: int
 
     def set_timesteps(self, num_inference_steps: int, device: torch.device) -> None: ...
 
     def scale_model_input(self, sample: torch.Tensor, timestep: torch.Tensor) -> torch.Tensor: ...
 
     def step(self, model_output: torch.Tensor, timestep: torch.Tensor, sample: torch.Tensor, **kwargs: Any) -> Any: ...
+
+    def add_noise(self, original: torch.Tensor, noise: torch.Tensor, timesteps: torch.Tensor) -> torch.Tensor: ...
 
 
 class PromptSpec(Protocol):
@@ -138,6 +145,10 @@ class StableDiffusionFamily:
         self.pipeline = pipeline
         self.device = device
         self.dtype = dtype
+        # The inpaint pipelines' mask processor: one grey channel, binarized, not normalized.
+        self.mask_processor = VaeImageProcessor(
+            vae_scale_factor=pipeline.vae_scale_factor, do_normalize=False, do_binarize=True, do_convert_grayscale=True
+        )
 
     @property
     def name(self) -> str:
@@ -183,6 +194,31 @@ class StableDiffusionFamily:
 
     def prepare_scheduler(self, scheduler: Scheduler) -> None:
         """Nothing: ``StableDiffusionPipeline`` lets each scheduler find its first index."""
+
+    def preprocess(self, image: Image, width: int, height: int, dtype: torch.dtype) -> torch.Tensor:
+        """An input image as the img2img and inpaint pipelines take it: ``(1, 3, height, width)``
+        in [-1, 1] (resized by the pipeline's image processor where its size differs)."""
+        pixels = self.pipeline.image_processor.preprocess(image, height=height, width=width)
+        return pixels.to(device=self.device, dtype=dtype)
+
+    def preprocess_mask(self, mask: Image, width: int, height: int) -> torch.Tensor:
+        """The inpaint pipelines' ``mask_condition``: ``(1, 1, height, width)``, 1 where repainted."""
+        return self.mask_processor.preprocess(mask, height=height, width=width).to(self.device)
+
+    def encode_image(self, pixels: torch.Tensor, generators: list[torch.Generator], inpaint: bool) -> torch.Tensor:
+        """``prepare_latents`` / ``_encode_vae_image``: image ``i`` through the VAE encoder, its
+        latents sampled with ``generators[i]``, scaled."""
+        vae = self.pipeline.vae
+        return vae.config.scaling_factor * self._vae_encode(pixels, generators)
+
+    def _vae_encode(self, pixels: torch.Tensor, generators: list[torch.Generator]) -> torch.Tensor:
+        vae = self.pipeline.vae
+        return torch.cat(
+            [
+                vae.encode(pixels[index : index + 1]).latent_dist.sample(generator)
+                for index, generator in enumerate(generators)
+            ]
+        )
 
     def vae_decode(self, latents: torch.Tensor, tiled: bool) -> torch.Tensor:
         """The VAE decode at the end of ``__call__`` (in tiles after running out of memory)."""
@@ -266,6 +302,18 @@ class StableDiffusionXLFamily(StableDiffusionFamily):
     def prepare_scheduler(self, scheduler: Scheduler) -> None:
         if hasattr(scheduler, "set_begin_index"):
             scheduler.set_begin_index(0)
+
+    def encode_image(self, pixels: torch.Tensor, generators: list[torch.Generator], inpaint: bool) -> torch.Tensor:
+        """SDXL's: in the VAE's dtype (float32 where it asks for the upcast), back in the pipeline's
+        dtype; the img2img pipeline applies the VAE's latents mean and std, the inpaint one does not."""
+        vae = self.pipeline.vae
+        latents = self._vae_encode(pixels.to(vae.dtype), generators).to(pixels.dtype)
+        mean, std = getattr(vae.config, "latents_mean", None), getattr(vae.config, "latents_std", None)
+        if inpaint or mean is None or std is None:
+            return vae.config.scaling_factor * latents
+        mean = torch.tensor(mean).view(1, 4, 1, 1).to(latents.device, latents.dtype)
+        std = torch.tensor(std).view(1, 4, 1, 1).to(latents.device, latents.dtype)
+        return (latents - mean) * vae.config.scaling_factor / std
 
     def vae_decode(self, latents: torch.Tensor, tiled: bool) -> torch.Tensor:
         vae = self.pipeline.vae

@@ -4,20 +4,33 @@
 ``GenerationRequest`` or a ``RequestError``. ``Response`` is what one request gets from one handler
 call: its final answer, or with continuous batching a chunk of it (TorchServe sends the status,
 content type and headers of a request's first chunk).
+
+``Api`` is the hook contract of a wire API over the one engine: how a request is read and how its
+answer, progress and errors are written. ``NATIVE`` is this server's own JSON API (and gRPC);
+``handler.openai_images`` is the OpenAI Images API; ``handler.routes`` picks one by URL path.
 """
 
 from __future__ import annotations
 
+import base64
 import json
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from PIL.Image import Image
 
 from handler.encode import CONTENT_TYPES, JSON_CONTENT_TYPE, encode_image, error_json, images_json, json_body
-from handler.request import GenerationRequest, RequestError, RequestPolicy, decode_body, decode_form
+from handler.request import (
+    FIELD_LABELS,
+    GenerationRequest,
+    RequestError,
+    RequestPolicy,
+    decode_body,
+    decode_form,
+)
 
 SEED_HEADER = "X-Seed"
 # "true" when the safety checker flagged the (one) image of an image response, "false" when it
@@ -30,12 +43,14 @@ STREAM_CONTENT_TYPE = "application/x-ndjson"
 @dataclass(frozen=True)
 class IncomingRequest:
     """One request as the server hands it over: the body (pre-decoded or raw), its Content-Type,
-    any form or query fields, and whether it came over gRPC."""
+    any form or query fields, whether it came over gRPC, and the URL path after the model's
+    version (TorchServe's ``url_path``; empty for ``/predictions/{model}``)."""
 
     body: Any
     content_type: str | None = None
     fields: dict[str, Any] = field(default_factory=dict)
     over_grpc: bool = False
+    path: str = ""
 
 
 @dataclass(frozen=True)
@@ -55,7 +70,7 @@ def decode(incoming: IncomingRequest, policy: RequestPolicy) -> GenerationReques
     """Validate one request, with a concrete seed. Raises ``RequestError``."""
     if incoming.over_grpc:
         policy = replace(policy, over_grpc=True)
-    has_body = not (incoming.body is None or isinstance(incoming.body, (bytes, bytearray)) and not incoming.body)
+    has_body = not without_body(incoming)
     if incoming.fields and has_body:
         names = ", ".join(sorted(incoming.fields))
         raise RequestError.single(
@@ -66,6 +81,11 @@ def decode(incoming: IncomingRequest, policy: RequestPolicy) -> GenerationReques
     if incoming.fields:
         return decode_form(incoming.fields, policy).with_seed()
     return decode_body(incoming.body if has_body else bytearray(), incoming.content_type, policy).with_seed()
+
+
+def without_body(incoming: IncomingRequest) -> bool:
+    """Whether a request carries no body (None, or empty raw bytes)."""
+    return incoming.body is None or isinstance(incoming.body, (bytes, bytearray)) and not incoming.body
 
 
 def bad_request(error: RequestError) -> Response:
@@ -118,13 +138,28 @@ def headers(request: GenerationRequest, nsfw_content_detected: list[bool] | None
     return names
 
 
+def encode_images(request: GenerationRequest, images: list[Image], metadata: dict[str, Any]) -> list[bytes]:
+    """The images in the request's format, each carrying its safety flag; ``timings`` gains ``encode_s``."""
+    started = time.perf_counter()
+    flags = metadata["nsfw_content_detected"] or [None] * len(images)
+    encoded = [
+        encode_image(image, request.output_format, flag, request.output_compression)
+        for image, flag in zip(images, flags, strict=True)
+    ]
+    metadata["timings"]["encode_s"] = round(time.perf_counter() - started, 6)
+    return encoded
+
+
+def encode_preview(request: GenerationRequest, images: list[Image]) -> list[str]:
+    """Preview images in the request's format, base64."""
+    metadata: dict[str, Any] = {"nsfw_content_detected": None, "timings": {}}
+    return [base64.b64encode(data).decode("ascii") for data in encode_images(request, images, metadata)]
+
+
 def success(request: GenerationRequest, images: list[Image], metadata: dict[str, Any]) -> Response:
     """Raw image bytes for one image in ``image`` mode, else JSON with base64 images and
     ``metadata`` (``timings`` gains ``encode_s``); a streamed request gets its ``done`` event line."""
-    started = time.perf_counter()
-    flags = metadata["nsfw_content_detected"] or [None] * len(images)
-    encoded = [encode_image(image, request.output_format, flag) for image, flag in zip(images, flags, strict=True)]
-    metadata["timings"]["encode_s"] = round(time.perf_counter() - started, 6)
+    encoded = encode_images(request, images, metadata)
     kind = content_type(request)
     if kind in CONTENT_TYPES.values():
         return Response(200, encoded[0], kind, headers(request, metadata["nsfw_content_detected"]))
@@ -143,3 +178,80 @@ def stream_event(payload: dict[str, Any]) -> bytes:
 def as_stream_error(response: Response) -> bytes:
     """An error ``Response`` as the ``{"event": "error", ...}`` line a streaming client reads."""
     return stream_event({"event": "error", **json.loads(response.body)})
+
+
+# A preview of a job's images decoded from its latents now (the service's VAE call).
+Preview = Callable[[], list[Image]]
+
+
+class Api(Protocol):
+    """The hooks of one wire API over the engine. The service calls them for every request it
+    admits through this API; none may raise for a request's own reasons."""
+
+    field_labels: frozenset[str]  # field names that metric labels may carry as they are
+
+    def decode(self, incoming: IncomingRequest, policy: RequestPolicy) -> GenerationRequest:
+        """A validated request with a concrete seed. Raises ``RequestError`` naming the fields in
+        this API's terms."""
+        ...
+
+    def content_type(self, request: GenerationRequest) -> str: ...
+
+    def headers(self, request: GenerationRequest) -> dict[str, str]:
+        """Headers of a request's first part when it is not the whole answer."""
+        ...
+
+    def progress(
+        self, request: GenerationRequest, step: int, total_steps: int, elapsed: float, preview: Preview
+    ) -> bytes:
+        """A streamed request's part after a step (empty for none); ``preview`` decodes its images now."""
+        ...
+
+    def success(self, request: GenerationRequest, images: list[Image], metadata: dict[str, Any]) -> Response: ...
+
+    def error(self, response: Response) -> Response:
+        """An error ``Response`` (native JSON error body) in this API's error shape."""
+        ...
+
+    def stream_error(self, response: Response, first: bool) -> bytes:
+        """An error, already in this API's shape, as the last part of a streamed answer (``first``:
+        its only part, which carries the error's status)."""
+        ...
+
+
+class NativeApi:
+    """This server's own JSON API at ``/predictions/{model}``, and gRPC."""
+
+    field_labels = FIELD_LABELS
+
+    def decode(self, incoming: IncomingRequest, policy: RequestPolicy) -> GenerationRequest:
+        return decode(incoming, policy)
+
+    def content_type(self, request: GenerationRequest) -> str:
+        return content_type(request)
+
+    def headers(self, request: GenerationRequest) -> dict[str, str]:
+        return headers(request)
+
+    def progress(
+        self, request: GenerationRequest, step: int, total_steps: int, elapsed: float, preview: Preview
+    ) -> bytes:
+        """A ``progress`` line after every step; at a preview step it carries the images so far."""
+        event: dict[str, Any] = {"event": "progress", "step": step, "total_steps": total_steps}
+        event["elapsed_s"] = round(elapsed, 6)
+        if step in request.preview_steps():
+            event["images"] = encode_preview(request, preview())
+        return stream_event(event)
+
+    def success(self, request: GenerationRequest, images: list[Image], metadata: dict[str, Any]) -> Response:
+        return success(request, images, metadata)
+
+    def error(self, response: Response) -> Response:
+        return response
+
+    def stream_error(self, response: Response, first: bool) -> bytes:
+        """An ``error`` line, also as the only part."""
+        return as_stream_error(response)
+
+
+NATIVE = NativeApi()

@@ -12,9 +12,11 @@ import math
 import reprlib
 import secrets
 import sys
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
+from PIL.Image import Image
 from pydantic import (
     BaseModel,
     ConfigDict,
@@ -34,8 +36,11 @@ from handler.config import (
     ResponseFormat,
     SchedulerName,
 )
+from handler.input_image import as_mask, as_rgb, fit, peek_size, read_image
 
 TEXT_CONTENT_PREFIX = "text/"
+# Most previews a streamed request may ask for (as the OpenAI Images API allows).
+MAX_PARTIAL_IMAGES = 3
 # Fields bounded above by an operator setting in RequestLimits.
 UPPER_LIMITS = {
     "num_inference_steps": "max_inference_steps",
@@ -55,12 +60,12 @@ class FieldError:
     def as_dict(self) -> dict[str, str]:
         return {"field": self.field, "rule": self.rule, "message": self.message}
 
-    @property
-    def label(self) -> str:
-        """The field as logs and metric labels name it: a request field or "body". An unknown
-        field's name is the client's text (newlines, commas, colons: TorchServe's metric lines are
-        log lines split on them) and unbounded, so it is ``UNKNOWN_FIELD_LABEL``."""
-        return self.field if self.field in FIELD_LABELS else UNKNOWN_FIELD_LABEL
+    def label(self, known: frozenset[str]) -> str:
+        """The field as logs and metric labels name it: one of the API's ``known`` fields, or
+        "body". An unknown field's name is the client's text (newlines, commas, colons:
+        TorchServe's metric lines are log lines split on them) and unbounded, so it is
+        ``UNKNOWN_FIELD_LABEL``."""
+        return self.field if self.field in known else UNKNOWN_FIELD_LABEL
 
 
 class RequestError(Exception):
@@ -83,6 +88,10 @@ class RequestPolicy:
     defaults: RequestDefaults = RequestDefaults(width=512, height=512)
     streaming: bool = False  # continuous batching: answers leave in parts and can stream progress
     over_grpc: bool = False  # the request came over gRPC, whose answers TorchServe 0.12 ends with their first part
+    model_name: str = "stable-diffusion"  # the name TorchServe serves this model under
+
+
+Model = TypeVar("Model", bound=BaseModel)
 
 
 def _policy(info: ValidationInfo) -> RequestPolicy:
@@ -100,7 +109,7 @@ def _above_limit(value: float, limit: float, setting: str) -> PydanticCustomErro
 class GenerationRequest(BaseModel):
     """One text-to-image request, in diffusers' parameter names."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, arbitrary_types_allowed=True)
 
     prompt: str = Field(description="what to draw; must contain a non-blank character")
     negative_prompt: str | None = Field(None, description="what to steer away from")
@@ -112,17 +121,40 @@ class GenerationRequest(BaseModel):
     num_images_per_prompt: int = Field(ge=1, description="images to generate for this prompt")
     scheduler: SchedulerName = Field(description="sampler used for denoising")
     output_format: OutputFormat = Field(description="encoding of the returned images")
+    output_compression: int | None = Field(
+        None, ge=0, le=100, description="quality of jpeg and webp images (0..100, higher is better); png ignores it"
+    )
     response_format: ResponseFormat = Field(description="'image' returns raw bytes, 'json' base64 with metadata")
     stream: bool = Field(
         False, description="newline-delimited JSON progress events, then the images (continuous-batching engine)"
+    )
+    partial_images: int = Field(
+        0, ge=0, le=MAX_PARTIAL_IMAGES, description="previews decoded from the latents while streaming, evenly spaced"
+    )
+    image: Image | None = Field(
+        None, description="image-to-image from this picture: base64 in JSON, a file part in a form (PNG, JPEG, WebP)"
+    )
+    mask: Image | None = Field(
+        None, description="inpainting: where this image (the input's size) is transparent, the input is repainted"
+    )
+    strength: float = Field(
+        gt=0, le=1, allow_inf_nan=False, description="with an image: how much of the schedule it goes through"
     )
 
     @model_validator(mode="before")
     @classmethod
     def _fill_defaults(cls, data: Any, info: ValidationInfo) -> Any:
+        """The configured defaults; with an input image, its size (fitted to the limits) unless
+        the request gives one."""
         if not isinstance(data, dict):
             return data
-        defaults = _policy(info).defaults.model_dump()
+        policy = _policy(info)
+        defaults = policy.defaults.model_dump()
+        if data.get("image") is not None and "width" not in data and "height" not in data:
+            size = peek_size(data["image"], policy.limits.max_input_pixels)
+            if size is not None:
+                limits = policy.limits
+                defaults["width"], defaults["height"] = fit(*size, limits.min_side, limits.max_side, limits.max_pixels)
         return {**defaults, **data}
 
     @field_validator("prompt")
@@ -209,6 +241,44 @@ class GenerationRequest(BaseModel):
             )
         return value
 
+    @field_validator("image", mode="before")
+    @classmethod
+    def _read_image(cls, value: Any, info: ValidationInfo) -> Image | None:
+        return None if value is None else as_rgb(read_image(value, _policy(info).limits.max_input_pixels))
+
+    @field_validator("mask", mode="before")
+    @classmethod
+    def _read_mask(cls, value: Any, info: ValidationInfo) -> Image | None:
+        if value is None:
+            return None
+        image = info.data.get("image")
+        if image is None:
+            raise PydanticCustomError("needs_image", "a mask needs an image to inpaint (the image field)")
+        mask = read_image(value, _policy(info).limits.max_input_pixels)
+        if mask.size != image.size:
+            raise PydanticCustomError(
+                "mask_size",
+                "the mask is {mask}, the image {image}: they must be the same size",
+                {"mask": "x".join(map(str, mask.size)), "image": "x".join(map(str, image.size))},
+            )
+        return as_mask(mask)
+
+    @field_validator("partial_images")
+    @classmethod
+    def _partial_images_need_a_stream(cls, value: int, info: ValidationInfo) -> int:
+        if value and info.data.get("stream") is not True:
+            raise PydanticCustomError(
+                "needs_stream", "partial_images needs stream: true (previews are parts of a streamed answer)"
+            )
+        return value
+
+    def preview_steps(self) -> frozenset[int]:
+        """The steps after which a streamed request gets a preview: ``partial_images`` of them,
+        evenly spaced before the last (fewer when there are too few steps)."""
+        steps, parts = self.num_inference_steps, self.partial_images + 1
+        spaced = (round(steps * index / parts) for index in range(1, parts))
+        return frozenset(step for step in spaced if 0 < step < steps)
+
     def with_seed(self) -> GenerationRequest:
         """This request with a concrete seed, drawn at random when the client sent none."""
         if self.seed is not None:
@@ -223,21 +293,30 @@ class GenerationRequest(BaseModel):
 
     def parameters(self) -> dict[str, Any]:
         """The effective parameters, as reported back to the client."""
-        return self.model_dump(exclude={"output_format", "response_format", "stream"})
+        excluded = {
+            "output_format",
+            "output_compression",
+            "response_format",
+            "stream",
+            "partial_images",
+            "image",
+            "mask",
+        }
+        return self.model_dump(exclude=excluded if self.image is not None else excluded | {"strength"})
 
 
 UNKNOWN_FIELD_LABEL = "unknown_field"
 FIELD_LABELS = frozenset({*GenerationRequest.model_fields, "body"})
 
 
-def _field_errors(error: ValidationError) -> list[FieldError]:
+def _field_errors(error: ValidationError, allowed: Iterable[str]) -> list[FieldError]:
     errors = []
     for item in error.errors(include_url=False):
         field = ".".join(str(part) for part in item["loc"]) or "body"
         rule, message = item["type"], item["msg"]
         if rule == "extra_forbidden":
             rule = "unknown_field"
-            message = f"unknown field {field!r}; allowed fields: {', '.join(GenerationRequest.model_fields)}"
+            message = f"unknown field {field!r}; allowed fields: {', '.join(allowed)}"
         elif rule != "missing" and "input" in item:
             given = _short_repr(item["input"])
             if given not in message:
@@ -257,13 +336,19 @@ def _json_safe(value: Any) -> bool:
     return isinstance(value, (str, int, bool, type(None)))
 
 
-def validate_fields(fields: dict[str, Any], policy: RequestPolicy, *, strict: bool) -> GenerationRequest:
-    """Validate a dict of request fields. JSON bodies are strict (no ``"20"`` for 20, no ``true``
-    for 1); form and query fields arrive as text and are converted."""
+def validate_model(model: type[Model], fields: dict[str, Any], policy: RequestPolicy, *, strict: bool) -> Model:
+    """Validate a dict of request fields against a request model, with ``policy`` as context.
+    JSON bodies are strict (no ``"20"`` for 20, no ``true`` for 1); form and query fields arrive
+    as text and are converted."""
     try:
-        return GenerationRequest.model_validate(fields, strict=strict, context=policy)
+        return model.model_validate(fields, strict=strict, context=policy)
     except ValidationError as error:
-        raise RequestError(_field_errors(error)) from None
+        raise RequestError(_field_errors(error, model.model_fields)) from None
+
+
+def validate_fields(fields: dict[str, Any], policy: RequestPolicy, *, strict: bool) -> GenerationRequest:
+    """Validate a dict of ``GenerationRequest`` fields."""
+    return validate_model(GenerationRequest, fields, policy, strict=strict)
 
 
 def _decode_text(raw: bytes | bytearray) -> str:
@@ -323,14 +408,19 @@ def decode_body(body: Any, content_type: str | None, policy: RequestPolicy) -> G
             body, is_text = _json_or_prompt(body)
     if is_text and isinstance(body, str):
         return validate_fields({"prompt": body}, policy, strict=True)
+    fields = json_fields(body, "a JSON object of request fields (or a text/plain prompt)")
+    return validate_fields(fields, policy, strict=True)
+
+
+def json_fields(body: Any, expected: str = "a JSON object of request fields") -> dict[str, Any]:
+    """The fields of a JSON object body, pre-decoded or raw (parsed as UTF-8 JSON)."""
+    if isinstance(body, (bytes, bytearray)):
+        if not body.strip():
+            raise RequestError.single("body", "required", f"body is empty (or JSON null): send {expected}")
+        body = _parse_json(body)
     if not isinstance(body, dict):
-        raise RequestError.single(
-            "body",
-            "object",
-            "body must be a JSON object of request fields (or a text/plain prompt), "
-            f"got a JSON {_json_type_name(body)}",
-        )
-    return validate_fields(body, policy, strict=True)
+        raise RequestError.single("body", "object", f"body must be {expected}, got a JSON {_json_type_name(body)}")
+    return body
 
 
 def _json_or_prompt(raw: bytes | bytearray) -> tuple[Any, bool]:
@@ -342,9 +432,18 @@ def _json_or_prompt(raw: bytes | bytearray) -> tuple[Any, bool]:
     return text, True
 
 
-def decode_form(fields: dict[str, Any], policy: RequestPolicy) -> GenerationRequest:
-    """Validate form or query fields, which arrive as text (or bytes) per field."""
-    decoded = {
-        name: _decode_text(value) if isinstance(value, (bytes, bytearray)) else value for name, value in fields.items()
+# Form fields that carry files, not text.
+FILE_FIELDS = frozenset({"image", "mask"})
+
+
+def form_text(fields: dict[str, Any]) -> dict[str, Any]:
+    """Form or query fields, which arrive as text or bytes per field, as text (files as bytes)."""
+    return {
+        name: _decode_text(value) if isinstance(value, (bytes, bytearray)) and name not in FILE_FIELDS else value
+        for name, value in fields.items()
     }
-    return validate_fields(decoded, policy, strict=False)
+
+
+def decode_form(fields: dict[str, Any], policy: RequestPolicy) -> GenerationRequest:
+    """Validate form or query fields."""
+    return validate_fields(form_text(fields), policy, strict=False)

@@ -32,6 +32,8 @@ BODY_KEYS = ("body", "data")
 # TorchServe 0.12's gRPC StreamPredictions reads this header of every answer and, where it is
 # missing, fails the worker (NullPointerException in GRPCJob.response); "false" ends the call.
 STREAM_NEXT_HEADER = "ts_stream_next"
+# Where TorchServe puts the path segments after /predictions/{model}/{version}/.
+URL_PATH_HEADER = "url_path"
 
 
 def _content_type(context: Any, index: int, body_key: str | None) -> str | None:
@@ -53,6 +55,13 @@ def _over_grpc(context: Any, index: int) -> bool:
     return not any(isinstance(value, str) for value in context.get_all_request_header(index).values())
 
 
+def _url_path(context: Any, index: int) -> str:
+    """The URL path after ``/predictions/{model}/{version}/`` (TorchServe's ``url_path`` header;
+    empty for ``/predictions/{model}`` and gRPC)."""
+    path = context.get_request_header(index, URL_PATH_HEADER)
+    return path if isinstance(path, str) else ""
+
+
 def to_incoming(row: dict[str, Any], context: Any, index: int) -> IncomingRequest:
     """One TorchServe request row -> ``IncomingRequest``: the raw body, or the form/query fields."""
     body_key = next((key for key in BODY_KEYS if key in row), None)
@@ -63,6 +72,7 @@ def to_incoming(row: dict[str, Any], context: Any, index: int) -> IncomingReques
         content_type=_content_type(context, index, body_key),
         fields=fields,
         over_grpc=_over_grpc(context, index),
+        path=_url_path(context, index),
     )
 
 
@@ -123,6 +133,7 @@ class StableDiffusionHandler(BaseHandler):
             streaming=continuous,
             batch_size=properties.get("batch_size"),
             worker=worker_id(sys.argv),
+            model_name=context.model_name,
         )
         self._loop = self._iterate if continuous else self._run_batch
         loaded = time.perf_counter()

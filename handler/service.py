@@ -32,20 +32,17 @@ from handler.families import Decoded
 from handler.metrics import DiffusionMetrics, MetricSink, QueueGauges
 from handler.pipeline import load_engine, native_size, release_cached_memory, synchronize
 from handler.protocol import (
+    Api,
     IncomingRequest,
+    Preview,
     Response,
-    as_stream_error,
     bad_request,
-    content_type,
     deadline_exceeded,
-    decode,
     does_not_fit,
-    headers,
     internal_error,
-    stream_event,
-    success,
 )
 from handler.request import GenerationRequest, RequestError, RequestPolicy
+from handler.routes import route
 from handler.scheduling import StepProfile, choose, slack
 
 logger = logging.getLogger(__name__)
@@ -62,13 +59,17 @@ def job_spec(request: GenerationRequest) -> JobSpec:
         request.num_inference_steps,
         request.scheduler,
         request.guidance_scale,
+        request.image,
+        request.mask,
+        request.strength,
     )
 
 
 @dataclass
 class Flight:
-    """One admitted request on its way through the denoising loop."""
+    """One admitted request on its way through the denoising loop, and the API it answers in."""
 
+    api: Api
     request: GenerationRequest
     job: DenoiseJob
     arrived: float
@@ -207,17 +208,19 @@ class DiffusionService:
         responses: dict[str, Response] = {}
         valid: dict[str, GenerationRequest] = {}
         arrived = self.clock()
+        apis: dict[str, Api] = {}
         for rid, incoming in new.items():
             outcome = self._validate(rid, incoming)
             if isinstance(outcome, Response):
                 responses[rid] = outcome
             else:
-                valid[rid] = outcome
+                apis[rid], valid[rid] = outcome
         for rid, started in self._start(valid).items():
             if isinstance(started, Response):
-                responses[rid] = started
+                responses[rid] = apis[rid].error(started)
             else:
                 self.flights[rid] = Flight(
+                    apis[rid],
                     valid[rid],
                     started,
                     arrived,
@@ -229,21 +232,26 @@ class DiffusionService:
                 )
         return responses
 
-    def _validate(self, rid: str, incoming: IncomingRequest) -> GenerationRequest | Response:
-        """The validated request, or its error answer."""
+    def _validate(self, rid: str, incoming: IncomingRequest) -> tuple[Api, GenerationRequest] | Response:
+        """The request's API and the validated request, or its whole answer (an error, or a
+        route that generates nothing)."""
+        api = route(incoming.path, self.policy.model_name)
+        if isinstance(api, Response):
+            return api
         try:
-            request = decode(incoming, self.policy)
+            request = api.decode(incoming, self.policy)
         except RequestError as error:
-            rejected = ", ".join(f"{item.label} ({item.rule})" for item in error.errors)
+            labels = [item.label(api.field_labels) for item in error.errors]
+            rejected = ", ".join(f"{label} ({item.rule})" for label, item in zip(labels, error.errors, strict=True))
             logger.info("request %s rejected: %s", rid, rejected)
-            self.metrics.request_rejected([item.label for item in error.errors])
-            return bad_request(error)
+            self.metrics.request_rejected(labels)
+            return api.error(bad_request(error))
         except Exception as error:  # a bug must cost this request only, not its batchmates
             logger.exception("request %s could not be decoded", rid)
-            return internal_error("decoding", error)
+            return api.error(internal_error("decoding", error))
         if self.log_prompts:
             logger.info("request %s: %s", rid, request.parameters())
-        return request
+        return api, request
 
     def _start(self, requests: dict[str, GenerationRequest]) -> dict[str, DenoiseJob | Response]:
         """Jobs for the requests, started together; 507 for a request whose shape and image count
@@ -382,14 +390,17 @@ class DiffusionService:
             if flight.job.done:
                 flight.denoised = now
             elif flight.request.stream:
-                progress = {
-                    "event": "progress",
-                    "step": flight.job.step,
-                    "total_steps": flight.job.total_steps,
-                    "elapsed_s": round(now - flight.arrived, 6),
-                }
-                responses[rid] = self._part(flight, stream_event(progress), final=False)
+                part = flight.api.progress(
+                    flight.request, flight.job.step, flight.job.total_steps, now - flight.arrived, self._preview(rid)
+                )
+                if part:
+                    responses[rid] = self._part(flight, part, final=False)
         return responses
+
+    def _preview(self, rid: str) -> Preview:
+        """A request's images decoded from its latents as they are when called (safety checker included)."""
+        job = self.flights[rid].job
+        return lambda: self.engine.decode(job.latents, job.spec.width, job.spec.height).images
 
     def _finish(self, done: list[str]) -> dict[str, Response]:
         """Decode finished jobs, one VAE call per latent shape, and answer them."""
@@ -471,7 +482,7 @@ class DiffusionService:
             },
         }
         try:
-            response = success(flight.request, decoded.images, metadata)
+            response = flight.api.success(flight.request, decoded.images, metadata)
         except Exception as error:
             logger.exception("request %s could not be encoded", rid)
             return self._fail(rid, internal_error("encoding", error))
@@ -482,7 +493,8 @@ class DiffusionService:
     def _fail(self, rid: str, response: Response) -> Response:
         flight = self.flights.pop(rid)
         self._answered.append((flight.arrived, None))
-        body = as_stream_error(response) if flight.request.stream else response.body
+        response = flight.api.error(response)
+        body = flight.api.stream_error(response, flight.parts_sent == 0) if flight.request.stream else response.body
         return self._part(flight, body, final=True, response=response)
 
     def _part(self, flight: Flight, body: bytes, final: bool, response: Response | None = None) -> Response:
@@ -493,7 +505,8 @@ class DiffusionService:
         flight.parts_sent += 1
         if first and response is not None:
             return replace(response, body=body, final=final, first=True)
-        return Response(200, body, content_type(flight.request), headers(flight.request) if first else {}, final, first)
+        api, request = flight.api, flight.request
+        return Response(200, body, api.content_type(request), api.headers(request) if first else {}, final, first)
 
     def _delivered(self) -> None:
         """Record the latency of the requests answered since the last call, now that their
@@ -518,17 +531,19 @@ def build_service(
     streaming: bool = False,
     batch_size: int | None = None,
     worker: str = "0",
+    model_name: str = "stable-diffusion",
 ) -> tuple[DiffusionService, HandlerSettings]:
     """Load the pipeline and build the service exactly as a worker does (the handler, the
     benchmarks and the tests share this); return it with the settings resolved to the model's
     native size. ``streaming``: continuous batching, which can stream progress; ``batch_size``:
-    TorchServe's; ``worker``: the label of this worker's gauges."""
+    TorchServe's; ``worker``: the label of this worker's gauges; ``model_name``: the name TorchServe
+    serves it under."""
     engine = load_engine(settings, model_dir, gpu_id)
     settings = settings.with_native_size(*native_size(engine.pipeline))
     sla = settings.metrics.latency_sla_seconds
     service = DiffusionService(
         engine,
-        RequestPolicy(settings.limits, settings.defaults, streaming=streaming),
+        RequestPolicy(settings.limits, settings.defaults, streaming=streaming, model_name=model_name),
         StepProfile(engine, settings.max_images_per_call),
         DiffusionMetrics(sink, sla, worker),
         sla,

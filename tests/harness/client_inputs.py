@@ -5,17 +5,31 @@ ones send them over HTTP."""
 
 from __future__ import annotations
 
+import base64
 import codecs
+import io
 import json
 import math
 from typing import Any, get_args
 
 import hypothesis.strategies as st
+from PIL import Image
 
 from handler.config import MAX_SEED, OutputFormat, RequestLimits, ResponseFormat, SchedulerName
 from handler.request import GenerationRequest
 
 FIELDS = tuple(GenerationRequest.model_fields)
+
+
+def _png_base64(image: Image.Image) -> str:
+    buffer = io.BytesIO()
+    image.save(buffer, format="PNG")
+    return base64.b64encode(buffer.getvalue()).decode("ascii")
+
+
+# Input images as JSON carries them: a picture, and a mask transparent in one corner.
+PICTURE = _png_base64(Image.new("RGB", (64, 64), (200, 30, 30)))
+MASK = _png_base64(Image.new("RGBA", (64, 64), (0, 0, 0, 0)).crop((0, 0, 64, 64)))
 BASE_FIELDS = {"prompt": "a red circle", "num_inference_steps": 2}
 
 # Every code point, lone surrogates included: JSON carries them as \ud800 escapes.
@@ -101,6 +115,19 @@ def boundary_values(limits: RequestLimits) -> dict[str, list[Any]]:
         "output_format": [*get_args(OutputFormat), "PNG", "gif", "", None],
         "response_format": [*get_args(ResponseFormat), "Image", "base64", "", None],
         "stream": [False, True, 0, 1, "true", None],
+        "output_compression": [None, 0, 50, 100, 101, -1, 50.5, "50", True],
+        "partial_images": [0, 1, 3, 4, -1, 1.0, "1", True],
+        "image": [
+            None,
+            PICTURE,
+            PICTURE[: len(PICTURE) // 2],
+            PICTURE[:-41],
+            "",
+            "data:image/png;base64," + PICTURE,
+            1,
+        ],
+        "mask": [None, MASK, PICTURE, MASK[:-8], ""],
+        "strength": [0, 0.5, 1, 1.0000001, -1, math.nan, "0.5", True],
     }
 
 

@@ -76,6 +76,13 @@ class Client:
         return decode_png(response.content)
 
 
+def worker_processes(server: TorchServe) -> list[tuple[str, int, str]]:
+    """(id, pid, startTime) of each worker, from the management API's describe; all READY."""
+    workers = server.describe()["workers"]
+    assert workers and all(worker["status"] == "READY" for worker in workers), workers
+    return sorted((worker["id"], worker["pid"], worker["startTime"]) for worker in workers)
+
+
 def value(samples, name: str, **labels) -> float:
     return samples.get((name, frozenset({"model_name": "stable-diffusion", **labels}.items())), 0.0)
 

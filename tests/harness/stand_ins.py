@@ -10,6 +10,7 @@ from handler.config import RequestDefaults
 from handler.engine import DenoiseJob, JobSpec
 from handler.families import Conditioning, Decoded
 from handler.metrics import DiffusionMetrics, MetricSpec
+from handler.protocol import IncomingRequest
 from handler.request import RequestPolicy
 from handler.scheduling import StepProfile
 from handler.service import DiffusionService
@@ -124,3 +125,31 @@ def make_service(
         clock=kwargs.pop("clock", Clock()),
         **kwargs,
     )
+
+
+def batch(service: DiffusionService, *incoming: IncomingRequest) -> list:
+    responses = service.run_batch({str(index): item for index, item in enumerate(incoming)})
+    return [responses[str(index)] for index in range(len(incoming))]
+
+
+def run(
+    service: DiffusionService, arrivals: dict[int, dict[str, IncomingRequest]], limit: int = 200
+) -> dict[str, list]:
+    """Continuous batching: iterate until every request has its final part; ``arrivals`` maps an
+    iteration to the requests that arrive then."""
+    parts: dict[str, list] = {}
+    live: dict[str, IncomingRequest] = {}
+    for iteration in range(limit):
+        live.update(arrivals.get(iteration, {}))
+        if not live and iteration > max(arrivals):
+            return parts
+        for rid, part in service.iterate(
+            {
+                rid: live[rid] if iteration in arrivals and rid in arrivals[iteration] else IncomingRequest(None)
+                for rid in live
+            }
+        ).items():
+            parts.setdefault(rid, []).append(part)
+            if part.final:
+                del live[rid]
+    raise AssertionError("requests did not finish")

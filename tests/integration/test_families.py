@@ -1,6 +1,8 @@
 """Every family through a real TorchServe, in both batching modes: SD 1.x (with a safety checker),
 SD 2.x and SDXL tiny random-weight pipelines. A seeded request gets diffusers' own image; requests
-with mixed steps, schedulers and guidance share UNet forwards, alone or joining a running one; a
+with mixed steps, schedulers and guidance share UNet forwards, alone or joining a running one;
+edits (the OpenAI SDK's, with and without a mask, and the native API's base64 images) get the
+img2img and inpaint pipelines' images, sharing forwards with text-to-image requests; a
 bad request mid-flight fails alone; the safety checker flags as diffusers does and says so; the
 metrics move by what was sent, the same in both modes. An unsupported pipeline is refused at
 worker load, fast, naming itself."""
@@ -18,7 +20,8 @@ from dataclasses import dataclass
 import numpy as np
 import pytest
 import requests
-from PIL import Image
+from openai import OpenAI
+from PIL import Image, ImageOps
 
 from bench.reference import Reference
 from handler.encode import EXIF_IMAGE_DESCRIPTION
@@ -83,7 +86,29 @@ def reference(references: dict[str, Reference], served: Served, body: dict):
         num_images_per_prompt=body.get("num_images_per_prompt", 1),
         scheduler=body.get("scheduler", "ddim"),
         guidance_scale=body.get("guidance_scale", 7.5),
+        image=None if "image" not in body else Image.open(io.BytesIO(base64.b64decode(body["image"]))).convert("RGB"),
+        mask=None if "mask" not in body else diffusers_mask(base64.b64decode(body["mask"])),
+        strength=body.get("strength", 0.8),
     )
+
+
+def diffusers_mask(data: bytes) -> Image.Image:
+    """An OpenAI-style mask (transparent where repainted) as diffusers wants it (white where repainted)."""
+    return ImageOps.invert(Image.open(io.BytesIO(data)).getchannel("A"))
+
+
+def png(pixels: np.ndarray) -> bytes:
+    buffer = io.BytesIO()
+    Image.fromarray(pixels).save(buffer, format="PNG")
+    return buffer.getvalue()
+
+
+def edit_inputs(side: int) -> tuple[bytes, bytes]:
+    """A picture (coloured noise) and an OpenAI-style mask for it, transparent in the middle, as PNG."""
+    picture = np.random.default_rng(7).integers(0, 256, (side, side, 3), dtype=np.uint8)
+    mask = np.full((side, side, 4), 255, dtype=np.uint8)
+    mask[side // 4 : 3 * side // 4, side // 4 : 3 * side // 4, 3] = 0
+    return png(picture), png(mask)
 
 
 def images_of(response: requests.Response) -> list[np.ndarray]:
@@ -169,6 +194,47 @@ def test_mixed_steps_schedulers_and_guidance_share_forwards_and_each_gets_diffus
     else:
         assert all(done < long_done for _, done in followers), "a short request waited for the long one"
         assert long.json()["batch"]["max_step_images"] >= 2
+
+
+@pytest.mark.parametrize("masked", [False, True], ids=["img2img", "inpaint"])
+def test_an_sdk_edit_gets_the_img2img_or_inpaint_pipelines_images(served, references, masked):
+    picture, mask = edit_inputs(served.side)
+    client = OpenAI(
+        base_url=f"{served.server.predictions_url}/1.0/v1", api_key=served.server.keys.inference, max_retries=0
+    )
+    result = client.images.edit(
+        image=("picture.png", picture, "image/png"),
+        prompt="a blue square",
+        n=2,
+        **({"mask": ("mask.png", mask, "image/png")} if masked else {}),
+        extra_body={"seed": 3, "num_inference_steps": 5, "strength": 0.7},
+    )
+    assert result.data is not None and [item.model_extra["seed"] for item in result.data] == [3, 4]
+    body = {"prompt": "a blue square", "seed": 3, "num_inference_steps": 5, "num_images_per_prompt": 2}
+    body.update(image=base64.b64encode(picture).decode(), strength=0.7)
+    if masked:
+        body["mask"] = base64.b64encode(mask).decode()
+    for ours, theirs in zip(result.data, reference(references, served, body).images, strict=True):
+        difference = np.abs(decode_png(base64.b64decode(ours.b64_json or "")).astype(np.int16) - np.asarray(theirs))
+        assert difference.max() <= 1, f"{served.family} ({served.mode}) differs from diffusers by {difference.max()}"
+
+
+def test_an_edit_and_a_text_to_image_request_share_forwards_and_each_gets_diffusers_images(served, references):
+    picture, mask = edit_inputs(served.side)
+    edit = {
+        "prompt": "a blue square",
+        "seed": 3,
+        "num_inference_steps": 5,
+        "image": base64.b64encode(picture).decode(),
+        "mask": base64.b64encode(mask).decode(),
+        "strength": 0.7,
+        "response_format": "json",
+    }
+    plain = {"prompt": "a red circle", "seed": 4, "num_inference_steps": 5, "response_format": "json"}
+    _, followers = behind_long(served.client, [edit, plain])
+    for body, (response, _) in zip([edit, plain], followers, strict=True):
+        assert_diffusers_images(references, served, body, response)
+        assert response.json()["batch"]["max_step_images"] >= 2
 
 
 def test_a_bad_request_mid_flight_fails_alone(served):

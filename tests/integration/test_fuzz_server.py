@@ -21,7 +21,6 @@ from PIL import Image
 
 from handler.config import HandlerSettings
 from handler.request import FIELD_LABELS
-from server import TorchServe
 from tests.harness.client_inputs import (
     BASE_FIELDS,
     CONTENT_TYPE_HEADERS,
@@ -32,7 +31,7 @@ from tests.harness.client_inputs import (
     UPLOAD_CONTENT_TYPES,
     request_fields,
 )
-from tests.harness.serving import SHIPPED_CONFIG, Client
+from tests.harness.serving import SHIPPED_CONFIG, Client, worker_processes
 
 EXAMPLES = 50  # most are refused at admission, the rest are small
 VALID = {"prompt": "a red circle", "num_inference_steps": 2, "seed": 1}
@@ -129,13 +128,6 @@ def assert_images_or_clear_4xx(response: requests.Response) -> None:
         for error in payload["errors"]:
             assert error["field"] in FIELD_LABELS or error["rule"] == "unknown_field", error
             assert error["rule"] and error["message"], error
-
-
-def worker_processes(server: TorchServe) -> list[tuple[str, int, str]]:
-    """(id, pid, startTime) of each worker, from the management API's describe; all READY."""
-    workers = server.describe()["workers"]
-    assert workers and all(worker["status"] == "READY" for worker in workers), workers
-    return sorted((worker["id"], worker["pid"], worker["startTime"]) for worker in workers)
 
 
 @pytest.fixture(scope="module")

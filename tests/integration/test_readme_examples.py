@@ -15,7 +15,16 @@ from tests.harness.readme import RUNNERS, readme_examples, run_example
 
 def test_every_marked_example_is_bash_or_python():
     examples = readme_examples()
-    assert {"json-curl", "prompt-as-body", "python-requests", "rotate-key", "grpc-cli", "grpc-python"} <= set(examples)
+    assert {
+        "json-curl",
+        "prompt-as-body",
+        "python-requests",
+        "rotate-key",
+        "grpc-cli",
+        "grpc-python",
+        "openai-sdk",
+        "openai-curl",
+    } <= set(examples)
     assert all(language in RUNNERS for language, _ in examples.values())
 
 
@@ -25,6 +34,16 @@ def test_a_readme_request_example_saves_a_png_of_the_default_size(name, server, 
     assert decode_png((cwd / "image.png").read_bytes()).shape == (64, 64, 3)
     if name == "python-requests":
         assert result.stdout.startswith("image/png seed ")
+
+
+@pytest.mark.parametrize("name", ["openai-sdk", "openai-curl"])
+def test_a_readme_openai_example_generates_and_edits(name, server, cwd):
+    result = run_example(name, server, cwd)
+    made = ["circle-0.png", "circle-1.png", "edited.png"] if name == "openai-sdk" else ["image.png", "edited.png"]
+    for file in made:
+        assert decode_png((cwd / file).read_bytes()).shape == (64, 64, 3)
+    if name == "openai-curl":
+        assert json.loads(result.stdout.splitlines()[0])["data"][0]["id"] == "stable-diffusion"
 
 
 def test_the_readme_key_rotation_replaces_the_inference_key(server, cwd):

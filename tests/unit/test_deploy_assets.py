@@ -395,6 +395,10 @@ def test_auth_proxy_checks_the_key_and_reaches_torchserve_on_loopback():
     assert f"proxy_pass {pod_config['inference_address']};" in template
     assert pod_config["inference_address"].startswith("http://127.0.0.1:")
     assert pod_config["management_address"].startswith("http://127.0.0.1:")
+    # the proxy passes every body TorchServe takes (an input image), and its 401 is one the openai SDK reads
+    (megabytes,) = re.findall(r"client_max_body_size (\d+)m;", template)
+    assert int(megabytes) * 2**20 == int(pod_config["max_request_size"])
+    assert '"error": {' in template and '"code": "invalid_api_key"' in template
 
 
 @pytest.mark.parametrize(

@@ -7,6 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from PIL import Image
 
 from bench.reference import Reference
 from handler.config import HandlerSettings
@@ -39,9 +40,32 @@ def references() -> dict[str, Reference]:
 
 
 def spec(
-    prompt="a red circle", seed=1, images=1, side=64, steps=5, scheduler="ddim", guidance=7.5, negative=None
+    prompt="a red circle",
+    seed=1,
+    images=1,
+    side=64,
+    steps=5,
+    scheduler="ddim",
+    guidance=7.5,
+    negative=None,
+    image=None,
+    mask=None,
+    strength=1.0,
 ) -> JobSpec:
-    return JobSpec(prompt, negative, tuple(range(seed, seed + images)), side, side, steps, scheduler, guidance)
+    seeds = tuple(range(seed, seed + images))
+    return JobSpec(prompt, negative, seeds, side, side, steps, scheduler, guidance, image, mask, strength)
+
+
+def picture(side: int, seed: int = 0) -> Image.Image:
+    """An input image: coloured noise."""
+    return Image.fromarray(np.random.default_rng(seed).integers(0, 256, (side, side, 3), dtype=np.uint8))
+
+
+def hole(side: int) -> Image.Image:
+    """An inpainting mask as diffusers takes it: white (repainted) in the middle."""
+    mask = np.zeros((side, side), dtype=np.uint8)
+    mask[side // 4 : 3 * side // 4, side // 4 : 3 * side // 4] = 255
+    return Image.fromarray(mask)
 
 
 def expected(reference: Reference, job: JobSpec):
@@ -55,6 +79,9 @@ def expected(reference: Reference, job: JobSpec):
         num_images_per_prompt=job.images,
         scheduler=job.scheduler,
         guidance_scale=job.guidance_scale,
+        image=job.image,
+        mask=job.mask,
+        strength=job.strength,
     )
 
 
@@ -129,6 +156,55 @@ def test_jobs_started_together_share_one_text_encoder_call_and_each_gives_its_di
     assert len(calls) == 1
     for job, images in zip(jobs, decoded, strict=True):
         assert_same_images(images, expected(references[family], job))
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("scheduler", ["ddim", "euler_a", "dpmpp_2m"])
+@pytest.mark.parametrize(("masked", "strength"), [(False, 0.6), (True, 1.0), (True, 0.7)])
+def test_image_to_image_and_inpainting_give_the_img2img_and_inpaint_pipelines_images(
+    engines, references, family, scheduler, masked, strength
+):
+    side = 96 if family == "sd2" else 64
+    job = spec(
+        images=2,
+        side=side,
+        scheduler=scheduler,
+        image=picture(side),
+        mask=hole(side) if masked else None,
+        strength=strength,
+    )
+    (decoded,) = run(engines[family], [(0, job)])
+    assert_same_images(decoded, expected(references[family], job))
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_edits_share_forwards_with_text_to_image_jobs_and_each_gives_its_diffusers_image(engines, references, family):
+    """Few steps: the tiny random SDXL amplifies float rounding between batch sizes by ~4x per step."""
+    side = 96 if family == "sd2" else 64
+    plan = [
+        (0, spec("a red circle", seed=1, side=side, steps=5)),
+        (0, spec("a green triangle", seed=2, side=side, steps=6, image=picture(side, 1), strength=0.5)),
+        (
+            2,
+            spec(
+                "a blue square",
+                seed=3,
+                side=side,
+                steps=6,
+                scheduler="euler_a",
+                image=picture(side, 2),
+                mask=hole(side),
+            ),
+        ),
+        (
+            3,
+            spec(
+                "a yellow star", seed=4, side=side, steps=5, scheduler="dpmpp_2m", guidance=1.0, image=picture(side, 3)
+            ),
+        ),
+    ]
+    for (_, job), decoded in zip(plan, run(engines[family], plan), strict=True):
+        assert_same_images(decoded, expected(references[family], job))
 
 
 def test_one_forward_needs_one_latent_shape(engines):

@@ -8,7 +8,7 @@ import pytest
 
 from handler.config import MAX_SEED, RequestDefaults, RequestLimits
 from handler.protocol import IncomingRequest, decode
-from handler.request import GenerationRequest, RequestError, RequestPolicy, decode_body, decode_form
+from handler.request import FIELD_LABELS, GenerationRequest, RequestError, RequestPolicy, decode_body, decode_form
 
 POLICY = RequestPolicy(
     RequestLimits(
@@ -43,11 +43,13 @@ def test_every_field_is_taken_as_sent():
         "num_images_per_prompt": 3,
         "scheduler": "euler_a",
         "output_format": "webp",
+        "output_compression": 40,
         "response_format": "json",
         "stream": True,
+        "partial_images": 2,
     }
     request = decode_body(body, "application/json", replace(POLICY, streaming=True))
-    assert request.model_dump() == {**body, "guidance_scale": 1.0}
+    assert request.model_dump() == {**body, "guidance_scale": 1.0, "image": None, "mask": None, "strength": 0.8}
 
 
 def test_stream_is_a_rule_of_the_engine_not_of_the_client():
@@ -181,7 +183,8 @@ def test_what_fuzzing_found_is_refused_by_name():
     assert errors_of({"prompt": deep})[0] == [("prompt", "string_type")]
     with pytest.raises(RequestError) as caught:
         decode_body({"prompt": "x", "a\n[METRICS]b": 1}, "application/json", POLICY)
-    assert [(error.field, error.label) for error in caught.value.errors] == [("a\n[METRICS]b", "unknown_field")]
+    labels = [(error.field, error.label(FIELD_LABELS)) for error in caught.value.errors]
+    assert labels == [("a\n[METRICS]b", "unknown_field")]
 
 
 def test_form_fields_are_converted_from_text():

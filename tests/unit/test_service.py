@@ -16,8 +16,7 @@ from PIL import Image
 
 from handler.engine import DenoiseJob
 from handler.protocol import NSFW_HEADER, STREAM_CONTENT_TYPE, IncomingRequest
-from handler.service import DiffusionService
-from tests.harness.stand_ins import SHAPE, Clock, RecordingSink, SolidColorEngine, make_service
+from tests.harness.stand_ins import SHAPE, Clock, RecordingSink, SolidColorEngine, batch, make_service, run
 
 
 def body(**fields) -> IncomingRequest:
@@ -26,34 +25,6 @@ def body(**fields) -> IncomingRequest:
 
 def grey(data: bytes) -> int:
     return Image.open(io.BytesIO(data)).getpixel((0, 0))[0]
-
-
-def batch(service: DiffusionService, *incoming: IncomingRequest) -> list:
-    responses = service.run_batch({str(index): item for index, item in enumerate(incoming)})
-    return [responses[str(index)] for index in range(len(incoming))]
-
-
-def run(
-    service: DiffusionService, arrivals: dict[int, dict[str, IncomingRequest]], limit: int = 200
-) -> dict[str, list]:
-    """Continuous batching: iterate until every request has its final part; ``arrivals`` maps an
-    iteration to the requests that arrive then."""
-    parts: dict[str, list] = {}
-    live: dict[str, IncomingRequest] = {}
-    for iteration in range(limit):
-        live.update(arrivals.get(iteration, {}))
-        if not live and iteration > max(arrivals):
-            return parts
-        for rid, part in service.iterate(
-            {
-                rid: live[rid] if iteration in arrivals and rid in arrivals[iteration] else IncomingRequest(None)
-                for rid in live
-            }
-        ).items():
-            parts.setdefault(rid, []).append(part)
-            if part.final:
-                del live[rid]
-    raise AssertionError("requests did not finish")
 
 
 # Dynamic batching: one call, every request answered.
@@ -240,6 +211,15 @@ def test_a_streaming_request_gets_progress_events_then_its_images():
     assert [event["step"] for event in events[:-1]] == [1, 2, 3]
     assert all(event["event"] == "progress" and event["total_steps"] == 4 for event in events[:-1])
     assert events[-1]["event"] == "done" and events[-1]["seed"] == 5 and len(events[-1]["images"]) == 1
+
+
+def test_partial_images_put_previews_decoded_from_the_latents_into_progress_lines():
+    engine = SolidColorEngine()
+    parts = run(make_service(engine), {0: {"s": body(num_inference_steps=6, stream=True, partial_images=2, seed=5)}})
+    events = [json.loads(line) for part in parts["s"] for line in part.body.decode().splitlines()]
+    previews = {event["step"]: event["images"] for event in events[:-1] if "images" in event}
+    assert list(previews) == [2, 4] and all(grey(base64.b64decode(images[0])) == 5 for images in previews.values())
+    assert len(engine.decodes) == 3  # two previews and the image
 
 
 def test_a_bad_request_mid_flight_fails_alone_with_an_ordinary_400():
