@@ -17,7 +17,7 @@ MODEL_DIR ?= $(DEFAULT_MODEL_DIR)
 ARCHIVE_FORMAT ?= auto
 PYTEST_ARGS ?=
 
-.PHONY: help venv system-deps lint format model train-default-model model-grid prometheus-rule metrics-config mar image image-test serve stop test test-fast unit-test integration-test dashboard dashboard-png loadtest sweep bench-overhead bench-pipeline bench-continuous bench-engine bench-gpu clean
+.PHONY: help venv system-deps lint format model train-default-model train-lora model-grid prometheus-rule metrics-config mar image image-test serve stop test test-fast unit-test integration-test dashboard dashboard-png loadtest sweep bench-overhead bench-pipeline bench-continuous bench-engine bench-lora bench-gpu clean
 
 help:
 	@echo "make serve   set up, build the archive and serve it on 127.0.0.1:8080 (MODEL_DIR=/path for a real model)"
@@ -32,6 +32,7 @@ help:
 	@echo "make image-test  build the CPU variant with buildah, serve a prompt from it, stop it (the slow tier runs it too)"
 	@echo "make model   generate the random-weight tiny models of every family into models/tiny-* (for tests)"
 	@echo "make train-default-model  retrain the default model into $(DEFAULT_MODEL_DIR) (about 26 min on 2 CPU cores)"
+	@echo "make train-lora     retrain the default model's outline LoRA into loras/outline.safetensors (about 2 min)"
 	@echo "make model-grid     prompt x seed grid of the default model through TorchServe: docs/img/default-model-grid.png"
 	@echo "make loadtest       locust against the running server (make serve), judged against the SLA in benchmark_config.yaml"
 	@echo "make sweep          batch size / delay / workers / concurrency sweep on its own server; report in reports/"
@@ -40,6 +41,7 @@ help:
 	@echo "                    BENCH_ARGS='--model sd15' for SD 1.5's architecture with random weights, '--quick' for CI"
 	@echo "make bench-continuous the shipped continuous batching vs dynamic batching, capacity and Poisson load; reports/continuous/"
 	@echo "make bench-engine   the step engine against the diffusers call it mirrors, per family, batch 1 and 8; reports/engine/"
+	@echo "make bench-lora     a LoRA request against a plain one (one set, grouped sets) and the switch cost; reports/lora/"
 	@echo "make bench-gpu      SD 1.5 and SDXL at real sizes on the GPU: variants, batch scaling, engine, served, SDXL; reports/gpu/"
 	@echo "                    BENCH_ARGS='--quick' for the CPU check CI runs; PY=python3 where there is no venv (the lent GPU)"
 	@echo "make dashboard      rebuild docker/grafana/dashboards/stable-diffusion.json"
@@ -84,6 +86,10 @@ models/tiny-%/model_index.json: model_making/make_tiny_model.py | $(VENV)/.insta
 
 train-default-model: venv
 	$(PY) -m model_making.train_default_model $(DEFAULT_MODEL_DIR)
+
+# The default model's outline LoRA (loras/outline.safetensors, committed): about 2 minutes here.
+train-lora: venv
+	$(PY) -m model_making.train_lora $(DEFAULT_MODEL_DIR) loras/outline.safetensors
 
 model-grid: venv
 	$(PY) -m model_making.render_model_grid --output docs/img/default-model-grid.png
@@ -140,6 +146,9 @@ bench-continuous: venv
 
 bench-engine: venv model
 	$(PY) -m bench.engine $(BENCH_ARGS)
+
+bench-lora: venv
+	$(PY) -m bench.loras $(BENCH_ARGS)
 
 # Without a venv (the lent GPU machine: no package registry), PY=python3 with the carried wheels on
 # PYTHONPATH (docs/performance.md, "make bench-gpu").

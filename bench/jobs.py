@@ -14,13 +14,19 @@ from handler.pipeline import synchronize
 
 
 def generate(engine: StepEngine, specs: list[JobSpec]) -> tuple[list[Decoded], list[float]]:
-    """Decoded images per job, and the seconds of each forward (device time on CUDA)."""
+    """Decoded images per job, and the seconds of each forward (device time on CUDA). Jobs of
+    several LoRA sets take one forward per set each step, as the service groups them."""
     jobs = engine.start(specs)
     step_seconds = []
     while not all(job.done for job in jobs):
-        started = time.perf_counter()
-        engine.step([job for job in jobs if not job.done])
-        synchronize(engine.device)
-        step_seconds.append(time.perf_counter() - started)
+        groups: dict[tuple, list] = {}
+        for job in jobs:
+            if not job.done:
+                groups.setdefault(job.forward_group, []).append(job)
+        for group in groups.values():
+            started = time.perf_counter()
+            engine.step(group)
+            synchronize(engine.device)
+            step_seconds.append(time.perf_counter() - started)
     decoded = engine.decode(torch.cat([job.latents for job in jobs]), specs[0].width, specs[0].height)
     return decoded.split([job.images for job in jobs]), step_seconds

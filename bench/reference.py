@@ -11,6 +11,7 @@ request's scheduler built from the model's own scheduler configuration as the ha
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -60,10 +61,12 @@ class Reference:
         image: Image | None = None,
         mask: Image | None = None,
         strength: float = 1.0,
+        loras: Sequence[tuple[Path, float]] = (),
     ) -> ReferenceOutput:
         """One request: ``num_images_per_prompt`` images of one prompt, image k from ``seed + k``
         (wrapping past the largest seed, as requests do); from ``image`` (of the request's size)
-        with ``strength``, repainting where ``mask`` is white."""
+        with ``strength``, repainting where ``mask`` is white; with LoRA files and scales loaded
+        (``load_lora_weights``, ``set_adapters``) for this call only."""
         seeds = [(seed + index) % (MAX_SEED + 1) for index in range(num_images_per_prompt)]
         inputs: dict = {"width": width, "height": height}
         pipeline = self.pipeline
@@ -74,17 +77,26 @@ class Reference:
             inputs.update(image=image, mask_image=mask)
         if image is not None:
             inputs["strength"] = strength
-        return self._call(
-            prompt,
-            negative_prompt,
-            num_images_per_prompt,
-            seeds,
-            num_inference_steps,
-            scheduler,
-            guidance_scale,
-            inputs,
-            pipeline,
-        )
+        names = [f"reference{index}" for index in range(len(loras))]
+        for name, (path, _) in zip(names, loras, strict=True):
+            self.pipeline.load_lora_weights(str(path), adapter_name=name)
+        if loras:
+            self.pipeline.set_adapters(names, [scale for _, scale in loras])
+        try:
+            return self._call(
+                prompt,
+                negative_prompt,
+                num_images_per_prompt,
+                seeds,
+                num_inference_steps,
+                scheduler,
+                guidance_scale,
+                inputs,
+                pipeline,
+            )
+        finally:
+            if loras:
+                self.pipeline.delete_adapters(names)
 
     def batch(
         self,

@@ -35,6 +35,8 @@ class RequestLimits(_Section):
     max_side: int = Field(1024, ge=8, multiple_of=8, description="largest width or height, in pixels")
     max_pixels: int = Field(1024 * 1024, ge=64, description="largest width x height of one image")
     max_images_per_request: int = Field(4, ge=1, description="most images one request may ask for")
+    max_loras_per_request: int = Field(4, ge=0, description="most LoRA adapters one request may combine")
+    max_lora_scale: float = Field(4.0, gt=0, description="largest |scale| of a LoRA adapter in a request")
     max_input_pixels: int = Field(
         2048 * 2048,
         ge=64,
@@ -63,6 +65,36 @@ class RequestDefaults(_Section):
     strength: float = Field(
         0.8, gt=0, le=1, description="image-to-image: how much of the schedule the image goes through"
     )
+
+
+# Where LoRA adapters are read from when handler.loras.dir is unset (make serve, the image, Kubernetes).
+LORA_DIR_ENV = "LORA_DIR"
+
+
+class LoraSettings(_Section):
+    """LoRA adapters served per request from a directory (``handler.loras``)."""
+
+    dir: str | None = Field(
+        None,
+        description="absolute directory of LoRA .safetensors files (a LoRA's name is its file stem); None: "
+        f"${LORA_DIR_ENV} where set, else no LoRAs",
+    )
+    max_loaded: int = Field(8, ge=1, description="adapters kept in memory (least recently used evicted)")
+
+    @field_validator("dir")
+    @classmethod
+    def _dir_is_absolute(cls, value: str | None) -> str | None:
+        if value is None:
+            return None
+        expanded = os.path.expanduser(os.path.expandvars(value))
+        if not Path(expanded).is_absolute():
+            raise ValueError(f"loras.dir must be absolute (the worker runs in the unpacked archive), got {value!r}")
+        return expanded
+
+    def directory(self) -> Path | None:
+        """The LoRA directory: ``dir``, else ``$LORA_DIR``, else none."""
+        chosen = self.dir or os.environ.get(LORA_DIR_ENV) or None
+        return Path(chosen) if chosen else None
 
 
 class CompileSettings(_Section):
@@ -157,6 +189,7 @@ class HandlerSettings(_Section):
     vae_tiling: bool = False
     cpu_offload: Literal["none", "model", "sequential"] = "none"
     compile: CompileSettings = CompileSettings()
+    loras: LoraSettings = LoraSettings()
     safety_checker: bool = Field(
         True, description="run the model's safety checker where the model directory ships one (SD 1.x); false: off"
     )

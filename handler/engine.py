@@ -49,6 +49,7 @@ from PIL.Image import Image
 
 from handler.config import FaultInjection
 from handler.families import Conditioning, Decoded, Pipeline, Scheduler, StableDiffusionFamily
+from handler.loras import Adapters, LoraLibrary
 
 # Scheduler class and the settings it needs on top of the model's scheduler config. PNDM skips its
 # Runge-Kutta warm-up steps as Stable Diffusion's own PNDM configuration does (with them it needs at
@@ -78,6 +79,7 @@ class JobSpec:
     image: Image | None = None  # image-to-image from this picture (resized to width x height)
     mask: Image | None = None  # inpainting: white where the image is repainted (with ``image``)
     strength: float = 1.0  # how much of the schedule an input image goes through
+    adapters: Adapters = ()  # LoRA adapters (ids of the engine's library) and scales, active in its forwards
 
     @property
     def images(self) -> int:
@@ -145,6 +147,11 @@ class DenoiseJob:
         return tuple(self.latents.shape[1:])
 
     @property
+    def forward_group(self) -> tuple:
+        """What jobs sharing a UNet forward must share: the latent shape and the LoRA set."""
+        return self.latent_shape, self.spec.adapters
+
+    @property
     def unet_rows(self) -> int:
         return self.spec.unet_rows
 
@@ -158,6 +165,7 @@ class StepEngine:
     device: torch.device
     dtype: torch.dtype
     description: str
+    loras: LoraLibrary
     fault_injection: FaultInjection = field(default_factory=FaultInjection)
     _schedulers: dict[tuple[str, int], Scheduler] = field(default_factory=dict, init=False, repr=False)
 
@@ -168,9 +176,14 @@ class StepEngine:
 
     def start(self, specs: Sequence[JobSpec]) -> list[DenoiseJob]:
         """``__call__`` steps 3 to 7 for jobs started together: their prompts through the text
-        encoder(s) in one call, then each job's scheduler, latents and step arguments."""
-        conditionings = self.family.encode(specs)
-        return [self._start(spec, conditioning) for spec, conditioning in zip(specs, conditionings, strict=True)]
+        encoder(s) in one call per LoRA set (its adapters active), then each job's scheduler,
+        latents and step arguments."""
+        conditionings: dict[int, Conditioning] = {}
+        for adapters in dict.fromkeys(spec.adapters for spec in specs):
+            group = [index for index, spec in enumerate(specs) if spec.adapters == adapters]
+            self.loras.activate(adapters)
+            conditionings.update(zip(group, self.family.encode([specs[index] for index in group]), strict=True))
+        return [self._start(spec, conditionings[index]) for index, spec in enumerate(specs)]
 
     def _start(self, spec: JobSpec, conditioning: Conditioning) -> DenoiseJob:
         """Steps 4 to 6 for one job with its encoded prompt."""
@@ -249,6 +262,10 @@ class StepEngine:
         shapes = {job.latent_shape for job in jobs}
         if len(shapes) != 1:
             raise ValueError(f"one UNet forward needs one latent shape, got {sorted(shapes)}")
+        adapter_sets = {job.spec.adapters for job in jobs}
+        if len(adapter_sets) != 1:
+            raise ValueError(f"one UNet forward needs one LoRA set, got {sorted(adapter_sets)}")
+        self.loras.activate(jobs[0].spec.adapters)
         self._simulate_out_of_memory(
             "step",
             sum(job.images for job in jobs) * jobs[0].spec.width * jobs[0].spec.height,

@@ -25,9 +25,12 @@ DATA_URL_PREFIX = "data:"
 
 
 def _raw(value: Any) -> bytes:
-    """The encoded image: file bytes as sent, or base64 text decoded."""
-    if isinstance(value, (bytes, bytearray)):
-        return bytes(value)
+    """The encoded image: file bytes as sent, or base64 text (also in a form's text part) decoded."""
+    if isinstance(value, (bytes, bytearray)):  # a file part, or base64 in a text part (image files are not ASCII)
+        try:
+            return _raw(bytes(value).decode("ascii")) if value.isascii() and value else bytes(value)
+        except PydanticCustomError:
+            return bytes(value)
     if not isinstance(value, str):
         raise PydanticCustomError(
             "image_type",
@@ -41,9 +44,28 @@ def _raw(value: Any) -> bytes:
         raise PydanticCustomError("base64", "an image in JSON must be base64 text (or a data: URL)") from None
 
 
+def _webp_size(raw: bytes) -> tuple[int, int] | None:
+    """A WebP's canvas size from its first chunk (Pillow's WebP opener allocates the canvas, so
+    the size is checked before it runs); None for anything else."""
+    if len(raw) < 30 or raw[:4] != b"RIFF" or raw[8:12] != b"WEBP":
+        return None
+    chunk = raw[12:16]
+    if chunk == b"VP8X":
+        return 1 + int.from_bytes(raw[24:27], "little"), 1 + int.from_bytes(raw[27:30], "little")
+    if chunk == b"VP8L":
+        bits = int.from_bytes(raw[21:25], "little")
+        return (bits & 0x3FFF) + 1, ((bits >> 14) & 0x3FFF) + 1
+    if chunk == b"VP8 ":
+        return int.from_bytes(raw[26:28], "little") & 0x3FFF, int.from_bytes(raw[28:30], "little") & 0x3FFF
+    return None
+
+
 def _open(value: Any, max_pixels: int) -> Image.Image:
     """The image opened from its header only (no pixel decoded), within ``max_pixels``."""
     raw = _raw(value)
+    size = _webp_size(raw)
+    if size is not None and size[0] * size[1] > max_pixels:
+        raise _too_large(size, max_pixels)
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("error", Image.DecompressionBombWarning)
@@ -98,8 +120,9 @@ def as_rgb(image: Image.Image) -> Image.Image:
 
 def as_mask(image: Image.Image) -> Image.Image:
     """An OpenAI-style mask (transparent where the image is repainted) as diffusers' mask: grey,
-    white where repainted. Raises where the mask has no transparency."""
-    if "A" not in image.getbands() and not (image.mode == "P" and "transparency" in image.info):
+    white where repainted (the inpaint pipelines repaint where it is at least half white: alpha
+    below 128). Raises where the mask has no transparency (an alpha channel or a tRNS key)."""
+    if "A" not in image.getbands() and "transparency" not in image.info:
         raise PydanticCustomError(
             "mask_alpha",
             "the mask needs an alpha channel: its fully transparent pixels mark where the image is repainted "

@@ -109,6 +109,20 @@ CANCEL_REASONS: tuple[CancelReason, ...] = ("client_gone", "deadline")
 ITERATION_BATCH_SIZE = MetricSpec(
     "sd_iteration_batch_size", "histogram", "images", "images stepped by one UNet forward"
 )
+LORA_REQUESTS = MetricSpec(
+    "sd_lora_requests_total",
+    "counter",
+    "requests",
+    "requests admitted with a LoRA adapter, by LoRA name (a file stem in the LoRA directory, checked: bounded by it)",
+    ("lora",),
+)
+LORAS_LOADED = MetricSpec(
+    "sd_loras_loaded",
+    "gauge",
+    "adapters",
+    "LoRA adapters in this worker's memory (handler.loras.max_loaded)",
+    ("worker",),
+)
 DEADLINE_MISSES = MetricSpec(
     "sd_deadline_misses_total", "counter", "requests", "requests finished later than the latency SLA after admission"
 )
@@ -132,6 +146,8 @@ METRICS = (
     CANCELLED,
     ITERATION_BATCH_SIZE,
     DEADLINE_MISSES,
+    LORA_REQUESTS,
+    LORAS_LOADED,
 )
 
 # Where recorded values go: called with the metric, the value and the values of ``spec.labels``.
@@ -177,6 +193,14 @@ class DiffusionMetrics:
         self._record(IN_FLIGHT, queue.requests, self.worker)
         self._record(IN_FLIGHT_IMAGES, queue.images, self.worker)
         self._record(WAITING, queue.waiting, self.worker)
+
+    def lora_requests(self, names: list[str]) -> None:
+        """A request admitted with these LoRAs (names that resolved to files in the directory)."""
+        for name in names:
+            self._record(LORA_REQUESTS, 1, name)
+
+    def loras_loaded(self, count: int) -> None:
+        self._record(LORAS_LOADED, count, self.worker)
 
     def cancelled(self, reason: CancelReason) -> None:
         self._record(CANCELLED, 1, reason)

@@ -55,10 +55,12 @@ EDITS = "v1/images/edits"
 MODELS = "v1/models"
 SSE_CONTENT_TYPE = "text/event-stream"
 # Stable Diffusion's own parameters, passed as extra fields (the SDK's extra_body) in diffusers' names.
-SD_PARAMETERS = ("negative_prompt", "seed", "num_inference_steps", "guidance_scale", "scheduler")
+SD_PARAMETERS = ("negative_prompt", "seed", "num_inference_steps", "guidance_scale", "scheduler", "loras")
 # The OpenAI parameter that sets a native field, to name it in errors.
 PARAMETER_OF = {"num_images_per_prompt": "n", "width": "size", "height": "size"}
 SIZE = re.compile(r"(\d{1,5})x(\d{1,5})")
+# The multipart name the SDK gives ``image`` when it is a list (one image is served: the last sent).
+LIST_IMAGE_FIELD = "image[]"
 # The SDK's types require a usage object on completed events; generation here counts no tokens.
 NO_USAGE = {
     "input_tokens": 0,
@@ -93,6 +95,7 @@ class ImageGenerationParams(BaseModel):
     num_inference_steps: Any = None
     guidance_scale: Any = None
     scheduler: Any = None
+    loras: Any = None
 
     @field_validator("response_format")
     @classmethod
@@ -163,6 +166,13 @@ class ImageEditParams(ImageGenerationParams):
     strength: Any = Field(None, description="the share of the schedule the image goes through")
     input_fidelity: Literal["high", "low"] | None = Field(None, description="ignored")
 
+    @field_validator("image")
+    @classmethod
+    def _an_image_to_edit(cls, value: Any) -> Any:
+        if value is None:
+            raise PydanticCustomError("missing", "an edit needs the image to edit")
+        return value
+
     def native_fields(self) -> dict[str, Any]:
         fields = super().native_fields()
         fields["image"] = self.image
@@ -175,7 +185,10 @@ def _request_fields(incoming: IncomingRequest) -> tuple[dict[str, Any], bool]:
     if incoming.fields and not without_body(incoming):
         raise RequestError.single("body", "one_source", "send fields either in the body or as form fields, not both")
     if incoming.fields:
-        return form_text(incoming.fields), False
+        fields = dict(incoming.fields)
+        if LIST_IMAGE_FIELD in fields and "image" not in fields:  # the SDK's form name for a list of images
+            fields["image"] = fields.pop(LIST_IMAGE_FIELD)
+        return form_text(fields), False
     return json_fields(incoming.body if not without_body(incoming) else bytearray()), True
 
 
@@ -222,9 +235,10 @@ class OpenAIImages:
         self, request: GenerationRequest, step: int, total_steps: int, elapsed: float, preview: Preview
     ) -> bytes:
         """``*.partial_image`` events (one per image) at the preview steps."""
-        if step not in request.preview_steps():
+        steps = request.preview_steps(total_steps)
+        if step not in steps:
             return b""
-        index = sorted(request.preview_steps()).index(step)
+        index = sorted(steps).index(step)
         return b"".join(
             _sse(
                 self.partial_event,
@@ -311,9 +325,10 @@ def openai_error(response: Response) -> Response:
 STARTED = int(time.time())
 
 
-def models(path: str, model_name: str) -> Response:
-    """``v1/models`` and ``v1/models/{id}``: this model, so that clients which check it work."""
-    model = {"id": model_name, "object": "model", "created": STARTED, "owned_by": "torchserve"}
+def models(path: str, model_name: str, loras: list[dict[str, Any]]) -> Response:
+    """``v1/models`` and ``v1/models/{id}``: this model, so that clients which check it work, with
+    the LoRAs a request may name (``loras``: name, size, modification time)."""
+    model = {"id": model_name, "object": "model", "created": STARTED, "owned_by": "torchserve", "loras": loras}
     wanted = path.removeprefix(MODELS).strip("/")
     if not wanted:
         return Response(200, json_body({"object": "list", "data": [model]}), JSON_CONTENT_TYPE)

@@ -19,6 +19,7 @@ from torch._inductor.runtime.cache_dir_utils import cache_dir
 from handler.config import HandlerSettings
 from handler.engine import StepEngine
 from handler.families import Pipeline, family_of
+from handler.loras import LoraLibrary
 
 logger = logging.getLogger(__name__)
 
@@ -180,4 +181,5 @@ def load_engine(settings: HandlerSettings, model_dir: str | Path, gpu_id: int | 
         f"compile={settings.compile.mode if settings.compile.enabled else 'off'}"
         f"{'(' + ','.join(settings.compile.targets) + ')' if settings.compile.enabled else ''}"
     )
-    return StepEngine(pipeline, family, device, dtype, description, settings.fault_injection)
+    loras = LoraLibrary(pipeline, settings.loras.directory(), settings.loras.max_loaded)
+    return StepEngine(pipeline, family, device, dtype, description, loras, settings.fault_injection)

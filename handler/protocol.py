@@ -239,7 +239,7 @@ class NativeApi:
         """A ``progress`` line after every step; at a preview step it carries the images so far."""
         event: dict[str, Any] = {"event": "progress", "step": step, "total_steps": total_steps}
         event["elapsed_s"] = round(elapsed, 6)
-        if step in request.preview_steps():
+        if step in request.preview_steps(total_steps):
             event["images"] = encode_preview(request, preview())
         return stream_event(event)
 

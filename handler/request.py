@@ -37,6 +37,7 @@ from handler.config import (
     SchedulerName,
 )
 from handler.input_image import as_mask, as_rgb, fit, peek_size, read_image
+from handler.loras import valid_name
 
 TEXT_CONTENT_PREFIX = "text/"
 # Most previews a streamed request may ask for (as the OpenAI Images API allows).
@@ -56,16 +57,18 @@ class FieldError:
     field: str
     rule: str
     message: str
+    nested: bool = False  # a field inside a top-level one (``loras.0.name``)
 
     def as_dict(self) -> dict[str, str]:
         return {"field": self.field, "rule": self.rule, "message": self.message}
 
     def label(self, known: frozenset[str]) -> str:
-        """The field as logs and metric labels name it: one of the API's ``known`` fields, or
-        "body". An unknown field's name is the client's text (newlines, commas, colons:
-        TorchServe's metric lines are log lines split on them) and unbounded, so it is
-        ``UNKNOWN_FIELD_LABEL``."""
-        return self.field if self.field in known else UNKNOWN_FIELD_LABEL
+        """The field as logs and metric labels name it: one of the API's ``known`` fields (a
+        nested one by its top field, as ``loras`` for ``loras.0.scale``), or "body". An unknown
+        field's name is the client's text (newlines, commas, colons: TorchServe's metric lines are
+        log lines split on them) and unbounded, so it is ``UNKNOWN_FIELD_LABEL``."""
+        field = self.field.split(".")[0] if self.nested else self.field
+        return field if field in known else UNKNOWN_FIELD_LABEL
 
 
 class RequestError(Exception):
@@ -106,6 +109,37 @@ def _above_limit(value: float, limit: float, setting: str) -> PydanticCustomErro
     )
 
 
+class LoraChoice(BaseModel):
+    """One LoRA adapter of a request and its weight."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    name: str = Field(description="the LoRA's name: its file stem in the LoRA directory")
+    scale: float = Field(1.0, allow_inf_nan=False, description="its weight, up to max_lora_scale either way")
+
+    @field_validator("name")
+    @classmethod
+    def _a_name_not_a_path(cls, value: str) -> str:
+        if not valid_name(value):
+            raise PydanticCustomError(
+                "lora_name",
+                "a LoRA name is a file stem of letters, digits, '_', '-' and '.' (at most 64, no '..', no path)",
+            )
+        return value
+
+    @field_validator("scale")
+    @classmethod
+    def _scale_within_limit(cls, value: float, info: ValidationInfo) -> float:
+        limit = _policy(info).limits.max_lora_scale
+        if abs(value) > limit:
+            raise PydanticCustomError(
+                "lora_scale",
+                "a LoRA scale must be within -{limit} .. {limit} (the configured max_lora_scale), got {value}",
+                {"limit": limit, "value": value},
+            )
+        return value
+
+
 class GenerationRequest(BaseModel):
     """One text-to-image request, in diffusers' parameter names."""
 
@@ -137,9 +171,10 @@ class GenerationRequest(BaseModel):
     mask: Image | None = Field(
         None, description="inpainting: where this image (the input's size) is transparent, the input is repainted"
     )
-    strength: float = Field(
-        gt=0, le=1, allow_inf_nan=False, description="with an image: how much of the schedule it goes through"
+    strength: float | None = Field(
+        None, gt=0, le=1, allow_inf_nan=False, description="with an image: how much of the schedule it goes through"
     )
+    loras: list[LoraChoice] = Field([], description="LoRA adapters from the server's LoRA directory, with scales")
 
     @model_validator(mode="before")
     @classmethod
@@ -150,7 +185,9 @@ class GenerationRequest(BaseModel):
             return data
         policy = _policy(info)
         defaults = policy.defaults.model_dump()
-        if data.get("image") is not None and "width" not in data and "height" not in data:
+        if data.get("image") is None:
+            defaults.pop("strength")
+        elif "width" not in data and "height" not in data:
             size = peek_size(data["image"], policy.limits.max_input_pixels)
             if size is not None:
                 limits = policy.limits
@@ -241,6 +278,34 @@ class GenerationRequest(BaseModel):
             )
         return value
 
+    @field_validator("loras", mode="before")
+    @classmethod
+    def _loras_from_text(cls, value: Any) -> Any:
+        """A form or query field carries the list as JSON text."""
+        if isinstance(value, str):
+            try:
+                return json.loads(value)
+            except ValueError:
+                raise PydanticCustomError(
+                    "json", 'loras in a form is JSON text such as [{"name": "outline", "scale": 0.8}]'
+                ) from None
+        return value
+
+    @field_validator("loras")
+    @classmethod
+    def _loras_within_limits(cls, value: list[LoraChoice], info: ValidationInfo) -> list[LoraChoice]:
+        limit = _policy(info).limits.max_loras_per_request
+        if len(value) > limit:
+            raise PydanticCustomError(
+                "too_long",
+                "at most {limit} LoRAs per request (the configured max_loras_per_request), got {count}",
+                {"limit": limit, "count": len(value)},
+            )
+        names = [choice.name for choice in value]
+        if len(set(names)) != len(names):
+            raise PydanticCustomError("lora_repeated", "each LoRA at most once per request (give it one scale)")
+        return value
+
     @field_validator("image", mode="before")
     @classmethod
     def _read_image(cls, value: Any, info: ValidationInfo) -> Image | None:
@@ -249,9 +314,9 @@ class GenerationRequest(BaseModel):
     @field_validator("mask", mode="before")
     @classmethod
     def _read_mask(cls, value: Any, info: ValidationInfo) -> Image | None:
-        if value is None:
+        if value is None or "image" not in info.data:  # no mask, or the image already failed
             return None
-        image = info.data.get("image")
+        image = info.data["image"]
         if image is None:
             raise PydanticCustomError("needs_image", "a mask needs an image to inpaint (the image field)")
         mask = read_image(value, _policy(info).limits.max_input_pixels)
@@ -263,6 +328,23 @@ class GenerationRequest(BaseModel):
             )
         return as_mask(mask)
 
+    @field_validator("strength")
+    @classmethod
+    def _strength_needs_an_image_and_a_step(cls, value: float | None, info: ValidationInfo) -> float | None:
+        if value is None or "image" not in info.data:
+            return value
+        if info.data["image"] is None:
+            raise PydanticCustomError("needs_image", "strength applies to an input image (the image field)")
+        steps = info.data.get("num_inference_steps")
+        if isinstance(steps, int) and int(steps * value) < 1:
+            raise PydanticCustomError(
+                "no_steps",
+                "strength {strength} of {steps} steps leaves int({steps} x {strength}) = 0 denoising steps: raise "
+                "strength or num_inference_steps",
+                {"strength": value, "steps": steps},
+            )
+        return value
+
     @field_validator("partial_images")
     @classmethod
     def _partial_images_need_a_stream(cls, value: int, info: ValidationInfo) -> int:
@@ -272,10 +354,11 @@ class GenerationRequest(BaseModel):
             )
         return value
 
-    def preview_steps(self) -> frozenset[int]:
-        """The steps after which a streamed request gets a preview: ``partial_images`` of them,
-        evenly spaced before the last (fewer when there are too few steps)."""
-        steps, parts = self.num_inference_steps, self.partial_images + 1
+    def preview_steps(self, steps: int) -> frozenset[int]:
+        """The steps after which a streamed request of ``steps`` denoising steps (fewer than
+        ``num_inference_steps`` from an image with strength below 1) gets a preview:
+        ``partial_images`` of them, evenly spaced before the last (fewer when there are too few)."""
+        parts = self.partial_images + 1
         spaced = (round(steps * index / parts) for index in range(1, parts))
         return frozenset(step for step in spaced if 0 < step < steps)
 
@@ -293,16 +376,9 @@ class GenerationRequest(BaseModel):
 
     def parameters(self) -> dict[str, Any]:
         """The effective parameters, as reported back to the client."""
-        excluded = {
-            "output_format",
-            "output_compression",
-            "response_format",
-            "stream",
-            "partial_images",
-            "image",
-            "mask",
-        }
-        return self.model_dump(exclude=excluded if self.image is not None else excluded | {"strength"})
+        excluded = {"output_format", "output_compression", "response_format", "stream", "partial_images", "mask"}
+        excluded |= {"image"} if self.image is not None else {"image", "strength"}
+        return self.model_dump(exclude=excluded if self.loras else excluded | {"loras"})
 
 
 UNKNOWN_FIELD_LABEL = "unknown_field"
@@ -321,7 +397,7 @@ def _field_errors(error: ValidationError, allowed: Iterable[str]) -> list[FieldE
             given = _short_repr(item["input"])
             if given not in message:
                 message = f"{message} (given: {given})"
-        errors.append(FieldError(field, rule, message))
+        errors.append(FieldError(field, rule, message, nested=len(item["loc"]) > 1))
     return errors
 
 

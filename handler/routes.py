@@ -8,6 +8,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 from handler.encode import JSON_CONTENT_TYPE, error_json
 from handler.openai_images import (
     EDITS,
@@ -29,13 +32,14 @@ APIS: dict[str, Api] = {
 OPENAI_PREFIX = "v1/"
 
 
-def route(path: str, model_name: str) -> Api | Response:
-    """The API that serves ``path``, or the whole answer where no generation is asked for."""
+def route(path: str, model_name: str, loras: Callable[[], list[dict[str, Any]]]) -> Api | Response:
+    """The API that serves ``path``, or the whole answer where no generation is asked for
+    (``loras``: the LoRAs available now, for the model list)."""
     path = path.strip("/")
     if path in APIS:
         return APIS[path]
     if path == MODELS or path.startswith(MODELS + "/"):
-        return models(path, model_name)
+        return models(path, model_name, loras())
     message = (
         f"no route {path!r} under /predictions/{model_name}/<version>/; the routes are {GENERATIONS}, {EDITS} and "
         f"{MODELS} (the OpenAI Images API), and this server's JSON API at /predictions/{model_name} itself"

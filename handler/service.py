@@ -19,7 +19,7 @@ from __future__ import annotations
 import logging
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -29,6 +29,7 @@ import torch
 from handler.config import HandlerSettings, WarmupShape
 from handler.engine import DenoiseJob, JobSpec, StepEngine
 from handler.families import Decoded
+from handler.loras import Adapters, LoraError
 from handler.metrics import DiffusionMetrics, MetricSink, QueueGauges
 from handler.pipeline import load_engine, native_size, release_cached_memory, synchronize
 from handler.protocol import (
@@ -48,8 +49,9 @@ from handler.scheduling import StepProfile, choose, slack
 logger = logging.getLogger(__name__)
 
 
-def job_spec(request: GenerationRequest) -> JobSpec:
-    """What the engine generates for a validated request (image k from seed + k)."""
+def job_spec(request: GenerationRequest, adapters: Adapters = ()) -> JobSpec:
+    """What the engine generates for a validated request (image k from seed + k), with its LoRA
+    adapters as the engine's library resolved them."""
     return JobSpec(
         request.prompt,
         request.negative_prompt,
@@ -61,7 +63,8 @@ def job_spec(request: GenerationRequest) -> JobSpec:
         request.guidance_scale,
         request.image,
         request.mask,
-        request.strength,
+        1.0 if request.strength is None else request.strength,
+        adapters,
     )
 
 
@@ -235,7 +238,7 @@ class DiffusionService:
     def _validate(self, rid: str, incoming: IncomingRequest) -> tuple[Api, GenerationRequest] | Response:
         """The request's API and the validated request, or its whole answer (an error, or a
         route that generates nothing)."""
-        api = route(incoming.path, self.policy.model_name)
+        api = route(incoming.path, self.policy.model_name, self._available_loras)
         if isinstance(api, Response):
             return api
         try:
@@ -254,12 +257,17 @@ class DiffusionService:
         return api, request
 
     def _start(self, requests: dict[str, GenerationRequest]) -> dict[str, DenoiseJob | Response]:
-        """Jobs for the requests, started together; 507 for a request whose shape and image count
-        already ran out of memory alone (a shape seen for the first time is profiled first)."""
+        """Jobs for the requests, started together; 400 for a LoRA that cannot be served, 507 for a
+        request whose shape and image count already ran out of memory alone (a shape seen for the
+        first time is profiled first)."""
         outcomes: dict[str, DenoiseJob | Response] = {}
         specs: dict[str, JobSpec] = {}
         for rid, request in requests.items():
-            spec = job_spec(request)
+            adapters = self._adapters(rid, request, specs.values())
+            if isinstance(adapters, Response):
+                outcomes[rid] = adapters
+                continue
+            spec = job_spec(request, adapters)
             try:
                 fits = self._fits(spec)
             except Exception as error:  # out of memory (507) or a failure while profiling (500)
@@ -280,6 +288,30 @@ class DiffusionService:
                 outcomes[rid] = does_not_fit(request)
         outcomes.update(self._start_together(specs))
         return outcomes
+
+    def _available_loras(self) -> list[dict[str, Any]]:
+        return [file.describe() for file in self.engine.loras.available()]
+
+    def _adapters(self, rid: str, request: GenerationRequest, starting: Iterable[JobSpec]) -> Adapters | Response:
+        """The request's LoRA adapters, loaded where needed (keeping those of the jobs in flight and
+        starting), or its 400."""
+        if not request.loras:
+            return ()
+        in_use = {
+            adapter
+            for spec in (*starting, *(flight.job.spec for flight in self.flights.values()))
+            for adapter, _ in spec.adapters
+        }
+        try:
+            adapters = self.engine.loras.acquire([(lora.name, lora.scale) for lora in request.loras], in_use)
+        except LoraError as error:
+            logger.info("request %s rejected: loras (%s)", rid, error.rule)
+            self.metrics.request_rejected(["loras"])
+            return bad_request(RequestError.single("loras", error.rule, str(error)))
+        finally:
+            self.metrics.loras_loaded(self.engine.loras.loaded)
+        self.metrics.lora_requests([lora.name for lora in request.loras])
+        return adapters
 
     def _fits(self, spec: JobSpec) -> bool:
         """False when a job of its shape and rows already ran out of memory alone."""
@@ -398,9 +430,19 @@ class DiffusionService:
         return responses
 
     def _preview(self, rid: str) -> Preview:
-        """A request's images decoded from its latents as they are when called (safety checker included)."""
+        """A request's images decoded from its latents as they are when called (safety checker
+        included); none where that decode fails (a preview is not worth a request or a batch)."""
         job = self.flights[rid].job
-        return lambda: self.engine.decode(job.latents, job.spec.width, job.spec.height).images
+
+        def preview() -> list:
+            try:
+                return self.engine.decode(job.latents, job.spec.width, job.spec.height).images
+            except Exception as error:  # out of memory included: the request goes on without this preview
+                logger.warning("preview of request %s skipped: %s: %s", rid, type(error).__name__, error)
+                release_cached_memory()
+                return []
+
+        return preview
 
     def _finish(self, done: list[str]) -> dict[str, Response]:
         """Decode finished jobs, one VAE call per latent shape, and answer them."""

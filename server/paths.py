@@ -29,6 +29,8 @@ K8S_DIR = ROOT / "deploy" / "k8s"
 MODELS = ROOT / "models"
 # The default model: trained on shapes and colours (make train-default-model), committed.
 DEFAULT_MODEL_DIR = MODELS / "shapes-sd"
+# The LoRA adapters make serve serves (LORA_DIR): the default model's, committed.
+LORA_DIR = ROOT / "loras"
 # Random-weight tiny models of every family the engine serves (make model), for tests that need no
 # image quality; sd1 is the default model's architecture.
 TINY_MODEL_DIRS = {

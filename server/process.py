@@ -23,7 +23,7 @@ import requests
 from prometheus_client.parser import text_string_to_metric_families
 
 from server.archive import MODEL_NAME, archive_model_config, build, console_script
-from server.paths import CONFIG_PROPERTIES
+from server.paths import CONFIG_PROPERTIES, LORA_DIR
 from server.properties import (
     EFFECTIVE_CONFIG,
     KEY_FILE,
@@ -271,10 +271,12 @@ def serve_archive(
     """Build the archive from ``model_dir`` and ``model_config`` (workers for ``gpus`` GPUs, default
     the visible ones) and serve it from ``workdir`` on free loopback ports (config.properties plus
     ``properties``) until the block ends, waiting for a ready worker ``startup_timeout`` seconds
-    (default: as long as the archive's ``startupTimeout`` allows)."""
+    (default: as long as the archive's ``startupTimeout`` allows). As ``make serve`` does, the
+    workers read LoRAs from ``$LORA_DIR``, else the checkout's ``loras/``."""
     model_store = build(model_dir, model_config, workdir / "model_store", gpus=gpus).parent
     config = config_on_free_ports(CONFIG_PROPERTIES, workdir, **properties)
-    with TorchServe(config, model_store, workdir / "server", env={"TMPDIR": str(workdir)}) as server:
+    env = {"TMPDIR": str(workdir), "LORA_DIR": os.environ.get("LORA_DIR", str(LORA_DIR))}
+    with TorchServe(config, model_store, workdir / "server", env=env) as server:
         server.wait_ready(startup_timeout or archive_ready_timeout(model_store, server.model_name))
         yield server
 

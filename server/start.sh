@@ -11,6 +11,7 @@
 #   CONFIG          TorchServe config.properties [config.properties]
 #   WORKDIR         TorchServe's working directory: key_file.json, logs/ [runtime]
 #   BIND_ADDRESS    listen on this host instead of the config's (0.0.0.0 in a container) [unset]
+#   LORA_DIR        LoRA adapters requests may name (handler.loras.dir in model-config.yaml wins) [loras]
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -21,6 +22,8 @@ MODEL_DIR="${MODEL_DIR-models/shapes-sd}"
 MODEL_STORE="${MODEL_STORE:-model_store}"
 CONFIG="${CONFIG:-config.properties}"
 WORKDIR="${WORKDIR:-runtime}"
+LORA_DIR="$(realpath -m "${LORA_DIR:-loras}")"
+export LORA_DIR  # the workers inherit TorchServe's environment
 
 if [[ -n "$MODEL_DIR" ]]; then
   "$PYTHON" -m server.archive --model-dir "$MODEL_DIR" --export-path "$MODEL_STORE" \

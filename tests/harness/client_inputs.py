@@ -127,7 +127,18 @@ def boundary_values(limits: RequestLimits) -> dict[str, list[Any]]:
             1,
         ],
         "mask": [None, MASK, PICTURE, MASK[:-8], ""],
-        "strength": [0, 0.5, 1, 1.0000001, -1, math.nan, "0.5", True],
+        "strength": [0, 0.5, 1, 1.0000001, -1, math.nan, "0.5", True, None],
+        "loras": [
+            [],
+            [{"name": "outline"}],
+            [{"name": "../outline"}],
+            [{"name": "outline", "scale": math.inf}],
+            [{"name": "outline", "scale": 1e9}],
+            [{"name": "x"}, {"name": "x"}],
+            [{"name": "/etc/passwd"}],
+            "outline",
+            None,
+        ],
     }
 
 

@@ -9,6 +9,7 @@ from PIL import Image
 from handler.config import RequestDefaults
 from handler.engine import DenoiseJob, JobSpec
 from handler.families import Conditioning, Decoded
+from handler.loras import LoraLibrary
 from handler.metrics import DiffusionMetrics, MetricSpec
 from handler.protocol import IncomingRequest
 from handler.request import RequestPolicy
@@ -24,6 +25,7 @@ class SolidColorEngine:
     settings) ask for failures."""
 
     device = torch.device("cpu")
+    loras = LoraLibrary(None, None, max_loaded=1)  # no LoRA directory
 
     def __init__(
         self,

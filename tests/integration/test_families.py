@@ -26,6 +26,7 @@ from PIL import Image, ImageOps
 from bench.reference import Reference
 from handler.encode import EXIF_IMAGE_DESCRIPTION
 from handler.protocol import NSFW_HEADER
+from model_making.make_lora import write_lora
 from model_making.make_tiny_model import CALIBRATION, CALIBRATION_FILE, build_pipeline, write_lcm_model
 from server import TorchServe
 from server import write_model_config as model_config
@@ -37,6 +38,7 @@ MODES = ("dynamic", "continuous")
 FAMILIES = {"sd1-safety": 64, "sd2": 96, "sdxl": 64}  # native sides
 CASES = [(family, mode) for family in FAMILIES for mode in MODES]
 # Long enough to keep a tiny model's worker busy while others arrive (a few seconds on 2 cores).
+LORA = "tiny"  # a random LoRA written for the family's tiny model
 LONG = {"prompt": "keep the worker busy", "seed": 1, "num_inference_steps": 300, "response_format": "json"}
 
 
@@ -56,9 +58,10 @@ class Served:
 def served(request, tmp_path_factory) -> Iterator[Served]:
     family, mode = request.param
     tmp = tmp_path_factory.mktemp(f"{family}-{mode}")
+    write_lora(TINY_MODEL_DIRS[family], tmp / "loras" / f"{LORA}.safetensors", seed=5)
     config = model_config(
         tmp,
-        handler={"limits": {"max_inference_steps": LONG["num_inference_steps"]}},
+        handler={"limits": {"max_inference_steps": LONG["num_inference_steps"]}, "loras": {"dir": str(tmp / "loras")}},
         continuousBatching=mode == "continuous",
         batchSize=8,
         maxBatchDelay=50 if mode == "dynamic" else 10,
@@ -89,6 +92,10 @@ def reference(references: dict[str, Reference], served: Served, body: dict):
         image=None if "image" not in body else Image.open(io.BytesIO(base64.b64decode(body["image"]))).convert("RGB"),
         mask=None if "mask" not in body else diffusers_mask(base64.b64decode(body["mask"])),
         strength=body.get("strength", 0.8),
+        loras=[
+            (served.server.workdir.parent / "loras" / f"{lora['name']}.safetensors", lora["scale"])
+            for lora in body.get("loras", [])
+        ],
     )
 
 
@@ -235,6 +242,18 @@ def test_an_edit_and_a_text_to_image_request_share_forwards_and_each_gets_diffus
     for body, (response, _) in zip([edit, plain], followers, strict=True):
         assert_diffusers_images(references, served, body, response)
         assert response.json()["batch"]["max_step_images"] >= 2
+
+
+def test_a_lora_request_gets_diffusers_images_with_the_lora_loaded(served, references):
+    body = {
+        "prompt": "a red circle",
+        "seed": 5,
+        "num_inference_steps": 5,
+        "num_images_per_prompt": 2,
+        "loras": [{"name": LORA, "scale": 0.7}],
+        "response_format": "json",
+    }
+    assert_diffusers_images(references, served, body, served.client.predict(body))
 
 
 def test_a_bad_request_mid_flight_fails_alone(served):

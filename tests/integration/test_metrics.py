@@ -15,6 +15,7 @@ def test_every_declared_metric_is_exported_after_traffic_in_both_modes(request, 
     client = Client(server)
     assert client.predict({"prompt": "x", "width": 100}).status_code == 400
     assert client.predict({"prompt": "x", "num_inference_steps": 2}).status_code == 200
+    assert client.predict({"prompt": "x", "num_inference_steps": 2, "loras": [{"name": "outline"}]}).status_code == 200
     names = {name for name, _ in server.metric_samples()}
     for spec in METRICS:
         exported = f"{spec.name}_count" if spec.type == "histogram" else spec.name

@@ -24,6 +24,7 @@ def test_every_marked_example_is_bash_or_python():
         "grpc-python",
         "openai-sdk",
         "openai-curl",
+        "lora-curl",
     } <= set(examples)
     assert all(language in RUNNERS for language, _ in examples.values())
 
@@ -44,6 +45,11 @@ def test_a_readme_openai_example_generates_and_edits(name, server, cwd):
         assert decode_png((cwd / file).read_bytes()).shape == (64, 64, 3)
     if name == "openai-curl":
         assert json.loads(result.stdout.splitlines()[0])["data"][0]["id"] == "stable-diffusion"
+
+
+def test_the_readme_lora_example_draws_the_default_model_an_outline(server, cwd):
+    run_example("lora-curl", server, cwd)
+    assert decode_png((cwd / "outline.png").read_bytes()).shape == (64, 64, 3)
 
 
 def test_the_readme_key_rotation_replaces_the_inference_key(server, cwd):

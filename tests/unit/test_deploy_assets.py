@@ -61,6 +61,7 @@ SERVING_FILES = {
     "handler/",
     "models/shapes-sd/",
     "server/",
+    "loras/",
 }
 # Development, tests, load tests and benchmarks only.
 DEV_ONLY = {
@@ -304,6 +305,7 @@ def test_every_kustomized_manifest_validates():
             "ConfigMap",
             "Service",
             "Deployment",
+            "PersistentVolumeClaim",
             "PodDisruptionBudget",
             "HorizontalPodAutoscaler",
             "ServiceMonitor",
@@ -429,3 +431,20 @@ def test_kserve_variant_validates_and_uses_the_torchserve_layout():
     assert kserve_config["inference_address"].endswith(
         f":{runtime['spec']['containers'][0]['ports'][0]['containerPort']}"
     )
+
+
+def test_the_image_and_every_manifest_serve_loras_from_one_mounted_directory():
+    dockerfile = (ROOT / "docker" / "Dockerfile").read_text()
+    (lora_dir,) = re.findall(r"LORA_DIR=(\S+)", dockerfile)
+    pod = next(d for d in kustomized() if d["kind"] == "Deployment")["spec"]["template"]["spec"]
+    server = next(c for c in pod["containers"] if c["name"] != "auth-proxy")
+    kserve = yaml.safe_load((KSERVE / "inferenceservice.yaml").read_text())["spec"]["predictor"]
+    compose = yaml.safe_load((ROOT / "docker" / "compose.yaml").read_text())["services"]["torchserve"]
+    for mounts, volumes in (
+        (server["volumeMounts"], pod["volumes"]),
+        (kserve["model"]["volumeMounts"], kserve["volumes"]),
+    ):
+        (mount,) = [m for m in mounts if m["mountPath"] == lora_dir]
+        (volume,) = [v for v in volumes if v["name"] == mount["name"]]
+        assert mount["readOnly"] and volume["persistentVolumeClaim"]["claimName"] == "stable-diffusion-loras"
+    assert f"../loras:{lora_dir}:ro" in compose["volumes"]

@@ -110,10 +110,37 @@ def test_text_to_image_requests_report_no_strength():
         ({"image": b64(encoded(rgba())), "strength": 0}, [("strength", "greater_than")]),
         ({"image": b64(encoded(rgba())), "strength": 1.5}, [("strength", "less_than_equal")]),
         ({"image": b64(encoded(rgba())), "strength": float("nan")}, [("strength", "finite_number")]),
+        ({"strength": 0.5}, [("strength", "needs_image")]),
+        ({"image": b64(encoded(rgba())), "strength": 0.1, "num_inference_steps": 4}, [("strength", "no_steps")]),
+        ({"image": "not base64!", "mask": b64(encoded(rgba()))}, [("image", "base64")]),
     ],
 )
 def test_a_bad_input_image_is_refused_naming_the_field_and_rule(body, expected):
     assert errors_of(body) == expected
+
+
+def webp_header_claiming(width: int, height: int) -> bytes:
+    """An extended WebP whose canvas claims ``width`` x ``height`` (Pillow's opener would allocate it)."""
+    vp8x = b"\x00" * 4 + (width - 1).to_bytes(3, "little") + (height - 1).to_bytes(3, "little")
+    return (
+        b"RIFF" + (4 + 8 + len(vp8x)).to_bytes(4, "little") + b"WEBP" + b"VP8X" + len(vp8x).to_bytes(4, "little") + vp8x
+    )
+
+
+def test_a_webp_canvas_is_checked_before_pillow_opens_it():
+    assert errors_of({"image": b64(webp_header_claiming(16_000, 16_000))}) == [("image", "image_too_large")]
+    real = encoded(Image.new("RGB", (96, 64)), "WEBP")
+    assert decode_body({"prompt": "p", "image": b64(real)}, "application/json", POLICY).image.size == (96, 64)
+
+
+def test_a_form_text_part_may_carry_base64_and_a_mask_may_use_a_transparency_key():
+    keyed = Image.new("RGB", (96, 64), (255, 255, 255))
+    keyed.paste((0, 0, 0), (32, 16, 64, 48))
+    buffer = io.BytesIO()
+    keyed.save(buffer, format="PNG", transparency=(0, 0, 0))
+    fields = {"prompt": b"p", "image": bytearray(b64(encoded(rgba())).encode()), "mask": bytearray(buffer.getvalue())}
+    request = decode_form(fields, POLICY)
+    assert request.mask is not None and np.asarray(request.mask)[32, 48] == 255
 
 
 def test_a_decompression_bomb_is_refused_from_its_header_before_decoding():

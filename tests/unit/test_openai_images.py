@@ -171,4 +171,4 @@ def test_a_stream_error_before_any_part_is_a_plain_error_and_after_it_an_error_e
 )
 def test_previews_are_evenly_spaced_before_the_last_step(steps, partial, expected):
     request = GenerationRequest.model_construct(num_inference_steps=steps, partial_images=partial)
-    assert request.preview_steps() == expected
+    assert request.preview_steps(steps) == expected

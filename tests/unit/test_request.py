@@ -49,7 +49,8 @@ def test_every_field_is_taken_as_sent():
         "partial_images": 2,
     }
     request = decode_body(body, "application/json", replace(POLICY, streaming=True))
-    assert request.model_dump() == {**body, "guidance_scale": 1.0, "image": None, "mask": None, "strength": 0.8}
+    unset = {"image": None, "mask": None, "strength": None, "loras": []}
+    assert request.model_dump() == {**body, "guidance_scale": 1.0, **unset}
 
 
 def test_stream_is_a_rule_of_the_engine_not_of_the_client():
@@ -234,3 +235,36 @@ def test_grpc_requests_are_served_in_both_modes_but_cannot_stream():
         IncomingRequest({"prompt": "x", "stream": True}, "application/json"), replace(POLICY, streaming=True)
     )
     assert streamed.stream
+
+
+def test_loras_are_named_and_scaled_within_the_limits():
+    request = decode_body(
+        {"prompt": "p", "loras": [{"name": "outline", "scale": 0.5}, {"name": "purple"}]}, "application/json", POLICY
+    )
+    assert [(lora.name, lora.scale) for lora in request.loras] == [("outline", 0.5), ("purple", 1.0)]
+    assert request.parameters()["loras"] == [{"name": "outline", "scale": 0.5}, {"name": "purple", "scale": 1.0}]
+    assert "loras" not in decode_body({"prompt": "p"}, "application/json", POLICY).parameters()
+    form = decode_form({"prompt": "p", "loras": '[{"name": "outline", "scale": 0.25}]'}, POLICY)
+    assert form.loras[0].scale == 0.25
+
+
+@pytest.mark.parametrize(
+    ("loras", "field", "rule"),
+    [
+        ([{"name": "../outline"}], "loras.0.name", "lora_name"),
+        ([{"name": "/etc/passwd"}], "loras.0.name", "lora_name"),
+        ([{"name": "a/b"}], "loras.0.name", "lora_name"),
+        ([{"name": "outline", "scale": float("nan")}], "loras.0.scale", "finite_number"),
+        ([{"name": "outline", "scale": 100}], "loras.0.scale", "lora_scale"),
+        ([{"name": "outline", "weight": 1}], "loras.0.weight", "unknown_field"),
+        ([{"name": "outline"}, {"name": "outline"}], "loras", "lora_repeated"),
+        ([{"name": f"l{index}"} for index in range(5)], "loras", "too_long"),
+        ("outline", "loras", "json"),
+        (7, "loras", "list_type"),
+    ],
+)
+def test_bad_loras_are_refused_by_field_and_rule(loras, field, rule):
+    with pytest.raises(RequestError) as caught:
+        decode_body({"prompt": "p", "loras": loras}, "application/json", POLICY)
+    assert [(error.field, error.rule) for error in caught.value.errors] == [(field, rule)]
+    assert caught.value.errors[0].label(FIELD_LABELS) == "loras"

@@ -1,0 +1,163 @@
+"""LoRA adapters per request: names resolved in one directory, loaded when first asked for (a file
+added while the server runs is used at once, a changed file is loaded again), at most
+``max_loaded`` kept in memory (least recently used evicted), and activated per forward with
+diffusers' ``set_adapters``, never fused into the base weights, so that switching costs no copy.
+
+A LoRA's name is its file's stem. Names are checked against ``NAME`` before any file is touched
+(no separators, no ``..``, no absolute paths), and the file must resolve inside the directory (no
+symlink out). Files are read with ``safetensors`` only, then handed to ``load_lora_weights`` as a
+state dict, in any format it reads (diffusers/PEFT, kohya/A1111).
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import re
+from collections import OrderedDict
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from safetensors.torch import load_file
+
+logger = logging.getLogger(__name__)
+
+NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
+SUFFIX = ".safetensors"
+# One LoRA set of a job: (adapter id, scale) pairs, in the request's order; () for none.
+Adapters = tuple[tuple[str, float], ...]
+
+
+class LoraError(Exception):
+    """A LoRA a request asks for cannot be served (HTTP 400 on ``loras``)."""
+
+    def __init__(self, rule: str, message: str):
+        self.rule = rule
+        super().__init__(message)
+
+
+@dataclass(frozen=True)
+class LoraFile:
+    """One LoRA in the directory, at one version of its file."""
+
+    name: str
+    path: Path
+    version: tuple[int, int]  # (modification time in ns, size): a changed file is another version
+
+    def describe(self) -> dict[str, Any]:
+        return {"name": self.name, "bytes": self.version[1], "modified_ns": self.version[0]}
+
+
+def valid_name(name: str) -> bool:
+    return bool(NAME.fullmatch(name)) and ".." not in name
+
+
+class LoraLibrary:
+    """The LoRAs of one directory on one pipeline (``load_lora_weights``, ``set_adapters``,
+    ``disable_lora``, ``delete_adapters``)."""
+
+    def __init__(self, pipeline: Any, directory: Path | None, max_loaded: int):
+        self.pipeline = pipeline
+        self.directory = directory
+        self.max_loaded = max_loaded
+        self._loaded: OrderedDict[tuple[str, tuple[int, int]], str] = OrderedDict()  # (name, version) -> adapter id
+        self._ids = (f"lora{index}" for index in itertools.count())  # peft adapter names: module keys, no dots
+        self._active: Adapters | None = ()  # None: unknown (a load may have activated its adapter)
+
+    @property
+    def loaded(self) -> int:
+        return len(self._loaded)
+
+    def available(self) -> list[LoraFile]:
+        """The LoRAs in the directory now, by name."""
+        if self.directory is None or not self.directory.is_dir():
+            return []
+        files = (self._file(path) for path in sorted(self.directory.glob(f"*{SUFFIX}")))
+        return [file for file in files if file is not None]
+
+    def _file(self, path: Path) -> LoraFile | None:
+        name = path.name[: -len(SUFFIX)]
+        if not valid_name(name) or not path.is_file():
+            return None
+        assert self.directory is not None
+        if path.resolve().parent != self.directory.resolve():  # a symlink out of the directory
+            return None
+        stat = path.stat()
+        return LoraFile(name, path, (stat.st_mtime_ns, stat.st_size))
+
+    def resolve(self, name: str) -> LoraFile:
+        """The file of a LoRA name (checked first, so no path outside the directory is touched)."""
+        if self.directory is None:
+            raise LoraError(
+                "loras_disabled", "this server serves no LoRAs: set handler.loras.dir (or $LORA_DIR) to a directory"
+            )
+        if not valid_name(name):
+            raise LoraError("lora_name", f"{name!r} is not a LoRA name (a file stem of [A-Za-z0-9_.-])")
+        file = self._file(self.directory / f"{name}{SUFFIX}")
+        if file is None:
+            known = ", ".join(item.name for item in self.available()) or "none"
+            raise LoraError("unknown_lora", f"no LoRA named {name!r} in the LoRA directory; available: {known}")
+        return file
+
+    def acquire(self, loras: Sequence[tuple[str, float]], in_use: Iterable[str]) -> Adapters:
+        """The adapters for a request's ``(name, scale)`` pairs, loading the files not in memory (or
+        changed since), then evicting least recently used adapters that ``in_use`` does not hold."""
+        adapters = []
+        for name, scale in loras:
+            file = self.resolve(name)
+            key = (file.name, file.version)
+            if key not in self._loaded:
+                self._loaded[key] = self._load(file)
+            self._loaded.move_to_end(key)
+            adapters.append((self._loaded[key], scale))
+        self._evict({*in_use, *(adapter for adapter, _ in adapters)})
+        return tuple(adapters)
+
+    def _load(self, file: LoraFile) -> str:
+        adapter = next(self._ids)
+        self._active = None
+        try:
+            state_dict = load_file(file.path)
+            self.pipeline.load_lora_weights(state_dict, adapter_name=adapter)
+        except Exception as error:  # safetensors, format and shape errors alike: the request's 400
+            self._forget(adapter)
+            logger.warning("LoRA %s could not be loaded: %s", file.name, error)
+            raise LoraError(
+                "lora_unloadable",
+                f"LoRA {file.name!r} cannot be loaded on this model: {type(error).__name__}: {str(error)[:300]}",
+            ) from None
+        logger.info("LoRA %s loaded as %s (%d bytes)", file.name, adapter, file.version[1])
+        return adapter
+
+    def _evict(self, keep: set[str]) -> None:
+        for key, adapter in list(self._loaded.items()):
+            if len(self._loaded) <= self.max_loaded:
+                return
+            if adapter not in keep:
+                del self._loaded[key]
+                self._forget(adapter)
+                logger.info("LoRA %s (%s) evicted", key[0], adapter)
+
+    def _forget(self, adapter: str) -> None:
+        """Remove an adapter from every component that holds it (also a half-loaded one)."""
+        held = {name for names in self.pipeline.get_list_adapters().values() for name in names}
+        if adapter in held:
+            self.pipeline.delete_adapters(adapter)
+        self._active = None
+
+    def activate(self, adapters: Adapters) -> None:
+        """Make exactly ``adapters`` (ids and scales) act in the next forward: ``set_adapters``, or
+        ``disable_lora`` for none. Nothing to do when they already are."""
+        if adapters == self._active:
+            return
+        if not self._loaded:
+            self._active = ()
+            return
+        if adapters:
+            self.pipeline.enable_lora()
+            self.pipeline.set_adapters([adapter for adapter, _ in adapters], [scale for _, scale in adapters])
+        else:
+            self.pipeline.disable_lora()
+        self._active = adapters
