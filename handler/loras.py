@@ -58,10 +58,11 @@ class LoraLibrary:
     """The LoRAs of one directory on one pipeline (``load_lora_weights``, ``set_adapters``,
     ``disable_lora``, ``delete_adapters``)."""
 
-    def __init__(self, pipeline: Any, directory: Path | None, max_loaded: int):
+    def __init__(self, pipeline: Any, directory: Path | None, max_loaded: int, off_because: str | None = None):
         self.pipeline = pipeline
         self.directory = directory
         self.max_loaded = max_loaded
+        self.off_because = off_because  # why LoRAs are off although a directory is set
         self._loaded: OrderedDict[tuple[str, tuple[int, int]], str] = OrderedDict()  # (name, version) -> adapter id
         self._ids = (f"lora{index}" for index in itertools.count())  # peft adapter names: module keys, no dots
         self._active: Adapters | None = ()  # None: unknown (a load may have activated its adapter)
@@ -71,21 +72,31 @@ class LoraLibrary:
         return len(self._loaded)
 
     def available(self) -> list[LoraFile]:
-        """The LoRAs in the directory now, by name."""
-        if self.directory is None or not self.directory.is_dir():
+        """The LoRAs in the directory now, by name (none where it cannot be read)."""
+        if self.directory is None or self.off_because is not None:
             return []
-        files = (self._file(path) for path in sorted(self.directory.glob(f"*{SUFFIX}")))
+        try:
+            paths = sorted(self.directory.glob(f"*{SUFFIX}"))
+        except OSError:
+            return []
+        files = (self._file(path) for path in paths)
         return [file for file in files if file is not None]
 
     def _file(self, path: Path) -> LoraFile | None:
+        """The LoRA at ``path`` (resolved: what is checked is what is read), or None where there is
+        none: a bad name, no regular file, a symlink out of the directory, an unreadable one."""
         name = path.name[: -len(SUFFIX)]
-        if not valid_name(name) or not path.is_file():
+        if not valid_name(name):
             return None
         assert self.directory is not None
-        if path.resolve().parent != self.directory.resolve():  # a symlink out of the directory
+        try:
+            resolved = path.resolve()
+            if resolved.parent != self.directory.resolve() or not resolved.is_file():
+                return None
+            stat = resolved.stat()
+        except OSError:
             return None
-        stat = path.stat()
-        return LoraFile(name, path, (stat.st_mtime_ns, stat.st_size))
+        return LoraFile(name, resolved, (stat.st_mtime_ns, stat.st_size))
 
     def resolve(self, name: str) -> LoraFile:
         """The file of a LoRA name (checked first, so no path outside the directory is touched)."""
@@ -93,6 +104,8 @@ class LoraLibrary:
             raise LoraError(
                 "loras_disabled", "this server serves no LoRAs: set handler.loras.dir (or $LORA_DIR) to a directory"
             )
+        if self.off_because is not None:
+            raise LoraError("loras_disabled", f"this server serves no LoRAs: {self.off_because}")
         if not valid_name(name):
             raise LoraError("lora_name", f"{name!r} is not a LoRA name (a file stem of [A-Za-z0-9_.-])")
         file = self._file(self.directory / f"{name}{SUFFIX}")
@@ -104,15 +117,17 @@ class LoraLibrary:
     def acquire(self, loras: Sequence[tuple[str, float]], in_use: Iterable[str]) -> Adapters:
         """The adapters for a request's ``(name, scale)`` pairs, loading the files not in memory (or
         changed since), then evicting least recently used adapters that ``in_use`` does not hold."""
-        adapters = []
-        for name, scale in loras:
-            file = self.resolve(name)
-            key = (file.name, file.version)
-            if key not in self._loaded:
-                self._loaded[key] = self._load(file)
-            self._loaded.move_to_end(key)
-            adapters.append((self._loaded[key], scale))
-        self._evict({*in_use, *(adapter for adapter, _ in adapters)})
+        adapters: list[tuple[str, float]] = []
+        try:
+            for name, scale in loras:
+                file = self.resolve(name)
+                key = (file.name, file.version)
+                if key not in self._loaded:
+                    self._loaded[key] = self._load(file)
+                self._loaded.move_to_end(key)
+                adapters.append((self._loaded[key], scale))
+        finally:
+            self._evict({*in_use, *(adapter for adapter, _ in adapters)})
         return tuple(adapters)
 
     def _load(self, file: LoraFile) -> str:
@@ -121,6 +136,8 @@ class LoraLibrary:
         try:
             state_dict = load_file(file.path)
             self.pipeline.load_lora_weights(state_dict, adapter_name=adapter)
+            if adapter not in self._held():  # diffusers only warns when no key matches a layer of this model
+                raise ValueError("no layer of this model matches its keys (a LoRA for another model family?)")
         except Exception as error:  # safetensors, format and shape errors alike: the request's 400
             self._forget(adapter)
             logger.warning("LoRA %s could not be loaded: %s", file.name, error)
@@ -140,12 +157,15 @@ class LoraLibrary:
                 self._forget(adapter)
                 logger.info("LoRA %s (%s) evicted", key[0], adapter)
 
+    def _held(self) -> set[str]:
+        """The adapters some component of the pipeline holds."""
+        return {name for names in self.pipeline.get_list_adapters().values() for name in names}
+
     def _forget(self, adapter: str) -> None:
         """Remove an adapter from every component that holds it (also a half-loaded one)."""
-        held = {name for names in self.pipeline.get_list_adapters().values() for name in names}
-        if adapter in held:
-            self.pipeline.delete_adapters(adapter)
         self._active = None
+        if adapter in self._held():
+            self.pipeline.delete_adapters(adapter)
 
     def activate(self, adapters: Adapters) -> None:
         """Make exactly ``adapters`` (ids and scales) act in the next forward: ``set_adapters``, or
@@ -155,6 +175,7 @@ class LoraLibrary:
         if not self._loaded:
             self._active = ()
             return
+        self._active = None  # unknown until the calls below succeed
         if adapters:
             self.pipeline.enable_lora()
             self.pipeline.set_adapters([adapter for adapter, _ in adapters], [scale for _, scale in adapters])

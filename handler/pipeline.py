@@ -181,5 +181,10 @@ def load_engine(settings: HandlerSettings, model_dir: str | Path, gpu_id: int | 
         f"compile={settings.compile.mode if settings.compile.enabled else 'off'}"
         f"{'(' + ','.join(settings.compile.targets) + ')' if settings.compile.enabled else ''}"
     )
-    loras = LoraLibrary(pipeline, settings.loras.directory(), settings.loras.max_loaded)
+    compiled_unet = settings.compile.enabled and "unet" in settings.compile.targets
+    # diffusers switches LoRAs only on ModelMixin components, which a compiled UNet no longer is.
+    off_because = "handler.compile compiles the UNet, whose LoRA layers diffusers cannot switch"
+    loras = LoraLibrary(
+        pipeline, settings.loras.directory(), settings.loras.max_loaded, off_because if compiled_unet else None
+    )
     return StepEngine(pipeline, family, device, dtype, description, loras, settings.fault_injection)

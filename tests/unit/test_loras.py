@@ -24,6 +24,8 @@ class RecordingPipeline:
 
     def load_lora_weights(self, state_dict: dict, adapter_name: str) -> None:
         self.calls.append(("load", adapter_name))
+        if "other_model" in state_dict:  # no key matches a layer: diffusers warns and registers nothing
+            return
         self.adapters.append(adapter_name)  # registered before the shapes are checked, as PEFT does
         if "broken" in state_dict:
             raise RuntimeError("size mismatch for lora_A")
@@ -37,6 +39,8 @@ class RecordingPipeline:
 
     def set_adapters(self, names: list[str], weights: list[float]) -> None:
         self.calls.append(("set", tuple(names), tuple(weights)))
+        if any(weight == 13 for weight in weights):
+            raise ValueError("the set cannot be activated")
 
     def enable_lora(self) -> None:
         self.calls.append(("enable",))
@@ -128,6 +132,34 @@ def test_a_file_that_fails_to_load_leaves_no_adapter_behind(library):
     with pytest.raises(LoraError) as caught:
         library.acquire([("corrupt", 1.0)], set())
     assert caught.value.rule == "lora_unloadable"
+
+
+def test_a_lora_no_layer_of_the_model_matches_is_refused(library):
+    assert library.directory is not None
+    write(library.directory, "sd3-lora", key="other_model")
+    with pytest.raises(LoraError) as caught:
+        library.acquire([("sd3-lora", 1.0)], set())
+    assert caught.value.rule == "lora_unloadable" and "no layer of this model" in str(caught.value)
+    assert library.loaded == 0
+
+
+def test_a_failed_activation_forgets_what_is_active(library):
+    adapters = library.acquire([("outline", 13.0)], set())
+    library.activate(())
+    library.pipeline.calls.clear()
+    with pytest.raises(ValueError):
+        library.activate(adapters)
+    library.activate(())  # the LoRA layers were enabled before the failure: they must be disabled again
+    assert library.pipeline.calls[-1] == ("disable",)
+
+
+def test_loras_are_off_with_a_reason_and_an_unreadable_directory_lists_none(library, tmp_path):
+    off = LoraLibrary(RecordingPipeline(), tmp_path, 2, off_because="the UNet is compiled")
+    with pytest.raises(LoraError) as caught:
+        off.resolve("outline")
+    assert caught.value.rule == "loras_disabled" and "compiled" in str(caught.value)
+    assert off.available() == []
+    assert LoraLibrary(RecordingPipeline(), tmp_path / "missing", 2).available() == []
 
 
 def test_activation_sets_adapters_only_when_the_set_changes(library):
