@@ -19,6 +19,7 @@ import logging
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -93,11 +94,17 @@ def train_vae(
 @torch.no_grad()
 def encode_latents(pipeline: StableDiffusionPipeline, images: torch.Tensor) -> torch.Tensor:
     """The dataset's latents (posterior means), scaled to unit spread; sets the VAE's scaling_factor."""
-    latents = torch.cat([pipeline.vae.encode(chunk).latent_dist.mean for chunk in images.split(256)])
+    latents = posterior_means(pipeline, images)
     scaling_factor = float(1.0 / latents.std())
     pipeline.vae.register_to_config(scaling_factor=scaling_factor)
     logger.info("latent std %.3f: scaling_factor %.4f", 1.0 / scaling_factor, scaling_factor)
     return latents * scaling_factor
+
+
+@torch.no_grad()
+def posterior_means(pipeline: StableDiffusionPipeline, images: torch.Tensor) -> torch.Tensor:
+    """The VAE's latents (posterior means, unscaled) of pictures in [-1, 1]."""
+    return torch.cat([pipeline.vae.encode(chunk).latent_dist.mean for chunk in images.split(256)])
 
 
 def tokenize(pipeline: StableDiffusionPipeline, captions: list[str]) -> torch.Tensor:
@@ -108,6 +115,50 @@ def tokenize(pipeline: StableDiffusionPipeline, captions: list[str]) -> torch.Te
         truncation=True,
         return_tensors="pt",
     ).input_ids
+
+
+def denoising_loss(
+    pipeline: StableDiffusionPipeline,
+    noise_schedule: DDPMScheduler,
+    latents: torch.Tensor,
+    token_ids: torch.Tensor,
+    batch_size: int,
+    snr_gamma: float,
+    generator: torch.Generator,
+) -> torch.Tensor:
+    """The DDPM objective on a random batch: the noise the UNet predicts, conditioned on the text
+    encoder's captions, against the noise added, with Min-SNR weighting (the easy, low-noise
+    timesteps stop dominating the gradient)."""
+    index = torch.randint(len(latents), (batch_size,), generator=generator)
+    clean = latents[index]
+    noise = torch.randn(clean.shape, generator=generator)
+    timesteps = torch.randint(noise_schedule.config.num_train_timesteps, (len(index),), generator=generator)
+    noisy = noise_schedule.add_noise(clean, noise, timesteps)
+    encoder_hidden_states = pipeline.text_encoder(token_ids[index])[0]
+    prediction = pipeline.unet(noisy, timesteps, encoder_hidden_states).sample
+    snr = compute_snr(noise_schedule, timesteps)
+    weights = snr.clamp(max=snr_gamma) / snr
+    return (weights * F.mse_loss(prediction, noise, reduction="none").mean(dim=(1, 2, 3))).mean()
+
+
+def descend(
+    loss: torch.Tensor,
+    optimizer: torch.optim.Optimizer,
+    schedule: torch.optim.lr_scheduler.LRScheduler,
+    trained: list[torch.nn.Parameter],
+) -> None:
+    """One optimizer step on ``loss``, the gradient clipped to norm 1."""
+    optimizer.zero_grad(set_to_none=True)
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(trained, 1.0)
+    optimizer.step()
+    schedule.step()
+
+
+def add_plan_arguments(parser: argparse.ArgumentParser, defaults: Any) -> None:
+    """A ``--field-name`` option per field of a plan dataclass, defaulting to ``defaults``."""
+    for field, default in asdict(defaults).items():
+        parser.add_argument(f"--{field.replace('_', '-')}", type=type(default), default=default)
 
 
 def train_denoiser(
@@ -133,22 +184,10 @@ def train_denoiser(
     progress = tqdm(range(plan.unet_steps), desc="unet", unit="step", mininterval=5)
     running = None
     for _ in progress:
-        index = torch.randint(len(latents), (plan.unet_batch_size,), generator=generator)
-        clean = latents[index]
-        noise = torch.randn(clean.shape, generator=generator)
-        timesteps = torch.randint(noise_schedule.config.num_train_timesteps, (len(index),), generator=generator)
-        noisy = noise_schedule.add_noise(clean, noise, timesteps)
-        encoder_hidden_states = text_encoder(token_ids[index])[0]
-        prediction = unet(noisy, timesteps, encoder_hidden_states).sample
-        # Min-SNR weighting: the easy, low-noise timesteps stop dominating the gradient.
-        snr = compute_snr(noise_schedule, timesteps)
-        weights = snr.clamp(max=plan.snr_gamma) / snr
-        loss = (weights * F.mse_loss(prediction, noise, reduction="none").mean(dim=(1, 2, 3))).mean()
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(trained, 1.0)
-        optimizer.step()
-        schedule.step()
+        loss = denoising_loss(
+            pipeline, noise_schedule, latents, token_ids, plan.unet_batch_size, plan.snr_gamma, generator
+        )
+        descend(loss, optimizer, schedule, trained)
         ema.step(trained)
         running = loss.item() if running is None else 0.98 * running + 0.02 * loss.item()
         progress.set_postfix(loss=f"{running:.4f}", refresh=False)
@@ -195,8 +234,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("output", type=Path, help="directory to write the diffusers pipeline to")
     defaults = TrainingPlan()
-    for field, default in asdict(defaults).items():
-        parser.add_argument(f"--{field.replace('_', '-')}", type=type(default), default=default)
+    add_plan_arguments(parser, defaults)
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     plan = TrainingPlan(**{field: getattr(args, field) for field in asdict(defaults)})

@@ -23,13 +23,12 @@ from pathlib import Path
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 from diffusers import DDPMScheduler, StableDiffusionPipeline
-from diffusers.training_utils import compute_snr
 from peft import LoraConfig, get_peft_model_state_dict
 from PIL import Image, ImageDraw
 from tqdm import tqdm
 
+from model_making.make_lora import TEXT_TARGETS, UNET_TARGETS
 from model_making.shapes import (
     BACKGROUND,
     COLOURS,
@@ -42,14 +41,20 @@ from model_making.shapes import (
     random_spec,
     render,
 )
-from model_making.train_default_model import cosine_with_warmup, to_unit_range, tokenize
+from model_making.train_default_model import (
+    add_plan_arguments,
+    cosine_with_warmup,
+    denoising_loss,
+    descend,
+    posterior_means,
+    to_unit_range,
+    tokenize,
+)
 
 logger = logging.getLogger("train_lora")
 
 STYLE_WORD = "outline"
 OUTLINE_WIDTH = 5
-UNET_TARGETS = ["to_q", "to_k", "to_v", "to_out.0"]
-TEXT_TARGETS = ["q_proj", "k_proj", "v_proj", "out_proj"]
 
 
 @dataclass(frozen=True)
@@ -121,10 +126,7 @@ def train(pipeline: StableDiffusionPipeline, plan: LoraPlan) -> None:
     torch.set_num_threads(plan.threads)
     generator = torch.Generator().manual_seed(plan.seed)
     pixels, captions = dataset(plan)
-    with torch.no_grad():
-        images = to_unit_range(pixels)
-        latents = torch.cat([pipeline.vae.encode(chunk).latent_dist.mean for chunk in images.split(256)])
-        latents = latents * pipeline.vae.config.scaling_factor
+    latents = posterior_means(pipeline, to_unit_range(pixels)) * pipeline.vae.config.scaling_factor
     token_ids = tokenize(pipeline, captions)
     trained = add_lora(pipeline, plan.rank)
     unet, text_encoder = pipeline.unet.train(), pipeline.text_encoder.train()
@@ -133,20 +135,8 @@ def train(pipeline: StableDiffusionPipeline, plan: LoraPlan) -> None:
     schedule = cosine_with_warmup(optimizer, plan.steps, warmup=50)
     running = None
     for _ in (progress := tqdm(range(plan.steps), desc="lora", unit="step", mininterval=5)):
-        index = torch.randint(len(latents), (plan.batch_size,), generator=generator)
-        clean = latents[index]
-        noise = torch.randn(clean.shape, generator=generator)
-        timesteps = torch.randint(noise_schedule.config.num_train_timesteps, (len(index),), generator=generator)
-        noisy = noise_schedule.add_noise(clean, noise, timesteps)
-        prediction = unet(noisy, timesteps, text_encoder(token_ids[index])[0]).sample
-        snr = compute_snr(noise_schedule, timesteps)
-        weights = snr.clamp(max=plan.snr_gamma) / snr
-        loss = (weights * F.mse_loss(prediction, noise, reduction="none").mean(dim=(1, 2, 3))).mean()
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(trained, 1.0)
-        optimizer.step()
-        schedule.step()
+        loss = denoising_loss(pipeline, noise_schedule, latents, token_ids, plan.batch_size, plan.snr_gamma, generator)
+        descend(loss, optimizer, schedule, trained)
         running = loss.item() if running is None else 0.98 * running + 0.02 * loss.item()
         progress.set_postfix(loss=f"{running:.4f}", refresh=False)
     unet.eval()
@@ -181,8 +171,7 @@ def main() -> None:
     parser.add_argument("model_dir", type=Path, help="the default model's diffusers directory")
     parser.add_argument("output", type=Path, help="the LoRA .safetensors file to write")
     defaults = LoraPlan()
-    for field, default in asdict(defaults).items():
-        parser.add_argument(f"--{field.replace('_', '-')}", type=type(default), default=default)
+    add_plan_arguments(parser, defaults)
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     plan = LoraPlan(**{field: getattr(args, field) for field in asdict(defaults)})
