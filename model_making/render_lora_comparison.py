@@ -32,7 +32,15 @@ PROMPTS = [f"a {colour} {shape} {STYLE_WORD}" for colour in COLOURS for shape in
 VARIANTS = {"base model": [], "with the outline LoRA": [{"name": "outline"}]}
 
 
-def plot(images: dict[tuple[str, str, int], np.ndarray], seeds: list[int]) -> Figure:
+def hollow_shares(images: dict[tuple[str, str, int], np.ndarray]) -> dict[str, float]:
+    """Per variant, the share of its images drawn hollow."""
+    return {
+        variant: float(np.mean([hollow(image) for (_, name, _), image in images.items() if name == variant]))
+        for variant in VARIANTS
+    }
+
+
+def plot(images: dict[tuple[str, str, int], np.ndarray], seeds: list[int], shares: dict[str, float]) -> Figure:
     """Rows are prompts; for each seed a base column and a LoRA column."""
     columns = [(variant, seed) for seed in seeds for variant in VARIANTS]
     figure, axes = plt.subplots(
@@ -48,10 +56,6 @@ def plot(images: dict[tuple[str, str, int], np.ndarray], seeds: list[int]) -> Fi
                 axis.set_title(f"{'LoRA' if VARIANTS[variant] else 'base'}, seed {seed}", fontsize=6, pad=2)
             if column == 0:
                 axis.set_ylabel(prompt.removesuffix(f" {STYLE_WORD}"), fontsize=7)
-    shares = {
-        variant: np.mean([hollow(image) for (_, name, _), image in images.items() if name == variant])
-        for variant in VARIANTS
-    }
     figure.suptitle(
         f'"... {STYLE_WORD}" through TorchServe: drawn hollow '
         + ", ".join(f"{share:.0%} {variant}" for variant, share in shares.items()),
@@ -75,11 +79,11 @@ def main() -> None:
             with ThreadPoolExecutor(4) as pool:
                 made = pool.map(lambda item: generate(server, item[0], item[2], loras=VARIANTS[item[1]]), asked)
                 images = dict(zip(asked, made, strict=True))
-    for variant in VARIANTS:
-        share = np.mean([hollow(image) for (_, name, _), image in images.items() if name == variant])
+    shares = hollow_shares(images)
+    for variant, share in shares.items():
         logger.info("%s: %.0f%% of the outline prompts drawn hollow", variant, share * 100)
     args.output.parent.mkdir(parents=True, exist_ok=True)
-    plot(images, seeds).savefig(args.output, dpi=110)
+    plot(images, seeds, shares).savefig(args.output, dpi=110)
     logger.info("comparison written to %s", args.output)
 
 

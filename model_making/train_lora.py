@@ -128,6 +128,7 @@ def train(pipeline: StableDiffusionPipeline, plan: LoraPlan) -> None:
     pixels, captions = dataset(plan)
     latents = posterior_means(pipeline, to_unit_range(pixels)) * pipeline.vae.config.scaling_factor
     token_ids = tokenize(pipeline, captions)
+    torch.manual_seed(plan.seed)  # PEFT draws the LoRA layers' first weights from the global generator
     trained = add_lora(pipeline, plan.rank)
     unet, text_encoder = pipeline.unet.train(), pipeline.text_encoder.train()
     noise_schedule = DDPMScheduler.from_config(pipeline.scheduler.config)
