@@ -67,6 +67,16 @@ class RequestDefaults(_Section):
     )
 
 
+def absolute_dir(value: str | None, setting: str, why: str) -> str | None:
+    """A directory setting with ``~`` and ``$VARIABLES`` expanded, which must then be absolute."""
+    if value is None:
+        return None
+    expanded = os.path.expanduser(os.path.expandvars(value))
+    if not os.path.isabs(expanded):
+        raise ValueError(f"{setting} must be an absolute path (got {value!r}); {why}")
+    return expanded
+
+
 # Where LoRA adapters are read from when handler.loras.dir is unset (make serve, the image, Kubernetes).
 LORA_DIR_ENV = "LORA_DIR"
 
@@ -84,12 +94,7 @@ class LoraSettings(_Section):
     @field_validator("dir")
     @classmethod
     def _dir_is_absolute(cls, value: str | None) -> str | None:
-        if value is None:
-            return None
-        expanded = os.path.expanduser(os.path.expandvars(value))
-        if not Path(expanded).is_absolute():
-            raise ValueError(f"loras.dir must be absolute (the worker runs in the unpacked archive), got {value!r}")
-        return expanded
+        return absolute_dir(value, "loras.dir", "the worker runs in the unpacked archive")
 
     def directory(self) -> Path | None:
         """The LoRA directory: ``dir``, else ``$LORA_DIR``, else none."""
@@ -115,15 +120,11 @@ class CompileSettings(_Section):
     @field_validator("cache_dir")
     @classmethod
     def _cache_dir_is_absolute(cls, value: str | None) -> str | None:
-        if value is None:
-            return None
-        expanded = os.path.expanduser(os.path.expandvars(value))
-        if not os.path.isabs(expanded):
-            raise ValueError(
-                f"compile.cache_dir must be an absolute path (got {value!r}); a worker runs in the archive's "
-                "temporary unpack directory, which does not survive a restart"
-            )
-        return expanded
+        return absolute_dir(
+            value,
+            "compile.cache_dir",
+            "a worker runs in the archive's temporary unpack directory, which does not survive a restart",
+        )
 
 
 class WarmupShape(_Section):
