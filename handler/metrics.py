@@ -172,6 +172,7 @@ class DiffusionMetrics:
         self.latency_sla_seconds = latency_sla_seconds
         self.worker = worker
         self._queue: QueueGauges | None = None
+        self._loras_loaded: int | None = None
 
     def _record(self, spec: MetricSpec, value: float, *labels: str) -> None:
         self.sink(spec, value, labels)
@@ -200,7 +201,10 @@ class DiffusionMetrics:
             self._record(LORA_REQUESTS, 1, name)
 
     def loras_loaded(self, count: int) -> None:
-        self._record(LORAS_LOADED, count, self.worker)
+        """The adapters in memory, recorded when the count changes (as the queue gauges)."""
+        if count != self._loras_loaded:
+            self._loras_loaded = count
+            self._record(LORAS_LOADED, count, self.worker)
 
     def cancelled(self, reason: CancelReason) -> None:
         self._record(CANCELLED, 1, reason)
