@@ -17,7 +17,7 @@ MODEL_DIR ?= $(DEFAULT_MODEL_DIR)
 ARCHIVE_FORMAT ?= auto
 PYTEST_ARGS ?=
 
-.PHONY: help venv system-deps lint format model train-default-model train-lora model-grid prometheus-rule metrics-config mar image image-test serve stop test test-fast unit-test integration-test dashboard dashboard-png loadtest sweep bench-overhead bench-pipeline bench-continuous bench-engine bench-lora bench-gpu clean
+.PHONY: help venv system-deps lint format model train-default-model train-lora model-grid prometheus-rule metrics-config mar image image-test serve stop scale test test-fast unit-test integration-test dashboard dashboard-png loadtest sweep bench-overhead bench-pipeline bench-continuous bench-engine bench-lora bench-gpu clean
 
 help:
 	@echo "make serve   set up, build the archive and serve it on 127.0.0.1:8080 (MODEL_DIR=/path for a real model)"
@@ -25,7 +25,8 @@ help:
 	@echo "make test-fast  the suite without the slow tier (soak, sweep, load test, benchmarks, cold compile, image build)"
 	@echo "make lint   ruff (lint and format check) and mypy on handler/; CI runs it before the tests"
 	@echo "make format ruff's formatter and its safe fixes, in place"
-	@echo "make stop    stop a server started by make serve elsewhere"
+	@echo "make stop    stop a server started by make serve elsewhere: it drains (requests in flight finish), then stops"
+	@echo "make scale WORKERS=N  set the running server's workers; scaling down loses no request in flight"
 	@echo "make mar     build model_store/stable-diffusion.mar (or a directory for large models); GPUS=1 for a one-GPU pod"
 	@echo "make image   build the serving image, docker/Dockerfile: docker where an engine runs, else buildah"
 	@echo "             IMAGE_ARGS='--local-cpu' for the CPU variant from local parts (no container registry), '--build-arg K=V'"
@@ -112,9 +113,17 @@ image-test: venv
 serve: venv
 	PYTHON=$(PY) MODEL_DIR="$(MODEL_DIR)" ARCHIVE_FORMAT=$(ARCHIVE_FORMAT) server/start.sh
 
+# SIGTERM to the server make serve started: it drains (new requests 503, those in flight finish
+# within the stop grace period) and stops; this waits until it is gone.
 stop:
-	@if [ -f runtime/server.pid ]; then kill -TERM "$$(cat runtime/server.pid)" && echo "stop requested"; \
+	@if [ -f runtime/server.pid ]; then $(PY) -m server.cli stop --workdir runtime; \
 	else $(VENV)/bin/torchserve --stop; fi
+
+# Set the running server's workers; lowering the count waits until the workers to be removed have no
+# request in flight (a raw PUT ...?min_worker= under load can lose requests: docs/reliability.md).
+scale:
+	@test -n "$(WORKERS)" || { echo "usage: make scale WORKERS=N"; exit 2; }
+	$(PY) -m server.cli scale $(WORKERS) --workdir runtime
 
 test: venv model system-deps
 	$(PY) -m pytest tests $(PYTEST_ARGS)

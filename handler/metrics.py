@@ -100,12 +100,12 @@ CANCELLED = MetricSpec(
     "sd_cancelled_requests_total",
     "counter",
     "requests",
-    "requests the worker stopped denoising, by reason: client_gone (the client closed its connection) or deadline "
-    "(past request_timeout_s)",
+    "requests the worker stopped denoising, by reason: client_gone (the client closed its connection), deadline "
+    "(past request_timeout_s) or shutdown (the server's stop grace period ended first)",
     ("reason",),
 )
-CancelReason = Literal["client_gone", "deadline"]
-CANCEL_REASONS: tuple[CancelReason, ...] = ("client_gone", "deadline")
+CancelReason = Literal["client_gone", "deadline", "shutdown"]
+CANCEL_REASONS: tuple[CancelReason, ...] = ("client_gone", "deadline", "shutdown")
 ITERATION_BATCH_SIZE = MetricSpec(
     "sd_iteration_batch_size", "histogram", "images", "images stepped by one UNet forward"
 )

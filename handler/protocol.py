@@ -111,6 +111,26 @@ def deadline_exceeded(steps_done: int, total_steps: int, timeout_seconds: float)
     return Response(504, error_json(504, "DeadlineExceeded", message), JSON_CONTENT_TYPE)
 
 
+# Seconds a client refused by a stopping server waits before it retries (a load balancer sends the
+# retry to a replica that is ready).
+RETRY_AFTER_S = 1
+
+
+def shutting_down(progress: tuple[int, int] | None = None) -> Response:
+    """503 with ``Retry-After``: the server is stopping. Without ``progress`` (steps done, total
+    steps) the request was not admitted; with it, it was cancelled because the server's grace
+    period ends before it would finish."""
+    if progress is None:
+        message = "the server is stopping and takes no new requests; retry (another replica serves it)"
+    else:
+        message = (
+            f"the request was cancelled after {progress[0]} of {progress[1]} steps: the server is stopping and its "
+            "grace period ends before the request would finish; retry (the same seed gives the same image)"
+        )
+    headers = {"Retry-After": str(RETRY_AFTER_S)}
+    return Response(503, error_json(503, "ShuttingDown", message), JSON_CONTENT_TYPE, headers)
+
+
 def internal_error(stage: str, error: Exception) -> Response:
     """500 (507 for out of memory) naming the stage that failed."""
     if isinstance(error, torch.OutOfMemoryError):

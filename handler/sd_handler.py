@@ -21,6 +21,8 @@ from ts.torch_handler.base_handler import BaseHandler
 
 from handler import single_worker
 from handler.config import HandlerSettings, continuous_batching
+from handler.control import Control
+from handler.encode import JSON_CONTENT_TYPE, json_body
 from handler.metrics import MetricSink, MetricSpec
 from handler.pipeline import compile_cache_summary
 from handler.protocol import IncomingRequest, Response
@@ -34,6 +36,9 @@ BODY_KEYS = ("body", "data")
 STREAM_NEXT_HEADER = "ts_stream_next"
 # Where TorchServe puts the path segments after /predictions/{model}/{version}/.
 URL_PATH_HEADER = "url_path"
+# TorchServe's mark of a describe call (GET /models/NAME?customized=true): "True". It reaches a worker
+# as a request of its own, never batched with others under dynamic batching.
+DESCRIBE_HEADER = "describe"
 
 
 def _content_type(context: Any, index: int, body_key: str | None) -> str | None:
@@ -123,6 +128,8 @@ class StableDiffusionHandler(BaseHandler):
         model_yaml = getattr(context, "model_yaml_config", None) or {}
         settings = HandlerSettings.from_model_yaml(model_yaml)
         continuous = continuous_batching(model_yaml)
+        worker = worker_id(sys.argv)
+        self.control = Control.from_environment(worker)
         if continuous:  # before anything slow: a refused second worker costs TorchServe's retries little
             self._single_worker_lock = single_worker.claim(properties["model_dir"], context.model_name)
         self.service, settings = build_service(
@@ -132,10 +139,13 @@ class StableDiffusionHandler(BaseHandler):
             properties.get("gpu_id"),
             streaming=continuous,
             batch_size=properties.get("batch_size"),
-            worker=worker_id(sys.argv),
+            worker=worker,
             model_name=context.model_name,
+            drain_left=self.control.drain_seconds_left,
         )
-        self._loop = self._iterate if continuous else self._run_batch
+        self.continuous = continuous
+        self._loop = self.service.iterate if continuous else self.service.run_batch
+        self._longest_park_s = settings.request_timeout_s or 0.0
         loaded = time.perf_counter()
         warmup_seconds = self.service.warm_up(settings.warmup_shapes())
         self.service.metrics.worker_ready(time.perf_counter() - started)
@@ -157,26 +167,36 @@ class StableDiffusionHandler(BaseHandler):
         )
 
     def handle(self, data: list[dict[str, Any]], context: Any) -> list[bytes]:
+        """One batch (dynamic batching) or iteration (continuous batching): every request's answer,
+        or its part; a describe call gets ``_describe``'s."""
         self.context = context
         ids = [context.request_ids[index] for index in range(len(data))]
-        requests = {
-            rid: to_incoming(row, context, index) for index, (rid, row) in enumerate(zip(ids, data, strict=True))
-        }
-        responses = self._loop(requests, context)
+        requests, described = {}, {}
+        for index, (rid, row) in enumerate(zip(ids, data, strict=True)):
+            if context.get_request_header(index, DESCRIBE_HEADER) == "True":
+                described[rid] = self._describe()
+            else:
+                requests[rid] = to_incoming(row, context, index)
+        responses = {**self._loop(requests), **described}
+        if self.continuous:  # whether each part is its request's last
+            context.stopping_criteria = [_stopping_criterion(responses[rid]) for rid in ids]
         for index, rid in enumerate(ids):
-            self._set_response_meta(context, index, responses[rid], requests[rid].over_grpc)
+            over_grpc = rid in requests and requests[rid].over_grpc
+            self._set_response_meta(context, index, responses[rid], over_grpc)
         return [responses[rid].body for rid in ids]
 
-    def _run_batch(self, requests: dict[str, IncomingRequest], context: Any) -> dict[str, Response]:
-        """Dynamic batching: the whole batch, every request answered once."""
-        return self.service.run_batch(requests)
-
-    def _iterate(self, requests: dict[str, IncomingRequest], context: Any) -> dict[str, Response]:
-        """Continuous batching: one iteration; new requests bring their rows, running ones an
-        empty row. Each request's stopping criterion says whether its part was the last."""
-        responses = self.service.iterate(requests)
-        context.stopping_criteria = [_stopping_criterion(responses[rid]) for rid in requests]
-        return responses
+    def _describe(self) -> Response:
+        """This worker's state for ``GET /models/NAME?customized=true``. A worker that the server is
+        removing (``python -m server.cli scale``) parks in the call first, so that it has no request
+        in flight when TorchServe shuts it down (``handler.control``)."""
+        parked_s = self.control.park(self._longest_park_s) if self.control.retiring() else 0.0
+        state = {
+            "worker": self.control.worker,
+            "batching": "continuous" if self.continuous else "dynamic",
+            "in_flight_requests": len(self.service.flights),
+            "parked_s": round(parked_s, 3),
+        }
+        return Response(200, json_body(state), JSON_CONTENT_TYPE)
 
     @staticmethod
     def _set_response_meta(context: Any, index: int, response: Response, over_grpc: bool) -> None:

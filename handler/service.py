@@ -41,6 +41,7 @@ from handler.protocol import (
     deadline_exceeded,
     does_not_fit,
     internal_error,
+    shutting_down,
 )
 from handler.request import GenerationRequest, RequestError, RequestPolicy
 from handler.routes import route
@@ -102,6 +103,7 @@ class DiffusionService:
         request_timeout_seconds: float = math.inf,
         batch_size: int | None = None,
         clock: Callable[[], float] = time.perf_counter,
+        drain_left: Callable[[], float | None] = lambda: None,
     ):
         self.engine = engine
         self.policy = policy
@@ -114,6 +116,8 @@ class DiffusionService:
         self.request_timeout = request_timeout_seconds
         self.batch_size = batch_size  # TorchServe's: with continuous batching, the most requests in flight
         self.clock = clock
+        # While the server is stopping, the seconds left to answer every request (None otherwise).
+        self.drain_left = drain_left
         self.flights: dict[str, Flight] = {}
         self._waiting = 0  # requests left out of the last forward
         # (arrived, encode seconds; None for a failure) of the requests answered since the last delivery
@@ -208,12 +212,15 @@ class DiffusionService:
         if not new:
             return {}
         self.metrics.batch_received(len(new))
+        # Counted in the worker from now on: a stopping server waits for them (server.process.drain).
+        self.metrics.queue(replace(self._queue(), requests=len(self.flights) + len(new)))
         responses: dict[str, Response] = {}
         valid: dict[str, GenerationRequest] = {}
         arrived = self.clock()
         apis: dict[str, Api] = {}
+        draining = self.drain_left() is not None
         for rid, incoming in new.items():
-            outcome = self._validate(rid, incoming)
+            outcome = self._refused(rid, incoming) if draining else self._validate(rid, incoming)
             if isinstance(outcome, Response):
                 responses[rid] = outcome
             else:
@@ -234,6 +241,15 @@ class DiffusionService:
                     new[rid].over_grpc,
                 )
         return responses
+
+    def _refused(self, rid: str, incoming: IncomingRequest) -> Response:
+        """A new request's answer while the server is stopping: 503 with ``Retry-After`` in its API's
+        shape (a route that generates nothing is answered as usual)."""
+        api = route(incoming.path, self.policy.model_name, self._available_loras)
+        if isinstance(api, Response):
+            return api
+        logger.info("request %s refused: the server is stopping", rid)
+        return api.error(shutting_down())
 
     def _validate(self, rid: str, incoming: IncomingRequest) -> tuple[Api, GenerationRequest] | Response:
         """The request's API and the validated request, or its whole answer (an error, or a
@@ -357,12 +373,24 @@ class DiffusionService:
         return responses
 
     def _cancel_expired(self) -> dict[str, Response]:
-        """504 for the unfinished jobs whose next step (by the profile's estimate) would end past
-        their time limit."""
+        """For the unfinished jobs whose next step (by the profile's estimate) would end past their
+        time limit, 504; past the end of the server's stop grace period, 503."""
         now, responses = self.clock(), {}
+        drain_left = self.drain_left()
         for rid, flight in list(self.flights.items()):
             job = flight.job
-            if job.done or now + self.profile.forward_seconds(job.latent_shape) < flight.expires:
+            step_seconds = self.profile.forward_seconds(job.latent_shape)
+            if not job.done and drain_left is not None and step_seconds >= drain_left:
+                logger.warning(
+                    "request %s cancelled after %d of %d steps: the server is stopping and its grace period ends",
+                    rid,
+                    job.step,
+                    job.total_steps,
+                )
+                self.metrics.cancelled("shutdown")
+                responses[rid] = self._fail(rid, shutting_down((job.step, job.total_steps)))
+                continue
+            if job.done or now + step_seconds < flight.expires:
                 continue
             logger.warning(
                 "request %s cancelled after %d of %d steps: past its time limit of %g s",
@@ -574,12 +602,14 @@ def build_service(
     batch_size: int | None = None,
     worker: str = "0",
     model_name: str = "stable-diffusion",
+    drain_left: Callable[[], float | None] = lambda: None,
 ) -> tuple[DiffusionService, HandlerSettings]:
     """Load the pipeline and build the service exactly as a worker does (the handler, the
     benchmarks and the tests share this); return it with the settings resolved to the model's
     native size. ``streaming``: continuous batching, which can stream progress; ``batch_size``:
     TorchServe's; ``worker``: the label of this worker's gauges; ``model_name``: the name TorchServe
-    serves it under."""
+    serves it under; ``drain_left``: while the server is stopping, the seconds left to answer every
+    request."""
     engine = load_engine(settings, model_dir, gpu_id)
     settings = settings.with_native_size(*native_size(engine.pipeline))
     sla = settings.metrics.latency_sla_seconds
@@ -594,5 +624,6 @@ def build_service(
         settings.metrics.synchronize_steps,
         settings.request_timeout_s or math.inf,
         batch_size,
+        drain_left=drain_left,
     )
     return service, settings

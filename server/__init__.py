@@ -3,9 +3,13 @@
 - ``paths``: the repository's root and shared files, defined once.
 - ``archive``: handler + pipeline + model-config.yaml -> ``stable-diffusion.mar`` (``make mar``).
 - ``properties``: config.properties, listeners, keys, free loopback ports.
-- ``process``: one TorchServe in its own process group: start, wait for a ready worker, stop.
-- ``cli``: ``make serve`` in the foreground (run by ``start.sh``, which the container runs too).
-- ``healthcheck``: /ping with the key read from the working directory (Docker, Kubernetes).
+- ``process``: one TorchServe in its own process group: start, wait for a ready worker, drain, stop.
+- ``control``: the files the server process tells its workers through (a stop's drain, a scale-down).
+- ``scaling``: setting the worker count without losing a request (``python -m server.cli scale``).
+- ``cli``: ``make serve`` in the foreground (run by ``start.sh``, which the container runs too),
+  ``stop`` and ``scale``.
+- ``healthcheck``: /ping with the key read from the working directory (Docker, Kubernetes); fails
+  while the server stops.
 - ``image``: the serving image, docker/Dockerfile, built with docker or buildah (``make image``).
 
 The model makers, observability tools, load tests and benchmarks use the names below and nothing
@@ -32,6 +36,8 @@ _HOMES = {
     "build": "server.archive",
     "console_script": "server.archive",
     "write_model_config": "server.archive",
+    "scale": "server.scaling",
+    "ScaleError": "server.scaling",
 }
 __all__ = sorted(_HOMES)
 

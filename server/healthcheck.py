@@ -1,8 +1,9 @@
-"""Exit 0 when the local TorchServe answers ``/ping`` with Healthy, 1 otherwise.
+"""Exit 0 when the local TorchServe answers ``/ping`` with Healthy and is not stopping, 1 otherwise.
 
 For the container's HEALTHCHECK and Kubernetes exec probes: it reads the address and the inference
 key from the server's working directory (the effective config.properties and key_file.json that
-``server.process`` leaves there), so no key appears in a probe definition or a process list.
+``server.process`` leaves there), so no key appears in a probe definition or a process list. From
+the moment a stop begins (its drain), it fails, so that load balancers send no more requests.
 
     python -m server.healthcheck --workdir /var/lib/torchserve
 """
@@ -15,6 +16,7 @@ from pathlib import Path
 
 import requests
 
+from server.control import ControlDir
 from server.properties import EFFECTIVE_CONFIG, KEY_FILE, reach
 
 
@@ -23,6 +25,8 @@ def ping(workdir: Path, timeout: float) -> tuple[bool, str]:
     config = workdir / EFFECTIVE_CONFIG
     if not config.is_file():
         return False, f"{config} is missing: the server has not started"
+    if ControlDir.of(workdir).drain() is not None:
+        return False, "the server is stopping (draining the requests in flight)"
     try:
         addresses, headers = reach(workdir)
     except (OSError, ValueError, KeyError) as error:

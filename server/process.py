@@ -1,7 +1,8 @@
 """Run TorchServe: one frontend and its workers in their own process group and working directory.
 
 ``TorchServe`` starts it in the foreground, waits until a worker is ready (failing fast when a
-worker cannot load the model), scrapes its metrics and stops it with nothing left behind;
+worker cannot load the model), scrapes its metrics, drains it (no new requests, those in flight
+answered) and stops it with nothing left behind;
 ``serve_archive`` packages a model and serves it on free loopback ports for the length of a block,
 which is how the tests, the load tests, the benchmarks and the observability tools get a server of
 their own. ``python -m server.cli`` (``make serve``) runs the same class.
@@ -23,6 +24,7 @@ import requests
 from prometheus_client.parser import text_string_to_metric_families
 
 from server.archive import MODEL_NAME, archive_model_config, build, console_script
+from server.control import CONTROL_DIR_ENV, ControlDir
 from server.paths import CONFIG_PROPERTIES, LORA_DIR
 from server.properties import (
     EFFECTIVE_CONFIG,
@@ -40,10 +42,21 @@ from server.properties import (
 
 logger = logging.getLogger("server")
 
-STOP_GRACE_SECONDS = 60
+TERMINATE_SECONDS = 60  # after SIGTERM, how long the frontend and workers get to exit before SIGKILL
 LOAD_FAILED = "Load model failed"  # logged by the frontend each time a worker dies while loading
 DEFAULT_STARTUP_TIMEOUT = 120  # TorchServe's startupTimeout when model-config.yaml sets none
 FRONTEND_START_SECONDS = 120  # the frontend's own start and the archive's registration, before a worker loads
+# handler/config.py's defaults (a unit test keeps them equal): TorchServe's responseTimeout where
+# model-config.yaml sets none, and the share of it a request may take in the worker.
+TORCHSERVE_RESPONSE_TIMEOUT = 120
+REQUEST_TIMEOUT_SHARE = 0.9
+# Of a stop's grace period, the end kept for the answers of the requests cancelled at its end.
+ANSWER_MARGIN_SECONDS = 5.0
+DRAIN_POLL_SECONDS = 0.1
+# A drained server has had nothing in flight and no arrival for this long beyond maxBatchDelay.
+DRAIN_QUIET_SECONDS = 0.5
+IN_FLIGHT_GAUGE = "sd_in_flight_requests"
+RECEIVED_COUNTER = "ts_inference_requests_total"
 
 
 def find_archive(model_store: Path, model_name: str = MODEL_NAME) -> str:
@@ -66,6 +79,26 @@ def archive_ready_timeout(model_store: Path, model_name: str = MODEL_NAME) -> fl
     return ready_timeout(archive_model_config(model_store, find_archive(model_store, model_name)))
 
 
+def request_time_limit(model_config: dict) -> float:
+    """The longest a request may take in a worker: ``handler.request_timeout_s``, by default 90%
+    of ``responseTimeout`` (past it the worker cancels the request with a 504)."""
+    limit = (model_config.get("handler") or {}).get("request_timeout_s")
+    if limit is None:
+        limit = REQUEST_TIMEOUT_SHARE * float(model_config.get("responseTimeout", TORCHSERVE_RESPONSE_TIMEOUT))
+    return float(limit)
+
+
+def default_stop_grace(model_config: dict) -> float:
+    """A stop's default grace period: long enough for the longest request the limits allow (one
+    admitted just before the stop) to finish, plus the margin kept for answers."""
+    return request_time_limit(model_config) + ANSWER_MARGIN_SECONDS
+
+
+def archive_stop_grace(model_store: Path, model_name: str = MODEL_NAME) -> float:
+    """``default_stop_grace`` for the archive of ``model_name`` in ``model_store``."""
+    return default_stop_grace(archive_model_config(model_store, find_archive(model_store, model_name)))
+
+
 class TorchServe:
     """One TorchServe frontend (and its workers) in its own process group and working directory."""
 
@@ -86,10 +119,22 @@ class TorchServe:
         properties = self._properties()
         self.addresses = Addresses.from_properties(reachable(properties))
         self.token_authorization = token_authorization(properties)
-        self.env = {**os.environ, **(env or {})}
+        self.control = ControlDir.of(self.workdir)
+        self.env = {**os.environ, **(env or {}), CONTROL_DIR_ENV: str(self.control.path)}
         self.process: subprocess.Popen | None = None
         self.keys: Keys | None = None
         self._log_offset = 0
+
+    @classmethod
+    def attach(cls, workdir: Path, model_name: str = MODEL_NAME) -> TorchServe:
+        """The server already running from ``workdir`` (``python -m server.cli``), reached through
+        the configuration and keys it left there: to describe, scale or drain it."""
+        workdir = workdir.resolve()
+        config = workdir / EFFECTIVE_CONFIG
+        server = cls(config, Path(read_properties(config).get("model_store", ".")), workdir, model_name)
+        if server.token_authorization:
+            server.keys = Keys.from_key_file(workdir / KEY_FILE)
+        return server
 
     @property
     def predictions_url(self) -> str:
@@ -121,6 +166,7 @@ class TorchServe:
         with ``load_model`` the model archive is loaded at start."""
         (self.workdir / "logs").mkdir(parents=True, exist_ok=True)
         (self.workdir / KEY_FILE).unlink(missing_ok=True)
+        self.control.reset()
         command = [
             console_script("torchserve"),
             "--start",
@@ -226,6 +272,49 @@ class TorchServe:
             timeout=timeout,
         )
 
+    def activity(self) -> tuple[int, float]:
+        """Requests not yet answered (waiting in the frontend's queue, or in a worker: its
+        ``sd_in_flight_requests`` gauge, current workers only), and requests received so far
+        (``ts_inference_requests_total``, counted as they arrive)."""
+        described = self.describe()
+        workers = {worker["id"] for worker in described["workers"]}
+        in_workers, received = 0.0, 0.0
+        for (name, labels), value in self.metric_samples().items():
+            if name == IN_FLIGHT_GAUGE and dict(labels).get("worker") in workers:
+                in_workers += value
+            elif name == RECEIVED_COUNTER:
+                received += value
+        return int(in_workers) + described["jobQueueStatus"]["pendingRequests"], received
+
+    def drain(self, grace_s: float) -> tuple[float, int]:
+        """Stop taking requests (the workers answer new ones 503 with ``Retry-After``; the health
+        check fails) and wait until those in flight are answered or the grace period ends (the
+        workers answer what is left 503 just before). Returns the seconds it took and the
+        requests still unanswered then.
+
+        A request the frontend is gathering into a batch shows nowhere for up to ``maxBatchDelay``,
+        so the server counts as drained once nothing is in flight and nothing new arrived for
+        longer than that."""
+        drain = self.control.begin_drain(grace_s, min(ANSWER_MARGIN_SECONDS, grace_s / 4))
+        logger.info("draining: no new requests; waiting up to %.0f s for those in flight", drain["ends"] - time.time())
+        quiet_for = self.describe().get("maxBatchDelay", 100) / 1000 + DRAIN_QUIET_SECONDS
+        quiet_since, left, received, shown = time.monotonic(), -1, None, None
+        while time.time() < drain["ends"]:
+            try:
+                left, now_received = self.activity()
+            except (requests.RequestException, KeyError, IndexError) as error:
+                logger.warning("cannot read the requests in flight (%s); stopping", error)
+                break
+            if left or now_received != received:
+                quiet_since, received = time.monotonic(), now_received
+            elif time.monotonic() - quiet_since >= quiet_for:
+                break
+            if left != shown:
+                logger.info("requests in flight: %d", left)
+                shown = left
+            time.sleep(DRAIN_POLL_SECONDS)
+        return time.time() - drain["started"], max(left, 0)
+
     def auth(self, management: bool = False) -> dict[str, str]:
         """The Authorization header for the inference (or management) API; none without token authorization."""
         if not self.token_authorization:
@@ -234,7 +323,7 @@ class TorchServe:
             raise RuntimeError("keys are known once the server has started")
         return self.keys.authorization(management)
 
-    def stop(self, grace: float = STOP_GRACE_SECONDS) -> None:
+    def stop(self, grace: float = TERMINATE_SECONDS) -> None:
         """SIGTERM the process group (the frontend stops its workers), SIGKILL what is left."""
         if self.process is None:
             return

@@ -12,6 +12,8 @@
 #   WORKDIR         TorchServe's working directory: key_file.json, logs/ [runtime]
 #   BIND_ADDRESS    listen on this host instead of the config's (0.0.0.0 in a container) [unset]
 #   LORA_DIR        LoRA adapters requests may name (handler.loras.dir in model-config.yaml wins) [loras]
+#   STOP_GRACE_SECONDS  on SIGTERM/Ctrl-C, seconds the requests in flight get to finish (new ones get 503)
+#                   [the archive's request time limit + 5: 275 with the shipped model-config.yaml]
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -30,4 +32,4 @@ if [[ -n "$MODEL_DIR" ]]; then
     --config "${MODEL_CONFIG:-model-config.yaml}" --archive-format "${ARCHIVE_FORMAT:-auto}"
 fi
 exec "$PYTHON" -m server.cli --config "$CONFIG" --model-store "$MODEL_STORE" --workdir "$WORKDIR" \
-  ${BIND_ADDRESS:+--bind "$BIND_ADDRESS"}
+  ${BIND_ADDRESS:+--bind "$BIND_ADDRESS"} ${STOP_GRACE_SECONDS:+--stop-grace "$STOP_GRACE_SECONDS"}

@@ -15,6 +15,7 @@ import subprocess
 import sys
 from functools import cache
 from pathlib import Path
+from urllib.parse import urlparse
 
 import jsonschema
 import kubernetes_validate
@@ -24,7 +25,9 @@ from dockerfile_parse import DockerfileParser
 
 from server import read_properties
 from server.archive import serving_defaults
-from server.paths import CONFIG_PROPERTIES, DOCKERFILE, K8S_DIR, REQUIREMENTS, ROOT
+from server.paths import CONFIG_PROPERTIES, DOCKERFILE, K8S_DIR, MODEL_CONFIG, REQUIREMENTS, ROOT
+from server.process import default_stop_grace
+from server.properties import bound_to
 from tests.harness.imports import import_statements
 from tests.harness.serving import SHIPPED_CONFIG
 
@@ -137,6 +140,14 @@ def kustomized() -> tuple[dict, ...]:
 def by_kind(kind: str) -> dict:
     [document] = [doc for doc in kustomized() if doc["kind"] == kind]
     return document
+
+
+def duration_seconds(duration: str) -> float:
+    """A Compose duration (``1m30s``, ``300s``) in seconds."""
+    parts = re.findall(r"(\d+(?:\.\d+)?)(h|ms|m|s|us)", duration)
+    assert parts and "".join(number + unit for number, unit in parts) == duration, f"not a duration: {duration}"
+    scale = {"h": 3600, "m": 60, "s": 1, "ms": 1e-3, "us": 1e-6}
+    return sum(float(number) * scale[unit] for number, unit in parts)
 
 
 # --- Dockerfile ---------------------------------------------------------------------------------
@@ -433,6 +444,35 @@ def test_kserve_variant_validates_and_uses_the_torchserve_layout():
     )
 
 
+def listening(env: dict[str, str], config: Path, dockerfile: DockerfileParser) -> dict[str, str]:
+    """The addresses TorchServe listens on in a container: the config, moved by start.sh to
+    BIND_ADDRESS (the image's, unless the manifest sets it) where that is not empty."""
+    bind = env.get("BIND_ADDRESS", dockerfile.envs["BIND_ADDRESS"])
+    properties = read_properties(config)
+    return bound_to(properties, bind) if bind else properties
+
+
+def test_without_token_authorization_nothing_but_the_intended_listeners_leave_the_pods_loopback(dockerfile):
+    """The Kubernetes and KServe configs turn token authorization off (the auth proxy, KServe's
+    ingress): the image's BIND_ADDRESS=0.0.0.0 must not move their loopback listeners to the pod IP."""
+    container = next(item for item in by_kind("Deployment")["spec"]["template"]["spec"]["containers"])
+    k8s_env = {item["name"]: item.get("value", "") for item in container["env"]}
+    k8s_config = K8S_DIR / "config.properties"
+    runtime = yaml.safe_load((KSERVE / "servingruntime.yaml").read_text())
+    kserve_env = {item["name"]: item.get("value", "") for item in runtime["spec"]["containers"][0]["env"]}
+    kserve_config = KSERVE / "config" / "config.properties"
+    for env, config in ((k8s_env, k8s_config), (kserve_env, kserve_config)):
+        assert read_properties(config)["disable_token_authorization"] == "true"
+        addresses = listening(env, config, dockerfile)
+        for key in ("inference_address", "management_address", "metrics_address"):
+            host = urlparse(addresses[key]).hostname
+            intended = urlparse(read_properties(config)[key]).hostname
+            assert host == intended, f"{config}: {key} listens on {host}, the config says {intended}"
+        assert urlparse(addresses["management_address"]).hostname == "127.0.0.1"
+        assert addresses["grpc_management_address"] == "127.0.0.1"
+    assert urlparse(listening(k8s_env, k8s_config, dockerfile)["inference_address"]).hostname == "127.0.0.1"
+
+
 def test_the_image_and_every_manifest_serve_loras_from_one_mounted_directory():
     dockerfile = (ROOT / "docker" / "Dockerfile").read_text()
     (lora_dir,) = re.findall(r"LORA_DIR=(\S+)", dockerfile)
@@ -448,3 +488,27 @@ def test_the_image_and_every_manifest_serve_loras_from_one_mounted_directory():
         (volume,) = [v for v in volumes if v["name"] == mount["name"]]
         assert mount["readOnly"] and volume["persistentVolumeClaim"]["claimName"] == "stable-diffusion-loras"
     assert f"../loras:{lora_dir}:ro" in compose["volumes"]
+
+
+# --- Stopping -----------------------------------------------------------------------------------
+
+
+def test_every_orchestrator_waits_for_the_drain_before_killing(compose):
+    """On stop the server drains for its grace period, then stops TorchServe: every orchestrator's
+    kill deadline covers both (20 s at least for TorchServe's stop)."""
+    grace = default_stop_grace(yaml.safe_load(MODEL_CONFIG.read_text()))
+    pod = by_kind("Deployment")["spec"]["template"]["spec"]
+    assert pod["terminationGracePeriodSeconds"] >= grace + 20
+    containers = {container["name"]: container for container in pod["containers"]}
+    probe = containers["torchserve"]["readinessProbe"]["exec"]["command"]
+    pre_stop = containers["torchserve"]["lifecycle"]["preStop"]["exec"]["command"]
+    assert pre_stop[:4] == [probe[0], "-m", "server.cli", "stop"]
+    assert pre_stop[pre_stop.index("--workdir") + 1] == probe[probe.index("--workdir") + 1]
+    # the proxy keeps forwarding while TorchServe drains, on an address its metrics listen on
+    proxy_wait = " ".join(containers["auth-proxy"]["lifecycle"]["preStop"]["exec"]["command"])
+    metrics = read_properties(K8S_DIR / "config.properties")["metrics_address"]
+    assert re.search(r"http://127\.0\.0\.1:(\d+)/metrics", proxy_wait)[1] == metrics.rsplit(":", 1)[1]
+    assert metrics.startswith(("http://0.0.0.0:", "http://127.0.0.1:"))
+    assert duration_seconds(compose["services"]["torchserve"]["stop_grace_period"]) >= grace + 20
+    kserve = yaml.safe_load((KSERVE / "inferenceservice.yaml").read_text())["spec"]["predictor"]
+    assert kserve["timeout"] >= grace + 20

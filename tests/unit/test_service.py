@@ -448,3 +448,75 @@ def test_the_in_flight_gauge_returns_to_zero_when_the_last_request_leaves():
     sink = RecordingSink()
     run(make_service(sink=sink), {0: {"a": body(num_inference_steps=3)}, 1: {"b": body(num_inference_steps=2)}})
     assert max(sink.values("sd_in_flight_requests")) == 2 and sink.values("sd_in_flight_requests")[-1] == 0
+
+
+# Stopping: the server's drain (handler/control.py tells the service the seconds left).
+
+
+class Drain:
+    """Seconds left in a stop's grace period: None until ``begin``, then falling 0.1 s a read."""
+
+    def __init__(self):
+        self.left: float | None = None
+
+    def begin(self, seconds: float) -> None:
+        self.left = seconds
+
+    def __call__(self) -> float | None:
+        if self.left is None:
+            return None
+        self.left -= 0.1
+        return self.left
+
+
+@pytest.mark.parametrize("streaming", [False, True])
+def test_while_the_server_stops_new_requests_get_503_with_retry_after_in_their_apis_shape(streaming):
+    drain = Drain()
+    drain.begin(60.0)
+    service = make_service(streaming=streaming, drain_left=drain)
+    native = IncomingRequest({"prompt": "p"}, "application/json")
+    openai = IncomingRequest({"prompt": "p"}, "application/json", path="v1/images/generations")
+    models = IncomingRequest(None, path="v1/models")
+    requests = {"native": native, "openai": openai, "models": models}
+    answers = service.run_batch(requests) if not streaming else service.iterate(requests)
+    assert [answers[name].status for name in requests] == [503, 503, 200]
+    assert answers["native"].headers == {"Retry-After": "1"} and answers["openai"].headers == {"Retry-After": "1"}
+    assert json.loads(answers["native"].body)["type"] == "ShuttingDown"
+    assert json.loads(answers["openai"].body)["error"]["type"] == "server_error"
+    assert all(answer.final for answer in answers.values()) and service.flights == {}
+
+
+@pytest.mark.parametrize("streaming", [False, True])
+def test_requests_in_flight_finish_during_the_drain_and_what_would_outlast_it_gets_503(streaming):
+    """A forward takes 0.1 s by the profile and the drain loses 0.1 s a read: begun with 1 s left
+    once both requests are admitted, the short one finishes, the long one is cancelled before
+    the step that would end past the grace period."""
+    sink = RecordingSink()
+    drain = Drain()
+    engine = SolidColorEngine()
+    step = engine.step
+
+    def step_beginning_the_drain(jobs):  # dynamic batching: the drain begins with the batch's first step
+        if drain.left is None and not streaming:
+            drain.begin(1.0)
+        step(jobs)
+
+    engine.step = step_beginning_the_drain
+    service = make_service(engine, sink=sink, streaming=streaming, drain_left=drain)
+    traffic = {"long": body(num_inference_steps=100, seed=1), "short": body(num_inference_steps=2, seed=2)}
+    if streaming:
+        first = service.iterate(traffic)
+        assert not any(part.final for part in first.values())
+        drain.begin(1.0)
+        parts = run(service, {0: {rid: IncomingRequest(None) for rid in traffic}})
+        long, short = parts["long"][-1], parts["short"][-1]
+        assert long.status == 200 and not long.first  # its 200 left with its first part
+    else:
+        answers = service.run_batch(traffic)
+        long, short = answers["long"], answers["short"]
+        assert long.status == 503 and long.headers == {"Retry-After": "1"}
+    error = json.loads(long.body)
+    assert error["type"] == "ShuttingDown" and "grace period" in error["message"]
+    assert short.status == 200 and grey(short.body) == 2
+    assert [labels for name, _, labels in sink.records if name == "sd_cancelled_requests_total"] == [("shutdown",)]
+    assert service.flights == {}

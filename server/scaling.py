@@ -1,0 +1,110 @@
+"""Scaling a running model's workers without losing a request (``python -m server.cli scale N``).
+
+TorchServe 0.12 removes the last workers its describe API lists. When one of them has requests
+(a batch in flight, or one being gathered), the frontend re-queues them from the management thread
+while the worker's own thread clears the same map (``WorkerThread.shutdown`` ->
+``BatchAggregator.sendError``): a request that loses that race is neither re-run nor answered,
+answered 500 ``Worker died.``, or the scale call fails with a ``ConcurrentModificationException``.
+Nothing outside the frontend can make a raw ``PUT ...?min_worker=`` under load safe.
+
+So this path lowers the count only once the workers to be removed have no request: it marks them
+retiring (``server.control``) and sends describe calls (``GET /models/NAME?customized=true``) until
+each of them has taken one and parked in it (``handler/control.py``). TorchServe never batches a
+describe call with requests and hands requests only to idle workers, so a parked worker holds none
+when the scale call removes it; at worst the race above costs the describe call. Raising the count
+is safe as it is.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+
+import requests
+
+from server.process import TorchServe
+
+logger = logging.getLogger("server")
+
+DESCRIBE_POLL_SECONDS = 0.05
+
+
+class ScaleError(RuntimeError):
+    """The scale-down could not be done safely; nothing was changed."""
+
+
+@dataclass(frozen=True)
+class ScaleResult:
+    before: int
+    after: int
+    parked_s: float  # how long the workers to be removed took to park (0 when none was)
+    status: int  # TorchServe's answer to the scale call
+
+
+def scale(server: TorchServe, workers: int, park_timeout_s: float) -> ScaleResult:
+    """Set the model's workers to ``workers``, lowering the count only through parked workers."""
+    if workers < 1:
+        raise ScaleError("at least one worker: a model without workers answers every request 503")
+    described = server.describe()
+    current = described["workers"]
+    if described["continuousBatching"] and workers > 1:
+        raise ScaleError(
+            f"{server.model_name} runs continuous batching, which TorchServe 0.12 serves with one worker per model; "
+            "for several workers set continuousBatching: false in model-config.yaml and rebuild the archive (make mar)"
+        )
+    parked_s = 0.0
+    if workers < len(current):
+        # Workers still loading (or refused and retried) hold no request and cannot park.
+        leaving = [worker["id"] for worker in current[workers:] if worker["status"] == "READY"]
+        server.control.retire(leaving, park_timeout_s)
+        try:
+            parked_s = _park(server, leaving, park_timeout_s)
+            response = server.scale(workers)
+        finally:
+            server.control.end_retirement()
+    else:
+        response = server.scale(workers)
+    after = len(server.describe()["workers"])
+    if after != workers:
+        raise ScaleError(f"TorchServe answered {response.status_code} {response.text.strip()}; {after} worker(s) now")
+    if response.status_code != 200:
+        logger.warning("TorchServe answered %d to the scale call; %d worker(s) now", response.status_code, after)
+    return ScaleResult(len(current), after, parked_s, response.status_code)
+
+
+def _park(server: TorchServe, leaving: list[str], timeout_s: float) -> float:
+    """Send describe calls until every worker in ``leaving`` parked in one; the seconds it took."""
+    started = time.monotonic()
+    pool = ThreadPoolExecutor(max(len(leaving), 1), thread_name_prefix="describe")
+    calls: list[Future] = []
+    try:
+        while not set(leaving) <= server.control.parked():
+            if time.monotonic() - started > timeout_s:
+                raise ScaleError(
+                    f"worker(s) {sorted(set(leaving) - server.control.parked())} stayed busy for {timeout_s:.0f} s; "
+                    "nothing was changed (try again, or with a longer --park-timeout)"
+                )
+            calls = [call for call in calls if not call.done()]
+            if len(calls) < len(set(leaving) - server.control.parked()):
+                calls.append(pool.submit(_describe_call, server, timeout_s))
+            time.sleep(DESCRIBE_POLL_SECONDS)
+    finally:
+        pool.shutdown(wait=False)  # parked calls end when their workers go (or are released)
+    parked_s = time.monotonic() - started
+    logger.info("worker(s) %s parked after %.1f s", leaving, parked_s)
+    return parked_s
+
+
+def _describe_call(server: TorchServe, timeout_s: float) -> None:
+    """One describe call: a worker takes it when it is next idle."""
+    try:
+        requests.get(
+            server.model_url,
+            params={"customized": "true"},
+            headers={**server.auth(management=True), "Connection": "close"},
+            timeout=timeout_s + 30,
+        )
+    except requests.RequestException as error:  # a removed worker's call may end either way
+        logger.debug("describe call ended: %s", error)

@@ -1,0 +1,104 @@
+"""The control directory between the server process and its workers: what the server writes
+(server/control.py) is what a worker reads (handler/control.py); the stop's default grace period
+follows the handler's request time limit."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from handler import config as handler_config
+from handler import control as worker_side
+from handler.config import HandlerSettings
+from server import control as server_side
+from server import process
+from server.control import ControlDir
+from server.healthcheck import ping
+from server.properties import EFFECTIVE_CONFIG
+
+
+def test_both_sides_name_the_same_variable_and_files():
+    for name in ("CONTROL_DIR_ENV", "DRAINING", "RETIRING", "PARKED_PREFIX"):
+        assert getattr(worker_side, name) == getattr(server_side, name), name
+
+
+def test_a_drain_tells_every_worker_the_seconds_left_and_a_second_one_keeps_the_first(tmp_path):
+    server = ControlDir.of(tmp_path)
+    server.reset()
+    worker = worker_side.Control(server.path, "9000")
+    assert worker.drain_seconds_left() is None
+    drain = server.begin_drain(grace_s=100.0, answer_margin_s=5.0)
+    assert drain["deadline"] == pytest.approx(drain["started"] + 95.0)
+    assert worker.drain_seconds_left() == pytest.approx(95.0, abs=1.0)
+    assert server.begin_drain(grace_s=10.0, answer_margin_s=1.0) == drain  # a preStop's drain, then the SIGTERM
+    server.reset()
+    assert worker.drain_seconds_left() is None
+
+
+def test_no_control_directory_signals_nothing():
+    worker = worker_side.Control(None, "9000")
+    assert worker.drain_seconds_left() is None and not worker.retiring()
+
+
+def test_only_the_listed_workers_retire_until_it_expires(tmp_path):
+    server = ControlDir.of(tmp_path)
+    server.retire(["9001"], expires_s=0.3)
+    assert worker_side.Control(server.path, "9001").retiring()
+    assert not worker_side.Control(server.path, "9000").retiring()
+    time.sleep(0.4)
+    assert not worker_side.Control(server.path, "9001").retiring()
+
+
+def test_a_retiring_worker_parks_until_the_retirement_ends(tmp_path):
+    server = ControlDir.of(tmp_path)
+    server.retire(["9001"], expires_s=60)
+    worker = worker_side.Control(server.path, "9001")
+    parked: list[float] = []
+    thread = threading.Thread(target=lambda: parked.append(worker.park(longest_s=60)))
+    thread.start()
+    deadline = time.monotonic() + 10
+    while server.parked() != {"9001"}:
+        assert time.monotonic() < deadline, "the worker did not mark itself parked"
+        time.sleep(0.01)
+    assert thread.is_alive()
+    server.end_retirement()
+    thread.join(timeout=10)
+    assert not thread.is_alive() and parked[0] > 0 and server.parked() == set()
+
+
+def test_a_parked_worker_gives_up_after_its_longest_park(tmp_path):
+    server = ControlDir.of(tmp_path)
+    server.retire(["9001"], expires_s=60)
+    assert worker_side.Control(server.path, "9001").park(longest_s=0.2) == pytest.approx(0.2, abs=0.2)
+    assert server.parked() == set()
+
+
+def test_a_control_file_is_read_again_when_it_changes(tmp_path):
+    server = ControlDir.of(tmp_path)
+    worker = worker_side.Control(server.path, "9001")
+    server.retire(["9000"], expires_s=60)
+    assert not worker.retiring()
+    time.sleep(0.01)
+    server.retire(["9000", "9001"], expires_s=60)
+    assert worker.retiring()
+
+
+@pytest.mark.parametrize(
+    "model_config",
+    [{}, {"responseTimeout": 300}, {"responseTimeout": 300, "handler": {"request_timeout_s": 42}}],
+)
+def test_the_default_stop_grace_covers_the_handlers_request_time_limit(model_config):
+    limit = HandlerSettings.from_model_yaml(model_config).request_timeout_s
+    assert process.request_time_limit(model_config) == limit
+    assert process.default_stop_grace(model_config) == limit + process.ANSWER_MARGIN_SECONDS
+    assert process.TORCHSERVE_RESPONSE_TIMEOUT == handler_config.TORCHSERVE_RESPONSE_TIMEOUT
+    assert process.REQUEST_TIMEOUT_SHARE == handler_config.REQUEST_TIMEOUT_SHARE
+
+
+def test_the_health_check_fails_from_the_moment_a_stop_begins(tmp_path):
+    (tmp_path / EFFECTIVE_CONFIG).write_text("inference_address=http://127.0.0.1:1\n")
+    ControlDir.of(tmp_path).begin_drain(grace_s=10.0, answer_margin_s=1.0)
+    healthy, message = ping(tmp_path, timeout=1.0)
+    assert not healthy and "stopping" in message
