@@ -17,7 +17,7 @@ MODEL_DIR ?= $(DEFAULT_MODEL_DIR)
 ARCHIVE_FORMAT ?= auto
 PYTEST_ARGS ?=
 
-.PHONY: help venv system-deps lint format model train-default-model train-lora model-grid prometheus-rule metrics-config mar image image-test serve stop scale test test-fast unit-test integration-test dashboard dashboard-png loadtest sweep bench-overhead bench-pipeline bench-continuous bench-engine bench-lora bench-gpu clean
+.PHONY: help venv system-deps lint format model train-default-model train-lora model-grid prometheus-rule metrics-config mar image image-test serve stop scale scale-cycles test test-fast unit-test integration-test dashboard dashboard-png loadtest sweep bench-overhead bench-pipeline bench-continuous bench-engine bench-lora bench-gpu clean
 
 help:
 	@echo "make serve   set up, build the archive and serve it on 127.0.0.1:8080 (MODEL_DIR=/path for a real model)"
@@ -27,6 +27,7 @@ help:
 	@echo "make format ruff's formatter and its safe fixes, in place"
 	@echo "make stop    stop a server started by make serve elsewhere: it drains (requests in flight finish), then stops"
 	@echo "make scale WORKERS=N  set the running server's workers; scaling down loses no request in flight"
+	@echo "make scale-cycles   1 -> 2 -> 1 workers under load: TorchServe's raw scale-down vs make scale; reports/scaling/"
 	@echo "make mar     build model_store/stable-diffusion.mar (or a directory for large models); GPUS=1 for a one-GPU pod"
 	@echo "make image   build the serving image, docker/Dockerfile: docker where an engine runs, else buildah"
 	@echo "             IMAGE_ARGS='--local-cpu' for the CPU variant from local parts (no container registry), '--build-arg K=V'"
@@ -118,6 +119,10 @@ serve: venv
 stop:
 	@if [ -f runtime/server.pid ]; then $(PY) -m server.cli stop --workdir runtime; \
 	else $(VENV)/bin/torchserve --stop; fi
+
+# 1 -> 2 -> 1 workers under load on a server of its own: TorchServe's raw scale-down against make scale's.
+scale-cycles: venv
+	$(PY) -m loadtest.scale_cycles $(SCALE_ARGS)
 
 # Set the running server's workers; lowering the count waits until the workers to be removed have no
 # request in flight (a raw PUT ...?min_worker= under load can lose requests: docs/reliability.md).

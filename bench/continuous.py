@@ -72,7 +72,7 @@ def request_bodies(count: int, sides: tuple[int, ...], seed: int) -> list[dict]:
 def capacity(server: TorchServe, requests_count: int, concurrency: int) -> float:
     """Requests/s at saturation: ``concurrency`` clients sending back to back."""
     results, seconds = closed_loop(server, request_bodies(requests_count, SIDES["uniform"], seed=99), concurrency)
-    if not all(ok for _, ok in results):
+    if not all(ok for _, ok, _ in results):
         raise RuntimeError("requests failed while measuring capacity")
     return len(results) / seconds
 
@@ -90,7 +90,7 @@ def poisson(server: TorchServe, engine: str, mix: str, load: float, rate: float,
             futures.append(pool.submit(post, server, body))
         results = [future.result() for future in futures]
     makespan = time.monotonic() - begin
-    latencies = [seconds for seconds, ok in results if ok]
+    latencies = [seconds for seconds, ok, _ in results if ok]
     quantiles = np.quantile(latencies, [0.5, 0.95, 0.99]) if latencies else [float("nan")] * 3
     return Point(
         engine,
@@ -98,7 +98,7 @@ def poisson(server: TorchServe, engine: str, mix: str, load: float, rate: float,
         load,
         rate,
         count,
-        sum(not ok for _, ok in results),
+        sum(not ok for _, ok, _ in results),
         *map(float, quantiles),
         len(latencies) / makespan,
     )

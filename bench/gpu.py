@@ -377,9 +377,9 @@ def check_serving_tools() -> None:
 
 
 def served_point(
-    mode: str, concurrency: int, results: list[tuple[float, bool]], seconds: float, ceiling: float | None
+    mode: str, concurrency: int, results: list[tuple[float, bool, int]], seconds: float, ceiling: float | None
 ) -> dict:
-    latencies = [latency for latency, ok in results if ok]
+    latencies = [latency for latency, ok, _ in results if ok]
     p50, p95 = (float(value) for value in np.quantile(latencies, [0.5, 0.95])) if latencies else (None, None)
     images_per_s = len(latencies) / seconds
     return {
@@ -387,6 +387,7 @@ def served_point(
         "concurrency": concurrency,
         "requests": len(results),
         "errors": len(results) - len(latencies),
+        "retries": sum(retries for _, _, retries in results),
         "images_per_s": images_per_s,
         "p50_s": p50,
         "p95_s": p95,

@@ -16,6 +16,7 @@ import base64
 import json
 import logging
 import os
+import random
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -32,6 +33,7 @@ MODEL_NAME = "stable-diffusion"
 DEFAULT_TARGET = os.environ.get("GRPC_TARGET", "127.0.0.1:7070")
 DEFAULT_KEY_FILE = Path("runtime/key_file.json")
 TIMEOUT_SECONDS = 300.0  # the server's default_response_timeout
+MAX_RETRIES = 2  # sends again of a call that ended without an answer
 IMAGE_MAGIC = (b"\x89PNG\r\n\x1a\n", b"\xff\xd8\xff")  # PNG, JPEG; WebP is RIFF....WEBP
 
 
@@ -61,6 +63,22 @@ def predict(
             .Predictions(**_request(key, body, model_name, timeout))
             .prediction
         )
+
+
+def predict_retrying(
+    target: str, key: str, body: bytes, model_name: str = MODEL_NAME, timeout: float = TIMEOUT_SECONDS
+) -> tuple[bytes, int]:
+    """``predict``, sent again up to ``MAX_RETRIES`` times while the call ends ``UNAVAILABLE`` (the
+    connection ended without an answer: a server stopped, a worker removed mid-batch); the answer
+    and the retries. Send a seed in ``body`` so that a retry gives the same image."""
+    for retries in range(MAX_RETRIES + 1):
+        try:
+            return predict(target, key, body, model_name, timeout), retries
+        except grpc.RpcError as error:
+            if error.code() != grpc.StatusCode.UNAVAILABLE or retries == MAX_RETRIES:
+                raise
+            logger.warning("no answer (%s); sending it again with the same body", error.details())
+    raise AssertionError("unreachable")
 
 
 def stream_predictions(
@@ -95,8 +113,9 @@ def as_error(reply: bytes) -> dict | None:
 
 
 def _body(prompt: str, fields: str | None) -> bytes:
-    """The prompt alone, or a JSON object of the prompt and ``fields`` (a JSON object)."""
-    return json.dumps({"prompt": prompt, **json.loads(fields)}).encode() if fields else prompt.encode()
+    """A JSON object of the prompt and ``fields`` (a JSON object), with a seed drawn here unless
+    given (a retry then gives the same image)."""
+    return json.dumps({"prompt": prompt, "seed": random.randrange(2**32), **json.loads(fields or "{}")}).encode()
 
 
 def _image(answer: bytes) -> bytes:
@@ -131,9 +150,11 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, TypeError) as error:
         return _fail(f"--json must be a JSON object of request fields: {error}")
     try:
-        answer = predict(args.target, key, body)
+        answer, retries = predict_retrying(args.target, key, body)
     except grpc.RpcError as error:
         return _fail(f"{error.code().name}: {error.details()}")
+    if retries:
+        logger.info("answered after %d retr%s", retries, "y" if retries == 1 else "ies")
     error = as_error(answer)
     if error is not None:
         return _fail(json.dumps(error))

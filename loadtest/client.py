@@ -10,20 +10,31 @@ import requests
 
 from server import TorchServe
 
+MAX_RETRIES = 2
 
-def post(server: TorchServe, body: dict, timeout: float = 600) -> tuple[float, bool]:
-    """Seconds until the answer, and whether it was a 200."""
+
+def post(server: TorchServe, body: dict, timeout: float = 600) -> tuple[float, bool, int]:
+    """Seconds until the answer, whether it was a 200, and how many times the request was sent
+    again because its connection ended without an answer (a server stopped, a worker removed
+    mid-batch: docs/reliability.md), with the same body and so the same seed and image."""
     started = time.monotonic()
-    try:
-        ok = requests.post(server.predictions_url, json=body, headers=server.auth(), timeout=timeout).status_code == 200
-    except requests.RequestException:
-        ok = False
-    return time.monotonic() - started, ok
+    for retries in range(MAX_RETRIES + 1):
+        try:
+            response = requests.post(server.predictions_url, json=body, headers=server.auth(), timeout=timeout)
+        except requests.ConnectionError:
+            continue
+        except requests.RequestException:
+            break
+        return time.monotonic() - started, response.status_code == 200, retries
+    return time.monotonic() - started, False, retries
 
 
-def closed_loop(server: TorchServe, bodies: list[dict], concurrency: int) -> tuple[list[tuple[float, bool]], float]:
+def closed_loop(
+    server: TorchServe, bodies: list[dict], concurrency: int
+) -> tuple[list[tuple[float, bool, int]], float]:
     """Every body sent by ``concurrency`` clients, each sending its next as soon as its last is
-    answered; each request's (seconds, ok), and the seconds from the first send to the last answer."""
+    answered; each request's (seconds, ok, retries), and the seconds from the first send to the
+    last answer."""
     started = time.monotonic()
     with ThreadPoolExecutor(concurrency) as pool:
         results = list(pool.map(lambda body: post(server, body), bodies))

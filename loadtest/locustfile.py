@@ -2,10 +2,13 @@
 
 Each user sends requests drawn from ``request_mix`` (benchmark_config.yaml) with prompts from the
 prompt file, the inference key from ``LOADTEST_KEY``, and checks that every response is a valid
-image of the requested size. ``LOADTEST_MAX_REQUESTS`` stops the run after that many requests;
-``LOADTEST_REQUEST_LOG`` names a CSV that gets one row per answered request (name, success,
-latency, images, end time), from which exact percentiles are computed (locust's own CSV rounds
-response times above 100 ms to two significant digits).
+image of the requested size. A request whose connection ended without an answer (a server stopped,
+or a worker TorchServe removed mid-batch: docs/reliability.md) is sent again with the same seed, so
+it gets the same image, up to ``MAX_RETRIES`` times; locust reports those attempts as ``RETRY``.
+``LOADTEST_MAX_REQUESTS`` stops the run after that many requests; ``LOADTEST_REQUEST_LOG`` names a
+CSV that gets one row per request (name, success, latency of its last attempt, images, end time,
+retries), from which exact percentiles are computed (locust's own CSV rounds response times above
+100 ms to two significant digits).
 
     LOADTEST_KEY=... locust -f loadtest/locustfile.py --headless -u 8 -r 8 -t 60s --host http://127.0.0.1:8080
 """
@@ -31,7 +34,9 @@ CONFIG = BenchmarkConfig.load(Path(os.environ.get("LOADTEST_CONFIG", BENCHMARK_C
 PROMPTS = CONFIG.prompts()
 MODEL_NAME = os.environ.get("LOADTEST_MODEL", CONFIG.model.name)
 MAX_REQUESTS = int(os.environ.get("LOADTEST_MAX_REQUESTS", "0"))
-REQUEST_LOG_COLUMNS = ["name", "ok", "latency_s", "images", "end_time"]
+REQUEST_LOG_COLUMNS = ["name", "ok", "latency_s", "images", "end_time", "retries"]
+MAX_RETRIES = 2
+RETRY = "RETRY"  # the request type locust reports an attempt under when it is sent again
 _request_log = None
 _answered = 0
 
@@ -46,13 +51,17 @@ def _open_request_log(environment, **kwargs) -> None:
 
 
 @events.request.add_listener
-def _record_and_stop_after_max_requests(name, response_time, exception, context, **kwargs) -> None:
-    """Log the request; quit the run once ``LOADTEST_MAX_REQUESTS`` were answered (0: no limit)."""
+def _record_and_stop_after_max_requests(name, response_time, exception, context, request_type, **kwargs) -> None:
+    """Log the request (not an attempt sent again); quit the run once ``LOADTEST_MAX_REQUESTS`` were
+    answered (0: no limit)."""
     global _answered
+    if request_type == RETRY:
+        return
     _answered += 1
     if _request_log is not None:
         images = context.get("images", 0) if exception is None else 0
-        _request_log.writerow([name, int(exception is None), response_time / 1000, images, time.time()])
+        row = [name, int(exception is None), response_time / 1000, images, time.time(), context.get("retries", 0)]
+        _request_log.writerow(row)
     if MAX_REQUESTS and _answered == MAX_REQUESTS and context.get("runner") is not None:
         gevent.spawn(context["runner"].quit)
 
@@ -96,17 +105,24 @@ class StableDiffusionUser(HttpUser):
             "num_images_per_prompt": entry.num_images_per_prompt,
             "seed": self.random.randrange(2**32),
         }
-        with self.client.post(
-            f"/predictions/{MODEL_NAME}",
-            json=body,
-            headers=self.headers,
-            name=entry.name,
-            catch_response=True,
-            context={"runner": self.environment.runner, "images": entry.num_images_per_prompt},
-        ) as response:
-            if response.status_code != 200:
-                response.failure(f"HTTP {response.status_code}: {response.text[:200]}")
-            else:
-                problem = check_images(response, entry)
-                if problem:
-                    response.failure(problem)
+        for retries in range(MAX_RETRIES + 1):
+            context = {"runner": self.environment.runner, "images": entry.num_images_per_prompt, "retries": retries}
+            with self.client.post(
+                f"/predictions/{MODEL_NAME}",
+                json=body,
+                headers=self.headers,
+                name=entry.name,
+                catch_response=True,
+                context=context,
+            ) as response:
+                if response.status_code == 0 and retries < MAX_RETRIES:  # the connection ended without an answer
+                    response.request_meta["request_type"] = RETRY
+                    response.failure(f"no answer ({response.error}); sent again with the same seed")
+                    continue
+                if response.status_code != 200:
+                    response.failure(f"HTTP {response.status_code}: {response.text[:200]}")
+                else:
+                    problem = check_images(response, entry)
+                    if problem:
+                        response.failure(problem)
+            return

@@ -39,6 +39,7 @@ class LoadResult:
     requests_per_s: float
     images_per_s: float
     percentiles_s: dict[str, float]
+    retries: int = 0  # attempts sent again after their connection ended without an answer
 
     @property
     def error_ratio(self) -> float:
@@ -80,6 +81,7 @@ def summarize(request_log: Path) -> LoadResult:
         requests_per_s=len(succeeded) / elapsed if elapsed else 0.0,
         images_per_s=sum(int(row["images"]) for row in succeeded) / elapsed if elapsed else 0.0,
         percentiles_s=quantiles,
+        retries=sum(int(row.get("retries") or 0) for row in rows),
     )
 
 
@@ -170,7 +172,7 @@ def main() -> None:
         report_prefix=args.report_dir / "loadtest",
     )
     print(
-        f"{result.requests} requests, {result.failures} failed ({result.error_ratio:.2%}); "
+        f"{result.requests} requests, {result.failures} failed ({result.error_ratio:.2%}), {result.retries} retried; "
         f"p50 {result.p50_s:.3f} s, p95 {result.p95_s:.3f} s, p99 {result.p99_s:.3f} s; "
         f"{result.requests_per_s:.2f} requests/s, {result.images_per_s:.2f} images/s. "
         f"Reports: {args.report_dir}/",

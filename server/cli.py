@@ -82,7 +82,6 @@ def serve(argv: list[str]) -> None:
     signal.signal(signal.SIGTERM, request_stop)
     signal.signal(signal.SIGINT, request_stop)  # also when started with SIGINT ignored (a background job)
     pid_file = args.workdir / PID_FILE
-    ready = False
     try:
         args.workdir.mkdir(parents=True, exist_ok=True)
         pid_file.write_text(str(os.getpid()))
@@ -99,7 +98,6 @@ def serve(argv: list[str]) -> None:
         timeout = args.timeout or archive_ready_timeout(server.model_store, server.model_name)
         logger.info("waiting up to %.0f s for a ready worker", timeout)
         server.wait_ready(timeout, progress)
-        ready = True
         parsed = urlparse(server.addresses.inference)
         keys = f"Keys: {server.workdir / KEY_FILE}" if server.token_authorization else "Token authorization is off."
         print(
@@ -112,7 +110,7 @@ def serve(argv: list[str]) -> None:
         if not stop_requested:
             raise SystemExit(f"TorchServe exited with status {server.process.returncode}; see {server.console_log}")
     except KeyboardInterrupt:
-        if ready and server.process.poll() is None:
+        if server.process is not None and server.process.poll() is None:  # also while a worker loads
             grace = args.stop_grace if args.stop_grace is not None else archive_stop_grace(server.model_store)
             seconds, left = server.drain(grace)
             logger.info("drained in %.1f s (%d request(s) left unanswered)", seconds, left)

@@ -297,12 +297,12 @@ class TorchServe:
         longer than that."""
         drain = self.control.begin_drain(grace_s, min(ANSWER_MARGIN_SECONDS, grace_s / 4))
         logger.info("draining: no new requests; waiting up to %.0f s for those in flight", drain["ends"] - time.time())
-        quiet_for = self.describe().get("maxBatchDelay", 100) / 1000 + DRAIN_QUIET_SECONDS
-        quiet_since, left, received, shown = time.monotonic(), -1, None, None
+        quiet_since, left, received, shown = time.monotonic(), 0, None, None
         while time.time() < drain["ends"]:
-            try:
+            try:  # not yet started (no keys, no model), or gone: nothing left to wait for
+                quiet_for = self.describe()["maxBatchDelay"] / 1000 + DRAIN_QUIET_SECONDS
                 left, now_received = self.activity()
-            except (requests.RequestException, KeyError, IndexError) as error:
+            except (requests.RequestException, RuntimeError, KeyError, IndexError) as error:
                 logger.warning("cannot read the requests in flight (%s); stopping", error)
                 break
             if left or now_received != received:

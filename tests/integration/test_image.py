@@ -3,7 +3,8 @@
 docker/Dockerfile's CPU variant as written, only build arguments changed (a Debian 12 base made here,
 the local torch wheel): built with buildah, which needs no daemon (server/image.py), then run as a
 container would be: the image's own entrypoint as the image's user, its own health check until it
-passes, a prompt in with the key read inside the container, a PNG out, SIGTERM, no process left.
+passes, a prompt in with the key read inside the container, a PNG out, SIGTERM with 8 requests in
+flight (each gets its image: the drain), no process left.
 The test keeps its images and containers in storage of its own and removes them. It skips only where
 buildah or debootstrap cannot be installed.
 """
@@ -19,6 +20,7 @@ import socket
 import subprocess
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -27,6 +29,7 @@ from urllib.parse import urlparse
 import psutil
 import pytest
 import requests
+from prometheus_client.parser import text_string_to_metric_families
 
 from server.image import Buildah, MissingTool, build_image, local_cpu_build, require
 from server.paths import CONFIG_PROPERTIES
@@ -38,6 +41,7 @@ pytestmark = pytest.mark.slow
 TAG = "localhost/stable-diffusion-torchserve:image-test"
 HEALTHY_TIMEOUT = 600.0  # s: the image's start period is 15 min (a real model); the default model loads in seconds
 STOP_TIMEOUT = 60.0
+IN_FLIGHT = 8  # requests in flight when the container is stopped
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
 
@@ -142,6 +146,17 @@ def container(buildah, image) -> Iterator[Container]:
     buildah("rm", name, capture_output=True)
 
 
+def in_flight(metrics_address: str) -> float:
+    """Requests in the worker's denoising loop (``sd_in_flight_requests``, every worker)."""
+    text = requests.get(f"{metrics_address}/metrics", timeout=10).text
+    return sum(
+        sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+        if sample.name == "sd_in_flight_requests"
+    )
+
+
 def wait_healthy(container: Container, runner: subprocess.Popen, log: Path) -> None:
     """Run the image's health check in the container until it passes (the server must stay up)."""
     test = container.config["Healthcheck"]["Test"]
@@ -192,10 +207,27 @@ def test_the_image_serves_a_prompt_as_its_user_and_stops_on_sigterm(container, t
         assert response.headers["Content-Type"] == "image/png" and response.content.startswith(PNG_SIGNATURE)
         assert decode_png(response.content).ndim == 3
 
-        # docker stop: SIGTERM to the entrypoint's process; everything in the container must go.
-        entrypoint.send_signal(signal.SIGTERM)
+        # docker stop with requests in flight: SIGTERM to the entrypoint's process; they finish (the
+        # drain), then everything in the container must go.
+        with ThreadPoolExecutor(IN_FLIGHT) as pool:
+            flights = [
+                pool.submit(
+                    requests.post,
+                    f"{addresses.inference}/predictions/stable-diffusion",
+                    json={"prompt": "a blue square", "seed": seed, "num_inference_steps": 100},
+                    headers=headers,
+                    timeout=300,
+                )
+                for seed in range(IN_FLIGHT)
+            ]
+            while in_flight(addresses.metrics) < IN_FLIGHT:
+                assert not any(flight.done() for flight in flights), "answered before the stop"
+                time.sleep(0.02)
+            entrypoint.send_signal(signal.SIGTERM)
+            assert [flight.result().status_code for flight in flights] == [200] * IN_FLIGHT
         assert runner.wait(timeout=STOP_TIMEOUT) == 0, tail(log)
-        assert "TorchServe stopped" in log.read_text(), tail(log)
+        output = log.read_text()
+        assert "(0 request(s) left unanswered)" in output and "TorchServe stopped" in output, tail(log)
         deadline = time.monotonic() + 10
         while processes_in(root) and time.monotonic() < deadline:
             time.sleep(0.5)

@@ -1,12 +1,17 @@
-"""Load-test logic without a server: configuration, exact percentiles, SLA verdicts, the sweep report."""
+"""Load-test logic without a server: configuration, exact percentiles, SLA verdicts, the sweep report,
+retries of requests whose connection ended without an answer (against a stand-in endpoint)."""
 
 import csv
 import json
+import re
+import socket
+import threading
 from dataclasses import asdict
 
 import pytest
 from pydantic import ValidationError
 
+from loadtest.client import post
 from loadtest.config import SLA, BenchmarkConfig
 from loadtest.report import best_point, write_report
 from loadtest.results import PointResult, ServerFigures, server_figures
@@ -161,3 +166,56 @@ def test_server_figures_are_deltas_and_queue_time_is_what_the_handler_did_not_se
     figures = server_figures(samples(10, 6e6, 5, 10, 10, 5, 40, 20, 10), samples(30, 30e6, 25, 30, 30, 10, 100, 40, 34))
     expected = ServerFigures(mean_queue_s=0.2, mean_handler_s=1.0, mean_batch_size=4.0, mean_step_images=3.0, images=24)
     assert asdict(figures) == pytest.approx(asdict(expected))
+
+
+def test_the_summary_counts_the_retries(tmp_path):
+    path = tmp_path / "log.csv"
+    with open(path, "w", newline="") as handle:
+        writer = csv.writer(handle)
+        writer.writerow(["name", "ok", "latency_s", "images", "end_time", "retries"])
+        writer.writerows([["64x64", 1, 0.1, 1, 100.1, 0], ["64x64", 1, 0.2, 1, 100.2, 2]])
+    result = summarize(path)
+    assert (result.requests, result.failures, result.retries) == (2, 0, 2)
+
+
+class DropsFirstConnection:
+    """A stand-in HTTP endpoint on loopback: the first ``drops`` connections end without an answer,
+    later ones get a 200; it records the bodies it read."""
+
+    def __init__(self, drops: int):
+        self.drops = drops
+        self.bodies: list[bytes] = []
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.predictions_url = f"http://127.0.0.1:{self.listener.getsockname()[1]}/predictions/stable-diffusion"
+        threading.Thread(target=self._serve, daemon=True).start()
+
+    def auth(self) -> dict[str, str]:
+        return {}
+
+    @staticmethod
+    def _read_body(connection: socket.socket) -> bytes:
+        data = b""
+        while b"\r\n\r\n" not in data:
+            data += connection.recv(65536)
+        head, body = data.split(b"\r\n\r\n", 1)
+        length = int(re.search(rb"content-length: *(\d+)", head, re.IGNORECASE).group(1))
+        while len(body) < length:
+            body += connection.recv(65536)
+        return body
+
+    def _serve(self) -> None:
+        while True:
+            connection, _ = self.listener.accept()
+            with connection:
+                self.bodies.append(self._read_body(connection))
+                if len(self.bodies) > self.drops:
+                    connection.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\nConnection: close\r\n\r\nok")
+
+
+@pytest.mark.parametrize(("drops", "ok", "retries"), [(0, True, 0), (2, True, 2), (3, False, 2)])
+def test_a_request_whose_connection_ended_without_an_answer_is_sent_again_with_the_same_body(drops, ok, retries):
+    endpoint = DropsFirstConnection(drops)
+    body = {"prompt": "a red circle", "seed": 7}
+    _, answered, sent_again = post(endpoint, body, timeout=10)
+    assert (answered, sent_again) == (ok, retries)
+    assert len(endpoint.bodies) == retries + 1 and all(json.loads(sent) == body for sent in endpoint.bodies)
