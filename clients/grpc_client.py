@@ -18,6 +18,7 @@ import logging
 import os
 import random
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -32,8 +33,10 @@ MODEL_NAME = "stable-diffusion"
 # The gRPC inference API: $GRPC_TARGET, else where config.properties puts it.
 DEFAULT_TARGET = os.environ.get("GRPC_TARGET", "127.0.0.1:7070")
 DEFAULT_KEY_FILE = Path("runtime/key_file.json")
-TIMEOUT_SECONDS = 300.0  # the server's default_response_timeout
+TIMEOUT_SECONDS = 330.0  # longer than any answer takes (the server's default_response_timeout: 300 s)
 MAX_RETRIES = 2  # sends again of a call that ended without an answer
+RETRY_AFTER_S = 1.0
+RETRIED = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
 IMAGE_MAGIC = (b"\x89PNG\r\n\x1a\n", b"\xff\xd8\xff")  # PNG, JPEG; WebP is RIFF....WEBP
 
 
@@ -68,16 +71,19 @@ def predict(
 def predict_retrying(
     target: str, key: str, body: bytes, model_name: str = MODEL_NAME, timeout: float = TIMEOUT_SECONDS
 ) -> tuple[bytes, int]:
-    """``predict``, sent again up to ``MAX_RETRIES`` times while the call ends ``UNAVAILABLE`` (the
-    connection ended without an answer: a server stopped, a worker removed mid-batch); the answer
-    and the retries. Send a seed in ``body`` so that a retry gives the same image."""
+    """``predict``, sent again up to ``MAX_RETRIES`` times, ``RETRY_AFTER_S`` apart, while the call
+    ends without an answer: ``UNAVAILABLE`` (the connection ended: a server stopped; or TorchServe's
+    queue was full) or ``DEADLINE_EXCEEDED`` (no answer within ``timeout``: a worker removed
+    mid-batch). Returns the answer and the retries. Send a seed in ``body`` so that a retry gives
+    the same image."""
     for retries in range(MAX_RETRIES + 1):
         try:
             return predict(target, key, body, model_name, timeout), retries
         except grpc.RpcError as error:
-            if error.code() != grpc.StatusCode.UNAVAILABLE or retries == MAX_RETRIES:
+            if error.code() not in RETRIED or retries == MAX_RETRIES:
                 raise
-            logger.warning("no answer (%s); sending it again with the same body", error.details())
+            logger.warning("no answer (%s: %s); sending it again", error.code().name, error.details())
+            time.sleep(RETRY_AFTER_S)
     raise AssertionError("unreachable")
 
 

@@ -40,7 +40,7 @@ class ControlFile:
 
     def __init__(self, path: Path):
         self.path = path
-        self._stamp: tuple[int, int] | None = None
+        self._stamp: tuple[int, int, int] | None = None
         self._content: dict[str, Any] | None = None
 
     def read(self) -> dict[str, Any] | None:
@@ -50,7 +50,7 @@ class ControlFile:
         except OSError:
             self._stamp, self._content = None, None
             return None
-        stamp = (stat.st_mtime_ns, stat.st_size)
+        stamp = (stat.st_ino, stat.st_mtime_ns, stat.st_size)
         if stamp != self._stamp:
             try:
                 content = json.loads(self.path.read_text())

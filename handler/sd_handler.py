@@ -37,7 +37,8 @@ STREAM_NEXT_HEADER = "ts_stream_next"
 # Where TorchServe puts the path segments after /predictions/{model}/{version}/.
 URL_PATH_HEADER = "url_path"
 # TorchServe's mark of a describe call (GET /models/NAME?customized=true): "True". It reaches a worker
-# as a request of its own, never batched with others under dynamic batching.
+# as a request of its own, never batched with others under dynamic batching. TorchServe also passes
+# a prediction's HTTP headers on, so a request's own "describe" header must not make it one.
 DESCRIBE_HEADER = "describe"
 
 
@@ -78,6 +79,15 @@ def to_incoming(row: dict[str, Any], context: Any, index: int) -> IncomingReques
         fields=fields,
         over_grpc=_over_grpc(context, index),
         path=_url_path(context, index),
+    )
+
+
+def _is_describe_call(data: list[dict[str, Any]], context: Any) -> bool:
+    """Whether this call is TorchServe's describe call: alone, bodiless, marked."""
+    return (
+        len(data) == 1
+        and not any(data[0].get(key) for key in BODY_KEYS)
+        and context.get_request_header(0, DESCRIBE_HEADER) == "True"
     )
 
 
@@ -172,8 +182,9 @@ class StableDiffusionHandler(BaseHandler):
         self.context = context
         ids = [context.request_ids[index] for index in range(len(data))]
         requests, described = {}, {}
+        describe_call = _is_describe_call(data, context)
         for index, (rid, row) in enumerate(zip(ids, data, strict=True)):
-            if context.get_request_header(index, DESCRIBE_HEADER) == "True":
+            if describe_call:
                 described[rid] = self._describe()
             else:
                 requests[rid] = to_incoming(row, context, index)
@@ -193,7 +204,6 @@ class StableDiffusionHandler(BaseHandler):
         state = {
             "worker": self.control.worker,
             "batching": "continuous" if self.continuous else "dynamic",
-            "in_flight_requests": len(self.service.flights),
             "parked_s": round(parked_s, 3),
         }
         return Response(200, json_body(state), JSON_CONTENT_TYPE)

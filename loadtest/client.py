@@ -11,17 +11,21 @@ import requests
 from server import TorchServe
 
 MAX_RETRIES = 2
+# Longer than any answer takes (config.properties' default_response_timeout is 300 s): a request
+# unanswered this long was lost.
+ANSWER_TIMEOUT_S = 330.0
 
 
-def post(server: TorchServe, body: dict, timeout: float = 600) -> tuple[float, bool, int]:
+def post(server: TorchServe, body: dict, timeout: float = ANSWER_TIMEOUT_S) -> tuple[float, bool, int]:
     """Seconds until the answer, whether it was a 200, and how many times the request was sent
-    again because its connection ended without an answer (a server stopped, a worker removed
-    mid-batch: docs/reliability.md), with the same body and so the same seed and image."""
+    again because its connection ended, or stayed open, without an answer within ``timeout`` (a
+    server stopped, a worker TorchServe removed mid-batch: docs/reliability.md), with the same body,
+    so the same seed and image."""
     started = time.monotonic()
     for retries in range(MAX_RETRIES + 1):
         try:
             response = requests.post(server.predictions_url, json=body, headers=server.auth(), timeout=timeout)
-        except requests.ConnectionError:
+        except (requests.ConnectionError, requests.Timeout):
             continue
         except requests.RequestException:
             break

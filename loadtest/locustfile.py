@@ -2,9 +2,10 @@
 
 Each user sends requests drawn from ``request_mix`` (benchmark_config.yaml) with prompts from the
 prompt file, the inference key from ``LOADTEST_KEY``, and checks that every response is a valid
-image of the requested size. A request whose connection ended without an answer (a server stopped,
-or a worker TorchServe removed mid-batch: docs/reliability.md) is sent again with the same seed, so
-it gets the same image, up to ``MAX_RETRIES`` times; locust reports those attempts as ``RETRY``.
+image of the requested size. A request whose connection ended, or stayed open, without an answer
+within ``ANSWER_TIMEOUT_S`` (a server stopped, a worker TorchServe removed mid-batch:
+docs/reliability.md) is sent again with the same seed, so it gets the same image, up to
+``MAX_RETRIES`` times; locust reports those attempts as ``RETRY``.
 ``LOADTEST_MAX_REQUESTS`` stops the run after that many requests; ``LOADTEST_REQUEST_LOG`` names a
 CSV that gets one row per request (name, success, latency of its last attempt, images, end time,
 retries), from which exact percentiles are computed (locust's own CSV rounds response times above
@@ -36,6 +37,7 @@ MODEL_NAME = os.environ.get("LOADTEST_MODEL", CONFIG.model.name)
 MAX_REQUESTS = int(os.environ.get("LOADTEST_MAX_REQUESTS", "0"))
 REQUEST_LOG_COLUMNS = ["name", "ok", "latency_s", "images", "end_time", "retries"]
 MAX_RETRIES = 2
+ANSWER_TIMEOUT_S = 330.0  # longer than any answer takes (default_response_timeout: 300 s)
 RETRY = "RETRY"  # the request type locust reports an attempt under when it is sent again
 _request_log = None
 _answered = 0
@@ -114,8 +116,9 @@ class StableDiffusionUser(HttpUser):
                 name=entry.name,
                 catch_response=True,
                 context=context,
+                timeout=ANSWER_TIMEOUT_S,
             ) as response:
-                if response.status_code == 0 and retries < MAX_RETRIES:  # the connection ended without an answer
+                if response.status_code == 0 and retries < MAX_RETRIES:  # no answer: the connection ended or timed out
                     response.request_meta["request_type"] = RETRY
                     response.failure(f"no answer ({response.error}); sent again with the same seed")
                     continue

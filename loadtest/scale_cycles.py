@@ -2,7 +2,10 @@
 while clients send requests back to back, scaled down through TorchServe's raw
 ``PUT /models/NAME?min_worker=1&max_worker=1`` or through this project's safe path
 (``python -m server.cli scale``, ``server/scaling.py``). Every request's outcome is counted: a 200,
-another status, a connection that ended without an answer, or no answer at all.
+another status, a connection that ended without an answer, or no answer at all. The raw path runs
+until its first cycle with a failure (its lost requests hold their clients until their answer
+timeout), the safe one all its cycles; the clients do not retry, so that they count what the
+server does.
 
 The command serves the default model with dynamic batching (the mode several workers run) on a
 server of its own and writes ``reports/scaling/`` (``report.md``, ``outcomes.json``,
@@ -36,6 +39,7 @@ PATHS = ("raw", "safe")
 BODY = {"prompt": "a red circle", "num_inference_steps": 8}
 ANSWER_TIMEOUT_S = 120  # a request unanswered this long counts as lost
 CME = "ConcurrentModificationException"
+NO_STATUS = ("connection ended", "no answer")
 
 
 @dataclass
@@ -105,9 +109,9 @@ class Load:
                 timeout=self.answer_timeout_s,
             )
         except requests.Timeout:
-            return "no answer"
+            return NO_STATUS[1]
         except requests.ConnectionError:
-            return "connection ended"
+            return NO_STATUS[0]
         return str(response.status_code)
 
 
@@ -119,11 +123,11 @@ def wait_for_workers(server: TorchServe, count: int, timeout: float = 300) -> No
         time.sleep(0.2)
 
 
-def scale_down(server: TorchServe, path: str) -> int:
+def scale_down(server: TorchServe, path: str, park_timeout_s: float) -> int:
     """Scale to one worker through ``path``; TorchServe's status."""
     if path == "raw":
         return server.scale(1).status_code
-    return scale(server, 1, park_timeout_s=ANSWER_TIMEOUT_S).status
+    return scale(server, 1, park_timeout_s).status
 
 
 def run_cycles(
@@ -144,14 +148,14 @@ def run_cycles(
     started = time.monotonic()
     with Load(server, clients, answer_timeout_s) as load:
         for cycle in range(1, cycles + 1):
+            load.cycle = cycle
             if until_failure and _waited_out_failure(load, cycle - 1, answer_timeout_s):
                 break
-            load.cycle = cycle
             server.scale(2)
             wait_for_workers(server, 2)
             time.sleep(hold_s)
             try:
-                run.scale_statuses[str(scale_down(server, path))] += 1
+                run.scale_statuses[str(scale_down(server, path, answer_timeout_s))] += 1
             except ScaleError as error:
                 run.scale_statuses[f"refused: {error}"] += 1
             wait_for_workers(server, 1)
@@ -184,25 +188,32 @@ def _waited_out_failure(load: Load, cycle: int, answer_timeout_s: float) -> bool
     return any(outcome != "200" for sent, outcome in load.results if sent == cycle)
 
 
-def dynamic_server(workdir: Path):
-    """The default model with dynamic batching, one worker to start, on a server of its own."""
-    config = write_model_config(workdir, continuousBatching=False)
+def dynamic_server(workdir: Path, max_batch_delay_ms: int | None = None):
+    """The default model with dynamic batching, one worker to start, on a server of its own
+    (``maxBatchDelay`` as shipped unless given: a longer one keeps a worker gathering a batch,
+    when the race loses requests, longer)."""
+    delay = {} if max_batch_delay_ms is None else {"maxBatchDelay": max_batch_delay_ms}
+    config = write_model_config(workdir, continuousBatching=False, **delay)
     return serve_archive(DEFAULT_MODEL_DIR, config, workdir, gpus=1)
 
 
 def write_report(runs: list[CycleRun], output: Path, command: str) -> None:
     output.mkdir(parents=True, exist_ok=True)
     (output / "outcomes.json").write_text(json.dumps([run.as_dict() for run in runs], indent=2))
-    kinds = sorted({kind for run in runs for kind in run.outcomes}, key=lambda kind: (kind != "200", kind))
+    failures = sorted({kind for run in runs for kind in run.outcomes if kind != "200"})
     figure, axis = plt.subplots(figsize=(7, 3.5))
-    for offset, run in enumerate(runs):
-        shares = [100 * run.outcomes[kind] / max(run.requests, 1) for kind in kinds]
-        bars = axis.bar([index + 0.4 * offset for index in range(len(kinds))], shares, 0.4, label=run.path)
-        axis.bar_label(bars, labels=[str(run.outcomes[kind]) for kind in kinds], fontsize=8)
-    axis.set_xticks([index + 0.2 for index in range(len(kinds))], kinds)
-    axis.set_ylabel("% of requests (count on the bar)")
-    axis.set_title(f"Outcomes of requests sent while scaling 1 -> 2 -> 1 ({runs[0].cycles} cycles per path)")
-    axis.legend()
+    labels = [f"{run.path}\n{run.cycles} cycle(s), {run.requests} requests" for run in runs]
+    bottom = [0] * len(runs)
+    for kind in failures:
+        counts = [run.outcomes[kind] for run in runs]
+        axis.bar(labels, counts, bottom=bottom, label=kind if kind in NO_STATUS else f"HTTP {kind}")
+        bottom = [below + count for below, count in zip(bottom, counts, strict=True)]
+    for index, total in enumerate(bottom):
+        axis.annotate(str(total), (index, total), ha="center", va="bottom")
+    axis.set_ylabel("requests without their 200")
+    axis.set_title("Requests failed while scaling 1 -> 2 -> 1 workers under load")
+    if failures:
+        axis.legend()
     figure.tight_layout()
     figure.savefig(output / "outcomes.png", dpi=120)
     lines = [
@@ -229,16 +240,19 @@ def main() -> None:
     parser.add_argument("--cycles", type=int, default=20)
     parser.add_argument("--clients", type=int, default=6)
     parser.add_argument("--path", choices=PATHS, action="append", help="raw, safe or both (the default)")
+    parser.add_argument("--max-batch-delay", type=int, help="maxBatchDelay in ms [model-config.yaml's]")
     parser.add_argument("--output", type=Path, default=REPORTS / "scaling")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
     workdir = BUILD / "scale-cycles"
     workdir.mkdir(parents=True, exist_ok=True)
     runs = []
-    with dynamic_server(workdir) as server:
-        for path in args.path or PATHS:
-            runs.append(run_cycles(server, path, args.cycles, args.clients))
+    with dynamic_server(workdir, args.max_batch_delay) as server:
+        for path in args.path or PATHS:  # raw until its first failing cycle: a lost request holds its client
+            runs.append(run_cycles(server, path, args.cycles, args.clients, until_failure=path == "raw"))
     command = f"python -m loadtest.scale_cycles --cycles {args.cycles} --clients {args.clients}"
+    if args.max_batch_delay is not None:
+        command += f" --max-batch-delay {args.max_batch_delay}"
     write_report(runs, args.output, command)
     print((args.output / "report.md").read_text())
 

@@ -74,10 +74,10 @@ def serve(argv: list[str]) -> None:
 
     def request_stop(signum, frame):
         nonlocal stop_requested
-        if stop_requested:
-            return  # already draining (a second Ctrl-C, or the container's SIGTERM after make stop or preStop)
+        if stop_requested and signum == signal.SIGTERM:
+            return  # already draining (the container's SIGTERM after make stop or a preStop hook)
         stop_requested = True
-        raise KeyboardInterrupt
+        raise KeyboardInterrupt  # the first signal drains; a second Ctrl-C cuts the drain short
 
     signal.signal(signal.SIGTERM, request_stop)
     signal.signal(signal.SIGINT, request_stop)  # also when started with SIGINT ignored (a background job)
@@ -85,6 +85,7 @@ def serve(argv: list[str]) -> None:
     try:
         args.workdir.mkdir(parents=True, exist_ok=True)
         pid_file.write_text(str(os.getpid()))
+        grace = args.stop_grace if args.stop_grace is not None else archive_stop_grace(server.model_store)
         server.start()
         seen = []
 
@@ -111,9 +112,11 @@ def serve(argv: list[str]) -> None:
             raise SystemExit(f"TorchServe exited with status {server.process.returncode}; see {server.console_log}")
     except KeyboardInterrupt:
         if server.process is not None and server.process.poll() is None:  # also while a worker loads
-            grace = args.stop_grace if args.stop_grace is not None else archive_stop_grace(server.model_store)
-            seconds, left = server.drain(grace)
-            logger.info("drained in %.1f s (%d request(s) left unanswered)", seconds, left)
+            try:
+                seconds, left = server.drain(grace)
+                logger.info("drained in %.1f s (%d request(s) left unanswered)", seconds, left)
+            except KeyboardInterrupt:
+                logger.warning("second Ctrl-C: stopping without waiting for the requests in flight")
         logger.info("stopping TorchServe")
     finally:
         server.stop()

@@ -71,7 +71,11 @@ class ControlDir:
         return self._read(DRAINING)
 
     def retire(self, workers: list[str], expires_s: float) -> None:
-        """Tell ``workers`` to park in their next describe call, for at most ``expires_s``."""
+        """Tell ``workers`` to park in their next describe call, for at most ``expires_s`` from now
+        (markers of workers no longer listed are dropped)."""
+        for marker in self.path.glob(f"{PARKED_PREFIX}*"):
+            if marker.name.removeprefix(PARKED_PREFIX) not in workers:
+                marker.unlink(missing_ok=True)
         self._write(RETIRING, {"workers": workers, "expires": time.time() + expires_s})
 
     def parked(self) -> set[str]:

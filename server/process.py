@@ -123,6 +123,7 @@ class TorchServe:
         self.env = {**os.environ, **(env or {}), CONTROL_DIR_ENV: str(self.control.path)}
         self.process: subprocess.Popen | None = None
         self.keys: Keys | None = None
+        self.started = False  # the management API answered (wait_started)
         self._log_offset = 0
 
     @classmethod
@@ -134,6 +135,7 @@ class TorchServe:
         server = cls(config, Path(read_properties(config).get("model_store", ".")), workdir, model_name)
         if server.token_authorization:
             server.keys = Keys.from_key_file(workdir / KEY_FILE)
+        server.started = True
         return server
 
     @property
@@ -216,6 +218,7 @@ class TorchServe:
             if self.keys is not None or not self.token_authorization:
                 try:
                     requests.get(f"{self.addresses.management}/models", headers=self.auth(management=True), timeout=5)
+                    self.started = True
                     return self.keys
                 except requests.ConnectionError:
                     pass
@@ -246,10 +249,28 @@ class TorchServe:
                 samples[(sample.name, frozenset(labels.items()))] = sample.value
         return samples
 
+    def management(self, method: str, url: str, **kwargs) -> requests.Response:
+        """A management API call. With token authorization, a 400 (the management key expired:
+        keys last ``token_expiration_min``) renews the key with the token API once and retries."""
+        extra_headers = kwargs.pop("headers", {})
+        response = requests.request(method, url, headers={**self.auth(management=True), **extra_headers}, **kwargs)
+        if response.status_code == 400 and self.token_authorization and self.keys and self.keys.api:
+            renewed = requests.post(
+                f"{self.addresses.management}/token",
+                params={"type": "management"},
+                headers={"Authorization": f"Bearer {self.keys.api}"},
+                timeout=30,
+            )
+            if renewed.status_code == 200:
+                self.keys = Keys.from_key_file(self.workdir / KEY_FILE)
+                headers = {**self.auth(management=True), **extra_headers}
+                response = requests.request(method, url, headers=headers, **kwargs)
+        return response
+
     def worker_status(self) -> list[str]:
         """Status of each worker of the model, from the management API ([] while unknown)."""
         try:
-            response = requests.get(self.model_url, headers=self.auth(management=True), timeout=5)
+            response = self.management("GET", self.model_url, timeout=5)
         except requests.ConnectionError:
             return []
         if response.status_code != 200:
@@ -259,23 +280,20 @@ class TorchServe:
     def describe(self) -> dict:
         """The management API's description of the model: settings (``continuousBatching``,
         ``batchSize``, ``minWorkers``, ...) and workers (``id``, ``pid``, ``status``)."""
-        response = requests.get(self.model_url, headers=self.auth(management=True), timeout=30)
+        response = self.management("GET", self.model_url, timeout=30)
         response.raise_for_status()
         return response.json()[0]
 
     def scale(self, workers: int, timeout: float = 600) -> requests.Response:
         """Ask the management API for exactly ``workers`` workers and wait for the outcome."""
-        return requests.put(
-            self.model_url,
-            params={"min_worker": workers, "max_worker": workers, "synchronous": "true"},
-            headers=self.auth(management=True),
-            timeout=timeout,
-        )
+        params = {"min_worker": workers, "max_worker": workers, "synchronous": "true"}
+        return self.management("PUT", self.model_url, params=params, timeout=timeout)
 
-    def activity(self) -> tuple[int, float]:
+    def activity(self) -> tuple[int, float, float]:
         """Requests not yet answered (waiting in the frontend's queue, or in a worker: its
-        ``sd_in_flight_requests`` gauge, current workers only), and requests received so far
-        (``ts_inference_requests_total``, counted as they arrive)."""
+        ``sd_in_flight_requests`` gauge, current workers only), requests received so far
+        (``ts_inference_requests_total``, counted as they arrive), and the seconds a request can
+        spend being gathered into a batch, unseen by both (``maxBatchDelay``)."""
         described = self.describe()
         workers = {worker["id"] for worker in described["workers"]}
         in_workers, received = 0.0, 0.0
@@ -284,7 +302,8 @@ class TorchServe:
                 in_workers += value
             elif name == RECEIVED_COUNTER:
                 received += value
-        return int(in_workers) + described["jobQueueStatus"]["pendingRequests"], received
+        pending = described["jobQueueStatus"]["pendingRequests"]
+        return int(in_workers) + pending, received, described["maxBatchDelay"] / 1000
 
     def drain(self, grace_s: float) -> tuple[float, int]:
         """Stop taking requests (the workers answer new ones 503 with ``Retry-After``; the health
@@ -298,16 +317,19 @@ class TorchServe:
         drain = self.control.begin_drain(grace_s, min(ANSWER_MARGIN_SECONDS, grace_s / 4))
         logger.info("draining: no new requests; waiting up to %.0f s for those in flight", drain["ends"] - time.time())
         quiet_since, left, received, shown = time.monotonic(), 0, None, None
-        while time.time() < drain["ends"]:
-            try:  # not yet started (no keys, no model), or gone: nothing left to wait for
-                quiet_for = self.describe()["maxBatchDelay"] / 1000 + DRAIN_QUIET_SECONDS
-                left, now_received = self.activity()
+        while time.time() < drain["ends"] and self.process is not None and self.process.poll() is None:
+            try:
+                left, now_received, gathering = self.activity()
             except (requests.RequestException, RuntimeError, KeyError, IndexError) as error:
-                logger.warning("cannot read the requests in flight (%s); stopping", error)
-                break
+                if not self.started:  # no request can be in flight yet
+                    logger.info("the server had not started (%s); stopping", error)
+                    break
+                logger.warning("cannot read the requests in flight (%s); trying again", error)
+                time.sleep(1.0)
+                continue
             if left or now_received != received:
                 quiet_since, received = time.monotonic(), now_received
-            elif time.monotonic() - quiet_since >= quiet_for:
+            elif time.monotonic() - quiet_since >= gathering + DRAIN_QUIET_SECONDS:
                 break
             if left != shown:
                 logger.info("requests in flight: %d", left)

@@ -116,11 +116,12 @@ class Addresses:
 class Keys:
     inference: str
     management: str
+    api: str = ""  # the token API's key, which does not expire: it renews the other two
 
     @classmethod
     def from_key_file(cls, path: Path) -> Keys:
         data = json.loads(path.read_text())
-        return cls(inference=data["inference"]["key"], management=data["management"]["key"])
+        return cls(data["inference"]["key"], data["management"]["key"], data.get("API", {}).get("key", ""))
 
     def authorization(self, management: bool = False) -> dict[str, str]:
         """The Authorization header for the inference (or management) API."""

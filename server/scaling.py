@@ -32,7 +32,7 @@ DESCRIBE_POLL_SECONDS = 0.05
 
 
 class ScaleError(RuntimeError):
-    """The scale-down could not be done safely; nothing was changed."""
+    """The scale could not be done (safely), or TorchServe did not reach the count asked for."""
 
 
 @dataclass(frozen=True)
@@ -61,6 +61,7 @@ def scale(server: TorchServe, workers: int, park_timeout_s: float) -> ScaleResul
         server.control.retire(leaving, park_timeout_s)
         try:
             parked_s = _park(server, leaving, park_timeout_s)
+            server.control.retire(leaving, park_timeout_s)  # a fresh expiry: none unparks before the scale call
             response = server.scale(workers)
         finally:
             server.control.end_retirement()
@@ -68,7 +69,10 @@ def scale(server: TorchServe, workers: int, park_timeout_s: float) -> ScaleResul
         response = server.scale(workers)
     after = len(server.describe()["workers"])
     if after != workers:
-        raise ScaleError(f"TorchServe answered {response.status_code} {response.text.strip()}; {after} worker(s) now")
+        raise ScaleError(
+            f"asked for {workers} worker(s), TorchServe answered {response.status_code} {response.text.strip()}; "
+            f"{after} worker(s) now"
+        )
     if response.status_code != 200:
         logger.warning("TorchServe answered %d to the scale call; %d worker(s) now", response.status_code, after)
     return ScaleResult(len(current), after, parked_s, response.status_code)
@@ -86,8 +90,9 @@ def _park(server: TorchServe, leaving: list[str], timeout_s: float) -> float:
                     f"worker(s) {sorted(set(leaving) - server.control.parked())} stayed busy for {timeout_s:.0f} s; "
                     "nothing was changed (try again, or with a longer --park-timeout)"
                 )
+            # one call in flight per leaving worker: parked ones hold theirs, the others are queued
             calls = [call for call in calls if not call.done()]
-            if len(calls) < len(set(leaving) - server.control.parked()):
+            if len(calls) < len(leaving):
                 calls.append(pool.submit(_describe_call, server, timeout_s))
             time.sleep(DESCRIBE_POLL_SECONDS)
     finally:
@@ -100,11 +105,8 @@ def _park(server: TorchServe, leaving: list[str], timeout_s: float) -> float:
 def _describe_call(server: TorchServe, timeout_s: float) -> None:
     """One describe call: a worker takes it when it is next idle."""
     try:
-        requests.get(
-            server.model_url,
-            params={"customized": "true"},
-            headers={**server.auth(management=True), "Connection": "close"},
-            timeout=timeout_s + 30,
-        )
+        # Connection: close, so that the late answer of a call TorchServe re-queued goes nowhere.
+        params, headers = {"customized": "true"}, {"Connection": "close"}
+        server.management("GET", server.model_url, params=params, headers=headers, timeout=timeout_s + 30)
     except requests.RequestException as error:  # a removed worker's call may end either way
         logger.debug("describe call ended: %s", error)

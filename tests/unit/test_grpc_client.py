@@ -71,6 +71,7 @@ def test_a_call_that_ended_without_an_answer_is_sent_again_with_the_same_body(mo
         return b"answer"
 
     monkeypatch.setattr(grpc_client, "predict", predict)
+    monkeypatch.setattr(grpc_client, "RETRY_AFTER_S", 0.0)
     assert grpc_client.predict_retrying("127.0.0.1:7070", "key", b"{}") == (b"answer", retries)
     assert sent == [b"{}"] * (retries + 1)
 
@@ -89,6 +90,7 @@ def test_a_call_refused_or_unanswered_too_often_is_not_sent_again(monkeypatch, e
         raise error()
 
     monkeypatch.setattr(grpc_client, "predict", predict)
+    monkeypatch.setattr(grpc_client, "RETRY_AFTER_S", 0.0)
     with pytest.raises(error):
         grpc_client.predict_retrying("127.0.0.1:7070", "key", b"{}")
     assert len(sent) == calls
