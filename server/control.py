@@ -50,20 +50,13 @@ class ControlDir:
             return None
 
     def begin_drain(self, grace_s: float, answer_margin_s: float) -> dict[str, Any]:
-        """Tell the workers that the server is stopping, unless a drain has begun already (a
-        Kubernetes ``preStop`` before the container's SIGTERM): requests still denoising
+        """Tell the workers that the server is stopping: requests still denoising
         ``answer_margin_s`` before the grace period ends are cancelled then, so that their
         answers leave before TorchServe stops. Returns the drain (``started``, ``ends``,
         ``deadline``, epoch seconds)."""
-        drain = self.drain()
-        if drain is None:
-            started = time.time()
-            drain = {
-                "started": started,
-                "ends": started + grace_s,
-                "deadline": started + max(grace_s - answer_margin_s, 0.0),
-            }
-            self._write(DRAINING, drain)
+        started = time.time()
+        drain = {"started": started, "ends": started + grace_s, "deadline": started + max(grace_s - answer_margin_s, 0)}
+        self._write(DRAINING, drain)
         return drain
 
     def drain(self) -> dict[str, Any] | None:
