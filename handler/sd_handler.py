@@ -181,14 +181,13 @@ class StableDiffusionHandler(BaseHandler):
         or its part; a describe call gets ``_describe``'s."""
         self.context = context
         ids = [context.request_ids[index] for index in range(len(data))]
-        requests, described = {}, {}
-        describe_call = _is_describe_call(data, context)
-        for index, (rid, row) in enumerate(zip(ids, data, strict=True)):
-            if describe_call:
-                described[rid] = self._describe()
-            else:
-                requests[rid] = to_incoming(row, context, index)
-        responses = {**self._loop(requests), **described}
+        if _is_describe_call(data, context):  # a call of its own
+            requests, responses = {}, {ids[0]: self._describe()}
+        else:
+            requests = {
+                rid: to_incoming(row, context, index) for index, (rid, row) in enumerate(zip(ids, data, strict=True))
+            }
+            responses = self._loop(requests)
         if self.continuous:  # whether each part is its request's last
             context.stopping_criteria = [_stopping_criterion(responses[rid]) for rid in ids]
         for index, rid in enumerate(ids):

@@ -220,7 +220,7 @@ class DiffusionService:
         apis: dict[str, Api] = {}
         draining = self.drain_left() is not None
         for rid, incoming in new.items():
-            outcome = self._refused(rid, incoming) if draining else self._validate(rid, incoming)
+            outcome = self._validate(rid, incoming, draining)
             if isinstance(outcome, Response):
                 responses[rid] = outcome
             else:
@@ -242,21 +242,17 @@ class DiffusionService:
                 )
         return responses
 
-    def _refused(self, rid: str, incoming: IncomingRequest) -> Response:
-        """A new request's answer while the server is stopping: 503 with ``Retry-After`` in its API's
-        shape (a route that generates nothing is answered as usual)."""
+    def _validate(
+        self, rid: str, incoming: IncomingRequest, draining: bool = False
+    ) -> tuple[Api, GenerationRequest] | Response:
+        """The request's API and the validated request, or its whole answer (an error, a route
+        that generates nothing, or while the server is stopping 503 with ``Retry-After``)."""
         api = route(incoming.path, self.policy.model_name, self._available_loras)
         if isinstance(api, Response):
             return api
-        logger.info("request %s refused: the server is stopping", rid)
-        return api.error(shutting_down())
-
-    def _validate(self, rid: str, incoming: IncomingRequest) -> tuple[Api, GenerationRequest] | Response:
-        """The request's API and the validated request, or its whole answer (an error, or a
-        route that generates nothing)."""
-        api = route(incoming.path, self.policy.model_name, self._available_loras)
-        if isinstance(api, Response):
-            return api
+        if draining:
+            logger.info("request %s refused: the server is stopping", rid)
+            return api.error(shutting_down())
         try:
             request = api.decode(incoming, self.policy)
         except RequestError as error:
