@@ -12,7 +12,9 @@ FAMILY_sd := sd1
 FAMILY_sd2 := sd2
 FAMILY_sdxl := sdxl
 FAMILY_sd-safety := sd1-safety
-TINY_MODELS := $(foreach name,sd sd2 sdxl sd-safety,models/tiny-$(name)/model_index.json)
+FAMILY_sd3 := sd3
+FAMILY_sd35 := sd35
+TINY_MODELS := $(foreach name,sd sd2 sdxl sd-safety sd3 sd35,models/tiny-$(name)/model_index.json)
 MODEL_DIR ?= $(DEFAULT_MODEL_DIR)
 ARCHIVE_FORMAT ?= auto
 PYTEST_ARGS ?=
@@ -44,7 +46,7 @@ help:
 	@echo "make bench-continuous the shipped continuous batching vs dynamic batching, capacity and Poisson load; reports/continuous/"
 	@echo "make bench-engine   the step engine against the diffusers call it mirrors, per family, batch 1 and 8; reports/engine/"
 	@echo "make bench-lora     a LoRA request against a plain one (one set, grouped sets) and the switch cost; reports/lora/"
-	@echo "make bench-gpu      SD 1.5 and SDXL at real sizes on the GPU: variants, batch scaling, engine, served, SDXL; reports/gpu/"
+	@echo "make bench-gpu      SD 1.5, SDXL and SD 3.5 Medium at real sizes on the GPU: variants, batch scaling, engine, served, SDXL, SD 3.5; reports/gpu/"
 	@echo "                    BENCH_ARGS='--quick' for the CPU check CI runs; PY=python3 where there is no venv (the lent GPU)"
 	@echo "make dashboard      rebuild docker/grafana/dashboards/stable-diffusion.json"
 	@echo "make prometheus-rule  rebuild deploy/k8s/prometheusrule.yaml from docker/prometheus/rules/"

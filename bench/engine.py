@@ -2,19 +2,24 @@
 
 The same requests (one image each: prompt k, seed k) go through diffusers' own pipeline call (one
 batched call, ``bench.reference``) and through the step engine as the service runs a batch
-(``bench.jobs``: every job in each UNet forward, one decode), per family, at batch 1 and 8, in one
-process, the order alternating per repeat. Prints median seconds per call, the ratio and the image
-distance, next to the distance between diffusers' own batched call and the same requests alone
-(what float rounding alone moves; large for a random-weight model that amplifies it over many
-steps), and writes ``reports/engine/engine.{json,md,png}``.
+(``bench.jobs``: every job in each denoiser forward, one decode), per family, at batch 1 and 8, in
+one process, the order alternating per repeat: the default model (SD 1.x) and the tiny SD 2.x,
+SDXL, SD 3 and SD 3.5 Medium-shaped models at their native sizes; then SD 3.5 Medium's real
+architecture (``bench.sd35``, random weights, without T5 to fit a 24 GiB machine) at 256x256,
+batch 1, two steps (``--quick`` leaves it out). Prints median seconds per call, the ratio and the
+image distance, next to the distance between diffusers' own batched call and the same requests
+alone (what float rounding alone moves; large for a random-weight model that amplifies it over
+many steps), and writes ``reports/engine/engine.{json,md,png}``.
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import logging
 import statistics
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -22,6 +27,7 @@ import matplotlib.pyplot as plt
 import numpy as np
 import torch
 
+from bench import sd35
 from bench.jobs import generate
 from bench.measure import PROMPTS
 from bench.pipeline import environment
@@ -29,13 +35,32 @@ from bench.reference import Reference
 from bench.report import publish
 from handler.config import HandlerSettings
 from handler.engine import JobSpec, StepEngine
-from handler.pipeline import load_engine, native_size, resolve_device, synchronize
+from handler.pipeline import load_engine, resolve_device, synchronize
 from server.paths import DEFAULT_MODEL_DIR, REPORTS, TINY_MODEL_DIRS
 
 logger = logging.getLogger("bench-engine")
 
-FAMILY_MODELS = {"sd1": DEFAULT_MODEL_DIR, "sd2": TINY_MODEL_DIRS["sd2"], "sdxl": TINY_MODEL_DIRS["sdxl"]}
+FAMILY_MODELS = {
+    "sd1": DEFAULT_MODEL_DIR,
+    **{family: TINY_MODEL_DIRS[family] for family in ("sd2", "sdxl", "sd3", "sd35")},
+}
 GOAL = 1.05  # the engine within 5% of the diffusers call
+
+
+@dataclass(frozen=True)
+class Architecture:
+    """A published architecture with random weights, measured at a size and batch this CPU affords."""
+
+    model_dir: Callable[[], Path]  # writes it once
+    side: int
+    batches: tuple[int, ...]
+    steps: int
+    repeats: int
+
+
+ARCHITECTURES = {
+    "sd35-medium": Architecture(sd35.ensure_model_without_t5, 256, (1,), steps=2, repeats=2),
+}
 
 
 @dataclass(frozen=True)
@@ -62,23 +87,27 @@ def timed(call, device: torch.device) -> float:
     return time.perf_counter() - started
 
 
-def compare(family: str, reference: Reference, engine: StepEngine, batch: int, steps: int, repeats: int) -> Row:
-    """Median seconds of the same ``batch`` one-image requests through both, alternating who goes first."""
-    side = native_size(engine.pipeline)[0]
+def compare(
+    family: str, reference: Reference, engine: StepEngine, batch: int, steps: int, repeats: int, side: int
+) -> Row:
+    """Median seconds of the same ``batch`` one-image requests through both, alternating who goes
+    first, with the model's own scheduler."""
+    scheduler = engine.family.own_scheduler
     specs = [
-        JobSpec(PROMPTS[index % len(PROMPTS)], None, (index,), side, side, steps, "ddim", 7.5) for index in range(batch)
+        JobSpec(PROMPTS[index % len(PROMPTS)], None, (index,), side, side, steps, scheduler, 7.5)
+        for index in range(batch)
     ]
     prompts, seeds = [spec.prompt for spec in specs], [spec.seeds[0] for spec in specs]
 
     def by_diffusers():
-        return reference.batch(prompts, seeds, side, side, steps).images
+        return reference.batch(prompts, seeds, side, side, steps, scheduler).images
 
     def by_engine():
         return [image for decoded in generate(engine, specs)[0] for image in decoded.images]
 
     ours, theirs = by_engine(), by_diffusers()  # warm-up, and the images compared
     alone = [
-        reference.batch([prompt], [seed], side, side, steps).images[0]
+        reference.batch([prompt], [seed], side, side, steps, scheduler).images[0]
         for prompt, seed in zip(prompts, seeds, strict=True)
     ]
     diffusers_s, engine_s = [], []
@@ -125,13 +154,27 @@ def markdown(rows: list[Row], env: dict) -> str:
     return f"{env['device_name']}, torch {env['torch']}, diffusers {env['diffusers']}, {env['date']}\n\n" + table(rows)
 
 
-def measure_model(family: str, model_dir: Path, device: str, batches: list[int], steps: int, repeats: int) -> list[Row]:
-    """The engine against diffusers' call on one model (``family`` "custom": detected), per batch."""
+def measure_model(
+    family: str,
+    model_dir: Path,
+    device: str,
+    batches: list[int],
+    steps: int,
+    repeats: int,
+    side: int | None = None,
+    shared: bool = False,
+) -> list[Row]:
+    """The engine against diffusers' call on one model (``family`` "custom": detected), per batch,
+    at ``side`` (None: the model's native size). ``shared``: diffusers calls the pipeline the engine
+    loaded instead of loading its own (for a model too large to hold twice; the engine leaves it as
+    diffusers loads it but for the attention processors, which are diffusers' defaults)."""
     engine = load_engine(HandlerSettings(model_path=str(Path(model_dir).resolve()), device=device), ".")
-    reference = Reference(model_dir, engine.device, engine.dtype)
+    reference = Reference(model_dir, engine.device, engine.dtype, pipeline=engine.pipeline if shared else None)
+    side = side or engine.family.native_size()[0]
     rows = []
     for batch in batches:
-        row = compare(engine.family.name if family == "custom" else family, reference, engine, batch, steps, repeats)
+        name = engine.family.name if family == "custom" else family
+        row = compare(name, reference, engine, batch, steps, repeats, side)
         logger.info(
             "%s batch %d: diffusers %.4f s, engine %.4f s, %.3fx, max pixel diff %d (diffusers batched vs alone %d)",
             row.family,
@@ -172,11 +215,20 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--steps", type=int, default=25)
     parser.add_argument("--repeats", type=int, default=10)
     parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda", "mps"])
-    parser.add_argument("--quick", action="store_true", help="CI mode: 2 steps, 1 repeat, batches 1 and 2")
+    parser.add_argument(
+        "--architectures",
+        nargs="*",
+        default=list(ARCHITECTURES),
+        choices=list(ARCHITECTURES),
+        help="measured after the families",
+    )
+    parser.add_argument(
+        "--quick", action="store_true", help="CI mode: 2 steps, 1 repeat, batches 1 and 2, no architectures"
+    )
     parser.add_argument("--output-dir", type=Path, default=REPORTS / "engine")
     args = parser.parse_args(argv)
     if args.quick:
-        args.steps, args.repeats, args.batches = 2, 1, [1, 2]
+        args.steps, args.repeats, args.batches, args.architectures = 2, 1, [1, 2], []
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
     device = resolve_device(args.device)
     models = (
@@ -187,6 +239,19 @@ def main(argv: list[str] | None = None) -> None:
         for family, model_dir in models.items()
         for row in measure_model(family, model_dir, args.device, args.batches, args.steps, args.repeats)
     ]
+    for name in [] if args.model_dir else args.architectures:
+        gc.collect()  # the previous model's pipelines go before a large one loads
+        architecture = ARCHITECTURES[name]
+        rows += measure_model(
+            name,
+            architecture.model_dir(),
+            args.device,
+            list(architecture.batches),
+            architecture.steps,
+            architecture.repeats,
+            architecture.side,
+            shared=True,
+        )
     env = environment(device)
     figures = {"environment": env, "goal_ratio": GOAL, "rows": [{**asdict(row), "ratio": row.ratio} for row in rows]}
     publish(figures, markdown(rows, env), lambda path: plot(rows, path), args.output_dir, "engine")

@@ -1,9 +1,9 @@
 """`make bench-gpu`: Stable Diffusion at real sizes on the GPU it finds, in-process and served.
 
-Random-weight pipelines of the published architectures (``bench.sd15``, ``bench.sdxl``: nothing
-downloaded) through the code a worker runs, in five sections. Each writes ``<output>/<section>.json``
-when it ends, and ``gpu.md`` and ``gpu.png`` are rendered from every section file there
-(``bench.gpu_report``), so sections can run in separate calls:
+Random-weight pipelines of the published architectures (``bench.sd15``, ``bench.sdxl``,
+``bench.sd35``: nothing downloaded) through the code a worker runs, in seven sections. Each writes
+``<output>/<section>.json`` when it ends, and ``gpu.md`` and ``gpu.png`` are rendered from every
+section file there (``bench.gpu_report``), so sections can run in separate calls:
 
 1. ``variants``: SD 1.5, 512x512, 50 DDIM steps, batch 1, guidance 7.5: eager (SDPA, serving dtype:
    float16 on a GPU), vanilla attention, channels_last, and torch.compile in ``default``,
@@ -18,6 +18,10 @@ when it ends, and ``gpu.md`` and ``gpu.png`` are rendered from every section fil
    closed loop at concurrency 1, 4, 8 and 16: images/s, p50, p95, against the in-process ceiling
    (the eager pipeline at the same batch, measured in the same run).
 5. ``sdxl``: SDXL 1024x1024, 30 steps, batch 1: eager and the fastest compile mode of ``variants``.
+6. ``sd35``: SD 3.5 Medium (T5 included) 1024x1024, 28 flow-matching steps, guidance 7.5, eager at
+   batch 1 and 4: transformer it/s (the ``unet_it_s`` figure), seconds per call, peak memory.
+7. ``sd35_served``: SD 3.5 Medium through TorchServe with continuous batching (what packaging ships
+   for one GPU), closed loop at concurrency 1 and 4, against ``sd35``'s in-process figures.
 
 ``--quick`` runs the same code on the CPU at tiny sizes (the random tiny models, 64x64, one step,
 concurrency 1 and 2): what CI runs, so that a GPU run has nothing left to debug but the GPU.
@@ -38,7 +42,7 @@ from pathlib import Path
 
 import numpy as np
 
-from bench import sd15, sdxl
+from bench import sd15, sd35, sdxl
 from bench.engine import measure_model
 from bench.gpu_report import SECTION_RENDERERS, percent_text, render
 from bench.measure import PROMPTS, Workload, error_text
@@ -53,7 +57,7 @@ from server.paths import BUILD, REPORTS, ROOT, TINY_MODEL_DIRS
 
 logger = logging.getLogger("bench-gpu")
 
-SECTIONS = tuple(SECTION_RENDERERS)  # variants, scaling, engine, served, sdxl
+SECTIONS = tuple(SECTION_RENDERERS)  # variants, scaling, engine, served, sdxl, sd35, sd35_served
 EAGER = "eager"
 SECTION_VARIANTS = (
     EAGER,
@@ -66,7 +70,8 @@ SECTION_VARIANTS = (
 # The shipped model-config.yaml with only the mode forced: continuous batching is what packaging
 # ships for a one-GPU host, dynamic batching what it ships for several workers.
 SERVED_MODES = {"dynamic": {"continuousBatching": False}, "continuous": {"continuousBatching": True}}
-RANDOM_MODELS = {"sd15": sd15.ensure_model, "sdxl": sdxl.ensure_model}
+RANDOM_MODELS = {"sd15": sd15.ensure_model, "sdxl": sdxl.ensure_model, "sd35": sd35.ensure_model}
+FLOW = "flow_match_euler"  # SD 3's scheduler
 
 
 @dataclass(frozen=True)
@@ -83,6 +88,10 @@ class Plan:
     concurrency: tuple[int, ...]
     sdxl_side: int
     sdxl_steps: int
+    sd35_model: str  # "sd35" or a diffusers directory
+    sd35_side: int
+    sd35_steps: int
+    sd35_batches: tuple[int, ...]  # in-process batches, and the served concurrency
     repeats: int
     engine_repeats: int
     requests_per_client: int
@@ -100,6 +109,10 @@ FULL = Plan(
     (1, 4, 8, 16),
     sdxl.NATIVE_SIDE,
     30,
+    "sd35",
+    sd35.NATIVE_SIDE,
+    28,
+    (1, 4),
     repeats=3,
     engine_repeats=5,
     requests_per_client=6,
@@ -116,6 +129,10 @@ QUICK = Plan(
     (1, 2),
     64,
     1,
+    str(TINY_MODEL_DIRS["sd35"].relative_to(ROOT)),
+    64,
+    1,
+    (1, 2),
     repeats=1,
     engine_repeats=1,
     requests_per_client=2,
@@ -143,7 +160,9 @@ class GpuBench:
         self.environment = environment(self.device)
         self.measured: dict[str, dict] = {}  # what each section measured in this run, as last saved
 
-    def workload(self, model: str, side: int, steps: int, batch: int = 1, max_batch_limit: int = 0) -> Workload:
+    def workload(
+        self, model: str, side: int, steps: int, batch: int = 1, max_batch_limit: int = 0, scheduler: str = "ddim"
+    ) -> Workload:
         return Workload(
             str(model_dir(model)),
             self.device_setting,
@@ -152,6 +171,7 @@ class GpuBench:
             steps,
             batch,
             self.plan.repeats,
+            scheduler=scheduler,
             max_batch_limit=max_batch_limit,
         )
 
@@ -258,31 +278,72 @@ class GpuBench:
     def served(self) -> dict:
         """Closed-loop load through TorchServe in each batching mode, next to the in-process ceiling."""
         plan = self.plan
+        return self._served("served", plan.sd15_model, plan.side, plan.served_steps, plan.concurrency, SERVED_MODES)
+
+    def sd35_served(self) -> dict:
+        """SD 3.5 Medium through TorchServe with continuous batching, against ``sd35``'s in-process
+        figures at the same batch where that section measured them."""
+        plan = self.plan
+        measured = {
+            row["batch"]: row.get("images_per_s")
+            for row in (self.section("sd35") or {}).get("rows", [])
+            if row["status"] == "ok"
+        }
+        continuous = {"continuous": SERVED_MODES["continuous"]}
+        return self._served(
+            "sd35_served",
+            plan.sd35_model,
+            plan.sd35_side,
+            plan.sd35_steps,
+            plan.sd35_batches,
+            continuous,
+            measured,
+            FLOW,
+        )
+
+    def _served(
+        self,
+        section: str,
+        model: str,
+        side: int,
+        steps: int,
+        concurrencies: tuple[int, ...],
+        modes: dict[str, dict],
+        ceilings: dict[int, float | None] | None = None,
+        scheduler: str = "ddim",
+    ) -> dict:
+        """Closed-loop load through TorchServe (one worker on this GPU) in ``modes``, next to the
+        in-process ceiling at batch = concurrency (measured here with ``scheduler``, the one the
+        server defaults to, unless ``ceilings`` has it)."""
         check_serving_tools()
         result: dict = {"ceiling_images_per_s": {}, "points": []}
-        for concurrency in plan.concurrency:
-            workload = self.workload(plan.sd15_model, plan.side, plan.served_steps, concurrency)
-            ceiling = Runner(workload, self.scratch / f"ceiling-{concurrency}", self.timeout).variant(
-                by_name(EAGER), self.device, warm=False
-            )
-            result["ceiling_images_per_s"][concurrency] = ceiling.get("images_per_s")
-            logger.info("in-process ceiling, batch %d: %s", concurrency, summary(ceiling))
-        for mode, frontend in SERVED_MODES.items():
-            workdir = self.scratch / f"served-{mode}"
+        for concurrency in concurrencies:
+            ceiling = (ceilings or {}).get(concurrency)
+            if ceiling is None:
+                workload = self.workload(model, side, steps, concurrency, scheduler=scheduler)
+                row = Runner(workload, self.scratch / f"{section}-ceiling-{concurrency}", self.timeout).variant(
+                    by_name(EAGER), self.device, warm=False
+                )
+                ceiling = row.get("images_per_s")
+                logger.info("in-process ceiling, batch %d: %s", concurrency, summary(row))
+            result["ceiling_images_per_s"][concurrency] = ceiling
+        for mode, frontend in modes.items():
+            workdir = self.scratch / f"{section}-{mode}"
             config = write_model_config(
                 workdir,
-                handler={"model_path": str(model_dir(plan.sd15_model))},
+                handler={"model_path": str(model_dir(model))},
                 minWorkers=1,
                 maxWorkers=1,
-                batchSize=max(plan.concurrency),
+                batchSize=max(concurrencies),
                 **frontend,
             )
-            with serve_archive(model_dir(plan.sd15_model), config, workdir, gpus=1) as server:
-                for concurrency in plan.concurrency:
-                    closed_loop(server, self.bodies(concurrency), concurrency)  # warm-up at this concurrency
+            with serve_archive(model_dir(model), config, workdir, gpus=1) as server:
+                for concurrency in concurrencies:
+                    bodies = functools.partial(self.bodies, side=side, steps=steps)
+                    closed_loop(server, bodies(concurrency), concurrency)  # warm-up at this concurrency
                     before = server.metric_samples()
                     results, seconds = closed_loop(
-                        server, self.bodies(concurrency * plan.requests_per_client), concurrency
+                        server, bodies(concurrency * self.plan.requests_per_client), concurrency
                     )
                     figures = server_figures(before, server.metric_samples())
                     point = served_point(
@@ -296,8 +357,9 @@ class GpuBench:
                         }
                     )
                     logger.info(
-                        "served, %s batching, concurrency %d: %.2f images/s, p95 %s s, %s of in-process, "
-                        "%.1f images per UNet forward",
+                        "%s, %s batching, concurrency %d: %.2f images/s, p95 %s s, %s of in-process, "
+                        "%.1f images per denoiser forward",
+                        section,
                         mode,
                         concurrency,
                         point["images_per_s"],
@@ -305,11 +367,11 @@ class GpuBench:
                         percent_text(point["ratio"]),
                         figures.mean_step_images,
                     )
-                    self.save("served", result)
+                    self.save(section, result)
         return result
 
-    def bodies(self, count: int) -> list[dict]:
-        side, steps = self.plan.side, self.plan.served_steps
+    def bodies(self, count: int, side: int, steps: int) -> list[dict]:
+        """``count`` requests of the served workload (the server's default scheduler, guidance 7.5)."""
         return [
             {
                 "prompt": PROMPTS[index % len(PROMPTS)],
@@ -342,6 +404,19 @@ class GpuBench:
                 on_result=lambda partial: self.save("sdxl", rows(partial)),
             )
         )
+
+    def sd35(self) -> dict:
+        """SD 3.5 Medium in-process, eager, at each batch: transformer it/s, seconds per call, peak memory."""
+        plan = self.plan
+        result: dict = {"rows": []}
+        for batch in plan.sd35_batches:
+            workload = self.workload(plan.sd35_model, plan.sd35_side, plan.sd35_steps, batch, scheduler=FLOW)
+            runner = Runner(workload, self.scratch / f"sd35-{batch}", self.timeout, baseline=EAGER, caches=self.caches)
+            row = runner.variant(by_name(EAGER), self.device, warm=False)
+            result["rows"].append({"variant": EAGER, "batch": batch, "workload": asdict(workload), **row})
+            logger.info("SD 3.5 Medium batch %d: %s", batch, summary(row))
+            self.save("sd35", result)
+        return result
 
     def run(self, section: str, variant_names: list[str] | None) -> bool:
         """One section, its file saved and the report rendered whatever happens; False when it failed."""

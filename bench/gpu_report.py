@@ -11,6 +11,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
+from bench import sd35  # noqa: E402
 from bench.engine import GOAL as ENGINE_GOAL  # noqa: E402
 from bench.engine import Row, table  # noqa: E402
 from bench.report import number_text, variants_table  # noqa: E402
@@ -19,6 +20,11 @@ SD15_UNET_GOAL = 105.0  # it/s, SD 1.5 512x512 batch 1 on an H100: stable-fast's
 SD15_ANCHORS = {"plain PyTorch (stable-fast, H100)": 54.5, "torch.compile (stable-fast, H100)": 66.0}
 SDXL_UNET_GOAL = 21.6  # it/s, SDXL 1024x1024 batch 1 on an H100: stable-fast's published figure
 SERVED_GOAL = 0.90  # served images/s over the in-process ceiling at the same batch
+# SD 3.5 Large (8.1B), 1024x1024, 50 steps, batch 1, bf16, torch.compile, on an H100 (ONNX Runtime PR
+# #22986): the published anchor next to SD 3.5 Medium's figures.
+SD35_LARGE_ANCHOR = (
+    "SD 3.5 Large, 1024x1024, 50 steps, batch 1, bf16 with torch.compile, H100: 7.47 s (ONNX Runtime PR #22986)"
+)
 
 
 def load_sections(directory: Path) -> dict[str, dict]:
@@ -69,7 +75,12 @@ def goals(sections: dict[str, dict]) -> list[str]:
         workload = sections.get(section, {}).get("workload")
         where = f" ({Path(workload['model_dir']).name}, {workload['width']}x{workload['height']})" if workload else ""
         rows.append(f"| {label}{where} | >= {goal} it/s | {text} | {_standing(value, goal)} |")
-    points = [point for point in sections.get("served", {}).get("points", []) if point["ratio"] is not None]
+    points = [
+        point
+        for section in ("served", "sd35_served")
+        for point in sections.get(section, {}).get("points", [])
+        if point["ratio"] is not None
+    ]
     worst = min(points, key=lambda point: point["ratio"]) if points else None
     rows.append(
         f"| served / in-process images/s, same batch | >= {SERVED_GOAL:.0%} | "
@@ -157,7 +168,8 @@ def _variants(section: dict) -> list[str]:
     return [_workload_line(section["workload"]), "", variants_table(section), *_profile_lines(section["variants"])]
 
 
-def _scaling(section: dict) -> list[str]:
+def _rows_table(section: dict) -> list[str]:
+    """In-process rows by variant and batch: images/s, the denoiser's it/s, latency, peak memory."""
     rows = [
         [
             row["variant"],
@@ -178,11 +190,31 @@ def _scaling(section: dict) -> list[str]:
         ]
         for row in section["rows"]
     ]
+    return _table(["variant", "batch", "images/s", "denoiser it/s", "seconds per call", "peak memory (MiB)"], rows)
+
+
+def _scaling(section: dict) -> list[str]:
     largest = ", ".join(f"{name} {size}" for name, size in section.get("largest_batch", {}).items())
     return [
-        *_table(["variant", "batch", "images/s", "UNet it/s", "seconds per call", "peak memory (MiB)"], rows),
+        *_rows_table(section),
         "",
         f"Largest batch that fits: {largest or 'not measured (GPU only, from the variants section)'}.",
+    ]
+
+
+def _sd35(section: dict) -> list[str]:
+    workload = section["rows"][0]["workload"]
+    name = Path(workload["model_dir"]).name
+    what = " (SD 3.5 Medium's architecture, T5-XXL included, random weights)" if name == sd35.MODEL_DIR.name else ""
+    return [
+        f"`{name}`{what}, "
+        f"{workload['width']}x{workload['height']}, {workload['steps']} {workload['scheduler']} steps, guidance "
+        f"{workload['guidance_scale']}, median of {workload['repeats']} calls after a warm-up call; denoiser it/s is "
+        "the transformer's, one step a forward over 2x the batch.",
+        "",
+        *_rows_table(section),
+        "",
+        f"Anchor: {SD35_LARGE_ANCHOR}.",
     ]
 
 
@@ -219,7 +251,7 @@ def _served(section: dict) -> list[str]:
             "p95 (s)",
             "in-process at that batch (images/s)",
             "served / in-process",
-            "images per UNet forward",
+            "images per denoiser forward",
         ],
         rows,
     )
@@ -236,6 +268,8 @@ SECTION_RENDERERS = {
     "engine": ("3. Step engine against the diffusers call", "rows", _engine),
     "served": ("4. Served through TorchServe (closed loop)", "points", _served),
     "sdxl": ("5. SDXL", "variants", _sdxl),
+    "sd35": ("6. SD 3.5 Medium, in-process", "rows", _sd35),
+    "sd35_served": ("7. SD 3.5 Medium served through TorchServe (continuous batching, closed loop)", "points", _served),
 }
 
 

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from diffusers import UNet2DConditionModel
+from diffusers import SD3Transformer2DModel, UNet2DConditionModel
 from diffusers.models.attention_processor import AttnProcessor
 from torch.utils.flop_counter import FlopCounterMode
 
@@ -129,18 +129,33 @@ def unet_flops(config: dict, rows: int, latent_height: int, latent_width: int, t
     return counter.get_total_flops()
 
 
-def unet_call_flops(engine: StepEngine, workload: Workload) -> int:
-    """FLOPs of one UNet call of the workload: its batch (doubled for guidance) at its latent size."""
+def transformer_flops(config: dict, rows: int, latent_height: int, latent_width: int, text_tokens: int) -> int:
+    """FLOPs of one call of the SD 3 transformer described by ``config``, counted as ``unet_flops``
+    counts (on the meta device its joint attention's SDPA runs as matmuls, which the counter counts)."""
+    with torch.device("meta"):
+        transformer = SD3Transformer2DModel.from_config(config)
+        inputs = {
+            "hidden_states": torch.empty(rows, transformer.config.in_channels, latent_height, latent_width),
+            "timestep": torch.zeros(rows),
+            "encoder_hidden_states": torch.empty(rows, text_tokens, transformer.config.joint_attention_dim),
+            "pooled_projections": torch.empty(rows, transformer.config.pooled_projection_dim),
+        }
+    with FlopCounterMode(display=False) as counter:
+        transformer(**inputs)
+    return counter.get_total_flops()
+
+
+def denoiser_call_flops(engine: StepEngine, workload: Workload) -> int:
+    """FLOPs of one denoiser call of the workload (UNet or SD 3 transformer): its batch (doubled
+    for guidance) at its latent size, with the family's text tokens (SD 3: CLIP's and T5's)."""
     pipeline = engine.pipeline
     scale = pipeline.vae_scale_factor
     rows = workload.batch * (2 if workload.guidance_scale > 1 else 1)
-    return unet_flops(
-        pipeline.unet.config,
-        rows,
-        workload.height // scale,
-        workload.width // scale,
-        pipeline.tokenizer.model_max_length,
-    )
+    size = (rows, workload.height // scale, workload.width // scale)
+    if engine.family.denoiser_name == "transformer":
+        text_tokens = pipeline.tokenizer.model_max_length + engine.family.max_sequence_length
+        return transformer_flops(pipeline.transformer.config, *size, text_tokens)
+    return unet_flops(pipeline.unet.config, *size, pipeline.tokenizer.model_max_length)
 
 
 def largest_batch(engine: StepEngine, workload: Workload) -> dict:
@@ -263,7 +278,7 @@ def run_variant(
         "cudagraph_skips": torch._dynamo.utils.counters["inductor"].get("cudagraph_skips", 0),
     }
     if count_flops:
-        result["unet_call_flops"] = unet_call_flops(engine, workload)
+        result["unet_call_flops"] = denoiser_call_flops(engine, workload)
     # Extras after the measurements: a failure here is reported beside them, not instead of them.
     if with_profile:
         result.update(_extra("profile", lambda: {"profile": profile(engine, specs, median_latency)}))

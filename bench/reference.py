@@ -6,7 +6,15 @@ request with an input image calls ``AutoPipelineForImage2Image`` or, with a mask
 ``AutoPipelineForInpainting``, each ``from_pipe`` of it), and each call gets what a user of
 diffusers would pass for the request: one CPU generator per image seeded ``seed + k``, the
 request's scheduler built from the model's own scheduler configuration as the handler names it
-(``handler.engine.SCHEDULERS``), and the pipeline's defaults for everything a request cannot set.
+(``handler.families.SCHEDULERS``; the model's own where the request names none), and the
+pipeline's defaults for everything a request cannot set.
+
+Two diffusers 0.42.1 SD 3 pipelines cannot be called as the others are: the img2img pipeline fails
+with several images and a generator per image (it encodes ``image[i:i+1]`` of a one-image batch), so
+each image is its own call (image k from seed + k, what the engine's image k equals); the inpaint
+pipeline's decode leaves out the VAE's ``shift_factor`` (diffusers issue #13611), so its latents are
+decoded as ``StableDiffusion3Pipeline`` decodes them, which is what the engine serves
+(``handler.families.sd3``).
 """
 
 from __future__ import annotations
@@ -22,11 +30,13 @@ from diffusers import (
     AutoPipelineForInpainting,
     AutoPipelineForText2Image,
     DiffusionPipeline,
+    StableDiffusion3Img2ImgPipeline,
+    StableDiffusion3InpaintPipeline,
 )
 from PIL.Image import Image
 
 from handler.config import MAX_SEED
-from handler.engine import SCHEDULERS
+from handler.families import SCHEDULERS
 
 
 @dataclass(frozen=True)
@@ -38,13 +48,25 @@ class ReferenceOutput:
 class Reference:
     """One model loaded by diffusers, called as a user would call it."""
 
-    def __init__(self, model_dir: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32):
+    def __init__(
+        self,
+        model_dir: str | Path,
+        device: str | torch.device = "cpu",
+        dtype: torch.dtype = torch.float32,
+        text_encoder_3: bool = True,
+        pipeline: DiffusionPipeline | None = None,
+    ):
+        """``text_encoder_3``: False loads an SD 3.x model without its T5 encoder
+        (``text_encoder_3=None``); ``pipeline``: one already loaded from ``model_dir``, for a model
+        too large to hold twice."""
         self.model_dir = Path(model_dir)
-        self.pipeline: DiffusionPipeline = AutoPipelineForText2Image.from_pretrained(
-            str(model_dir), dtype=dtype, use_safetensors=True
+        without_t5 = {} if text_encoder_3 else {"text_encoder_3": None, "tokenizer_3": None}
+        self.pipeline: DiffusionPipeline = pipeline or AutoPipelineForText2Image.from_pretrained(
+            str(model_dir), dtype=dtype, use_safetensors=True, **without_t5
         ).to(device)
         self.pipeline.set_progress_bar_config(disable=True)
         self.scheduler_config = self.pipeline.scheduler.config
+        self.own_scheduler = type(self.pipeline.scheduler)
 
     def __call__(
         self,
@@ -56,7 +78,7 @@ class Reference:
         *,
         negative_prompt: str | None = None,
         num_images_per_prompt: int = 1,
-        scheduler: str = "ddim",
+        scheduler: str | None = None,
         guidance_scale: float = 7.5,
         image: Image | None = None,
         mask: Image | None = None,
@@ -66,7 +88,7 @@ class Reference:
         """One request: ``num_images_per_prompt`` images of one prompt, image k from ``seed + k``
         (wrapping past the largest seed, as requests do); from ``image`` (of the request's size)
         with ``strength``, repainting where ``mask`` is white; with LoRA files and scales loaded
-        (``load_lora_weights``, ``set_adapters``) for this call only."""
+        (``load_lora_weights``, ``set_adapters``) for this call only; ``scheduler`` None: the model's own."""
         seeds = [(seed + index) % (MAX_SEED + 1) for index in range(num_images_per_prompt)]
         inputs: dict = {"width": width, "height": height}
         pipeline = self.pipeline
@@ -83,6 +105,22 @@ class Reference:
         if loras:
             self.pipeline.set_adapters(names, [scale for _, scale in loras])
         try:
+            if isinstance(pipeline, StableDiffusion3Img2ImgPipeline) and len(seeds) > 1:
+                alone = [
+                    self._call(
+                        prompt,
+                        negative_prompt,
+                        1,
+                        [one],
+                        num_inference_steps,
+                        scheduler,
+                        guidance_scale,
+                        inputs,
+                        pipeline,
+                    )
+                    for one in seeds
+                ]
+                return ReferenceOutput([image for output in alone for image in output.images], None)
             return self._call(
                 prompt,
                 negative_prompt,
@@ -105,7 +143,7 @@ class Reference:
         width: int,
         height: int,
         num_inference_steps: int,
-        scheduler: str = "ddim",
+        scheduler: str | None = None,
         guidance_scale: float = 7.5,
     ) -> ReferenceOutput:
         """Several one-image requests (prompt k from seed k) in one call, as a user batches them."""
@@ -119,15 +157,16 @@ class Reference:
         images_per_prompt: int,
         seeds: list[int],
         num_inference_steps: int,
-        scheduler: str,
+        scheduler: str | None,
         guidance_scale: float,
         inputs: dict,
         pipeline: Any = None,  # diffusers pipelines declare neither their components nor __call__ to a type checker
     ) -> ReferenceOutput:
         pipeline = pipeline or self.pipeline
-        scheduler_class, overrides = SCHEDULERS[scheduler]
+        scheduler_class, overrides = SCHEDULERS[scheduler] if scheduler else (self.own_scheduler, {})
         pipeline.scheduler = scheduler_class.from_config(self.scheduler_config, **overrides)
         pipeline.set_progress_bar_config(disable=True)
+        sd3_inpaint = isinstance(pipeline, StableDiffusion3InpaintPipeline)
         output = pipeline(
             prompt=prompt,
             negative_prompt=negative_prompt,
@@ -135,7 +174,17 @@ class Reference:
             num_inference_steps=num_inference_steps,
             guidance_scale=guidance_scale,
             generator=[torch.Generator("cpu").manual_seed(seed) for seed in seeds],
-            output_type="pil",
+            output_type="latent" if sd3_inpaint else "pil",
             **inputs,
         )
+        if sd3_inpaint:
+            return ReferenceOutput(_sd3_decode(pipeline, output.images), None)
         return ReferenceOutput(output.images, getattr(output, "nsfw_content_detected", None))
+
+
+def _sd3_decode(pipeline: Any, latents: torch.Tensor) -> list[Image]:
+    """SD 3 latents to images as ``StableDiffusion3Pipeline.__call__`` decodes them (with the VAE's shift)."""
+    config = pipeline.vae.config
+    with torch.no_grad():
+        image = pipeline.vae.decode(latents / config.scaling_factor + config.shift_factor, return_dict=False)[0]
+    return pipeline.image_processor.postprocess(image, output_type="pil")

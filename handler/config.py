@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-SchedulerName = Literal["ddim", "euler", "euler_a", "dpmpp_2m", "pndm"]
+# Every scheduler name a request may give; each family serves some of them (``FamilyRules``).
+SchedulerName = Literal["ddim", "euler", "euler_a", "dpmpp_2m", "pndm", "flow_match_euler"]
+UNET_SCHEDULERS: tuple[SchedulerName, ...] = ("ddim", "euler", "euler_a", "dpmpp_2m", "pndm")
 OutputFormat = Literal["png", "jpeg", "webp"]
 ResponseFormat = Literal["image", "json"]
 
@@ -19,6 +22,32 @@ TORCHSERVE_RESPONSE_TIMEOUT = 120
 # Share of responseTimeout a request may take in the worker by default: the rest answers a dynamic
 # batch (decode, encode) before TorchServe's timeout kills the worker with the batch in flight.
 REQUEST_TIMEOUT_SHARE = 0.9
+
+
+@dataclass(frozen=True)
+class FamilyRules:
+    """What a model family allows in a request, as its family module (``handler.families``) states
+    it: the schedulers, the grid width and height must be on (the VAE's scale times the denoiser's
+    patch size), and how its image-to-image pipelines round the steps an input image runs."""
+
+    family: str = "SD 1.x"
+    schedulers: tuple[SchedulerName, ...] = UNET_SCHEDULERS
+    own_scheduler: SchedulerName = "ddim"  # the model's own: what a request gets where the default is not allowed
+    grid: int = 8
+    # "steps": int(steps x strength) steps run (SD 1.x/2.x and SDXL's get_timesteps); "start": the
+    # first step skipped is rounded down instead (SD 3.x's), so a positive strength always runs one.
+    strength_rounding: Literal["steps", "start"] = "steps"
+    max_side: int | None = None  # the largest width or height the denoiser takes (None: any)
+
+    def image_steps(self, steps: int, strength: float) -> int:
+        """Of ``steps`` denoising steps, how many an input image at ``strength`` runs (``get_timesteps``)."""
+        if self.strength_rounding == "steps":
+            return min(int(steps * strength), steps)
+        return steps - int(max(steps - min(steps * strength, steps), 0))
+
+    def default_scheduler(self, configured: SchedulerName) -> SchedulerName:
+        """The configured default where this family serves it, else the model's own scheduler."""
+        return configured if configured in self.schedulers else self.own_scheduler
 
 
 class _Section(BaseModel):
@@ -102,12 +131,21 @@ class LoraSettings(_Section):
         return Path(chosen) if chosen else None
 
 
+# Names of the denoiser among compile targets: "unet" and "transformer" are the same target, the
+# family's denoiser (SD 1.x/2.x and SDXL's UNet, SD 3.x's transformer).
+DENOISER_TARGETS = frozenset({"unet", "transformer"})
+
+
 class CompileSettings(_Section):
-    """``torch.compile`` of the UNet and the VAE decoder."""
+    """``torch.compile`` of the denoiser (UNet or transformer) and the VAE decoder."""
 
     enabled: bool = False
     mode: Literal["default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"] = "default"
-    targets: tuple[Literal["unet", "vae_decoder"], ...] = ("unet", "vae_decoder")
+    targets: tuple[Literal["unet", "transformer", "vae_decoder"], ...] = Field(
+        ("unet", "vae_decoder"),
+        description="unet (or its synonym transformer): the family's denoiser, SD 3.x's transformer included; "
+        "vae_decoder: the VAE's decode",
+    )
     fullgraph: bool = False
     dynamic: bool | None = None
     cache_dir: str | None = Field(
@@ -116,6 +154,11 @@ class CompileSettings(_Section):
         "worker restarts so a new worker loads kernels instead of compiling them; None: the environment's "
         "TORCHINDUCTOR_CACHE_DIR, else torch's default under the temp directory",
     )
+
+    @property
+    def denoiser(self) -> bool:
+        """Whether the denoiser is compiled."""
+        return self.enabled and bool(DENOISER_TARGETS & set(self.targets))
 
     @field_validator("cache_dir")
     @classmethod
@@ -149,7 +192,7 @@ class FaultInjection(_Section):
     """For tests on machines without an accelerator: make failure paths reachable. Off by default."""
 
     out_of_memory_above_pixels: int | None = Field(
-        None, ge=1, description="raise out-of-memory for a UNet step whose images x width x height exceed this"
+        None, ge=1, description="raise out-of-memory for a denoising step whose images x width x height exceed this"
     )
     vae_out_of_memory_above_pixels: int | None = Field(
         None,
@@ -195,7 +238,15 @@ class HandlerSettings(_Section):
         True, description="run the model's safety checker where the model directory ships one (SD 1.x); false: off"
     )
     warmup: tuple[WarmupShape, ...] = ()
-    max_images_per_call: int = Field(16, ge=1, description="most images one UNet forward steps")
+    text_encoder_3: bool = Field(
+        True,
+        description="SD 3.x: load the T5 text encoder; false serves without it as diffusers' text_encoder_3=None does "
+        "(zero T5 embeddings: 9.5 GB less for T5-XXL in float16, weaker prompt following); other families ignore it",
+    )
+    max_sequence_length: int = Field(
+        256, ge=1, le=512, description="SD 3.x: T5 tokens a prompt is padded or truncated to (diffusers' default 256)"
+    )
+    max_images_per_call: int = Field(16, ge=1, description="most images one denoiser forward steps")
     iteration_budget_ms: float = Field(
         100.0,
         ge=0,
@@ -260,21 +311,31 @@ class HandlerSettings(_Section):
             )
         return settings
 
-    def with_native_size(self, width: int, height: int) -> HandlerSettings:
-        """These settings with the model's native size as the default for an unset width/height,
-        checked against the limits again."""
+    def for_model(self, width: int, height: int, rules: FamilyRules = FamilyRules()) -> HandlerSettings:
+        """These settings for a loaded model: its native size as the default for an unset
+        width/height, and the model's own scheduler where the configured default is one its family
+        does not serve; checked against the limits again. Raises ValueError for a configured default
+        size off the family's grid or larger than the model takes."""
         defaults = self.defaults.model_dump()
         defaults["width"] = defaults["width"] or width
         defaults["height"] = defaults["height"] or height
+        defaults["scheduler"] = rules.default_scheduler(self.defaults.scheduler)
+        largest = rules.max_side or max(defaults["width"], defaults["height"])
+        unfit = [side for side in ("width", "height") if defaults[side] % rules.grid or defaults[side] > largest]
+        if unfit:
+            raise ValueError(
+                f"defaults {' and '.join(unfit)} must be multiples of {rules.grid} and at most {largest} for this "
+                f"{rules.family} model (got {defaults['width']}x{defaults['height']})"
+            )
         return type(self).model_validate({**self.model_dump(), "defaults": defaults})
 
     def warmup_shapes(self) -> tuple[WarmupShape, ...]:
         """The configured warm-up shapes; none configured: the default size (resolved by
-        ``with_native_size``), one image."""
+        ``for_model``), one image."""
         if self.warmup:
             return self.warmup
         if self.defaults.width is None or self.defaults.height is None:
-            raise ValueError("the default size is unresolved; call with_native_size first")
+            raise ValueError("the default size is unresolved; call for_model first")
         return (WarmupShape(width=self.defaults.width, height=self.defaults.height),)
 
     def resolve_model_path(self, model_dir: str | Path) -> Path:

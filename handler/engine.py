@@ -1,66 +1,51 @@
 """The step-level denoising engine: one request is one job that advances one step at a time.
 
-Mirrors diffusers 0.42.1: ``StableDiffusionPipeline.__call__`` (SD 1.x, SD 2.x) and
-``StableDiffusionXLPipeline.__call__`` (SDXL), cut at the denoising loop so jobs can join and
-leave between steps; a job with an input image mirrors the family's ``Img2ImgPipeline`` and, with
-a mask, its ``InpaintPipeline`` for the model's own (4-channel) UNet. Their numbered steps map to:
+Mirrors diffusers 0.42.1: ``StableDiffusionPipeline.__call__`` (SD 1.x, SD 2.x),
+``StableDiffusionXLPipeline.__call__`` (SDXL) and ``StableDiffusion3Pipeline.__call__`` (SD 3.x),
+cut at the denoising loop so jobs can join and leave between steps; a job with an input image
+mirrors the family's ``Img2ImgPipeline`` and, with a mask, its ``InpaintPipeline`` for the model's
+own (4- or 16-channel) denoiser. What differs between the families is theirs
+(``handler.families``); the loop reads the same for all. Their numbered steps map to:
 
-- ``start``: 3. encode the prompts of the jobs started together in one call and 7. SDXL's added
-  time ids (``handler.families``); 4. each job's own scheduler and timesteps (a copy of one built
-  per scheduler and step count; from an image, the last ``strength`` of them, ``get_timesteps``);
-  5. initial latents from one CPU generator per image, scaled by the scheduler's
-  ``init_noise_sigma`` (from an image: its VAE latents noised to the first timestep,
-  ``prepare_latents``; with a mask also ``prepare_mask_latents``); 6.
-  ``prepare_extra_step_kwargs`` (eta 0 and the generators, where the scheduler takes them).
-- ``step``: one iteration of the denoising loop (SD 7 / SDXL 8) for any set of jobs of one
-  latent shape, in ONE UNet forward: each job's rows (doubled for classifier-free guidance when
-  its guidance scale is above 1) at its own timestep, then per job the guidance and its own
+- ``start``: 3. encode the prompts of the jobs started together in one call (SDXL: and 7. its
+  added time ids); 4. each job's own scheduler and timesteps (a copy of one built per scheduler,
+  step count and, where the schedule depends on it, latent shape; from an image, the last
+  ``strength`` of them, ``get_timesteps``); 5. initial latents from one CPU generator per image
+  (from an image: its VAE latents noised to the first timestep, ``prepare_latents``; with a mask
+  also ``prepare_mask_latents``); 6. ``prepare_extra_step_kwargs`` (eta 0 and the generators,
+  where the family's pipeline passes them).
+- ``step``: one iteration of the denoising loop for any set of jobs of one latent shape, in ONE
+  denoiser forward (UNet or transformer): each job's rows (doubled for classifier-free guidance
+  when its guidance scale is above 1) at its own timestep, then per job the guidance and its own
   ``scheduler.step`` (and, inpainting, the unmasked area put back at the next noise level).
-- ``decode``: the end of ``__call__``: VAE decode (SDXL: float32 upcast, latents mean and std),
-  the safety checker (SD, where the model has one) or the watermark (SDXL), PIL images.
+- ``decode``: the end of ``__call__``: VAE decode, the safety checker (SD, where the model has one)
+  or the watermark (SDXL), PIL images.
 
 Left out, because no request can ask for it: ``guidance_rescale``, ``clip_skip``,
 ``cross_attention_kwargs`` and LoRA scales, IP-Adapter images, caller-supplied latents, embeddings,
 timesteps or sigmas, ``denoising_start``/``denoising_end``, ``prompt_2``/``negative_prompt_2``
-and SDXL's negative size conditioning and aesthetic scores, inpainting's ``padding_mask_crop`` and
-9-channel inpainting UNets, output types other than PIL, step callbacks. UNets with a guidance embedding
-(``time_cond_proj_dim``, LCM) are refused at load. Different by design: jobs of one shape share
-one UNet forward, so an image equals diffusers' to float rounding, not bit for bit; SDXL's VAE is
-kept in float32 instead of being upcast around each decode (same arithmetic).
+(and SD 3's ``prompt_3``), SDXL's negative size conditioning and aesthetic scores, SD 3.5's
+skip-layer guidance, inpainting's ``padding_mask_crop`` and 9- or 33-channel inpainting denoisers,
+output types other than PIL, step callbacks. UNets with a guidance embedding (``time_cond_proj_dim``,
+LCM) are refused at load. Different by design: jobs of one shape share one denoiser forward, so an
+image equals diffusers' to float rounding, not bit for bit; SDXL's VAE is kept in float32 instead
+of being upcast around each decode (same arithmetic); SD 3's inpainting decodes with the VAE's
+shift factor (``handler.families.sd3``).
 """
 
 from __future__ import annotations
 
-import copy
-import inspect
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
-from diffusers import (
-    DDIMScheduler,
-    DPMSolverMultistepScheduler,
-    EulerAncestralDiscreteScheduler,
-    EulerDiscreteScheduler,
-    PNDMScheduler,
-)
 from diffusers.utils.torch_utils import randn_tensor
 from PIL.Image import Image
 
-from handler.config import FaultInjection
-from handler.families import Conditioning, Decoded, Pipeline, Scheduler, StableDiffusionFamily
+from handler.config import FaultInjection, SchedulerName
+from handler.families import Conditioning, Decoded, Family, Pipeline
+from handler.families.base import Scheduler
 from handler.loras import Adapters, LoraLibrary
-
-# Scheduler class and the settings it needs on top of the model's scheduler config. PNDM skips its
-# Runge-Kutta warm-up steps as Stable Diffusion's own PNDM configuration does (with them it needs at
-# least 4 steps and runs 13 UNet calls for 4 steps).
-SCHEDULERS = {
-    "ddim": (DDIMScheduler, {}),
-    "euler": (EulerDiscreteScheduler, {}),
-    "euler_a": (EulerAncestralDiscreteScheduler, {}),
-    "dpmpp_2m": (DPMSolverMultistepScheduler, {}),
-    "pndm": (PNDMScheduler, {"skip_prk_steps": True}),
-}
 
 
 @dataclass(frozen=True)
@@ -74,7 +59,7 @@ class JobSpec:
     width: int
     height: int
     num_inference_steps: int
-    scheduler: str
+    scheduler: SchedulerName
     guidance_scale: float
     image: Image | None = None  # image-to-image from this picture (resized to width x height)
     mask: Image | None = None  # inpainting: white where the image is repainted (with ``image``)
@@ -91,8 +76,8 @@ class JobSpec:
         return self.guidance_scale > 1
 
     @property
-    def unet_rows(self) -> int:
-        """Rows of every UNet forward of this job: its images, twice with guidance."""
+    def rows(self) -> int:
+        """Rows of every denoiser forward of this job: its images, twice with guidance."""
         return self.images * (2 if self.guided else 1)
 
 
@@ -105,11 +90,14 @@ class Inpainting:
     noise: torch.Tensor
     mask: torch.Tensor
 
-    def blend(self, scheduler: Scheduler, latents: torch.Tensor, next_timestep: torch.Tensor | None) -> torch.Tensor:
-        """The inpaint pipeline's 4-channel step end: outside the mask, the image at the next noise level."""
+    def blend(
+        self, family: Family, scheduler: Scheduler, latents: torch.Tensor, next_timestep: torch.Tensor | None
+    ) -> torch.Tensor:
+        """The inpaint pipeline's step end for a 4- or 16-channel denoiser: outside the mask, the
+        image at the next noise level."""
         proper = self.image_latents
         if next_timestep is not None:
-            proper = scheduler.add_noise(proper, self.noise, torch.tensor([next_timestep]))
+            proper = family.add_noise(scheduler, proper, self.noise, torch.tensor([next_timestep]))
         return (1 - self.mask) * proper + self.mask * latents
 
 
@@ -148,12 +136,12 @@ class DenoiseJob:
 
     @property
     def forward_group(self) -> tuple:
-        """What jobs sharing a UNet forward must share: the latent shape and the LoRA set."""
+        """What jobs sharing a denoiser forward must share: the latent shape and the LoRA set."""
         return self.latent_shape, self.spec.adapters
 
     @property
-    def unet_rows(self) -> int:
-        return self.spec.unet_rows
+    def rows(self) -> int:
+        return self.spec.rows
 
 
 @dataclass
@@ -161,18 +149,16 @@ class StepEngine:
     """Starts, steps and decodes ``DenoiseJob``s with one loaded pipeline and its family."""
 
     pipeline: Pipeline
-    family: StableDiffusionFamily
+    family: Family
     device: torch.device
     dtype: torch.dtype
     description: str
     loras: LoraLibrary
     fault_injection: FaultInjection = field(default_factory=FaultInjection)
-    _schedulers: dict[tuple[str, int], Scheduler] = field(default_factory=dict, init=False, repr=False)
 
     def latent_shape(self, width: int, height: int) -> tuple[int, int, int]:
         """Channels, height and width of one image's latents."""
-        scale = self.pipeline.vae_scale_factor
-        return self.pipeline.unet.config.in_channels, height // scale, width // scale
+        return self.family.latent_shape(width, height)
 
     def start(self, specs: Sequence[JobSpec]) -> list[DenoiseJob]:
         """``__call__`` steps 3 to 7 for jobs started together: their prompts through the text
@@ -188,18 +174,17 @@ class StepEngine:
     def _start(self, spec: JobSpec, conditioning: Conditioning) -> DenoiseJob:
         """Steps 4 to 6 for one job with its encoded prompt."""
         dtype = conditioning.hidden_states.dtype
+        shape = (spec.images, *self.latent_shape(spec.width, spec.height))
         with torch.inference_mode():
-            scheduler = self._scheduler(spec.scheduler, spec.num_inference_steps)
+            scheduler = self.family.scheduler(spec.scheduler, spec.num_inference_steps, shape[1:])
             generators = [torch.Generator("cpu").manual_seed(seed) for seed in spec.seeds]
             if spec.image is not None:
                 return self._start_from_image(spec, conditioning, scheduler, generators)
-            shape = (spec.images, *self.latent_shape(spec.width, spec.height))
-            latents = randn_tensor(shape, generator=generators, device=self.device, dtype=dtype)
-            latents = latents * scheduler.init_noise_sigma
+            noise = randn_tensor(shape, generator=generators, device=self.device, dtype=dtype)
+            latents = self.family.initial_latents(scheduler, noise)
         self.family.prepare_scheduler(scheduler)
-        return DenoiseJob(
-            spec, scheduler, scheduler.timesteps, latents, conditioning, _step_kwargs(scheduler, generators)
-        )
+        step_kwargs = self.family.step_kwargs(scheduler, generators)
+        return DenoiseJob(spec, scheduler, scheduler.timesteps, latents, conditioning, step_kwargs)
 
     def _start_from_image(
         self, spec: JobSpec, conditioning: Conditioning, scheduler: Scheduler, generators: list[torch.Generator]
@@ -208,31 +193,29 @@ class StepEngine:
         (``get_timesteps``), and latents from the image's (``prepare_latents``, with a mask
         ``prepare_mask_latents``)."""
         assert spec.image is not None
-        dtype = conditioning.hidden_states.dtype
-        steps = spec.num_inference_steps
-        start = max(steps - min(int(steps * spec.strength), steps), 0) * scheduler.order
+        family, dtype, steps = self.family, conditioning.hidden_states.dtype, spec.num_inference_steps
+        start = (steps - family.rules.image_steps(steps, spec.strength)) * scheduler.order
         timesteps = scheduler.timesteps[start:]
         if hasattr(scheduler, "set_begin_index"):
             scheduler.set_begin_index(start)
         first_timestep = timesteps[:1].repeat(spec.images)
-        pixels = self.family.preprocess(spec.image, spec.width, spec.height, dtype)
+        pixels = family.preprocess(spec.image, spec.width, spec.height, dtype)
         shape = (spec.images, *self.latent_shape(spec.width, spec.height))
         inpainting = None
         if spec.mask is None:  # img2img: each image encoded with its own generator
-            image_latents = self.family.encode_image(pixels.repeat(spec.images, 1, 1, 1), generators, inpaint=False)
+            image_latents = family.encode_image(pixels.repeat(spec.images, 1, 1, 1), generators, inpaint=False)
             noise = randn_tensor(shape, generator=generators, device=self.device, dtype=dtype)
-            latents = scheduler.add_noise(image_latents, noise, first_timestep)
+            latents = family.add_noise(scheduler, image_latents, noise, first_timestep)
         else:  # inpaint: the image encoded once, with the first generator
-            image_latents = self.family.encode_image(pixels, generators[:1], inpaint=True).repeat(spec.images, 1, 1, 1)
+            image_latents = family.encode_image(pixels, generators[:1], inpaint=True).repeat(spec.images, 1, 1, 1)
             noise = randn_tensor(shape, generator=generators, device=self.device, dtype=dtype)
             if spec.strength == 1.0:
-                latents = noise * scheduler.init_noise_sigma
+                latents = family.initial_latents(scheduler, noise)
             else:
-                latents = scheduler.add_noise(image_latents, noise, first_timestep)
-            mask = self.family.preprocess_mask(spec.mask, spec.width, spec.height)
-            # The pipeline encodes the masked image too (with the first generator, whose state the
-            # scheduler's steps then draw from), though a 4-channel UNet never reads its latents.
-            self.family.encode_image(pixels * (mask < 0.5), generators[:1], inpaint=True)
+                latents = family.add_noise(scheduler, image_latents, noise, first_timestep)
+            mask = family.preprocess_mask(spec.mask, spec.width, spec.height)
+            if family.encodes_masked_image:  # for the first generator's state only (see Family)
+                family.encode_image(pixels * (mask < 0.5), generators[:1], inpaint=True)
             latent_size = shape[-2:]
             mask = torch.nn.functional.interpolate(mask, size=latent_size).to(device=self.device, dtype=dtype)
             inpainting = Inpainting(image_latents, noise, mask)
@@ -242,51 +225,35 @@ class StepEngine:
             timesteps,
             latents,
             conditioning,
-            _step_kwargs(scheduler, generators),
+            family.step_kwargs(scheduler, generators),
             inpainting=inpainting,
         )
 
-    def _scheduler(self, name: str, steps: int) -> Scheduler:
-        """A fresh scheduler with ``steps`` timesteps (step 4): a copy of one built and set once per
-        (scheduler, steps), which costs a fifth of building it from the model's config."""
-        template = self._schedulers.get((name, steps))
-        if template is None:
-            scheduler_class, overrides = SCHEDULERS[name]
-            template = scheduler_class.from_config(self.pipeline.scheduler.config, **overrides)
-            template.set_timesteps(steps, device=self.device)
-            self._schedulers[(name, steps)] = template
-        return copy.deepcopy(template)
-
     def step(self, jobs: list[DenoiseJob]) -> None:
-        """Advance every job one step with ONE UNet forward. All jobs must share a latent shape."""
+        """Advance every job one step with ONE denoiser forward. All jobs must share a latent shape."""
         shapes = {job.latent_shape for job in jobs}
         if len(shapes) != 1:
-            raise ValueError(f"one UNet forward needs one latent shape, got {sorted(shapes)}")
+            raise ValueError(f"one denoiser forward needs one latent shape, got {sorted(shapes)}")
         adapter_sets = {job.spec.adapters for job in jobs}
         if len(adapter_sets) != 1:
-            raise ValueError(f"one UNet forward needs one LoRA set, got {sorted(adapter_sets)}")
+            raise ValueError(f"one denoiser forward needs one LoRA set, got {sorted(adapter_sets)}")
         self.loras.activate(jobs[0].spec.adapters)
         self._simulate_out_of_memory(
             "step",
             sum(job.images for job in jobs) * jobs[0].spec.width * jobs[0].spec.height,
             self.fault_injection.out_of_memory_above_pixels,
         )
+        family = self.family
         with torch.inference_mode():
             inputs, timesteps = [], []
             for job in jobs:
                 timestep = job.timesteps[job.step]
                 rows = torch.cat([job.latents] * 2) if job.guided else job.latents
-                inputs.append(job.scheduler.scale_model_input(rows, timestep))
-                timesteps.append(timestep.float().expand(job.unet_rows))
-            hidden_states, added = Conditioning.concat([job.conditioning for job in jobs])
-            noise = self.pipeline.unet(
-                torch.cat(inputs),
-                torch.cat(timesteps),
-                encoder_hidden_states=hidden_states,
-                added_cond_kwargs=added,
-                return_dict=False,
-            )[0]
-            for job, job_noise in zip(jobs, noise.split([job.unet_rows for job in jobs]), strict=True):
+                inputs.append(family.model_input(job.scheduler, rows, timestep))
+                timesteps.append(timestep.float().expand(job.rows))
+            conditioning = Conditioning.concat([job.conditioning for job in jobs])
+            noise = family.forward(torch.cat(inputs), torch.cat(timesteps), conditioning)
+            for job, job_noise in zip(jobs, noise.split([job.rows for job in jobs]), strict=True):
                 if job.guided:
                     unconditional, conditional = job_noise.chunk(2)
                     job_noise = unconditional + job.spec.guidance_scale * (conditional - unconditional)
@@ -297,7 +264,7 @@ class StepEngine:
                 job.step += 1
                 if job.inpainting is not None:
                     next_timestep = job.timesteps[job.step] if not job.done else None
-                    job.latents = job.inpainting.blend(job.scheduler, job.latents, next_timestep)
+                    job.latents = job.inpainting.blend(family, job.scheduler, job.latents, next_timestep)
 
     def decode(self, latents: torch.Tensor, width: int, height: int, tiled: bool = False) -> Decoded:
         """The end of ``__call__`` for finished latents of one shape (``tiled``: the VAE decodes in
@@ -316,14 +283,3 @@ class StepEngine:
             raise torch.OutOfMemoryError(
                 f"simulated out of memory: {pixels} pixels in one {stage}, fault_injection allows {limit}"
             )
-
-
-def _step_kwargs(scheduler: Scheduler, generators: list[torch.Generator]) -> dict:
-    """``prepare_extra_step_kwargs`` with eta 0: what ``scheduler.step`` takes of eta and generator."""
-    parameters = inspect.signature(scheduler.step).parameters
-    kwargs: dict = {}
-    if "eta" in parameters:
-        kwargs["eta"] = 0.0
-    if "generator" in parameters:
-        kwargs["generator"] = generators
-    return kwargs

@@ -134,8 +134,10 @@ def as_mask(image: Image.Image) -> Image.Image:
 
 def fit(width: int, height: int, min_side: int, max_side: int, max_pixels: int, multiple: int = 8) -> tuple[int, int]:
     """An input image's size as the output size: scaled down (aspect kept) to fit ``max_side`` and
-    ``max_pixels``, then each side down to a multiple of ``multiple`` and at least ``min_side``."""
+    ``max_pixels``, then each side down to a multiple of ``multiple`` and at least ``min_side``
+    (rounded up to a multiple)."""
     scale = min(1.0, max_side / max(width, height), (max_pixels / (width * height)) ** 0.5)
+    smallest = -(-min_side // multiple) * multiple
     return tuple(  # type: ignore[return-value]  # two sides
-        max(min_side, int(side * scale) // multiple * multiple) for side in (width, height)
+        max(smallest, int(side * scale) // multiple * multiple) for side in (width, height)
     )

@@ -48,7 +48,10 @@ REQUEST_LATENCY_SLA_RATIO = MetricSpec(
 )
 LATENCY_SLA = MetricSpec("sd_latency_sla_seconds", "gauge", "s", "the configured request latency SLA")
 DENOISE_STEP = MetricSpec(
-    "sd_denoise_step_seconds", "histogram", "s", "one denoising step: one UNet forward over the jobs stepped together"
+    "sd_denoise_step_seconds",
+    "histogram",
+    "s",
+    "one denoising step: one denoiser forward (UNet or transformer) over the jobs stepped together",
 )
 VAE_DECODE = MetricSpec(
     "sd_vae_decode_seconds", "histogram", "s", "VAE decode, safety check and post-processing of jobs done together"
@@ -92,8 +95,8 @@ WAITING = MetricSpec(
     "sd_waiting_requests",
     "gauge",
     "requests",
-    "requests in this worker waiting for a denoising step: admitted, not finished, left out of the last UNet forward "
-    "(by the batch cap or another latent shape)",
+    "requests in this worker waiting for a denoising step: admitted, not finished, left out of the last denoiser "
+    "forward (by the batch cap or another latent shape)",
     ("worker",),
 )
 CANCELLED = MetricSpec(
@@ -107,7 +110,7 @@ CANCELLED = MetricSpec(
 CancelReason = Literal["client_gone", "deadline", "shutdown"]
 CANCEL_REASONS: tuple[CancelReason, ...] = ("client_gone", "deadline", "shutdown")
 ITERATION_BATCH_SIZE = MetricSpec(
-    "sd_iteration_batch_size", "histogram", "images", "images stepped by one UNet forward"
+    "sd_iteration_batch_size", "histogram", "images", "images stepped by one denoiser forward (UNet or transformer)"
 )
 LORA_REQUESTS = MetricSpec(
     "sd_lora_requests_total",
@@ -210,7 +213,7 @@ class DiffusionMetrics:
         self._record(CANCELLED, 1, reason)
 
     def step(self, images: int, seconds: float) -> None:
-        """One UNet forward over ``images`` images."""
+        """One denoiser forward over ``images`` images."""
         self._record(ITERATION_BATCH_SIZE, images)
         self._record(DENOISE_STEP, seconds)
 

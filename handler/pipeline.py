@@ -7,6 +7,7 @@ so what is measured is what is served.
 from __future__ import annotations
 
 import functools
+import json
 import logging
 import os
 from pathlib import Path
@@ -18,14 +19,13 @@ from torch._inductor.runtime.cache_dir_utils import cache_dir
 
 from handler.config import HandlerSettings
 from handler.engine import StepEngine
-from handler.families import Pipeline, family_of
+from handler.families import Family, Pipeline, StableDiffusion3Family, family_of
 from handler.loras import LoraLibrary
 
 logger = logging.getLogger(__name__)
 
 DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
 ATTENTION_PROCESSORS = {"sdpa": AttnProcessor2_0, "vanilla": AttnProcessor}
-ATTENTION_COMPONENTS = ("unet", "vae")
 
 
 def resolve_device(setting: str, gpu_id: int | None = None) -> torch.device:
@@ -57,27 +57,38 @@ def _pipeline_source(settings: HandlerSettings, model_dir: str | Path) -> str:
     return settings.model_path
 
 
-def _set_attention(pipeline: Pipeline, settings: HandlerSettings) -> None:
+def _set_attention(family: Family, settings: HandlerSettings) -> None:
+    """The configured processor on the VAE and on a denoiser that takes it (slicing: on the UNet)."""
+    if settings.attention_slicing and family.own_attention:
+        raise ValueError(
+            f"attention_slicing is not available for {family.name} models: their denoiser keeps its own attention "
+            f"processors ({', '.join(cls.__name__ for cls in family.own_attention)})"
+        )
     processor_class = ATTENTION_PROCESSORS[settings.attention]
-    for name in ATTENTION_COMPONENTS:
-        getattr(pipeline, name).set_attn_processor(processor_class())
+    for component in _attention_components(family, settings):
+        if component != family.denoiser_name or not family.own_attention:
+            getattr(family.pipeline, component).set_attn_processor(processor_class())
     if settings.attention_slicing:
-        pipeline.enable_attention_slicing()
+        family.pipeline.enable_attention_slicing()
 
 
-def attention_summary(pipeline: Pipeline, settings: HandlerSettings) -> str:
-    """Check that every attention module runs the configured processor; return a summary.
-    Attention slicing replaces the UNet's processors only."""
+def _attention_components(family: Family, settings: HandlerSettings) -> dict[str, type]:
+    """The processor each component's attention modules must run: the configured one; attention
+    slicing's on the UNet; the family's own on a denoiser that keeps them."""
     configured = ATTENTION_PROCESSORS[settings.attention]
-    expected = {"unet": SlicedAttnProcessor if settings.attention_slicing else configured, "vae": configured}
+    denoiser = SlicedAttnProcessor if settings.attention_slicing else configured
+    return {family.denoiser_name: family.own_attention[0] if family.own_attention else denoiser, "vae": configured}
+
+
+def attention_summary(family: Family, settings: HandlerSettings) -> str:
+    """Check that every attention module runs the processor it should; return a summary."""
     wrong: list[str] = []
     counts: dict[str, int] = {}
-    for component in ATTENTION_COMPONENTS:
-        for module, processor in getattr(pipeline, component).attn_processors.items():
-            name = expected[component].__name__
-            counts[name] = counts.get(name, 0) + 1
-            if not isinstance(processor, expected[component]):
-                wrong.append(f"{component}.{module} ({type(processor).__name__}, expected {name})")
+    for component, expected in _attention_components(family, settings).items():
+        for module, processor in getattr(family.pipeline, component).attn_processors.items():
+            counts[expected.__name__] = counts.get(expected.__name__, 0) + 1
+            if not isinstance(processor, expected):
+                wrong.append(f"{component}.{module} ({type(processor).__name__}, expected {expected.__name__})")
     if wrong:
         raise RuntimeError(f"{len(wrong)} attention modules run the wrong processor: {', '.join(sorted(wrong)[:5])}")
     return "+".join(f"{name} on {count} modules" for name, count in counts.items())
@@ -99,7 +110,7 @@ def _apply_memory_options(pipeline: Pipeline, settings: HandlerSettings, device:
         pipeline.enable_sequential_cpu_offload(gpu_id=device.index)
 
 
-def _apply_compile(pipeline: Pipeline, settings: HandlerSettings) -> None:
+def _apply_compile(family: Family, settings: HandlerSettings) -> None:
     options = settings.compile
     if not options.enabled:
         return
@@ -108,10 +119,10 @@ def _apply_compile(pipeline: Pipeline, settings: HandlerSettings) -> None:
         Path(options.cache_dir).mkdir(parents=True, exist_ok=True)
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = options.cache_dir
     compile_ = functools.partial(torch.compile, mode=options.mode, fullgraph=options.fullgraph, dynamic=options.dynamic)
-    if "unet" in options.targets:
-        pipeline.unet = compile_(pipeline.unet)
+    if options.denoiser:
+        setattr(family.pipeline, family.denoiser_name, compile_(family.denoiser))
     if "vae_decoder" in options.targets:
-        pipeline.vae.decode = compile_(pipeline.vae.decode)
+        family.pipeline.vae.decode = compile_(family.pipeline.vae.decode)
 
 
 def compile_cache_summary() -> str:
@@ -134,12 +145,6 @@ def release_cached_memory() -> None:
         torch.cuda.empty_cache()
 
 
-def native_size(pipeline: Pipeline) -> tuple[int, int]:
-    """The resolution the model was trained at: UNet sample size times the VAE scale factor."""
-    side = pipeline.unet.config.sample_size * pipeline.vae_scale_factor
-    return side, side
-
-
 def _apply_safety_checker(pipeline: Pipeline, settings: HandlerSettings) -> str:
     """Keep the model's safety checker unless ``handler.safety_checker`` is false; say which."""
     if getattr(pipeline, "safety_checker", None) is None:
@@ -151,6 +156,20 @@ def _apply_safety_checker(pipeline: Pipeline, settings: HandlerSettings) -> str:
     return "on"
 
 
+def _without_t5(source: str, settings: HandlerSettings) -> dict[str, None]:
+    """``from_pretrained`` arguments that leave out an SD 3.x model's T5 encoder where
+    ``handler.text_encoder_3`` is false (none for a model of another family, which has no T5)."""
+    if settings.text_encoder_3:
+        return {}
+    index = Path(source) / "model_index.json"
+    class_name = json.loads(index.read_text()).get("_class_name") if index.is_file() else None
+    if class_name != StableDiffusion3Family.pipeline_class.__name__:
+        logger.warning("handler.text_encoder_3: false ignored: %s is not an SD 3.x pipeline", class_name)
+        return {}
+    logger.warning("serving without the T5 text encoder (handler.text_encoder_3: false): zero T5 embeddings")
+    return {"text_encoder_3": None, "tokenizer_3": None}
+
+
 def load_engine(settings: HandlerSettings, model_dir: str | Path, gpu_id: int | None = None) -> StepEngine:
     """Load the pipeline (safetensors only), detect its family (refusing any other pipeline),
     apply the configured optimizations and return the step engine over it."""
@@ -159,21 +178,26 @@ def load_engine(settings: HandlerSettings, model_dir: str | Path, gpu_id: int | 
     if device.type == "cuda" and settings.tf32:
         torch.backends.cuda.matmul.allow_tf32 = True
         torch.backends.cudnn.allow_tf32 = True
+    source = _pipeline_source(settings, model_dir)
     pipeline = AutoPipelineForText2Image.from_pretrained(
-        _pipeline_source(settings, model_dir), dtype=dtype, use_safetensors=True
+        source, dtype=dtype, use_safetensors=True, **_without_t5(source, settings)
     )
     pipeline.set_progress_bar_config(disable=True)
-    family = family_of(pipeline, device, dtype)
+    family = family_of(pipeline, device, dtype, settings.max_sequence_length)
     safety = _apply_safety_checker(pipeline, settings)
-    _set_attention(pipeline, settings)
+    _set_attention(family, settings)
     if settings.channels_last:
-        pipeline.unet.to(memory_format=torch.channels_last)
+        family.denoiser.to(memory_format=torch.channels_last)
         pipeline.vae.to(memory_format=torch.channels_last)
     _apply_memory_options(pipeline, settings, device)
-    attention = attention_summary(pipeline, settings)
-    _apply_compile(pipeline, settings)
+    attention = attention_summary(family, settings)
+    _apply_compile(family, settings)
+    text_encoder_3 = (
+        "" if not hasattr(pipeline, "text_encoder_3") else f" text_encoder_3={pipeline.text_encoder_3 is not None}"
+    )
     description = (
-        f"family={family.name} pipeline={type(pipeline).__name__} device={device} "
+        f"family={family.name} pipeline={type(pipeline).__name__} denoiser={family.denoiser_name}{text_encoder_3} "
+        f"device={device} "
         f"dtype={str(dtype).removeprefix('torch.')} vae_dtype={str(pipeline.vae.dtype).removeprefix('torch.')} "
         f"safety_checker={safety} attention={attention} channels_last={settings.channels_last} "
         f"tf32={settings.tf32 and device.type == 'cuda'} attention_slicing={settings.attention_slicing} "
@@ -181,10 +205,12 @@ def load_engine(settings: HandlerSettings, model_dir: str | Path, gpu_id: int | 
         f"compile={settings.compile.mode if settings.compile.enabled else 'off'}"
         f"{'(' + ','.join(settings.compile.targets) + ')' if settings.compile.enabled else ''}"
     )
-    compiled_unet = settings.compile.enabled and "unet" in settings.compile.targets
-    # diffusers switches LoRAs only on ModelMixin components, which a compiled UNet no longer is.
-    off_because = "handler.compile compiles the UNet, whose LoRA layers diffusers cannot switch"
+    # diffusers switches LoRAs only on ModelMixin components, which a compiled denoiser no longer is.
+    off_because = f"handler.compile compiles the {family.denoiser_name}, whose LoRA layers diffusers cannot switch"
     loras = LoraLibrary(
-        pipeline, settings.loras.directory(), settings.loras.max_loaded, off_because if compiled_unet else None
+        pipeline,
+        settings.loras.directory(),
+        settings.loras.max_loaded,
+        off_because if settings.compile.denoiser else None,
     )
     return StepEngine(pipeline, family, device, dtype, description, loras, settings.fault_injection)

@@ -30,6 +30,7 @@ from pydantic_core import PydanticCustomError
 
 from handler.config import (
     MAX_SEED,
+    FamilyRules,
     OutputFormat,
     RequestDefaults,
     RequestLimits,
@@ -92,6 +93,12 @@ class RequestPolicy:
     streaming: bool = False  # continuous batching: answers leave in parts and can stream progress
     over_grpc: bool = False  # the request came over gRPC, whose answers TorchServe 0.12 ends with their first part
     model_name: str = "stable-diffusion"  # the name TorchServe serves this model under
+    rules: FamilyRules = FamilyRules()  # what the served model's family allows
+
+    @property
+    def max_side(self) -> int:
+        """The largest width or height: the configured one, or less where the model takes less."""
+        return min(self.limits.max_side, self.rules.max_side or self.limits.max_side)
 
 
 Model = TypeVar("Model", bound=BaseModel)
@@ -150,10 +157,13 @@ class GenerationRequest(BaseModel):
     num_inference_steps: int = Field(ge=1, description="denoising steps")
     guidance_scale: float = Field(ge=0, allow_inf_nan=False, description="classifier-free guidance scale")
     seed: int | None = Field(None, ge=0, le=MAX_SEED, description="seed of the first image; random if left out")
-    width: int = Field(ge=8, multiple_of=8, description="image width in pixels")
-    height: int = Field(ge=8, multiple_of=8, description="image height in pixels")
+    width: int = Field(ge=8, description="image width in pixels, on the model family's grid (8, SD 3.x: 16)")
+    height: int = Field(ge=8, description="image height in pixels, on the model family's grid (8, SD 3.x: 16)")
     num_images_per_prompt: int = Field(ge=1, description="images to generate for this prompt")
-    scheduler: SchedulerName = Field(description="sampler used for denoising")
+    scheduler: SchedulerName = Field(
+        description="sampler used for denoising, one of the model family's: ddim, euler, euler_a, dpmpp_2m, pndm "
+        "(SD 1.x/2.x, SDXL); flow_match_euler (SD 3.x)"
+    )
     output_format: OutputFormat = Field(description="encoding of the returned images")
     output_compression: int | None = Field(
         None, ge=0, le=100, description="quality of jpeg and webp images (0..100, higher is better); png ignores it"
@@ -191,7 +201,9 @@ class GenerationRequest(BaseModel):
             size = peek_size(data["image"], policy.limits.max_input_pixels)
             if size is not None:
                 limits = policy.limits
-                defaults["width"], defaults["height"] = fit(*size, limits.min_side, limits.max_side, limits.max_pixels)
+                defaults["width"], defaults["height"] = fit(
+                    *size, limits.min_side, policy.max_side, limits.max_pixels, policy.rules.grid
+                )
         return {**defaults, **data}
 
     @field_validator("prompt")
@@ -237,10 +249,31 @@ class GenerationRequest(BaseModel):
             raise _above_limit(value, limit, setting)
         return value
 
+    @field_validator("scheduler", mode="before")
+    @classmethod
+    def _scheduler_of_the_family(cls, value: Any, info: ValidationInfo) -> Any:
+        rules = _policy(info).rules
+        if value not in rules.schedulers:
+            names = [f"'{name}'" for name in rules.schedulers]
+            allowed = names[0] if len(names) == 1 else f"{', '.join(names[:-1])} or {names[-1]}"
+            raise PydanticCustomError(
+                "literal_error",
+                "Input should be {allowed} (the schedulers of {family} models)",
+                {"allowed": allowed, "family": rules.family},
+            )
+        return value
+
     @field_validator("width", "height")
     @classmethod
     def _side_within_limits(cls, value: int, info: ValidationInfo) -> int:
-        limits = _policy(info).limits
+        policy = _policy(info)
+        limits, rules = policy.limits, policy.rules
+        if value % rules.grid:
+            raise PydanticCustomError(
+                "multiple_of",
+                "Input should be a multiple of {grid} (the size grid of {family} models), got {value}",
+                {"grid": rules.grid, "family": rules.family, "value": value},
+            )
         if value < limits.min_side:
             raise PydanticCustomError(
                 "greater_than_equal",
@@ -249,6 +282,13 @@ class GenerationRequest(BaseModel):
             )
         if value > limits.max_side:
             raise _above_limit(value, limits.max_side, "max_side")
+        if value > policy.max_side:
+            raise PydanticCustomError(
+                "less_than_equal",
+                "Input should be less than or equal to {limit} (the largest side this {family} model's denoiser "
+                "takes), got {value}",
+                {"limit": policy.max_side, "family": rules.family, "value": value},
+            )
         if info.field_name == "height" and isinstance(info.data.get("width"), int):
             pixels = info.data["width"] * value
             if pixels > limits.max_pixels:
@@ -336,7 +376,7 @@ class GenerationRequest(BaseModel):
         if info.data["image"] is None:
             raise PydanticCustomError("needs_image", "strength applies to an input image (the image field)")
         steps = info.data.get("num_inference_steps")
-        if isinstance(steps, int) and int(steps * value) < 1:
+        if isinstance(steps, int) and _policy(info).rules.image_steps(steps, value) < 1:
             raise PydanticCustomError(
                 "no_steps",
                 "strength {strength} of {steps} steps leaves int({steps} x {strength}) = 0 denoising steps: raise "

@@ -1,6 +1,6 @@
-"""Which jobs take the next UNet forward: the step-time profile and deadline slack.
+"""Which jobs take the next denoiser forward: the step-time profile and deadline slack.
 
-Sizes are counted in UNet rows, what a forward's time and memory grow with: an image is two rows
+Sizes are counted in denoiser rows, what a forward's time and memory grow with: an image is two rows
 with classifier-free guidance, one without. ``StepProfile`` measures, per latent shape, the seconds
 of one step at 1, 2, 4, ... guided images and derives the batch cap: the fewest rows whose per-row
 step time is within ``PROFILE_GAIN`` of the best (beyond it a larger batch only adds latency). It
@@ -18,6 +18,7 @@ from collections.abc import Callable
 
 import torch
 
+from handler.config import SchedulerName
 from handler.engine import DenoiseJob, JobSpec, StepEngine
 from handler.pipeline import release_cached_memory, synchronize
 
@@ -29,12 +30,13 @@ Shape = tuple[int, ...]
 
 
 class StepProfile:
-    """Measured step seconds per latent shape and batch (in UNet rows), the batch cap they imply,
+    """Measured step seconds per latent shape and batch (in denoiser rows), the batch cap they imply,
     and the memory limits seen."""
 
-    def __init__(self, engine: StepEngine, max_images: int):
+    def __init__(self, engine: StepEngine, max_images: int, scheduler: SchedulerName = "ddim"):
         self.engine = engine
         self.max_rows = 2 * max_images  # guided images
+        self.scheduler = scheduler  # what the profile's jobs step with (one the model's family serves)
         self.seconds: dict[Shape, dict[int, float]] = {}
         self.memory_caps: dict[Shape, int] = {}
         self.too_large: dict[Shape, int] = {}
@@ -53,10 +55,11 @@ class StepProfile:
         shape = self.engine.latent_shape(width, height)
         timings: dict[int, float] = {}
         for size in self.sizes():
-            (job,) = self.engine.start([JobSpec("profile", None, tuple(range(size)), width, height, 2, "ddim", 7.5)])
+            spec = JobSpec("profile", None, tuple(range(size)), width, height, 2, self.scheduler, 7.5)
+            (job,) = self.engine.start([spec])
             if not self._timed_steps(job, timings):
                 release_cached_memory()  # outside the except block: the failed forward's tensors are gone
-                self.ran_out_of_memory(shape, job.unet_rows, alone=True)
+                self.ran_out_of_memory(shape, job.rows, alone=True)
                 break
         self.seconds[shape] = timings
         logger.info(
@@ -76,7 +79,7 @@ class StepProfile:
             synchronize(self.engine.device)
         except torch.OutOfMemoryError:
             return False
-        timings[job.unet_rows] = time.perf_counter() - started
+        timings[job.rows] = time.perf_counter() - started
         return True
 
     def measured(self, shape: Shape) -> bool:
@@ -133,8 +136,8 @@ def choose(waiting: dict[str, DenoiseJob], slacks: dict[str, float], cap: Callab
     chosen: list[str] = []
     for name in order:
         job = waiting[name]
-        if job.forward_group != group or chosen and rows + job.unet_rows > limit:
+        if job.forward_group != group or chosen and rows + job.rows > limit:
             continue
         chosen.append(name)
-        rows += job.unet_rows
+        rows += job.rows
     return chosen

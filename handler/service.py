@@ -3,7 +3,7 @@
 Requests become jobs of the step engine at admission: decoding and validation, the memory check,
 text encoding (one call for the requests admitted together), the job's scheduler and latents.
 Everything that can fail for a request's own reasons fails there, with its own status. Then
-iterations: ``choose`` picks the jobs of one latent shape for ONE UNet forward whatever their
+iterations: ``choose`` picks the jobs of one latent shape for ONE denoiser forward whatever their
 steps, scheduler and guidance, and finished jobs are decoded together and answered.
 TorchServe's two modes are two loops over the same iteration:
 
@@ -31,7 +31,7 @@ from handler.engine import DenoiseJob, JobSpec, StepEngine
 from handler.families import Decoded
 from handler.loras import Adapters, LoraError
 from handler.metrics import DiffusionMetrics, MetricSink, QueueGauges
-from handler.pipeline import load_engine, native_size, release_cached_memory, synchronize
+from handler.pipeline import load_engine, release_cached_memory, synchronize
 from handler.protocol import (
     Api,
     IncomingRequest,
@@ -330,7 +330,7 @@ class DiffusionService:
         shape = self.engine.latent_shape(spec.width, spec.height)
         if not self.profile.measured(shape):
             self.profile.measure(spec.width, spec.height)
-        return self.profile.fits(shape, spec.unet_rows)
+        return self.profile.fits(shape, spec.rows)
 
     def _start_together(self, specs: dict[str, JobSpec]) -> dict[str, DenoiseJob | Response]:
         """Start jobs together (one text-encoder call); when that fails, each alone, so that a
@@ -404,12 +404,12 @@ class DiffusionService:
         return QueueGauges(len(self.flights), sum(flight.job.images for flight in self.flights.values()), self._waiting)
 
     def _step(self, chosen: list[str]) -> dict[str, Response]:
-        """One UNet forward for ``chosen``. Out of memory halves the jobs that did not advance (and
+        """One denoiser forward for ``chosen``. Out of memory halves the jobs that did not advance (and
         the shape's cap) and retries each half, so only a job that does not fit alone fails.
         Returns failures and progress lines by id."""
         jobs = [self.flights[rid].job for rid in chosen]
         steps_before = [job.step for job in jobs]
-        rows = sum(job.unet_rows for job in jobs)
+        rows = sum(job.rows for job in jobs)
         started = time.perf_counter()
         try:
             self.engine.step(jobs)
@@ -601,18 +601,19 @@ def build_service(
     drain_left: Callable[[], float | None] = lambda: None,
 ) -> tuple[DiffusionService, HandlerSettings]:
     """Load the pipeline and build the service exactly as a worker does (the handler, the
-    benchmarks and the tests share this); return it with the settings resolved to the model's
-    native size. ``streaming``: continuous batching, which can stream progress; ``batch_size``:
-    TorchServe's; ``worker``: the label of this worker's gauges; ``model_name``: the name TorchServe
+    benchmarks and the tests share this); return it with the settings resolved for the model
+    (``HandlerSettings.for_model``). ``streaming``: continuous batching, which can stream progress;
+    ``batch_size``: TorchServe's; ``worker``: the label of this worker's gauges; ``model_name``: the name TorchServe
     serves it under; ``drain_left``: while the server is stopping, the seconds left to answer every
     request."""
     engine = load_engine(settings, model_dir, gpu_id)
-    settings = settings.with_native_size(*native_size(engine.pipeline))
+    rules = engine.family.rules
+    settings = settings.for_model(*engine.family.native_size(), rules)
     sla = settings.metrics.latency_sla_seconds
     service = DiffusionService(
         engine,
-        RequestPolicy(settings.limits, settings.defaults, streaming=streaming, model_name=model_name),
-        StepProfile(engine, settings.max_images_per_call),
+        RequestPolicy(settings.limits, settings.defaults, streaming=streaming, model_name=model_name, rules=rules),
+        StepProfile(engine, settings.max_images_per_call, settings.defaults.scheduler),
         DiffusionMetrics(sink, sla, worker),
         sla,
         settings.log_prompts,

@@ -14,6 +14,12 @@ safetensors weights:
   directories ship them. The checker is calibrated to flag one known image (the calibration
   request written to ``calibration.json``) and to pass images unlike it, so tests can see a flagged
   image next to an unflagged batchmate.
+- ``sd3``: SD 3 Medium (``StableDiffusion3Pipeline``: CLIP-L and CLIP-G with projections, a T5
+  encoder with a Unigram tokenizer built from a vocabulary list, an MMDiT ``SD3Transformer2DModel``
+  with patch size 2, a 16-channel VAE with SD3's shift and scaling factors, flow matching with
+  shift 3), 64x64 images.
+- ``sd35``: SD 3.5 Medium's shape (MMDiT-X: RMS-norm on queries and keys, dual-attention layers),
+  otherwise as ``sd3``.
 """
 
 from __future__ import annotations
@@ -29,8 +35,11 @@ from diffusers import (
     DDIMScheduler,
     DiffusionPipeline,
     EulerDiscreteScheduler,
+    FlowMatchEulerDiscreteScheduler,
     LatentConsistencyModelPipeline,
     LCMScheduler,
+    SD3Transformer2DModel,
+    StableDiffusion3Pipeline,
     StableDiffusionPipeline,
     StableDiffusionXLPipeline,
     UNet2DConditionModel,
@@ -44,13 +53,16 @@ from transformers import (
     CLIPTextModelWithProjection,
     CLIPTokenizer,
     CLIPVisionConfig,
+    T5Config,
+    T5EncoderModel,
+    T5Tokenizer,
 )
 from transformers.convert_slow_tokenizer import bytes_to_unicode
 
 logger = logging.getLogger("make_tiny_model")
 
 HIDDEN_SIZE = 32
-FAMILIES = ("sd1", "sd2", "sdxl", "sd1-safety")
+FAMILIES = ("sd1", "sd2", "sdxl", "sd1-safety", "sd3", "sd35")
 # The one image the sd1-safety checker flags: diffusers' own call with these arguments.
 CALIBRATION = {"prompt": "flag this picture", "seed": 0, "num_inference_steps": 4, "width": 64, "height": 64}
 CALIBRATION_FILE = "calibration.json"
@@ -60,6 +72,8 @@ FLAG_THRESHOLD = 0.9
 NEVER = 10.0  # a concept threshold no cosine reaches
 # Pipeline arguments of a model that ships no safety checker.
 WITHOUT_SAFETY_CHECKER = {"safety_checker": None, "feature_extractor": None, "requires_safety_checker": False}
+# SD 3's VAE has no quantization convolutions around its latent space.
+SD3_VAE_CONVOLUTIONS = {"use_quant_conv": False, "use_post_quant_conv": False}
 # The transformer size of every tiny CLIP model (text encoders and the safety checker's two towers).
 TINY_CLIP = {"hidden_size": HIDDEN_SIZE, "intermediate_size": 64, "num_attention_heads": 4}
 
@@ -69,6 +83,14 @@ def build_tokenizer() -> CLIPTokenizer:
     symbols = list(bytes_to_unicode().values())
     tokens = symbols + [symbol + "</w>" for symbol in symbols] + ["<|startoftext|>", "<|endoftext|>"]
     return CLIPTokenizer(vocab={token: index for index, token in enumerate(tokens)}, merges=[], model_max_length=77)
+
+
+def build_t5_tokenizer() -> T5Tokenizer:
+    """A character-level T5 tokenizer: a Unigram model over printable ASCII and the word marker,
+    built from a vocabulary list (no sentencepiece file, no download)."""
+    pieces = [("<pad>", 0.0), ("</s>", 0.0), ("<unk>", 0.0), ("\u2581", -2.0)]
+    pieces += [(chr(code), -3.0) for code in range(33, 127)]
+    return T5Tokenizer(vocab=pieces, extra_ids=0)
 
 
 def _text_config(tokenizer: CLIPTokenizer, **overrides) -> CLIPTextConfig:
@@ -85,17 +107,18 @@ def _text_config(tokenizer: CLIPTokenizer, **overrides) -> CLIPTextConfig:
 
 
 def _vae(**overrides) -> AutoencoderKL:
-    return AutoencoderKL(
-        in_channels=3,
-        out_channels=3,
-        block_out_channels=(16, 32, 64, 64),
-        down_block_types=("DownEncoderBlock2D",) * 4,
-        up_block_types=("UpDecoderBlock2D",) * 4,
-        latent_channels=4,
-        norm_num_groups=16,
-        sample_size=64,
-        **overrides,
-    )
+    """A VAE downsampling 8x to 4 latent channels; ``overrides`` change any of its settings."""
+    config = {
+        "in_channels": 3,
+        "out_channels": 3,
+        "block_out_channels": (16, 32, 64, 64),
+        "down_block_types": ("DownEncoderBlock2D",) * 4,
+        "up_block_types": ("UpDecoderBlock2D",) * 4,
+        "latent_channels": 4,
+        "norm_num_groups": 16,
+        "sample_size": 64,
+    }
+    return AutoencoderKL(**{**config, **overrides})
 
 
 def _ddim(**overrides) -> DDIMScheduler:
@@ -190,6 +213,68 @@ def build_sdxl_pipeline(seed: int) -> StableDiffusionXLPipeline:
     )
 
 
+def build_sd3_pipeline(seed: int, **transformer: object) -> StableDiffusion3Pipeline:
+    """SD 3: two CLIP encoders with projections (their pooled outputs joined are the pooled
+    projection), a T5 encoder as wide as the transformer's joint attention, an MMDiT transformer,
+    a 16-channel VAE with SD 3's shift and scaling factors and no quantization convolutions, and
+    flow matching with shift 3; ``transformer`` adds to the transformer's configuration."""
+    torch.manual_seed(seed)
+    joint_width = 2 * HIDDEN_SIZE  # CLIP-L and CLIP-G side by side, padded to T5's width
+    t5_tokenizer = build_t5_tokenizer()
+    t5 = T5EncoderModel(
+        T5Config(
+            vocab_size=len(t5_tokenizer),
+            d_model=joint_width,
+            d_kv=16,
+            d_ff=64,
+            num_layers=2,
+            num_heads=4,
+            pad_token_id=t5_tokenizer.pad_token_id,
+            eos_token_id=t5_tokenizer.eos_token_id,
+        )
+    )
+    tokenizer = build_tokenizer()
+    clip = [
+        CLIPTextModelWithProjection(_text_config(tokenizer, hidden_act="gelu", projection_dim=HIDDEN_SIZE))
+        for _ in range(2)
+    ]
+    return StableDiffusion3Pipeline(
+        transformer=SD3Transformer2DModel(
+            sample_size=8,
+            patch_size=2,
+            in_channels=16,
+            out_channels=16,
+            num_layers=3,
+            attention_head_dim=8,
+            num_attention_heads=4,
+            caption_projection_dim=HIDDEN_SIZE,
+            joint_attention_dim=joint_width,
+            pooled_projection_dim=2 * HIDDEN_SIZE,
+            pos_embed_max_size=32,
+            **transformer,
+        ),
+        scheduler=FlowMatchEulerDiscreteScheduler(shift=3.0),
+        vae=_vae(
+            latent_channels=16,
+            shift_factor=0.0609,
+            scaling_factor=1.5305,
+            use_quant_conv=False,
+            use_post_quant_conv=False,
+        ),
+        text_encoder=clip[0],
+        tokenizer=tokenizer,
+        text_encoder_2=clip[1],
+        tokenizer_2=build_tokenizer(),
+        text_encoder_3=t5,
+        tokenizer_3=t5_tokenizer,
+    )
+
+
+def build_sd35_pipeline(seed: int) -> StableDiffusion3Pipeline:
+    """SD 3.5 Medium's shape: MMDiT-X, with RMS-norm on queries and keys and dual-attention layers."""
+    return build_sd3_pipeline(seed, qk_norm="rms_norm", dual_attention_layers=(0, 1))
+
+
 def write_lcm_model(directory: Path, sd: StableDiffusionPipeline) -> None:
     """An LCM pipeline made of ``sd``'s components (a pipeline the step engine refuses), written to
     ``directory``."""
@@ -265,6 +350,8 @@ BUILDERS = {
     "sd2": build_sd2_pipeline,
     "sdxl": build_sdxl_pipeline,
     "sd1-safety": build_safety_pipeline,
+    "sd3": build_sd3_pipeline,
+    "sd35": build_sd35_pipeline,
 }
 
 

@@ -145,11 +145,16 @@ def _model_files(model_dir: Path) -> list[Path]:
     return [path for path in files if path.suffix not in PICKLE_SUFFIXES]
 
 
+def _handler_files() -> list[Path]:
+    """The handler package's modules, its subpackages' included."""
+    return sorted(HANDLER_PACKAGE.rglob("*.py"))
+
+
 def _fingerprint(model_files: list[Path], model_dir: Path, config_text: str, archive_format: str) -> str:
     """Changes when the handler code, the config, the format or any model file changes."""
     digest = hashlib.sha256(archive_format.encode() + config_text.encode())
-    for path in sorted(HANDLER_PACKAGE.glob("*.py")):
-        digest.update(path.name.encode() + path.read_bytes())
+    for path in _handler_files():
+        digest.update(str(path.relative_to(HANDLER_PACKAGE)).encode() + path.read_bytes())
     for path in model_files:
         stat = path.stat()
         digest.update(f"{path.relative_to(model_dir)}:{stat.st_size}:{stat.st_mtime_ns}".encode())
@@ -166,8 +171,8 @@ def _link_or_copy(source: Path, target: Path) -> None:
 
 def _stage(model_dir: Path, model_files: list[Path], stage: Path) -> None:
     """The archive root: the ``handler`` package and the pipeline under ``model/``."""
-    for path in HANDLER_PACKAGE.glob("*.py"):
-        _link_or_copy(path, stage / "handler" / path.name)
+    for path in _handler_files():
+        _link_or_copy(path, stage / "handler" / path.relative_to(HANDLER_PACKAGE))
     for path in model_files:
         _link_or_copy(path, stage / "model" / path.relative_to(model_dir))
 

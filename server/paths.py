@@ -38,5 +38,7 @@ TINY_MODEL_DIRS = {
     "sd2": MODELS / "tiny-sd2",
     "sdxl": MODELS / "tiny-sdxl",
     "sd1-safety": MODELS / "tiny-sd-safety",
+    "sd3": MODELS / "tiny-sd3",
+    "sd35": MODELS / "tiny-sd35",
 }
 RANDOM_MODEL_DIR = TINY_MODEL_DIRS["sd1"]

@@ -40,7 +40,15 @@ def test_every_section_records_where_it_ran(report):
         assert report[section]["environment"]["device"] == "cpu"
         assert report[section]["plan"]["steps"] == QUICK.steps
     assert "## Goals" in report["markdown"] and "Measured on a CPU" in report["markdown"]
-    for heading in ("## 1. SD 1.5 variants", "## 2. Batch scaling", "## 3. Step engine", "## 4. Served", "## 5. SDXL"):
+    for heading in (
+        "## 1. SD 1.5 variants",
+        "## 2. Batch scaling",
+        "## 3. Step engine",
+        "## 4. Served",
+        "## 5. SDXL",
+        "## 6. SD 3.5",
+        "## 7. SD 3.5",
+    ):
         assert heading in report["markdown"]
 
 
@@ -100,3 +108,19 @@ def test_sdxl_runs_eager_and_compiled(report):
     assert list(rows) == ["eager", "compile-default"]
     assert all(row["status"] == "ok" and row["unet_it_s"] > 0 for row in rows.values())
     assert rows["eager"]["unet_call_flops"] > 0  # SDXL's UNet counted with its added conditioning
+
+
+def test_sd35_runs_in_process_at_each_batch_and_served_with_continuous_batching(report):
+    rows = report["sd35"]["rows"]
+    assert [(row["batch"], row["status"]) for row in rows] == [(batch, "ok") for batch in QUICK.sd35_batches]
+    assert all(row["unet_it_s"] > 0 and row["workload"]["scheduler"] == "flow_match_euler" for row in rows)
+    assert rows[0]["unet_call_flops"] > 0  # the SD 3 transformer counted with CLIP's and T5's tokens
+    assert "family=SD 3.x" in rows[0]["description"]
+    points = report["sd35_served"]["points"]
+    assert [(point["mode"], point["concurrency"]) for point in points] == [
+        ("continuous", concurrency) for concurrency in QUICK.sd35_batches
+    ]
+    ceilings = {row["batch"]: row["images_per_s"] for row in rows}
+    for point in points:
+        assert point["errors"] == 0 and point["images_per_s"] > 0
+        assert point["ceiling_images_per_s"] == ceilings[point["concurrency"]], "the ceiling is sd35's own figure"

@@ -14,7 +14,7 @@ import pytest
 import requests
 
 from bench.reference import Reference
-from handler.engine import SCHEDULERS
+from handler.families.sd import SCHEDULERS
 from tests.harness.images import decode_png
 from tests.harness.serving import MODEL_DIR, Client, wait_until_denoising
 

@@ -7,7 +7,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from handler.engine import SCHEDULERS
+from handler.families.sd import SCHEDULERS
 from model_making.shapes import COLOURS, SHAPES, Judgement, accuracy, dominant_colour, shape_of
 from tests.harness.images import decode_json_images, decode_png
 from tests.harness.serving import run_behind_blocker

@@ -1,6 +1,7 @@
 """Every family through a real TorchServe, in both batching modes: SD 1.x (with a safety checker),
-SD 2.x and SDXL tiny random-weight pipelines. A seeded request gets diffusers' own image; requests
-with mixed steps, schedulers and guidance share UNet forwards, alone or joining a running one;
+SD 2.x, SDXL and SD 3 tiny random-weight pipelines, each served with the shipped model-config.yaml's
+defaults. A seeded request gets diffusers' own image; requests with mixed steps, schedulers and
+guidance share denoiser forwards, alone or joining a running one;
 edits (the OpenAI SDK's, with and without a mask, and the native API's base64 images) get the
 img2img and inpaint pipelines' images, sharing forwards with text-to-image requests; a
 bad request mid-flight fails alone; the safety checker flags as diffusers does and says so; the
@@ -20,7 +21,7 @@ from dataclasses import dataclass
 import numpy as np
 import pytest
 import requests
-from openai import OpenAI
+from openai import BadRequestError, OpenAI
 from PIL import Image, ImageOps
 
 from bench.reference import Reference
@@ -28,14 +29,15 @@ from handler.encode import EXIF_IMAGE_DESCRIPTION
 from handler.protocol import NSFW_HEADER
 from model_making.make_lora import write_lora
 from model_making.make_tiny_model import CALIBRATION, CALIBRATION_FILE, build_pipeline, write_lcm_model
-from server import TorchServe
+from server import KEY_FILE, TorchServe
 from server import write_model_config as model_config
 from server.paths import TINY_MODEL_DIRS
 from tests.harness.images import decode_png
+from tests.harness.readme import run_example
 from tests.harness.serving import Client, serving, value
 
 MODES = ("dynamic", "continuous")
-FAMILIES = {"sd1-safety": 64, "sd2": 96, "sdxl": 64}  # native sides
+FAMILIES = {"sd1-safety": 64, "sd2": 96, "sdxl": 64, "sd3": 64}  # native sides
 CASES = [(family, mode) for family in FAMILIES for mode in MODES]
 # Long enough to keep a tiny model's worker busy while others arrive (a few seconds on 2 cores).
 LORA = "tiny"  # a random LoRA written for the family's tiny model
@@ -52,6 +54,15 @@ class Served:
     @property
     def side(self) -> int:
         return FAMILIES[self.family]
+
+    @property
+    def schedulers(self) -> tuple[str, ...]:
+        """The family's schedulers, the one a request gets by default first: the shipped default
+        (ddim) for the UNet families, the model's own flow matching for SD 3."""
+        return ("flow_match_euler",) if self.family == "sd3" else ("ddim", "euler_a", "dpmpp_2m")
+
+    def scheduler(self, index: int) -> str:
+        return self.schedulers[index % len(self.schedulers)]
 
 
 @pytest.fixture(scope="module", params=CASES, ids=[f"{family}-{mode}" for family, mode in CASES])
@@ -87,7 +98,7 @@ def reference(references: dict[str, Reference], served: Served, body: dict):
         body["num_inference_steps"],
         negative_prompt=body.get("negative_prompt"),
         num_images_per_prompt=body.get("num_images_per_prompt", 1),
-        scheduler=body.get("scheduler", "ddim"),
+        scheduler=body.get("scheduler", served.scheduler(0)),
         guidance_scale=body.get("guidance_scale", 7.5),
         image=None if "image" not in body else Image.open(io.BytesIO(base64.b64decode(body["image"]))).convert("RGB"),
         mask=None if "mask" not in body else diffusers_mask(base64.b64decode(body["mask"])),
@@ -169,14 +180,14 @@ def test_mixed_steps_schedulers_and_guidance_share_forwards_and_each_gets_diffus
             "prompt": "a green triangle",
             "seed": 2,
             "num_inference_steps": 4,
-            "scheduler": "euler_a",
+            "scheduler": served.scheduler(1),
             "response_format": "json",
         },
         {
             "prompt": "a yellow square",
             "seed": 3,
             "num_inference_steps": 8,
-            "scheduler": "dpmpp_2m",
+            "scheduler": served.scheduler(2),
             "guidance_scale": 1.0,
             "response_format": "json",
         },
@@ -192,7 +203,7 @@ def test_mixed_steps_schedulers_and_guidance_share_forwards_and_each_gets_diffus
     assert long.status_code == 200, long.text
     for body, (response, _) in zip(bodies, followers, strict=True):
         assert_diffusers_images(references, served, body, response)
-        assert response.json()["batch"]["max_step_images"] >= 2, "the request never shared a UNet forward"
+        assert response.json()["batch"]["max_step_images"] >= 2, "the request never shared a denoiser forward"
     if served.mode == "dynamic":
         assert [response.json()["batch"]["requests"] for response, _ in followers] == [3, 3, 3], (
             "not one TorchServe batch"
@@ -254,6 +265,40 @@ def test_a_lora_request_gets_diffusers_images_with_the_lora_loaded(served, refer
         "response_format": "json",
     }
     assert_diffusers_images(references, served, body, served.client.predict(body))
+
+
+def test_a_request_without_a_scheduler_gets_the_familys_default_and_others_are_refused_naming_the_allowed(served):
+    """The shipped defaults name ddim; an SD 3 model serves its own flow matching instead, and a
+    scheduler or a size its family cannot take is a 400 naming the field and what it allows."""
+    body = {"prompt": "a red circle", "seed": 1, "num_inference_steps": 2, "response_format": "json"}
+    response = served.client.predict(body)
+    assert response.status_code == 200 and response.json()["parameters"]["scheduler"] == served.scheduler(0)
+    other = "ddim" if served.family == "sd3" else "flow_match_euler"
+    refused = served.client.predict({**body, "scheduler": other})
+    (error,) = refused.json()["errors"]
+    assert refused.status_code == 400 and error["field"] == "scheduler"
+    assert all(f"'{name}'" in error["message"] for name in served.schedulers)
+    assert f"'{other}' or" not in error["message"] and f"'{other}'," not in error["message"]
+    grid = 16 if served.family == "sd3" else 8
+    off_grid = served.client.predict({**body, "width": served.side + grid // 2})
+    assert off_grid.status_code == 400 and off_grid.json()["errors"][0]["field"] == "width"
+    assert f"multiple of {grid}" in off_grid.json()["errors"][0]["message"]
+    client = OpenAI(
+        base_url=f"{served.server.predictions_url}/1.0/v1", api_key=served.server.keys.inference, max_retries=0
+    )
+    with pytest.raises(BadRequestError) as refusal:
+        client.images.generate(prompt="a red circle", size=f"{served.side + grid // 2}x{served.side}")  # type: ignore[arg-type]
+    assert refusal.value.status_code == 400 and refusal.value.param == "size"
+
+
+def test_the_readme_sd3_example_runs_as_written_against_an_sd3_server(served, tmp_path):
+    if served.family != "sd3":
+        pytest.skip("the example is for an SD 3.x model")
+    (tmp_path / "runtime").mkdir()
+    (tmp_path / "runtime" / KEY_FILE).symlink_to(served.server.workdir / KEY_FILE)
+    result = run_example("sd3-curl", served.server, tmp_path)
+    assert result.stdout.strip() == "flow_match_euler"
+    assert decode_png((tmp_path / "lighthouse.png").read_bytes()).shape == (served.side, served.side, 3)
 
 
 def test_a_bad_request_mid_flight_fails_alone(served):

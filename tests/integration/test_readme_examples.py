@@ -25,6 +25,7 @@ def test_every_marked_example_is_bash_or_python():
         "openai-sdk",
         "openai-curl",
         "lora-curl",
+        "sd3-curl",
     } <= set(examples)
     assert all(language in RUNNERS for language, _ in examples.values())
 

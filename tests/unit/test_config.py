@@ -1,6 +1,7 @@
 """Handler settings and the shipped configuration files."""
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -10,6 +11,7 @@ from pydantic import ValidationError
 from handler.config import (
     REQUEST_TIMEOUT_SHARE,
     TORCHSERVE_RESPONSE_TIMEOUT,
+    FamilyRules,
     HandlerSettings,
     continuous_batching,
 )
@@ -93,14 +95,29 @@ def test_compile_cache_dir_is_absolute_after_expanding_home_and_variables(monkey
 
 def test_native_size_fills_unset_default_size_and_is_checked():
     settings = HandlerSettings()
-    assert settings.with_native_size(64, 64).defaults.width == 64
+    assert settings.for_model(64, 64).defaults.width == 64
     pinned = HandlerSettings.model_validate({"defaults": {"width": 256, "height": 128}})
-    assert (pinned.with_native_size(64, 64).defaults.width, pinned.with_native_size(64, 64).defaults.height) == (
+    assert (pinned.for_model(64, 64).defaults.width, pinned.for_model(64, 64).defaults.height) == (
         256,
         128,
     )
     with pytest.raises(ValidationError):
-        HandlerSettings.model_validate({"limits": {"max_side": 512}}).with_native_size(1024, 1024)
+        HandlerSettings.model_validate({"limits": {"max_side": 512}}).for_model(1024, 1024)
+
+
+def test_a_model_gets_its_familys_scheduler_where_the_configured_default_is_not_its_familys():
+    sd3 = FamilyRules("SD 3.x", ("flow_match_euler",), "flow_match_euler", 16, "start", max_side=512)
+    shipped = HandlerSettings.from_model_yaml(SHIPPED_CONFIG)
+    assert shipped.defaults.scheduler == "ddim" and shipped.for_model(64, 64).defaults.scheduler == "ddim"
+    assert shipped.for_model(1024, 1024, replace(sd3, max_side=None)).defaults.scheduler == "flow_match_euler"
+    turbo = HandlerSettings.model_validate({"defaults": {"num_inference_steps": 4, "guidance_scale": 0}})
+    assert turbo.for_model(1024, 1024, replace(sd3, max_side=None)).defaults.model_dump(
+        include={"num_inference_steps", "guidance_scale", "scheduler"}
+    ) == {"num_inference_steps": 4, "guidance_scale": 0.0, "scheduler": "flow_match_euler"}
+    with pytest.raises(ValueError, match="width must be multiples of 16 and at most 512 for this SD 3.x model"):
+        HandlerSettings.model_validate({"defaults": {"width": 72, "height": 64}}).for_model(64, 64, sd3)
+    with pytest.raises(ValueError, match="width and height must be multiples of 16 and at most 512"):
+        HandlerSettings().for_model(1024, 1024, sd3)
 
 
 def test_model_path_is_relative_to_the_archive_unless_absolute():

@@ -7,20 +7,18 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from PIL import Image
 
 from bench.reference import Reference
 from handler.config import HandlerSettings
-from handler.engine import SCHEDULERS, JobSpec, StepEngine
-from handler.families import Decoded, UnsupportedPipeline
+from handler.engine import JobSpec, StepEngine
+from handler.families import UnsupportedPipeline
+from handler.families.sd import SCHEDULERS
 from handler.pipeline import load_engine
 from model_making.make_tiny_model import write_lcm_model
 from server.paths import TINY_MODEL_DIRS
+from tests.harness.engine_runs import assert_same_images, expected, hole, picture, run
 
 FAMILIES = ("sd1", "sd2", "sdxl")
-# Jobs stepped together and alone differ by float rounding only; in 8 bits an image may differ by
-# this much per channel value (0-255).
-TOLERANCE = 1
 
 
 def engine_for(family: str, **settings) -> StepEngine:
@@ -54,59 +52,6 @@ def spec(
 ) -> JobSpec:
     seeds = tuple(range(seed, seed + images))
     return JobSpec(prompt, negative, seeds, side, side, steps, scheduler, guidance, image, mask, strength)
-
-
-def picture(side: int, seed: int = 0) -> Image.Image:
-    """An input image: coloured noise."""
-    return Image.fromarray(np.random.default_rng(seed).integers(0, 256, (side, side, 3), dtype=np.uint8))
-
-
-def hole(side: int) -> Image.Image:
-    """An inpainting mask as diffusers takes it: white (repainted) in the middle."""
-    mask = np.zeros((side, side), dtype=np.uint8)
-    mask[side // 4 : 3 * side // 4, side // 4 : 3 * side // 4] = 255
-    return Image.fromarray(mask)
-
-
-def expected(reference: Reference, job: JobSpec):
-    return reference(
-        job.prompt,
-        job.seeds[0],
-        job.width,
-        job.height,
-        job.num_inference_steps,
-        negative_prompt=job.negative_prompt,
-        num_images_per_prompt=job.images,
-        scheduler=job.scheduler,
-        guidance_scale=job.guidance_scale,
-        image=job.image,
-        mask=job.mask,
-        strength=job.strength,
-    )
-
-
-def run(engine: StepEngine, plan: list[tuple[int, JobSpec]]) -> list[Decoded]:
-    """Step jobs that join at the given iterations together until all are done (jobs joining at
-    one iteration are started together); decode each alone as it finishes. Returns the decoded
-    images in plan order."""
-    running, finished, iteration = {}, {}, 0
-    while len(finished) < len(plan):
-        joining = {index: job for index, (joins, job) in enumerate(plan) if joins == iteration}
-        running.update(zip(joining, engine.start(list(joining.values())), strict=True))
-        engine.step(list(running.values()))
-        for index in [index for index, job in running.items() if job.done]:
-            job = running.pop(index)
-            finished[index] = engine.decode(job.latents, job.spec.width, job.spec.height)
-        iteration += 1
-    return [finished[index] for index in range(len(plan))]
-
-
-def assert_same_images(actual: Decoded, reference) -> None:
-    assert len(actual.images) == len(reference.images)
-    for ours, theirs in zip(actual.images, reference.images, strict=True):
-        difference = np.abs(np.asarray(ours, dtype=np.int16) - np.asarray(theirs, dtype=np.int16))
-        assert difference.max() <= TOLERANCE, f"images differ by up to {difference.max()}"
-    assert actual.nsfw_content_detected == reference.nsfw_content_detected
 
 
 @pytest.mark.parametrize("family", FAMILIES)

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from handler.config import RequestDefaults, RequestLimits
+from handler.config import FamilyRules, RequestDefaults, RequestLimits
 from handler.input_image import fit
 from handler.request import RequestError, RequestPolicy, decode_body, decode_form
 
@@ -164,3 +164,19 @@ def test_a_decompression_bomb_is_refused_from_its_header_before_decoding():
 )
 def test_fit_keeps_the_aspect_within_the_limits(size, expected):
     assert fit(*size, min_side=64, max_side=512, max_pixels=512 * 256) == expected
+
+
+def test_an_input_image_runs_the_steps_its_familys_img2img_pipeline_rounds_to():
+    """SD's get_timesteps runs int(steps x strength) steps, SD 3's rounds the skipped ones down: 2
+    steps at strength 0.3 is no step for SD (a 400) and one for SD 3, whose input image's size is
+    also fitted to its grid and to the largest side its transformer takes."""
+    sd3 = replace(
+        POLICY,
+        defaults=RequestDefaults(width=64, height=64, scheduler="flow_match_euler"),
+        rules=FamilyRules("SD 3.x", ("flow_match_euler",), "flow_match_euler", 16, "start", max_side=256),
+    )
+    body = {"prompt": "x", "image": b64(encoded(rgba((64, 64), hole=False))), "num_inference_steps": 2, "strength": 0.3}
+    assert errors_of(body) == [("strength", "no_steps")]
+    assert decode_body(body, "application/json", sd3).strength == 0.3
+    large = decode_body({"prompt": "x", "image": b64(encoded(rgba((600, 200), hole=False)))}, "application/json", sd3)
+    assert (large.width, large.height) == (256, 80)

@@ -6,8 +6,9 @@ import torch
 
 from bench.jobs import generate
 from handler.config import HandlerSettings
-from handler.engine import SCHEDULERS, JobSpec
-from handler.pipeline import attention_summary, load_engine, native_size, resolve_dtype
+from handler.engine import JobSpec
+from handler.families.sd import SCHEDULERS
+from handler.pipeline import attention_summary, load_engine, resolve_dtype
 from server.paths import RANDOM_MODEL_DIR as MODEL_DIR
 
 
@@ -33,17 +34,18 @@ def test_dtype_auto_is_float32_on_cpu_and_float16_on_gpus():
 def test_sdpa_is_on_every_attention_module(engine):
     assert engine.dtype == torch.float32 and engine.device.type == "cpu"
     assert "attention=AttnProcessor2_0 on 14 modules" in engine.description
-    assert native_size(engine.pipeline) == (64, 64)
+    assert engine.family.native_size() == (64, 64)
 
 
 def test_attention_check_catches_a_module_without_the_configured_processor():
     from diffusers.models.attention_processor import AttnProcessor
 
-    pipeline = load().pipeline
+    family = load().family
+    pipeline = family.pipeline
     name = next(iter(pipeline.unet.attn_processors))
     pipeline.unet.set_attn_processor({**pipeline.unet.attn_processors, name: AttnProcessor()})
     with pytest.raises(RuntimeError, match=f"unet.{name} \\(AttnProcessor, expected AttnProcessor2_0\\)"):
-        attention_summary(pipeline, HandlerSettings())
+        attention_summary(family, HandlerSettings())
 
 
 def test_vanilla_attention_and_memory_options_are_applied_and_reported():

@@ -6,7 +6,7 @@ from dataclasses import replace
 
 import pytest
 
-from handler.config import MAX_SEED, RequestDefaults, RequestLimits
+from handler.config import MAX_SEED, FamilyRules, RequestDefaults, RequestLimits
 from handler.protocol import IncomingRequest, decode
 from handler.request import FIELD_LABELS, GenerationRequest, RequestError, RequestPolicy, decode_body, decode_form
 
@@ -268,3 +268,23 @@ def test_bad_loras_are_refused_by_field_and_rule(loras, field, rule):
         decode_body({"prompt": "p", "loras": loras}, "application/json", POLICY)
     assert [(error.field, error.rule) for error in caught.value.errors] == [(field, rule)]
     assert caught.value.errors[0].label(FIELD_LABELS) == "loras"
+
+
+SD3_POLICY = replace(
+    POLICY,
+    defaults=RequestDefaults(width=64, height=64, scheduler="flow_match_euler"),
+    rules=FamilyRules("SD 3.x", ("flow_match_euler",), "flow_match_euler", 16, "start", max_side=256),
+)
+
+
+def test_the_familys_rules_name_what_it_allows():
+    fields, message = errors_of({"prompt": "x", "scheduler": "ddim"}, policy=SD3_POLICY)
+    assert fields == [("scheduler", "literal_error")]
+    assert "'flow_match_euler' (the schedulers of SD 3.x models)" in message and "'euler'" not in message
+    fields, message = errors_of({"prompt": "x", "scheduler": "flow_match_euler"})
+    assert fields == [("scheduler", "literal_error")]
+    assert "'ddim', 'euler', 'euler_a', 'dpmpp_2m' or 'pndm' (the schedulers of SD 1.x models)" in message
+    fields, message = errors_of({"prompt": "x", "width": 72, "height": 320}, policy=SD3_POLICY)
+    assert fields == [("width", "multiple_of"), ("height", "less_than_equal")]
+    assert "multiple of 16 (the size grid of SD 3.x models)" in message and "largest side this SD 3.x model" in message
+    assert decode_body({"prompt": "x", "width": 72}, "application/json", POLICY).width == 72

@@ -41,7 +41,7 @@ from tests.harness.client_inputs import (
 from tests.harness.serving import SHIPPED_CONFIG
 from tests.harness.stand_ins import FAILS_AT_START, FAILS_STEPPING, RecordingSink, make_service
 
-SHIPPED = HandlerSettings.from_model_yaml(SHIPPED_CONFIG).with_native_size(64, 64)
+SHIPPED = HandlerSettings.from_model_yaml(SHIPPED_CONFIG).for_model(64, 64)
 POLICY = RequestPolicy(SHIPPED.limits, SHIPPED.defaults)
 POLICIES = st.sampled_from([POLICY, replace(POLICY, streaming=True)])
 VALID = IncomingRequest({"prompt": "a red circle", "num_inference_steps": 3, "seed": 1}, JSON_CONTENT_TYPE)

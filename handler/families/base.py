@@ -1,0 +1,362 @@
+"""The family contract: what differs between Stable Diffusion generations, behind one interface.
+
+The step engine (``handler.engine``) runs one denoising loop for every family and asks its family
+for everything that differs between their diffusers pipelines:
+
+- text conditioning (``encode``): the texts of jobs started together through the family's text
+  encoder(s) in one call, then each job's rows ([negative; positive] with guidance);
+- the schedule (``scheduler``, ``prepare_scheduler``, ``step_kwargs``): a fresh scheduler per job,
+  copied from one built per (scheduler, steps, and where the schedule depends on it, the shape);
+- the noise arithmetic (``initial_latents``, ``model_input``, ``add_noise``): the UNet schedulers'
+  ``init_noise_sigma``, ``scale_model_input`` and ``add_noise`` against flow matching's plain noise
+  and ``scale_noise``;
+- the denoiser forward (``forward``): one call of the UNet or transformer over the rows of several
+  jobs, each row at its own timestep with its own conditioning;
+- the VAE (``encode_image``, ``vae_decode``) and post-processing (``postprocess``: safety checker,
+  watermark);
+- the request rules (``rules``): schedulers, the size grid, how an input image's steps round.
+
+A family is a subclass in a module of its own, detected from the loaded pipeline's exact class
+(``handler.families.family_of``).
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import inspect
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any, ClassVar, Literal, Protocol
+
+import torch
+from diffusers.image_processor import VaeImageProcessor
+from PIL.Image import Image
+
+from handler.config import FamilyRules, SchedulerName
+
+# A loaded diffusers pipeline of one of the families. diffusers registers a pipeline's components
+# (unet, transformer, vae, scheduler, ...) at run time, so its classes declare none of them to a type checker.
+Pipeline = Any
+# A diffusers scheduler class (its from_config is added at run time) and the settings it needs on top
+# of the model's scheduler config.
+SchedulerChoice = tuple[Any, dict[str, Any]]
+
+
+class Scheduler(Protocol):
+    """What the engine uses of a diffusers scheduler (they share no typed base class); the noise
+    arithmetic, which differs, is the family's."""
+
+    timesteps: torch.Tensor
+    order: int
+
+    def set_timesteps(self, num_inference_steps: int, device: torch.device, **kwargs: Any) -> None: ...
+
+    def step(self, model_output: torch.Tensor, timestep: torch.Tensor, sample: torch.Tensor, **kwargs: Any) -> Any: ...
+
+
+class PromptSpec(Protocol):
+    """What a family conditions a job on (``handler.engine.JobSpec`` is one)."""
+
+    @property
+    def prompt(self) -> str: ...
+
+    @property
+    def negative_prompt(self) -> str | None: ...
+
+    @property
+    def width(self) -> int: ...
+
+    @property
+    def height(self) -> int: ...
+
+    @property
+    def images(self) -> int: ...
+
+    @property
+    def guided(self) -> bool: ...
+
+
+class UnsupportedPipeline(ValueError):
+    """The model directory holds a pipeline the engine does not serve."""
+
+
+@dataclass(frozen=True)
+class Conditioning:
+    """What the denoiser needs for one job's rows besides latents and timesteps: text embeddings
+    ([negative; positive] with guidance) and the family's other conditioning per row, by name
+    (SDXL's ``text_embeds`` and ``time_ids``, SD 3.x's ``pooled_projections``)."""
+
+    hidden_states: torch.Tensor
+    added: dict[str, torch.Tensor] = field(default_factory=dict)
+
+    @staticmethod
+    def concat(items: Sequence[Conditioning]) -> Conditioning:
+        """The rows of several jobs for one forward."""
+        hidden = torch.cat([item.hidden_states for item in items])
+        return Conditioning(hidden, {name: torch.cat([item.added[name] for item in items]) for name in items[0].added})
+
+
+@dataclass(frozen=True)
+class TextEmbedding:
+    """Text through the family's text encoder(s): ``(rows, tokens, width)`` hidden states and,
+    where the family pools, ``(rows, width)`` pooled embeddings."""
+
+    hidden_states: torch.Tensor
+    pooled: torch.Tensor | None = None
+
+    def zeros(self) -> TextEmbedding:
+        """SDXL's unconditional embedding for an absent negative prompt (``force_zeros_for_empty_prompt``)."""
+        return TextEmbedding(
+            torch.zeros_like(self.hidden_states), None if self.pooled is None else torch.zeros_like(self.pooled)
+        )
+
+    def repeat(self, times: int) -> TextEmbedding:
+        """Each row ``times`` times (``num_images_per_prompt``)."""
+        return TextEmbedding(
+            self.hidden_states.repeat(times, 1, 1), None if self.pooled is None else self.pooled.repeat(times, 1)
+        )
+
+    @staticmethod
+    def concat(items: Sequence[TextEmbedding]) -> TextEmbedding:
+        hidden = torch.cat([item.hidden_states for item in items])
+        pooled = [item.pooled for item in items if item.pooled is not None]
+        return TextEmbedding(hidden, torch.cat(pooled) if pooled else None)
+
+
+@dataclass(frozen=True)
+class Decoded:
+    """Images of one decode, and per image whether the safety checker flagged it (None: no
+    checker ran, as diffusers reports it)."""
+
+    images: list[Image]
+    nsfw_content_detected: list[bool] | None
+
+    def split(self, sizes: list[int]) -> list[Decoded]:
+        parts, start = [], 0
+        for size in sizes:
+            flags = None if self.nsfw_content_detected is None else self.nsfw_content_detected[start : start + size]
+            parts.append(Decoded(self.images[start : start + size], flags))
+            start += size
+        return parts
+
+    @staticmethod
+    def join(parts: list[Decoded]) -> Decoded:
+        images = [image for part in parts for image in part.images]
+        if any(part.nsfw_content_detected is None for part in parts):
+            return Decoded(images, None)
+        return Decoded(images, [flag for part in parts for flag in part.nsfw_content_detected or []])
+
+
+class Family(ABC):
+    """One family of Stable Diffusion pipelines on the step engine (the contract)."""
+
+    pipeline_class: ClassVar[type]  # the text-to-image pipeline, matched exactly
+    denoiser_name: ClassVar[str]  # the pipeline's attribute holding the denoiser
+    schedulers: ClassVar[dict[SchedulerName, SchedulerChoice]]  # what a request may name
+    strength_rounding: ClassVar[Literal["steps", "start"]] = "steps"  # FamilyRules.strength_rounding
+    # Whether the inpaint pipeline encodes the masked image although a 4- or 16-channel denoiser never
+    # reads it: it draws from the first generator, which later scheduler steps may draw from too.
+    encodes_masked_image: ClassVar[bool] = True
+    # The denoiser's own attention processors, kept whatever handler.attention says (empty: it takes
+    # the configured one, as the UNets do).
+    own_attention: ClassVar[tuple[type, ...]] = ()
+
+    def __init__(self, pipeline: Pipeline, device: torch.device, dtype: torch.dtype, max_sequence_length: int = 256):
+        self.pipeline = pipeline
+        self.device = device
+        self.dtype = dtype
+        self.max_sequence_length = max_sequence_length  # T5 tokens, where the family has a T5 encoder (SD 3.x)
+        # The inpaint pipelines' mask processor: one grey channel, binarized, not normalized.
+        self.mask_processor = VaeImageProcessor(
+            vae_scale_factor=pipeline.vae_scale_factor, do_normalize=False, do_binarize=True, do_convert_grayscale=True
+        )
+        self._templates: dict[tuple, Scheduler] = {}
+
+    @classmethod
+    def refuse(cls, pipeline: Pipeline) -> str | None:
+        """Why a pipeline of this class cannot be served after all (None: it can)."""
+        return None
+
+    # What the family is.
+
+    @property
+    @abstractmethod
+    def name(self) -> str: ...
+
+    @property
+    def denoiser(self) -> Any:  # a diffusers model (UNet2DConditionModel, SD3Transformer2DModel), or it compiled
+        return getattr(self.pipeline, self.denoiser_name)
+
+    @property
+    def safety_checker(self) -> bool:
+        return False
+
+    @property
+    def patch_size(self) -> int:
+        """Latent pixels per denoiser token side (1 for a UNet)."""
+        return 1
+
+    @functools.cached_property
+    def rules(self) -> FamilyRules:
+        return FamilyRules(
+            self.name,
+            tuple(self.schedulers),
+            self.own_scheduler,
+            self.pipeline.vae_scale_factor * self.patch_size,
+            self.strength_rounding,
+            self.max_side,
+        )
+
+    @property
+    def max_side(self) -> int | None:
+        """The largest width or height the denoiser takes (None: any, as a UNet)."""
+        return None
+
+    @property
+    def own_scheduler(self) -> SchedulerName:
+        """The name of the model's own scheduler class, else the family's first."""
+        own = type(self.pipeline.scheduler)
+        return next((name for name, (cls, _) in self.schedulers.items() if cls is own), next(iter(self.schedulers)))
+
+    def latent_shape(self, width: int, height: int) -> tuple[int, int, int]:
+        """Channels, height and width of one image's latents."""
+        scale = self.pipeline.vae_scale_factor
+        return self.denoiser.config.in_channels, height // scale, width // scale
+
+    def native_size(self) -> tuple[int, int]:
+        """The resolution the model was trained at: the denoiser's sample size times the VAE's scale."""
+        side = self.denoiser.config.sample_size * self.pipeline.vae_scale_factor
+        return side, side
+
+    # Text conditioning: __call__'s encode_prompt.
+
+    def encode(self, specs: Sequence[PromptSpec]) -> list[Conditioning]:
+        """``encode_prompt`` for jobs started together: every distinct text they need (their
+        prompts, and the negative prompts of guided jobs) through the text encoder(s) in ONE call,
+        then each job's rows (``num_images_per_prompt`` of each text, [negative; positive] with
+        guidance). Each text is encoded on its own row, padded to the tokenizer's length, so a
+        job's rows equal its own ``encode_prompt`` call to float rounding."""
+        texts = list(dict.fromkeys(text for spec in specs for text in self._texts(spec)))
+        with torch.inference_mode():
+            embedded = dict(zip(texts, self._encode_texts(texts), strict=True)) if texts else {}
+            return [self._condition(spec, self._rows(spec, embedded)) for spec in specs]
+
+    def _texts(self, spec: PromptSpec) -> list[str]:
+        negative = self._negative_text(spec)
+        return [spec.prompt] if not spec.guided or negative is None else [spec.prompt, negative]
+
+    def _negative_text(self, spec: PromptSpec) -> str | None:
+        """What a job's unconditional rows encode: its negative prompt, "" without one (as
+        ``encode_prompt`` does); None where the family conditions on zeros instead."""
+        return spec.negative_prompt or ""
+
+    @abstractmethod
+    def _encode_texts(self, texts: list[str]) -> list[TextEmbedding]:
+        """Each text on its own row through the text encoder(s)."""
+
+    def _rows(self, spec: PromptSpec, embedded: dict[str, TextEmbedding]) -> TextEmbedding:
+        """A job's text rows: each text's repeated per image, [negative; positive] with guidance."""
+        positive = embedded[spec.prompt].repeat(spec.images)
+        if not spec.guided:
+            return positive
+        text = self._negative_text(spec)
+        negative = embedded[spec.prompt].zeros() if text is None else embedded[text]
+        return TextEmbedding.concat([negative.repeat(spec.images), positive])
+
+    @abstractmethod
+    def _condition(self, spec: PromptSpec, rows: TextEmbedding) -> Conditioning:
+        """What the denoiser takes of a job's text rows."""
+
+    # The schedule.
+
+    def scheduler(self, name: SchedulerName, steps: int, latent_shape: tuple[int, ...]) -> Scheduler:
+        """A fresh scheduler with ``steps`` timesteps: a copy of one built and set once per
+        (scheduler, steps, timestep options), which costs a fifth of building it from the model's config."""
+        options = self._timestep_options(latent_shape)
+        key = (name, steps, tuple(sorted(options.items())))
+        template = self._templates.get(key)
+        if template is None:
+            scheduler_class, overrides = self.schedulers[name]
+            template = scheduler_class.from_config(self.pipeline.scheduler.config, **overrides)
+            template.set_timesteps(steps, device=self.device, **options)
+            self._templates[key] = template
+        return copy.deepcopy(template)
+
+    def _timestep_options(self, latent_shape: tuple[int, ...]) -> dict[str, float]:
+        """What ``set_timesteps`` takes besides the steps (none: the schedule is the same at every size)."""
+        return {}
+
+    def prepare_scheduler(self, scheduler: Scheduler) -> None:  # noqa: B027  # a hook, empty by default
+        """Anything the pipeline sets on its scheduler before a text-to-image loop (nothing here)."""
+
+    def step_kwargs(self, scheduler: Scheduler, generators: list[torch.Generator]) -> dict[str, Any]:
+        """``prepare_extra_step_kwargs`` with eta 0: what ``scheduler.step`` takes of eta and generator."""
+        parameters = inspect.signature(scheduler.step).parameters
+        kwargs: dict[str, Any] = {}
+        if "eta" in parameters:
+            kwargs["eta"] = 0.0
+        if "generator" in parameters:
+            kwargs["generator"] = generators
+        return kwargs
+
+    # The noise arithmetic.
+
+    @abstractmethod
+    def initial_latents(self, scheduler: Scheduler, noise: torch.Tensor) -> torch.Tensor:
+        """Pure noise as the first latents (``prepare_latents``)."""
+
+    @abstractmethod
+    def model_input(self, scheduler: Scheduler, rows: torch.Tensor, timestep: torch.Tensor) -> torch.Tensor:
+        """The denoiser's input rows at ``timestep``."""
+
+    @abstractmethod
+    def add_noise(
+        self, scheduler: Scheduler, original: torch.Tensor, noise: torch.Tensor, timesteps: torch.Tensor
+    ) -> torch.Tensor:
+        """Image latents noised to ``timesteps`` (image-to-image's start, inpainting's kept area)."""
+
+    # The denoiser.
+
+    @abstractmethod
+    def forward(self, latents: torch.Tensor, timesteps: torch.Tensor, conditioning: Conditioning) -> torch.Tensor:
+        """One denoiser call over rows, each at its own timestep: the noise (or velocity) prediction."""
+
+    # The VAE and the images.
+
+    def preprocess(self, image: Image, width: int, height: int, dtype: torch.dtype) -> torch.Tensor:
+        """An input image as the img2img and inpaint pipelines take it: ``(1, 3, height, width)``
+        in [-1, 1] (resized by the pipeline's image processor where its size differs)."""
+        pixels = self.pipeline.image_processor.preprocess(image, height=height, width=width)
+        return pixels.to(device=self.device, dtype=dtype)
+
+    def preprocess_mask(self, mask: Image, width: int, height: int) -> torch.Tensor:
+        """The inpaint pipelines' ``mask_condition``: ``(1, 1, height, width)``, 1 where repainted."""
+        return self.mask_processor.preprocess(mask, height=height, width=width).to(self.device)
+
+    @abstractmethod
+    def encode_image(self, pixels: torch.Tensor, generators: list[torch.Generator], inpaint: bool) -> torch.Tensor:
+        """``prepare_latents`` / ``_encode_vae_image``: image ``i`` through the VAE encoder, its
+        latents sampled with ``generators[i]``, scaled as the denoiser takes them."""
+
+    def _vae_encode(self, pixels: torch.Tensor, generators: list[torch.Generator]) -> torch.Tensor:
+        vae = self.pipeline.vae
+        return torch.cat(
+            [
+                vae.encode(pixels[index : index + 1]).latent_dist.sample(generator)
+                for index, generator in enumerate(generators)
+            ]
+        )
+
+    @abstractmethod
+    def vae_decode(self, latents: torch.Tensor, tiled: bool) -> torch.Tensor:
+        """The VAE decode at the end of ``__call__`` (in tiles after running out of memory)."""
+
+    def _decode(self, latents: torch.Tensor, tiled: bool) -> torch.Tensor:
+        vae = self.pipeline.vae
+        return (vae.tiled_decode if tiled else vae.decode)(latents, return_dict=False)[0]
+
+    def postprocess(self, image: torch.Tensor) -> Decoded:
+        """Decoded pixels as PIL images (no safety checker)."""
+        return Decoded(self.pipeline.image_processor.postprocess(image, output_type="pil"), None)

@@ -1,0 +1,155 @@
+"""SD 3.x: ``StableDiffusion3Pipeline`` (diffusers 0.42.1) and its img2img and inpaint pipelines:
+SD 3 Medium (MMDiT), SD 3.5 Medium (MMDiT-X: RMS-norm on queries and keys, dual-attention layers),
+SD 3.5 Large and Large Turbo.
+
+What differs from the UNet families:
+
+- text: three encoders, CLIP-L and CLIP-G (penultimate hidden states side by side, padded to T5's
+  width, then T5's tokens after them; their pooled projections joined) and T5 (``max_sequence_length``
+  tokens; zeros where the model is served without it, as ``text_encoder_3=None`` does in diffusers);
+  an absent negative prompt is the encoding of "" (SD 3 has no ``force_zeros_for_empty_prompt``);
+- the denoiser: ``SD3Transformer2DModel`` with ``pooled_projections``; its joint attention
+  processors stay as the model has them;
+- the schedule: flow matching (``FlowMatchEulerDiscreteScheduler``) with the model's ``shift``, and
+  ``mu`` from the image's token count where the scheduler config asks for dynamic shifting (then
+  the schedule depends on the latent shape);
+- the noise arithmetic: no ``init_noise_sigma`` or ``scale_model_input``; an input image is noised
+  with ``scale_noise``; ``scheduler.step`` gets no generator or eta (``__call__`` passes none);
+- the VAE: 16 latent channels, ``(latents - shift_factor) * scaling_factor`` on the way in and the
+  inverse on the way out; sizes on a 16-pixel grid (VAE 8 x patch 2);
+- image-to-image rounds the skipped steps down (``int(steps - steps x strength)``), so any positive
+  strength runs at least one step;
+- no safety checker, no watermark.
+
+Knowingly different from diffusers: the inpaint pipeline's decode leaves out the VAE's
+``shift_factor`` (diffusers issue #13611) although its encode subtracts it; inpainted images here
+are decoded as ``StableDiffusion3Pipeline`` and the img2img pipeline decode (with the shift).
+Left out, because no request can ask for it: skip-layer guidance, ``prompt_2``/``prompt_3``,
+``clip_skip``, IP-Adapter images, 33-channel inpainting transformers.
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar, Literal
+
+import torch
+from diffusers import FlowMatchEulerDiscreteScheduler, StableDiffusion3Pipeline
+from diffusers.models.attention_processor import JointAttnProcessor2_0
+from diffusers.pipelines.stable_diffusion_3.pipeline_stable_diffusion_3 import calculate_shift
+
+from handler.config import SchedulerName
+from handler.families.base import (
+    Conditioning,
+    Family,
+    Pipeline,
+    PromptSpec,
+    Scheduler,
+    SchedulerChoice,
+    TextEmbedding,
+)
+
+SCHEDULERS: dict[SchedulerName, SchedulerChoice] = {"flow_match_euler": (FlowMatchEulerDiscreteScheduler, {})}
+LATENT_CHANNELS = 16
+
+
+class StableDiffusion3Family(Family):
+    """SD 3.x."""
+
+    pipeline_class: ClassVar[type] = StableDiffusion3Pipeline
+    denoiser_name: ClassVar[str] = "transformer"
+    schedulers: ClassVar[dict[SchedulerName, SchedulerChoice]] = SCHEDULERS
+    strength_rounding: ClassVar[Literal["steps", "start"]] = "start"
+    encodes_masked_image: ClassVar[bool] = False  # flow matching's step draws from no generator
+    own_attention: ClassVar[tuple[type, ...]] = (JointAttnProcessor2_0,)  # SDPA; no other processor fits
+
+    @classmethod
+    def refuse(cls, pipeline: Pipeline) -> str | None:
+        channels = pipeline.transformer.config.in_channels
+        if channels != LATENT_CHANNELS:
+            return (
+                f"{type(pipeline).__name__} with a {channels}-channel transformer is not supported by this handler's "
+                f"step engine (it serves {LATENT_CHANNELS}-channel SD 3.x transformers)"
+            )
+        return None
+
+    @property
+    def name(self) -> str:
+        return "SD 3.x"
+
+    @property
+    def patch_size(self) -> int:
+        return self.pipeline.transformer.config.patch_size
+
+    @property
+    def max_side(self) -> int | None:
+        """What the transformer's position embeddings cover (``pos_embed_max_size`` patches a side:
+        3072 pixels for SD 3.5 Large); a larger side fails in its patch embedding."""
+        patches = self.pipeline.transformer.config.pos_embed_max_size
+        return None if patches is None else patches * self.patch_size * self.pipeline.vae_scale_factor
+
+    def _encode_texts(self, texts: list[str]) -> list[TextEmbedding]:
+        """The three encoders (``encode_prompt``): joined hidden states and pooled projections."""
+        hidden_states, _, pooled, _ = self.pipeline.encode_prompt(
+            prompt=texts,
+            prompt_2=None,
+            prompt_3=None,
+            device=self.device,
+            num_images_per_prompt=1,
+            do_classifier_free_guidance=False,
+            max_sequence_length=self.max_sequence_length,
+        )
+        return [
+            TextEmbedding(row, pooled_row)
+            for row, pooled_row in zip(hidden_states.split(1), pooled.split(1), strict=True)
+        ]
+
+    def _condition(self, spec: PromptSpec, rows: TextEmbedding) -> Conditioning:
+        assert rows.pooled is not None  # the CLIP encoders pool
+        return Conditioning(rows.hidden_states, {"pooled_projections": rows.pooled})
+
+    def _timestep_options(self, latent_shape: tuple[int, ...]) -> dict[str, float]:
+        """``mu`` from the image's token count where the scheduler shifts dynamically (``__call__`` step 5)."""
+        config = self.pipeline.scheduler.config
+        if not config.get("use_dynamic_shifting", None):
+            return {}
+        _, height, width = latent_shape
+        tokens = (height // self.patch_size) * (width // self.patch_size)
+        mu = calculate_shift(
+            tokens,
+            config.get("base_image_seq_len", 256),
+            config.get("max_image_seq_len", 4096),
+            config.get("base_shift", 0.5),
+            config.get("max_shift", 1.16),
+        )
+        return {"mu": mu}
+
+    def step_kwargs(self, scheduler: Scheduler, generators: list[torch.Generator]) -> dict[str, Any]:
+        return {}
+
+    def initial_latents(self, scheduler: Scheduler, noise: torch.Tensor) -> torch.Tensor:
+        return noise
+
+    def model_input(self, scheduler: Scheduler, rows: torch.Tensor, timestep: torch.Tensor) -> torch.Tensor:
+        return rows
+
+    def add_noise(
+        self, scheduler: Scheduler, original: torch.Tensor, noise: torch.Tensor, timesteps: torch.Tensor
+    ) -> torch.Tensor:
+        return scheduler.scale_noise(original, timesteps, noise)  # type: ignore[attr-defined]  # flow matching's
+
+    def forward(self, latents: torch.Tensor, timesteps: torch.Tensor, conditioning: Conditioning) -> torch.Tensor:
+        return self.pipeline.transformer(
+            hidden_states=latents,
+            timestep=timesteps,
+            encoder_hidden_states=conditioning.hidden_states,
+            pooled_projections=conditioning.added["pooled_projections"],
+            return_dict=False,
+        )[0]
+
+    def encode_image(self, pixels: torch.Tensor, generators: list[torch.Generator], inpaint: bool) -> torch.Tensor:
+        config = self.pipeline.vae.config
+        return (self._vae_encode(pixels, generators) - config.shift_factor) * config.scaling_factor
+
+    def vae_decode(self, latents: torch.Tensor, tiled: bool) -> torch.Tensor:
+        config = self.pipeline.vae.config
+        return self._decode(latents / config.scaling_factor + config.shift_factor, tiled)

@@ -1,0 +1,116 @@
+"""SDXL: ``StableDiffusionXLPipeline`` (diffusers 0.42.1) and its img2img and inpaint pipelines for
+the model's own 4-channel UNet.
+
+What differs from SD 1.x/2.x (``handler.families.sd``): two text encoders, the second's pooled
+embedding and the six size/crop time ids as the UNet's added conditioning, zeros for an absent
+negative prompt (``force_zeros_for_empty_prompt``); schedulers start at index 0
+(``set_begin_index``); the VAE in float32 where it asks for it (``force_upcast``) and its latents
+mean and std where it has them (the img2img pipeline's encode, every decode, not the inpaint
+pipeline's encode); the watermarker where one is installed, no safety checker.
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+import torch
+from diffusers import StableDiffusionXLPipeline
+
+from handler.families.base import Conditioning, Decoded, Family, Pipeline, PromptSpec, Scheduler, TextEmbedding
+from handler.families.sd import StableDiffusionFamily
+
+
+class StableDiffusionXLFamily(StableDiffusionFamily):
+    """SDXL."""
+
+    pipeline_class: ClassVar[type] = StableDiffusionXLPipeline
+
+    def __init__(self, pipeline: Pipeline, device: torch.device, dtype: torch.dtype, max_sequence_length: int = 256):
+        super().__init__(pipeline, device, dtype, max_sequence_length)
+        # diffusers upcasts a float16 VAE that asks for it around every decode; keeping it in
+        # float32 gives the same arithmetic without copying the weights twice per decode.
+        vae = pipeline.vae
+        if vae.dtype == torch.float16 and vae.config.force_upcast:
+            vae.to(dtype=torch.float32)
+
+    @property
+    def name(self) -> str:
+        return "SDXL"
+
+    @property
+    def safety_checker(self) -> bool:
+        return False
+
+    def _negative_text(self, spec: PromptSpec) -> str | None:
+        if spec.negative_prompt is None and self.pipeline.config.force_zeros_for_empty_prompt:
+            return None
+        return spec.negative_prompt or ""
+
+    def _encode_texts(self, texts: list[str]) -> list[TextEmbedding]:
+        """Both text encoders (``encode_prompt``): hidden states, and the second's pooled embedding."""
+        hidden_states, _, pooled, _ = self.pipeline.encode_prompt(
+            prompt=texts, device=self.device, num_images_per_prompt=1, do_classifier_free_guidance=False
+        )
+        return [
+            TextEmbedding(row, pooled_row)
+            for row, pooled_row in zip(hidden_states.split(1), pooled.split(1), strict=True)
+        ]
+
+    def _condition(self, spec: PromptSpec, rows: TextEmbedding) -> Conditioning:
+        """``__call__`` steps 3 and 7 for one job's rows: embeddings and pooled embeddings, time ids
+        from the original and target size (the request's size) and a (0, 0) crop."""
+        pipeline, pooled = self.pipeline, rows.pooled
+        assert pooled is not None  # SDXL's second encoder pools
+        projection_dim = (
+            int(pooled.shape[-1]) if pipeline.text_encoder_2 is None else pipeline.text_encoder_2.config.projection_dim
+        )
+        time_ids = pipeline._get_add_time_ids(
+            (spec.height, spec.width),
+            (0, 0),
+            (spec.height, spec.width),
+            dtype=rows.hidden_states.dtype,
+            text_encoder_projection_dim=projection_dim,
+        )
+        time_ids = time_ids.to(self.device).repeat(pooled.shape[0], 1)
+        return Conditioning(
+            rows.hidden_states.to(self.device), {"text_embeds": pooled.to(self.device), "time_ids": time_ids}
+        )
+
+    def prepare_scheduler(self, scheduler: Scheduler) -> None:
+        if hasattr(scheduler, "set_begin_index"):
+            scheduler.set_begin_index(0)
+
+    def encode_image(self, pixels: torch.Tensor, generators: list[torch.Generator], inpaint: bool) -> torch.Tensor:
+        """In the VAE's dtype (float32 where it asks for the upcast), back in the pipeline's dtype;
+        the img2img pipeline applies the VAE's latents mean and std, the inpaint one does not."""
+        vae = self.pipeline.vae
+        latents = self._vae_encode(pixels.to(vae.dtype), generators).to(pixels.dtype)
+        statistics = self._latents_statistics(latents)
+        if inpaint or statistics is None:
+            return vae.config.scaling_factor * latents
+        mean, std = statistics
+        return (latents - mean) * vae.config.scaling_factor / std
+
+    def vae_decode(self, latents: torch.Tensor, tiled: bool) -> torch.Tensor:
+        vae = self.pipeline.vae
+        latents = latents.to(vae.dtype)
+        statistics = self._latents_statistics(latents)
+        if statistics is None:
+            return self._decode(latents / vae.config.scaling_factor, tiled)
+        mean, std = statistics
+        return self._decode(latents * std / vae.config.scaling_factor + mean, tiled)
+
+    def _latents_statistics(self, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The VAE's latents mean and std, shaped and placed like ``like``; None where it has none."""
+        config = self.pipeline.vae.config
+        mean, std = getattr(config, "latents_mean", None), getattr(config, "latents_std", None)
+        if mean is None or std is None:
+            return None
+        return tuple(  # type: ignore[return-value]  # two
+            torch.tensor(values).view(1, 4, 1, 1).to(like.device, like.dtype) for values in (mean, std)
+        )
+
+    def postprocess(self, image: torch.Tensor) -> Decoded:
+        if self.pipeline.watermark is not None:
+            image = self.pipeline.watermark.apply_watermark(image)
+        return Family.postprocess(self, image)  # no safety checker

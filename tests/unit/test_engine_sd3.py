@@ -1,0 +1,220 @@
+"""SD 3.x on the step engine against diffusers' own pipeline calls (tiny random-weight SD 3 Medium
+and SD 3.5 Medium shapes): alone, joining running jobs with their own steps and guidance (0 as
+Large Turbo takes it), text encoding shared by jobs started together, image-to-image and
+inpainting (decoded with the VAE's shift, where diffusers' inpaint pipeline leaves it out), dynamic
+shifting, serving without T5, LoRAs; and the family's rules."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from bench.reference import Reference
+from handler.config import FamilyRules, HandlerSettings
+from handler.engine import JobSpec, StepEngine
+from handler.families import StableDiffusion3Family
+from handler.pipeline import load_engine
+from model_making.make_lora import write_lora
+from server.paths import TINY_MODEL_DIRS
+from tests.harness.engine_runs import assert_same_images, expected, hole, picture, run
+
+FAMILIES = ("sd3", "sd35")
+FLOW = "flow_match_euler"
+
+
+def spec(
+    prompt="a red circle",
+    seed=1,
+    images=1,
+    side=64,
+    steps=5,
+    guidance=5.0,
+    negative=None,
+    image=None,
+    mask=None,
+    strength=1.0,
+    adapters=(),
+) -> JobSpec:
+    seeds = tuple(range(seed, seed + images))
+    return JobSpec(prompt, negative, seeds, side, side, steps, FLOW, guidance, image, mask, strength, adapters)
+
+
+def engine_for(model_dir: Path, **settings) -> StepEngine:
+    return load_engine(HandlerSettings.model_validate({"model_path": str(model_dir), **settings}), "/unused")
+
+
+@pytest.fixture(scope="module")
+def engines() -> dict[str, StepEngine]:
+    return {family: engine_for(TINY_MODEL_DIRS[family]) for family in FAMILIES}
+
+
+@pytest.fixture(scope="module")
+def references() -> dict[str, Reference]:
+    return {family: Reference(TINY_MODEL_DIRS[family]) for family in FAMILIES}
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_a_job_alone_gives_diffusers_images(engines, references, family):
+    job = spec(images=2, negative="blue")
+    (decoded,) = run(engines[family], [(0, job)])
+    assert_same_images(decoded, expected(references[family], job))
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_jobs_joining_mid_flight_with_their_own_steps_and_guidance_give_diffusers_images(engines, references, family):
+    plan = [
+        (0, spec("a red circle", seed=1, steps=6)),
+        (1, spec("a green triangle", seed=2, images=2, steps=2, guidance=1.0)),
+        (2, spec("a yellow square", seed=4, steps=4, guidance=0.0, negative="ignored without guidance")),
+        (2, spec("a blue square", seed=5, steps=3, guidance=8.0, negative="")),
+    ]
+    for (_, job), decoded in zip(plan, run(engines[family], plan), strict=True):
+        assert_same_images(decoded, expected(references[family], job))
+
+
+def test_jobs_started_together_share_one_text_encoder_call(engines, references, monkeypatch):
+    engine = engines["sd3"]
+    jobs = [
+        spec("a red circle", seed=1, steps=3),
+        spec("a red circle", seed=5, images=2, steps=3, negative="red"),
+        spec("a green triangle", seed=2, steps=2, guidance=1.0),
+    ]
+    calls = []
+    real = engine.pipeline.encode_prompt
+    monkeypatch.setattr(
+        engine.pipeline, "encode_prompt", lambda *args, **kwargs: calls.append(1) or real(*args, **kwargs)
+    )
+    decoded = run(engine, [(0, job) for job in jobs])
+    assert len(calls) == 1
+    for job, images in zip(jobs, decoded, strict=True):
+        assert_same_images(images, expected(references["sd3"], job))
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize(("masked", "strength"), [(False, 0.6), (True, 1.0), (True, 0.7)])
+def test_image_to_image_and_inpainting_give_the_img2img_and_inpaint_pipelines_images(
+    engines, references, family, masked, strength
+):
+    job = spec(images=2, image=picture(64), mask=hole(64) if masked else None, strength=strength)
+    (decoded,) = run(engines[family], [(0, job)])
+    assert_same_images(decoded, expected(references[family], job))
+
+
+def test_inpainting_decodes_with_the_vaes_shift_where_diffusers_inpaint_pipeline_leaves_it_out(engines, references):
+    """The one place we knowingly differ from diffusers (its issue #13611): the reference decodes
+    the inpaint pipeline's latents as the text-to-image pipeline does; its raw output is darker."""
+    from diffusers import AutoPipelineForInpainting
+
+    job = spec(image=picture(64), mask=hole(64), strength=0.7, steps=4)
+    (decoded,) = run(engines["sd3"], [(0, job)])
+    raw = AutoPipelineForInpainting.from_pipe(references["sd3"].pipeline)(
+        prompt=job.prompt,
+        image=job.image,
+        mask_image=job.mask,
+        strength=job.strength,
+        num_inference_steps=job.num_inference_steps,
+        guidance_scale=job.guidance_scale,
+        generator=[torch.Generator("cpu").manual_seed(job.seeds[0])],
+    ).images[0]
+    difference = np.abs(np.asarray(decoded.images[0], dtype=np.int16) - np.asarray(raw, dtype=np.int16))
+    assert difference.max() > 1
+    assert_same_images(decoded, expected(references["sd3"], job))
+
+
+def test_edits_share_forwards_with_text_to_image_jobs_and_each_gives_its_diffusers_image(engines, references):
+    plan = [
+        (0, spec("a red circle", seed=1, steps=5)),
+        (0, spec("a green triangle", seed=2, steps=6, image=picture(64, 1), strength=0.5)),
+        (2, spec("a blue square", seed=3, steps=6, image=picture(64, 2), mask=hole(64), strength=0.8)),
+        (3, spec("a yellow star", seed=4, steps=5, guidance=1.0, image=picture(64, 3), strength=0.3)),
+    ]
+    for (_, job), decoded in zip(plan, run(engines["sd35"], plan), strict=True):
+        assert_same_images(decoded, expected(references["sd35"], job))
+
+
+@pytest.fixture(scope="module")
+def dynamic_model(tmp_path_factory) -> Path:
+    """The tiny SD 3 model with a scheduler that shifts by resolution (``use_dynamic_shifting``)."""
+    directory = tmp_path_factory.mktemp("dynamic") / "model"
+    shutil.copytree(TINY_MODEL_DIRS["sd3"], directory)
+    config_file = directory / "scheduler" / "scheduler_config.json"
+    config = json.loads(config_file.read_text())
+    config.update(use_dynamic_shifting=True, base_image_seq_len=16, max_image_seq_len=256)
+    config_file.write_text(json.dumps(config))
+    return directory
+
+
+def test_dynamic_shifting_gives_each_size_its_own_schedule_and_diffusers_images(dynamic_model):
+    engine, reference = engine_for(dynamic_model), Reference(dynamic_model)
+    small, large = spec(side=64, steps=4), spec(side=128, seed=2, steps=4)
+    for job in (small, large):
+        (decoded,) = run(engine, [(0, job)])
+        assert_same_images(decoded, expected(reference, job))
+    shapes = [engine.latent_shape(side, side) for side in (64, 128)]
+    schedules = [engine.family.scheduler(FLOW, 4, shape).sigmas for shape in shapes]
+    assert not torch.equal(*schedules), "the schedule should depend on the image's token count"
+
+
+def test_without_t5_the_model_conditions_on_zeros_as_diffusers_does_without_its_encoder():
+    engine = engine_for(TINY_MODEL_DIRS["sd3"], text_encoder_3=False)
+    assert engine.pipeline.text_encoder_3 is None and "text_encoder_3=False" in engine.description
+    job = spec(images=2, steps=4, negative="blue")
+    (started,) = engine.start([job])
+    t5_rows = started.conditioning.hidden_states[:, 77:]
+    assert t5_rows.shape[1] == 256 and torch.count_nonzero(t5_rows) == 0
+    (decoded,) = run(engine, [(0, job)])
+    assert_same_images(decoded, expected(Reference(TINY_MODEL_DIRS["sd3"], text_encoder_3=False), job))
+
+
+def test_max_sequence_length_sets_the_t5_tokens():
+    engine = engine_for(TINY_MODEL_DIRS["sd3"], max_sequence_length=128)
+    (job,) = engine.start([spec(guidance=1.0)])
+    assert job.conditioning.hidden_states.shape[1] == 77 + 128
+
+
+def test_a_lora_on_the_transformer_and_text_encoders_gives_diffusers_images(tmp_path, references):
+    for name, seed, text_encoder in (("both", 3, True), ("transformer", 4, False)):
+        write_lora(TINY_MODEL_DIRS["sd3"], tmp_path / f"{name}.safetensors", seed=seed, text_encoder=text_encoder)
+    engine = engine_for(TINY_MODEL_DIRS["sd3"], loras={"dir": str(tmp_path)})
+    adapters = engine.loras.acquire([("both", 0.8), ("transformer", -0.5)], in_use=())
+    job = spec(images=2, steps=4, adapters=adapters)
+    (decoded,) = run(engine, [(0, job)])
+    loras = [(tmp_path / "both.safetensors", 0.8), (tmp_path / "transformer.safetensors", -0.5)]
+    expected_images = references["sd3"](
+        job.prompt,
+        job.seeds[0],
+        64,
+        64,
+        job.num_inference_steps,
+        num_images_per_prompt=2,
+        guidance_scale=5.0,
+        loras=loras,
+    )
+    assert_same_images(decoded, expected_images)
+    plain = references["sd3"](
+        job.prompt, job.seeds[0], 64, 64, job.num_inference_steps, num_images_per_prompt=2, guidance_scale=5.0
+    )
+    assert np.abs(np.asarray(decoded.images[0], dtype=np.int16) - np.asarray(plain.images[0])).max() > 1
+
+
+def test_the_family_is_detected_with_its_rules(engines):
+    for family in FAMILIES:
+        engine = engines[family]
+        assert isinstance(engine.family, StableDiffusion3Family) and engine.family.name == "SD 3.x"
+        assert "family=SD 3.x pipeline=StableDiffusion3Pipeline denoiser=transformer" in engine.description
+        assert "JointAttnProcessor2_0" in engine.description
+        assert engine.family.native_size() == (64, 64) and engine.latent_shape(64, 48) == (16, 6, 8)
+    rules = engines["sd3"].family.rules
+    assert rules == FamilyRules("SD 3.x", (FLOW,), FLOW, 16, "start", max_side=32 * 2 * 8)  # pos_embed_max_size 32
+    assert [rules.image_steps(steps, strength) for steps, strength in ((5, 0.7), (2, 0.3), (10, 1.0))] == [4, 1, 10]
+    assert [FamilyRules().image_steps(steps, strength) for steps, strength in ((5, 0.7), (2, 0.3))] == [3, 0]
+
+
+def test_attention_slicing_is_refused_for_the_joint_attention_transformer():
+    with pytest.raises(ValueError, match="attention_slicing is not available for SD 3.x"):
+        engine_for(TINY_MODEL_DIRS["sd3"], attention_slicing=True)
