@@ -179,7 +179,7 @@ class StepEngine:
             scheduler = self.family.scheduler(spec.scheduler, spec.num_inference_steps, shape[1:])
             generators = [torch.Generator("cpu").manual_seed(seed) for seed in spec.seeds]
             if spec.image is not None:
-                return self._start_from_image(spec, conditioning, scheduler, generators)
+                return self._start_from_image(spec, conditioning, scheduler, generators, shape)
             noise = randn_tensor(shape, generator=generators, device=self.device, dtype=dtype)
             latents = self.family.initial_latents(scheduler, noise)
         self.family.prepare_scheduler(scheduler)
@@ -187,7 +187,12 @@ class StepEngine:
         return DenoiseJob(spec, scheduler, scheduler.timesteps, latents, conditioning, step_kwargs)
 
     def _start_from_image(
-        self, spec: JobSpec, conditioning: Conditioning, scheduler: Scheduler, generators: list[torch.Generator]
+        self,
+        spec: JobSpec,
+        conditioning: Conditioning,
+        scheduler: Scheduler,
+        generators: list[torch.Generator],
+        shape: tuple[int, ...],
     ) -> DenoiseJob:
         """Steps 4 to 6 of the img2img and inpaint pipelines: the last ``strength`` of the schedule
         (``get_timesteps``), and latents from the image's (``prepare_latents``, with a mask
@@ -200,7 +205,6 @@ class StepEngine:
             scheduler.set_begin_index(start)
         first_timestep = timesteps[:1].repeat(spec.images)
         pixels = family.preprocess(spec.image, spec.width, spec.height, dtype)
-        shape = (spec.images, *self.latent_shape(spec.width, spec.height))
         inpainting = None
         if spec.mask is None:  # img2img: each image encoded with its own generator
             image_latents = family.encode_image(pixels.repeat(spec.images, 1, 1, 1), generators, inpaint=False)

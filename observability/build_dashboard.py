@@ -100,7 +100,7 @@ def panels() -> list[list[timeseries.Panel | stat.Panel]]:
         series_panel(
             "Batch size",
             "Mean requests admitted together (a TorchServe batch, or the requests joining one "
-            "continuous-batching iteration), and mean images per UNet forward (jobs of one latent shape share a "
+            "continuous-batching iteration), and mean images per denoiser forward (jobs of one latent shape share a "
             "forward whatever their steps; the step-time profile caps it).",
             "short",
             [
@@ -110,7 +110,7 @@ def panels() -> list[list[timeseries.Panel | stat.Panel]]:
         ),
         series_panel(
             "Denoising step time",
-            "Time of one denoising step (one UNet forward over the jobs stepped together), "
+            "Time of one denoising step (one denoiser forward, UNet or transformer, over the jobs stepped together), "
             "and the VAE decode of the jobs that finished together.",
             "s",
             [
@@ -122,7 +122,7 @@ def panels() -> list[list[timeseries.Panel | stat.Panel]]:
         series_panel(
             "Queue and in flight per worker",
             "What autoscaling and routing read: images in each worker's denoising loop, requests in a worker "
-            "waiting for a step (left out of the last UNet forward), and requests waiting in TorchServe's queue "
+            "waiting for a step (left out of the last denoiser forward), and requests waiting in TorchServe's queue "
             "for a worker (mean over 5 minutes).",
             "short",
             [

@@ -61,6 +61,16 @@ def run(engine: StepEngine, plan: list[tuple[int, JobSpec]]) -> list[Decoded]:
     return [finished[index] for index in range(len(plan))]
 
 
+def run_counting_text_encodings(engine: StepEngine, jobs: list[JobSpec], monkeypatch) -> tuple[list[Decoded], int]:
+    """``jobs`` started together and run to the end, with the pipeline's ``encode_prompt`` calls counted."""
+    calls = []
+    real = engine.pipeline.encode_prompt
+    monkeypatch.setattr(
+        engine.pipeline, "encode_prompt", lambda *args, **kwargs: calls.append(1) or real(*args, **kwargs)
+    )
+    return run(engine, [(0, job) for job in jobs]), len(calls)
+
+
 def assert_same_images(actual: Decoded, reference) -> None:
     assert len(actual.images) == len(reference.images)
     for ours, theirs in zip(actual.images, reference.images, strict=True):

@@ -225,7 +225,7 @@ def test_the_serving_code_imports_only_what_requirements_txt_installs():
     provided = installed_closure(requirement_names(REQUIREMENTS))
     distributions = importlib.metadata.packages_distributions()
     copied = {source.rstrip("/") for source in SERVING_FILES if source.endswith("/")}
-    sources = [path for folder in copied for path in (ROOT / folder).glob("*.py")]
+    sources = [path for folder in copied for path in (ROOT / folder).rglob("*.py")]
     for source in sources:
         for name, _ in import_statements(source):
             module = name.split(".")[0]

@@ -16,7 +16,14 @@ from handler.families.sd import SCHEDULERS
 from handler.pipeline import load_engine
 from model_making.make_tiny_model import write_lcm_model
 from server.paths import TINY_MODEL_DIRS
-from tests.harness.engine_runs import assert_same_images, expected, hole, picture, run
+from tests.harness.engine_runs import (
+    assert_same_images,
+    expected,
+    hole,
+    picture,
+    run,
+    run_counting_text_encodings,
+)
 
 FAMILIES = ("sd1", "sd2", "sdxl")
 
@@ -92,13 +99,8 @@ def test_jobs_started_together_share_one_text_encoder_call_and_each_gives_its_di
         spec("a blue circle", seed=6, side=side, steps=3, scheduler="dpmpp_2m", negative="a red circle"),
     ]
     engine = engines[family]
-    calls = []
-    real = engine.pipeline.encode_prompt
-    monkeypatch.setattr(
-        engine.pipeline, "encode_prompt", lambda *args, **kwargs: calls.append(1) or real(*args, **kwargs)
-    )
-    decoded = run(engine, [(0, job) for job in jobs])
-    assert len(calls) == 1
+    decoded, calls = run_counting_text_encodings(engine, jobs, monkeypatch)
+    assert calls == 1
     for job, images in zip(jobs, decoded, strict=True):
         assert_same_images(images, expected(references[family], job))
 

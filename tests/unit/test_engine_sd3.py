@@ -21,7 +21,14 @@ from handler.families import StableDiffusion3Family
 from handler.pipeline import load_engine
 from model_making.make_lora import write_lora
 from server.paths import TINY_MODEL_DIRS
-from tests.harness.engine_runs import assert_same_images, expected, hole, picture, run
+from tests.harness.engine_runs import (
+    assert_same_images,
+    expected,
+    hole,
+    picture,
+    run,
+    run_counting_text_encodings,
+)
 
 FAMILIES = ("sd3", "sd35")
 FLOW = "flow_match_euler"
@@ -84,13 +91,8 @@ def test_jobs_started_together_share_one_text_encoder_call(engines, references, 
         spec("a red circle", seed=5, images=2, steps=3, negative="red"),
         spec("a green triangle", seed=2, steps=2, guidance=1.0),
     ]
-    calls = []
-    real = engine.pipeline.encode_prompt
-    monkeypatch.setattr(
-        engine.pipeline, "encode_prompt", lambda *args, **kwargs: calls.append(1) or real(*args, **kwargs)
-    )
-    decoded = run(engine, [(0, job) for job in jobs])
-    assert len(calls) == 1
+    decoded, calls = run_counting_text_encodings(engine, jobs, monkeypatch)
+    assert calls == 1
     for job, images in zip(jobs, decoded, strict=True):
         assert_same_images(images, expected(references["sd3"], job))
 
