@@ -20,7 +20,7 @@ import logging
 import statistics
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import matplotlib.pyplot as plt
@@ -56,13 +56,10 @@ class Architecture:
     batches: tuple[int, ...]
     steps: int
     repeats: int
-    settings: dict = field(default_factory=dict)  # handler settings it is served with
 
 
 ARCHITECTURES = {
-    "sd35-medium": Architecture(
-        sd35.ensure_model_without_t5, 256, (1,), steps=2, repeats=2, settings={"text_encoder_3": False}
-    ),
+    "sd35-medium": Architecture(sd35.ensure_model_without_t5, 256, (1,), steps=2, repeats=2),
 }
 
 
@@ -166,15 +163,12 @@ def measure_model(
     repeats: int,
     side: int | None = None,
     shared: bool = False,
-    settings: dict | None = None,
 ) -> list[Row]:
     """The engine against diffusers' call on one model (``family`` "custom": detected), per batch,
-    at ``side`` (None: the model's native size), served with ``settings`` on top of the defaults.
-    ``shared``: diffusers calls the pipeline the engine loaded instead of loading its own (for a model
-    too large to hold twice; the engine leaves it as diffusers loads it but for the attention
-    processors, which are diffusers' defaults)."""
-    overrides = {"model_path": str(Path(model_dir).resolve()), "device": device, **(settings or {})}
-    engine = load_engine(HandlerSettings.model_validate(overrides), ".")
+    at ``side`` (None: the model's native size). ``shared``: diffusers calls the pipeline the engine
+    loaded instead of loading its own (for a model too large to hold twice; the engine leaves it as
+    diffusers loads it but for the attention processors, which are diffusers' defaults)."""
+    engine = load_engine(HandlerSettings(model_path=str(Path(model_dir).resolve()), device=device), ".")
     reference = Reference(model_dir, engine.device, engine.dtype, pipeline=engine.pipeline if shared else None)
     side = side or engine.family.native_size()[0]
     rows = []
@@ -258,7 +252,6 @@ def main(argv: list[str] | None = None) -> None:
             architecture.repeats,
             architecture.side,
             shared=True,
-            settings=architecture.settings,
         )
     env = environment(device)
     figures = {"environment": env, "goal_ratio": GOAL, "rows": [{**asdict(row), "ratio": row.ratio} for row in rows]}

@@ -315,18 +315,20 @@ class HandlerSettings(_Section):
         """These settings for a loaded model: its native size as the default for an unset
         width/height, and the model's own scheduler where the configured default is one its family
         does not serve; checked against the limits again. Raises ValueError for a configured default
-        size off the family's grid or larger than the model takes."""
+        or warm-up size off the family's grid or larger than the model takes."""
         defaults = self.defaults.model_dump()
         defaults["width"] = defaults["width"] or width
         defaults["height"] = defaults["height"] or height
         defaults["scheduler"] = rules.default_scheduler(self.defaults.scheduler)
-        largest = rules.max_side or max(defaults["width"], defaults["height"])
-        unfit = [side for side in ("width", "height") if defaults[side] % rules.grid or defaults[side] > largest]
-        if unfit:
-            raise ValueError(
-                f"defaults {' and '.join(unfit)} must be multiples of {rules.grid} and at most {largest} for this "
-                f"{rules.family} model (got {defaults['width']}x{defaults['height']})"
-            )
+        sizes = {"defaults": (defaults["width"], defaults["height"])}
+        sizes |= {f"warmup[{index}]": (shape.width, shape.height) for index, shape in enumerate(self.warmup)}
+        for setting, size in sizes.items():
+            if any(side % rules.grid or side > (rules.max_side or side) for side in size):
+                raise ValueError(
+                    f"{setting}: width and height must be multiples of {rules.grid}"
+                    + (f" and at most {rules.max_side}" if rules.max_side else "")
+                    + f" for this {rules.family} model (got {size[0]}x{size[1]})"
+                )
         return type(self).model_validate({**self.model_dump(), "defaults": defaults})
 
     def warmup_shapes(self) -> tuple[WarmupShape, ...]:

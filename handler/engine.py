@@ -43,8 +43,7 @@ from diffusers.utils.torch_utils import randn_tensor
 from PIL.Image import Image
 
 from handler.config import FaultInjection, SchedulerName
-from handler.families import Conditioning, Decoded, Family, Pipeline
-from handler.families.base import Scheduler
+from handler.families import Conditioning, Decoded, Family, Pipeline, Scheduler
 from handler.loras import Adapters, LoraLibrary
 
 
@@ -205,6 +204,7 @@ class StepEngine:
             scheduler.set_begin_index(start)
         first_timestep = timesteps[:1].repeat(spec.images)
         pixels = family.preprocess(spec.image, spec.width, spec.height, dtype)
+        step_kwargs = family.step_kwargs(scheduler, generators)
         inpainting = None
         if spec.mask is None:  # img2img: each image encoded with its own generator
             image_latents = family.encode_image(pixels.repeat(spec.images, 1, 1, 1), generators, inpaint=False)
@@ -218,7 +218,9 @@ class StepEngine:
             else:
                 latents = family.add_noise(scheduler, image_latents, noise, first_timestep)
             mask = family.preprocess_mask(spec.mask, spec.width, spec.height)
-            if family.encodes_masked_image:  # for the first generator's state only (see Family)
+            if "generator" in step_kwargs:
+                # The pipeline encodes the masked image too (with the first generator, whose state the
+                # scheduler's steps then draw from), though a 4- or 16-channel denoiser never reads it.
                 family.encode_image(pixels * (mask < 0.5), generators[:1], inpaint=True)
             latent_size = shape[-2:]
             mask = torch.nn.functional.interpolate(mask, size=latent_size).to(device=self.device, dtype=dtype)
@@ -229,7 +231,7 @@ class StepEngine:
             timesteps,
             latents,
             conditioning,
-            family.step_kwargs(scheduler, generators),
+            step_kwargs,
             inpainting=inpainting,
         )
 

@@ -62,12 +62,11 @@ def _set_attention(family: Family, settings: HandlerSettings) -> None:
     if settings.attention_slicing and family.own_attention:
         raise ValueError(
             f"attention_slicing is not available for {family.name} models: their denoiser keeps its own attention "
-            f"processors ({', '.join(cls.__name__ for cls in family.own_attention)})"
+            f"processor ({family.own_attention.__name__})"
         )
     processor_class = ATTENTION_PROCESSORS[settings.attention]
-    for component in _attention_components(family, settings):
-        if component != family.denoiser_name or not family.own_attention:
-            getattr(family.pipeline, component).set_attn_processor(processor_class())
+    for component in ("vae",) if family.own_attention else ("vae", family.denoiser_name):
+        getattr(family.pipeline, component).set_attn_processor(processor_class())
     if settings.attention_slicing:
         family.pipeline.enable_attention_slicing()
 
@@ -77,7 +76,7 @@ def _attention_components(family: Family, settings: HandlerSettings) -> dict[str
     slicing's on the UNet; the family's own on a denoiser that keeps them."""
     configured = ATTENTION_PROCESSORS[settings.attention]
     denoiser = SlicedAttnProcessor if settings.attention_slicing else configured
-    return {family.denoiser_name: family.own_attention[0] if family.own_attention else denoiser, "vae": configured}
+    return {family.denoiser_name: family.own_attention or denoiser, "vae": configured}
 
 
 def attention_summary(family: Family, settings: HandlerSettings) -> str:
@@ -158,15 +157,19 @@ def _apply_safety_checker(pipeline: Pipeline, settings: HandlerSettings) -> str:
 
 def _without_t5(source: str, settings: HandlerSettings) -> dict[str, None]:
     """``from_pretrained`` arguments that leave out an SD 3.x model's T5 encoder where
-    ``handler.text_encoder_3`` is false (none for a model of another family, which has no T5)."""
-    if settings.text_encoder_3:
-        return {}
+    ``handler.text_encoder_3`` is false or the directory was saved without one (none for a model of
+    another family, which has no T5)."""
     index = Path(source) / "model_index.json"
-    class_name = json.loads(index.read_text()).get("_class_name") if index.is_file() else None
-    if class_name != StableDiffusion3Family.pipeline_class.__name__:
-        logger.warning("handler.text_encoder_3: false ignored: %s is not an SD 3.x pipeline", class_name)
+    config = json.loads(index.read_text()) if index.is_file() else {}
+    sd3 = config.get("_class_name") == StableDiffusion3Family.pipeline_class.__name__
+    saved_without = sd3 and (config.get("text_encoder_3") or [None])[0] is None
+    if settings.text_encoder_3 and not saved_without:
         return {}
-    logger.warning("serving without the T5 text encoder (handler.text_encoder_3: false): zero T5 embeddings")
+    if not sd3:
+        logger.warning("handler.text_encoder_3: false ignored: %s is not an SD 3.x pipeline", config.get("_class_name"))
+        return {}
+    why = "the model directory has none" if saved_without else "handler.text_encoder_3: false"
+    logger.warning("serving without the T5 text encoder (%s): zero T5 embeddings", why)
     return {"text_encoder_3": None, "tokenizer_3": None}
 
 

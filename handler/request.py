@@ -271,8 +271,8 @@ class GenerationRequest(BaseModel):
         if value % rules.grid:
             raise PydanticCustomError(
                 "multiple_of",
-                "Input should be a multiple of {grid} (the size grid of {family} models), got {value}",
-                {"grid": rules.grid, "family": rules.family, "value": value},
+                "Input should be a multiple of {grid} for {family} models",
+                {"grid": rules.grid, "family": rules.family},
             )
         if value < limits.min_side:
             raise PydanticCustomError(
@@ -379,9 +379,9 @@ class GenerationRequest(BaseModel):
         if isinstance(steps, int) and _policy(info).rules.image_steps(steps, value) < 1:
             raise PydanticCustomError(
                 "no_steps",
-                "strength {strength} of {steps} steps leaves int({steps} x {strength}) = 0 denoising steps: raise "
-                "strength or num_inference_steps",
-                {"strength": value, "steps": steps},
+                "strength {strength} of {steps} steps leaves no denoising step (the image-to-image pipeline of "
+                "{family} models rounds {steps} x {strength} down to 0): raise strength or num_inference_steps",
+                {"strength": value, "steps": steps, "family": _policy(info).rules.family},
             )
         return value
 

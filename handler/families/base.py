@@ -156,12 +156,9 @@ class Family(ABC):
     denoiser_name: ClassVar[str]  # the pipeline's attribute holding the denoiser
     schedulers: ClassVar[dict[SchedulerName, SchedulerChoice]]  # what a request may name
     strength_rounding: ClassVar[Literal["steps", "start"]] = "steps"  # FamilyRules.strength_rounding
-    # Whether the inpaint pipeline encodes the masked image although a 4- or 16-channel denoiser never
-    # reads it: it draws from the first generator, which later scheduler steps may draw from too.
-    encodes_masked_image: ClassVar[bool] = True
-    # The denoiser's own attention processors, kept whatever handler.attention says (empty: it takes
-    # the configured one, as the UNets do).
-    own_attention: ClassVar[tuple[type, ...]] = ()
+    # The denoiser's own attention processor, kept whatever handler.attention says (None: it takes the
+    # configured one, as the UNets do).
+    own_attention: ClassVar[type | None] = None
 
     def __init__(self, pipeline: Pipeline, device: torch.device, dtype: torch.dtype, max_sequence_length: int = 256):
         self.pipeline = pipeline

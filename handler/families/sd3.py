@@ -59,8 +59,7 @@ class StableDiffusion3Family(Family):
     denoiser_name: ClassVar[str] = "transformer"
     schedulers: ClassVar[dict[SchedulerName, SchedulerChoice]] = SCHEDULERS
     strength_rounding: ClassVar[Literal["steps", "start"]] = "start"
-    encodes_masked_image: ClassVar[bool] = False  # flow matching's step draws from no generator
-    own_attention: ClassVar[tuple[type, ...]] = (JointAttnProcessor2_0,)  # SDPA; no other processor fits
+    own_attention: ClassVar[type | None] = JointAttnProcessor2_0  # SDPA; no other processor fits
 
     @classmethod
     def refuse(cls, pipeline: Pipeline) -> str | None:

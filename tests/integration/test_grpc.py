@@ -137,4 +137,7 @@ def test_the_readme_grpc_examples_run_as_written(server, client, repo_cwd):
         client.image(prompt="a red circle", seed=42, num_inference_steps=25),
     )
     output = run_example("grpc-python", server, repo_cwd).stdout.splitlines()
-    assert output[0].startswith("image, ") and output[1] == "400 width: Input should be a multiple of 8 (given: 100)"
+    assert (
+        output[0].startswith("image, ")
+        and output[1] == "400 width: Input should be a multiple of 8 for SD 1.x models (given: 100)"
+    )

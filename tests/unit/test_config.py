@@ -114,10 +114,16 @@ def test_a_model_gets_its_familys_scheduler_where_the_configured_default_is_not_
     assert turbo.for_model(1024, 1024, replace(sd3, max_side=None)).defaults.model_dump(
         include={"num_inference_steps", "guidance_scale", "scheduler"}
     ) == {"num_inference_steps": 4, "guidance_scale": 0.0, "scheduler": "flow_match_euler"}
-    with pytest.raises(ValueError, match="width must be multiples of 16 and at most 512 for this SD 3.x model"):
+    with pytest.raises(
+        ValueError, match=r"defaults: .* multiples of 16 and at most 512 for this SD 3.x model \(got 72x64"
+    ):
         HandlerSettings.model_validate({"defaults": {"width": 72, "height": 64}}).for_model(64, 64, sd3)
-    with pytest.raises(ValueError, match="width and height must be multiples of 16 and at most 512"):
+    with pytest.raises(ValueError, match=r"defaults: .*\(got 1024x1024\)"):
         HandlerSettings().for_model(1024, 1024, sd3)
+    with pytest.raises(ValueError, match=r"warmup\[1\]: .*\(got 520x512\)"):
+        HandlerSettings.model_validate(
+            {"warmup": [{"width": 64, "height": 64}, {"width": 520, "height": 512}]}
+        ).for_model(64, 64, sd3)
 
 
 def test_model_path_is_relative_to_the_archive_unless_absolute():

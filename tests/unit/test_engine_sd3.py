@@ -173,6 +173,17 @@ def test_without_t5_the_model_conditions_on_zeros_as_diffusers_does_without_its_
     assert_same_images(decoded, expected(Reference(TINY_MODEL_DIRS["sd3"], text_encoder_3=False), job))
 
 
+def test_a_directory_saved_without_t5_serves_without_it(tmp_path):
+    """As a user may strip T5 from an SD 3.5 Large directory to save 9.5 GB: diffusers' own
+    from_pretrained refuses such a directory unless told text_encoder_3=None; the worker tells it."""
+    from diffusers import StableDiffusion3Pipeline
+
+    pipeline = StableDiffusion3Pipeline.from_pretrained(TINY_MODEL_DIRS["sd3"], text_encoder_3=None, tokenizer_3=None)
+    pipeline.save_pretrained(tmp_path / "no-t5", safe_serialization=True)
+    engine = engine_for(tmp_path / "no-t5")
+    assert engine.pipeline.text_encoder_3 is None and "text_encoder_3=False" in engine.description
+
+
 def test_max_sequence_length_sets_the_t5_tokens():
     engine = engine_for(TINY_MODEL_DIRS["sd3"], max_sequence_length=128)
     (job,) = engine.start([spec(guidance=1.0)])

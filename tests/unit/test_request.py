@@ -286,5 +286,5 @@ def test_the_familys_rules_name_what_it_allows():
     assert "'ddim', 'euler', 'euler_a', 'dpmpp_2m' or 'pndm' (the schedulers of SD 1.x models)" in message
     fields, message = errors_of({"prompt": "x", "width": 72, "height": 320}, policy=SD3_POLICY)
     assert fields == [("width", "multiple_of"), ("height", "less_than_equal")]
-    assert "multiple of 16 (the size grid of SD 3.x models)" in message and "largest side this SD 3.x model" in message
+    assert "multiple of 16 for SD 3.x models (given: 72)" in message and "largest side this SD 3.x model" in message
     assert decode_body({"prompt": "x", "width": 72}, "application/json", POLICY).width == 72
