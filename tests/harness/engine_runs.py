@@ -16,6 +16,25 @@ from handler.families import Decoded
 TOLERANCE = 1
 
 
+def spec(
+    prompt="a red circle",
+    seed=1,
+    images=1,
+    side=64,
+    steps=5,
+    scheduler="ddim",
+    guidance=7.5,
+    negative=None,
+    image=None,
+    mask=None,
+    strength=1.0,
+    adapters=(),
+) -> JobSpec:
+    """A job of ``images`` images (seeds ``seed``, ``seed + 1``, ...) at ``side`` x ``side``."""
+    seeds = tuple(range(seed, seed + images))
+    return JobSpec(prompt, negative, seeds, side, side, steps, scheduler, guidance, image, mask, strength, adapters)
+
+
 def picture(side: int, seed: int = 0) -> Image.Image:
     """An input image: coloured noise."""
     return Image.fromarray(np.random.default_rng(seed).integers(0, 256, (side, side, 3), dtype=np.uint8))

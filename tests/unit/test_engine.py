@@ -23,6 +23,7 @@ from tests.harness.engine_runs import (
     picture,
     run,
     run_counting_text_encodings,
+    spec,
 )
 
 FAMILIES = ("sd1", "sd2", "sdxl")
@@ -42,23 +43,6 @@ def engines() -> dict[str, StepEngine]:
 @pytest.fixture(scope="module")
 def references() -> dict[str, Reference]:
     return {family: Reference(TINY_MODEL_DIRS[family]) for family in (*FAMILIES, "sd1-safety")}
-
-
-def spec(
-    prompt="a red circle",
-    seed=1,
-    images=1,
-    side=64,
-    steps=5,
-    scheduler="ddim",
-    guidance=7.5,
-    negative=None,
-    image=None,
-    mask=None,
-    strength=1.0,
-) -> JobSpec:
-    seeds = tuple(range(seed, seed + images))
-    return JobSpec(prompt, negative, seeds, side, side, steps, scheduler, guidance, image, mask, strength)
 
 
 @pytest.mark.parametrize("family", FAMILIES)

@@ -6,6 +6,7 @@ shifting, serving without T5, LoRAs; and the family's rules."""
 
 from __future__ import annotations
 
+import functools
 import json
 import shutil
 from pathlib import Path
@@ -16,7 +17,7 @@ import torch
 
 from bench.reference import Reference
 from handler.config import FamilyRules, HandlerSettings
-from handler.engine import JobSpec, StepEngine
+from handler.engine import StepEngine
 from handler.families import StableDiffusion3Family
 from handler.pipeline import load_engine
 from model_making.make_lora import write_lora
@@ -29,26 +30,14 @@ from tests.harness.engine_runs import (
     run,
     run_counting_text_encodings,
 )
+from tests.harness.engine_runs import spec as any_family_spec
 
 FAMILIES = ("sd3", "sd35")
 FLOW = "flow_match_euler"
 
 
-def spec(
-    prompt="a red circle",
-    seed=1,
-    images=1,
-    side=64,
-    steps=5,
-    guidance=5.0,
-    negative=None,
-    image=None,
-    mask=None,
-    strength=1.0,
-    adapters=(),
-) -> JobSpec:
-    seeds = tuple(range(seed, seed + images))
-    return JobSpec(prompt, negative, seeds, side, side, steps, FLOW, guidance, image, mask, strength, adapters)
+# SD 3 jobs: the family's scheduler, guidance 5.
+spec = functools.partial(any_family_spec, scheduler=FLOW, guidance=5.0)
 
 
 def engine_for(model_dir: Path, **settings) -> StepEngine:
