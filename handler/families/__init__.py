@@ -21,9 +21,9 @@ from handler.families.base import (
     TextEmbedding,
     UnsupportedPipeline,
 )
-from handler.families.sd import SCHEDULERS as UNET_SCHEDULERS
+from handler.families.sd import SCHEDULERS as SD_SCHEDULERS
 from handler.families.sd import StableDiffusionFamily
-from handler.families.sd3 import SCHEDULERS as FLOW_SCHEDULERS
+from handler.families.sd3 import SCHEDULERS as SD3_SCHEDULERS
 from handler.families.sd3 import StableDiffusion3Family
 from handler.families.sdxl import StableDiffusionXLFamily
 
@@ -50,7 +50,7 @@ SUPPORTED = (
     "StableDiffusion3Pipeline (SD 3, SD 3.5)"
 )
 # Every family's schedulers by name (the names are unique across families).
-SCHEDULERS: dict[SchedulerName, SchedulerChoice] = {**UNET_SCHEDULERS, **FLOW_SCHEDULERS}
+SCHEDULERS: dict[SchedulerName, SchedulerChoice] = {**SD_SCHEDULERS, **SD3_SCHEDULERS}
 
 
 def family_of(pipeline: Pipeline, device: torch.device, dtype: torch.dtype, max_sequence_length: int = 256) -> Family:

@@ -187,10 +187,6 @@ class Family(ABC):
         return getattr(self.pipeline, self.denoiser_name)
 
     @property
-    def safety_checker(self) -> bool:
-        return False
-
-    @property
     def patch_size(self) -> int:
         """Latent pixels per denoiser token side (1 for a UNet)."""
         return 1

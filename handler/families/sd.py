@@ -66,10 +66,6 @@ class StableDiffusionFamily(Family):
         v_prediction = self.pipeline.scheduler.config.get("prediction_type") == "v_prediction"
         return "SD 2.x" if v_prediction or self.pipeline.unet.config.cross_attention_dim == 1024 else "SD 1.x"
 
-    @property
-    def safety_checker(self) -> bool:
-        return getattr(self.pipeline, "safety_checker", None) is not None
-
     def _encode_texts(self, texts: list[str]) -> list[TextEmbedding]:
         hidden_states, _ = self.pipeline.encode_prompt(texts, self.device, 1, False)
         return [TextEmbedding(row) for row in hidden_states.split(1)]

@@ -37,10 +37,6 @@ class StableDiffusionXLFamily(StableDiffusionFamily):
     def name(self) -> str:
         return "SDXL"
 
-    @property
-    def safety_checker(self) -> bool:
-        return False
-
     def _negative_text(self, spec: PromptSpec) -> str | None:
         if spec.negative_prompt is None and self.pipeline.config.force_zeros_for_empty_prompt:
             return None

@@ -4,13 +4,16 @@ and guidance; SDXL's conditioning and float16 VAE; the safety checker; unsupport
 
 from __future__ import annotations
 
+from typing import get_args
+
 import numpy as np
 import pytest
 import torch
 
 from bench.reference import Reference
-from handler.config import HandlerSettings
+from handler.config import UNET_SCHEDULERS, HandlerSettings, SchedulerName
 from handler.engine import JobSpec, StepEngine
+from handler.families import SCHEDULERS as ALL_SCHEDULERS
 from handler.families import UnsupportedPipeline
 from handler.families.sd import SCHEDULERS
 from handler.pipeline import load_engine
@@ -142,6 +145,13 @@ def test_one_forward_needs_one_latent_shape(engines):
     engine = engines["sd1"]
     with pytest.raises(ValueError, match="one latent shape"):
         engine.step(engine.start([spec(side=64), spec(side=128)]))
+
+
+def test_the_request_rules_name_the_schedulers_the_families_build():
+    """config.UNET_SCHEDULERS (the request rules' default, which cannot import the families) and
+    every family's scheduler names are the ones its module builds, all of them request names."""
+    assert UNET_SCHEDULERS == tuple(SCHEDULERS)
+    assert set(ALL_SCHEDULERS) == set(get_args(SchedulerName))
 
 
 def test_families_are_detected_from_the_loaded_pipeline(engines):
