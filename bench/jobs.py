@@ -1,5 +1,5 @@
 """Run step-engine jobs to completion in-process, as the service runs a batch of one shape: every
-job in each UNet forward until all are done, then one decode. For benchmarks and tests that need
+job in each denoiser forward until all are done, then one decode. For benchmarks and tests that need
 images or step times without a server."""
 
 from __future__ import annotations
@@ -14,15 +14,15 @@ from handler.pipeline import synchronize
 
 
 def generate(engine: StepEngine, specs: list[JobSpec]) -> tuple[list[Decoded], list[float]]:
-    """Decoded images per job, and the seconds of each forward (device time on CUDA). Jobs of
-    several LoRA sets take one forward per set each step, as the service groups them."""
+    """Decoded images per job, and the seconds of each forward (device time on CUDA). Jobs of one
+    latent shape take one forward each step whatever their LoRA sets, as the service steps them."""
     jobs = engine.start(specs)
     step_seconds = []
     while not all(job.done for job in jobs):
         groups: dict[tuple, list] = {}
         for job in jobs:
             if not job.done:
-                groups.setdefault(job.forward_group, []).append(job)
+                groups.setdefault(job.latent_shape, []).append(job)
         for group in groups.values():
             started = time.perf_counter()
             engine.step(group)

@@ -1,84 +1,234 @@
-"""`make bench-lora`: what a LoRA costs a request, measured side by side in one process.
+"""`make bench-lora`: what LoRA sets cost a batch, per design of the mixed forward, side by side.
 
-The same 8 one-image requests (default model, 64x64, 20 DDIM steps) run on the step engine as the
-service runs a batch, in alternation: all without LoRA; all with the shipped outline LoRA (one
-forward per step, the adapter active); half with the outline LoRA and half with another (two
-forwards per step: the grouped batch); each with its own scale (eight sets: eight forwards per
-step). Then the switch itself: ``set_adapters`` between two sets and back, alone. Prints medians and
-ratios against the plain batch and writes ``reports/lora/lora.json``.
+8 one-image requests (guidance 7.5: 16 rows per forward) on the step engine, on the default model
+(64x64, rank-8 LoRAs) and on SD 1.5's architecture (``bench.sd15``, random weights, 256x256,
+rank-16 LoRAs), the LoRAs random on the denoiser's attention and feed-forward layers. Workloads:
+no LoRA; one LoRA on all 8; 8 different LoRAs, one per request; 8 different sets drawn from 3
+loaded LoRAs (alone, in pairs, all three, at other weights). Designs of the forward
+(``handler.lora_rows``): ``grouped`` (one forward per LoRA set, as before requests with different
+sets shared forwards), ``segments``, ``stacked``, and ``auto`` (what the server runs). Every
+workload and design steps the same 8 jobs from the same state; the figure is the median seconds of
+one step of all 8 (the sum of its forwards where grouped).
+Each case is timed right after the same jobs without LoRA (paired: the ratio is the median of the
+rounds' ratios, so a drift of the machine's speed cancels). Prints the ratios against no LoRA and
+writes ``reports/lora/lora.{json,md,png}``.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
+import copy
 import logging
-import shutil
 import statistics
 import tempfile
 import time
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 
-from bench.jobs import generate
+import matplotlib.pyplot as plt
+import numpy as np
+
+from bench import sd15
 from bench.pipeline import environment
+from bench.report import publish
 from handler.config import HandlerSettings
-from handler.engine import JobSpec
-from handler.pipeline import load_engine
+from handler.engine import DenoiseJob, JobSpec, StepEngine
+from handler.lora_rows import Adapters
+from handler.pipeline import load_engine, synchronize
 from model_making.make_lora import write_lora
-from server.paths import DEFAULT_MODEL_DIR, REPORTS, ROOT
+from server.paths import DEFAULT_MODEL_DIR, REPORTS
 
 logger = logging.getLogger("bench-lora")
+
+DESIGNS = ("grouped", "segments", "stacked", "auto")
+PLAIN = "no LoRA"
+LAYERS = ("attention", "feed_forward")
+GOALS = {"default": 1.6, "sd15": 1.15}  # 8 different sets against no LoRA, the server's design
+
+
+@dataclass(frozen=True)
+class Model:
+    name: str
+    model_dir: Path | None  # None: SD 1.5's architecture, written once
+    side: int
+    rank: int
+    spread: float  # the LoRA matrices' standard deviation
+
+
+MODELS = {
+    "default": Model("default", DEFAULT_MODEL_DIR, 64, 8, 0.3),
+    "sd15": Model("sd15", None, 256, 16, 0.02),
+}
+
+
+def workloads(ids: list[str]) -> dict[str, list[Adapters]]:
+    """The LoRA set of each of the 8 requests, per workload (``ids``: 8 loaded adapters)."""
+    a, b, c = ids[:3]
+    return {
+        PLAIN: [()] * 8,
+        "one LoRA, all 8": [((a, 1.0),)] * 8,
+        "8 different LoRAs": [((adapter, 1.0),) for adapter in ids],
+        "8 sets of 3 LoRAs": [
+            ((a, 1.0),),
+            ((b, 1.0),),
+            ((c, 1.0),),
+            ((a, 0.7), (b, 0.5)),
+            ((a, 0.5), (c, 0.8)),
+            ((b, 0.6), (c, 0.6)),
+            ((a, 0.4), (b, 0.4), (c, 0.4)),
+            ((a, 0.3),),
+        ],
+    }
+
+
+def step_seconds(engine: StepEngine, jobs: list[DenoiseJob], design: str) -> float:
+    """Seconds of one step of every job: one forward, or one per LoRA set (``grouped``)."""
+    groups: dict[Adapters, list[DenoiseJob]] = {}
+    for job in jobs:
+        groups.setdefault(job.spec.adapters if design == "grouped" else (), []).append(job)
+    engine.loras.row_loras.strategy = "auto" if design == "grouped" else design  # type: ignore[assignment]
+    started = time.perf_counter()
+    for group in groups.values():
+        engine.step(group)
+    synchronize(engine.device)
+    return time.perf_counter() - started
+
+
+def measure(model: Model, steps: int, repeats: int) -> dict:
+    """Median step seconds per workload and design on one model."""
+    model_dir = model.model_dir or sd15.ensure_model()
+    with tempfile.TemporaryDirectory(prefix="bench-lora-") as tmp:
+        directory = Path(tmp)
+        for index in range(8):
+            write_lora(
+                model_dir,
+                directory / f"lora{index}.safetensors",
+                seed=index,
+                rank=model.rank,
+                text_encoder=False,
+                layers=LAYERS,
+                spread=model.spread,
+            )
+        settings = HandlerSettings.model_validate(
+            {"model_path": str(model_dir), "loras": {"dir": str(directory), "max_loaded": 8}}
+        )
+        engine = load_engine(settings, "/unused")
+        ids = [engine.loras.acquire([(f"lora{index}", 1.0)], set())[0][0] for index in range(8)]
+    base = [JobSpec(f"a red circle {i}", None, (i,), model.side, model.side, steps + 1, "ddim", 7.5) for i in range(8)]
+    sets_of = workloads(ids)
+    cases = [(workload, design) for workload in sets_of if workload != PLAIN for design in DESIGNS]
+    started = {
+        workload: engine.start([replace(spec, adapters=adapters) for spec, adapters in zip(base, sets, strict=True)])
+        for workload, sets in sets_of.items()
+    }
+
+    designs = engine.loras.row_loras.designs
+
+    def timed(workload: str, design: str) -> list[float]:
+        jobs = copy.deepcopy(started[workload])
+        if design == "auto":
+            designs.clear()
+        timings = [step_seconds(engine, jobs, design) for _ in range(steps)]
+        if design == "auto" and workload != PLAIN:
+            taken[workload] = dict(designs)
+        return timings
+
+    taken: dict[str, dict[str, int]] = {}  # auto's designs, in layer forwards, per workload
+    plain: list[float] = []
+    seconds: dict[tuple[str, str], list[float]] = {case: [] for case in cases}
+    ratios: dict[tuple[str, str], list[float]] = {case: [] for case in cases}
+    for round_ in range(repeats + 1):  # the first round warms up
+        for workload, design in cases:
+            before, timings = timed(PLAIN, "auto"), timed(workload, design)  # paired: drift cancels
+            if round_:
+                plain.extend(before)
+                seconds[(workload, design)].extend(timings)
+                ratios[(workload, design)].append(statistics.median(timings) / statistics.median(before))
+            logger.info(
+                "%s round %d of %d: %s, %s: %.2fx",
+                model.name,
+                round_,
+                repeats,
+                workload,
+                design,
+                statistics.median(timings) / statistics.median(before),
+            )
+    rows = [{"workload": PLAIN, "design": "auto", "median_s": statistics.median(plain), "ratio": 1.0}]
+    rows += [
+        {
+            "workload": workload,
+            "design": design,
+            "median_s": statistics.median(seconds[(workload, design)]),
+            "ratio": statistics.median(ratios[(workload, design)]),
+        }
+        for workload, design in cases
+    ]
+    return {
+        "model": model.name,
+        "side": model.side,
+        "rank": model.rank,
+        "environment": environment(engine.device),
+        "rows": rows,
+        "auto_designs": taken,
+    }
+
+
+def table(results: list[dict]) -> str:
+    lines = []
+    for result in results:
+        lines += [
+            f"\n{result['model']} ({result['side']}x{result['side']}, rank-{result['rank']} LoRAs on attention and "
+            f"feed-forward; one step of 8 requests, 16 rows):\n",
+            "| workload | " + " | ".join(DESIGNS) + " |",
+            "| --- |" + " --- |" * len(DESIGNS),
+        ]
+        by_case = {(row["workload"], row["design"]): row for row in result["rows"]}
+        for workload in dict.fromkeys(row["workload"] for row in result["rows"]):
+            cells = []
+            for design in DESIGNS:
+                row = by_case.get((workload, design)) or by_case[(workload, "auto")]
+                cells.append(f"{row['median_s'] * 1000:.1f} ms = {row['ratio']:.2f}x")
+            lines.append(f"| {workload} | " + " | ".join(cells) + " |")
+        goal = GOALS[result["model"]]
+        auto = by_case[("8 different LoRAs", "auto")]["ratio"]
+        verdict = "met" if auto <= goal else "MISSED"
+        lines.append(f"\n8 different LoRAs, auto: {auto:.2f}x no LoRA (goal {goal}x): {verdict}")
+        for workload, counts in result["auto_designs"].items():
+            total = sum(counts.values())
+            lines.append(f"auto, {workload}: {counts.get('stacked', 0)} of {total} LoRA layer forwards stacked")
+    return "\n".join(lines) + "\n"
+
+
+def plot(results: list[dict], path: Path) -> None:
+    figure, axes = plt.subplots(1, len(results), figsize=(6 * len(results), 4), squeeze=False)
+    for axis, result in zip(axes[0], results, strict=True):
+        workloads_ = [w for w in dict.fromkeys(row["workload"] for row in result["rows"]) if w != PLAIN]
+        by_case = {(row["workload"], row["design"]): row["ratio"] for row in result["rows"]}
+        width = 0.8 / len(DESIGNS)
+        for index, design in enumerate(DESIGNS):
+            positions = np.arange(len(workloads_)) + index * width
+            axis.bar(positions, [by_case[(w, design)] for w in workloads_], width, label=design)
+        axis.axhline(1.0, color="black", linewidth=0.8)
+        axis.axhline(GOALS[result["model"]], color="red", linestyle="--", linewidth=0.8, label="goal (8 different)")
+        axis.set_xticks(np.arange(len(workloads_)) + width * (len(DESIGNS) - 1) / 2, workloads_, fontsize=8)
+        axis.set_ylabel("step time / no LoRA")
+        axis.set_title(f"{result['model']} {result['side']}x{result['side']}, rank {result['rank']}")
+        axis.legend(fontsize=8)
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
+    plt.close(figure)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--steps", type=int, default=20)
-    parser.add_argument("--output", type=Path, default=REPORTS / "lora" / "lora.json")
+    parser.add_argument("--models", nargs="+", choices=list(MODELS), default=list(MODELS))
+    parser.add_argument("--steps", type=int, default=None, help="steps timed per round (default: 10, SD 1.5: 1)")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--output", type=Path, default=REPORTS / "lora")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
-    with tempfile.TemporaryDirectory(prefix="bench-lora-") as tmp:
-        directory = Path(tmp)
-        shutil.copy(ROOT / "loras" / "outline.safetensors", directory / "outline.safetensors")
-        write_lora(DEFAULT_MODEL_DIR, directory / "other.safetensors", seed=1)
-        settings = HandlerSettings.model_validate(
-            {"model_path": str(DEFAULT_MODEL_DIR), "loras": {"dir": str(directory), "max_loaded": 8}}
-        )
-        engine = load_engine(settings, "/unused")
-        outline, other = (engine.loras.acquire([(name, 1.0)], set())[0][0] for name in ("outline", "other"))
-        base = [JobSpec(f"a red circle {i}", None, (i,), 64, 64, args.steps, "ddim", 7.5) for i in range(8)]
-        batches = {
-            "no LoRA": base,
-            "one LoRA, all 8": [replace(spec, adapters=((outline, 1.0),)) for spec in base],
-            "two LoRA sets of 4": [
-                replace(spec, adapters=((outline if i < 4 else other, 1.0),)) for i, spec in enumerate(base)
-            ],
-            "eight LoRA sets (own scales)": [
-                replace(spec, adapters=((outline, 0.5 + i / 8),)) for i, spec in enumerate(base)
-            ],
-        }
-        timings: dict[str, list[float]] = {name: [] for name in batches}
-        for _ in range(args.repeats + 1):  # the first round warms up
-            for name, specs in batches.items():
-                started = time.perf_counter()
-                generate(engine, specs)
-                timings[name].append(time.perf_counter() - started)
-        sets = [((outline, 1.0),), ((other, 0.7),)]
-        switches = []
-        for index in range(200):
-            started = time.perf_counter()
-            engine.loras.activate(sets[index % 2])
-            switches.append(time.perf_counter() - started)
-    medians = {name: statistics.median(values[1:]) for name, values in timings.items()}
-    plain = medians["no LoRA"]
-    for name, seconds in medians.items():
-        print(f"{name}: median {seconds:.3f} s for 8 images = {seconds / plain:.2f}x no LoRA")
-    switch = statistics.median(switches)
-    print(f"switching LoRA sets (set_adapters): median {switch * 1000:.2f} ms")
-    args.output.parent.mkdir(parents=True, exist_ok=True)
-    report = {"environment": environment(engine.device), "steps": args.steps, "medians_s": medians, "switch_s": switch}
-    args.output.write_text(json.dumps(report, indent=2))
+    results = [measure(MODELS[name], args.steps or (1 if name == "sd15" else 10), args.repeats) for name in args.models]
+    publish({"results": results}, table(results), lambda path: plot(results, path), args.output, "lora")
 
 
 if __name__ == "__main__":

@@ -134,11 +134,6 @@ class DenoiseJob:
         return tuple(self.latents.shape[1:])
 
     @property
-    def forward_group(self) -> tuple:
-        """What jobs sharing a denoiser forward must share: the latent shape and the LoRA set."""
-        return self.latent_shape, self.spec.adapters
-
-    @property
     def rows(self) -> int:
         return self.spec.rows
 
@@ -236,14 +231,11 @@ class StepEngine:
         )
 
     def step(self, jobs: list[DenoiseJob]) -> None:
-        """Advance every job one step with ONE denoiser forward. All jobs must share a latent shape."""
+        """Advance every job one step with ONE denoiser forward, each job's rows with its own LoRA set.
+        All jobs must share a latent shape."""
         shapes = {job.latent_shape for job in jobs}
         if len(shapes) != 1:
             raise ValueError(f"one denoiser forward needs one latent shape, got {sorted(shapes)}")
-        adapter_sets = {job.spec.adapters for job in jobs}
-        if len(adapter_sets) != 1:
-            raise ValueError(f"one denoiser forward needs one LoRA set, got {sorted(adapter_sets)}")
-        self.loras.activate(jobs[0].spec.adapters)
         self._simulate_out_of_memory(
             "step",
             sum(job.images for job in jobs) * jobs[0].spec.width * jobs[0].spec.height,
@@ -258,7 +250,8 @@ class StepEngine:
                 inputs.append(family.model_input(job.scheduler, rows, timestep))
                 timesteps.append(timestep.float().expand(job.rows))
             conditioning = Conditioning.concat([job.conditioning for job in jobs])
-            noise = family.forward(torch.cat(inputs), torch.cat(timesteps), conditioning)
+            with self.loras.rows([(job.spec.adapters, job.rows) for job in jobs], self.device):
+                noise = family.forward(torch.cat(inputs), torch.cat(timesteps), conditioning)
             for job, job_noise in zip(jobs, noise.split([job.rows for job in jobs]), strict=True):
                 if job.guided:
                     unconditional, conditional = job_noise.chunk(2)

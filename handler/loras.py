@@ -1,7 +1,9 @@
 """LoRA adapters per request: names resolved in one directory, loaded when first asked for (a file
 added while the server runs is used at once, a changed file is loaded again), at most
-``max_loaded`` kept in memory (least recently used evicted), and activated per forward with
-diffusers' ``set_adapters``, never fused into the base weights, so that switching costs no copy.
+``max_loaded`` kept in memory (least recently used evicted), never fused into the base weights.
+In the denoiser, each row of a forward gets its own request's set (``handler.lora_rows``: requests
+with different sets share the forward); the text encoders, which run once per job, get a set with
+diffusers' ``set_adapters``.
 
 A LoRA's name is its file's stem. Names are checked against ``NAME`` before any file is touched
 (no separators, no ``..``, no absolute paths), and the file must resolve inside the directory (no
@@ -15,19 +17,22 @@ import itertools
 import logging
 import re
 from collections import OrderedDict
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import torch
 from safetensors.torch import load_file
+
+from handler.lora_rows import Adapters, RowLoras, RowPlan, Strategy
 
 logger = logging.getLogger(__name__)
 
 NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
 SUFFIX = ".safetensors"
-# One LoRA set of a job: (adapter id, scale) pairs, in the request's order; () for none.
-Adapters = tuple[tuple[str, float], ...]
+__all__ = ["Adapters", "LoraError", "LoraFile", "LoraLibrary", "valid_name"]
 
 
 class LoraError(Exception):
@@ -56,16 +61,26 @@ def valid_name(name: str) -> bool:
 
 class LoraLibrary:
     """The LoRAs of one directory on one pipeline (``load_lora_weights``, ``set_adapters``,
-    ``disable_lora``, ``delete_adapters``)."""
+    ``disable_lora``, ``delete_adapters``) and its denoiser's row-wise path."""
 
-    def __init__(self, pipeline: Any, directory: Path | None, max_loaded: int, off_because: str | None = None):
+    def __init__(
+        self,
+        pipeline: Any,
+        denoiser: torch.nn.Module,
+        directory: Path | None,
+        max_loaded: int,
+        off_because: str | None = None,
+        strategy: Strategy = "auto",
+    ):
         self.pipeline = pipeline
+        self.row_loras = RowLoras(denoiser, strategy)
         self.directory = directory
         self.max_loaded = max_loaded
         self.off_because = off_because  # why LoRAs are off although a directory is set
         self._loaded: OrderedDict[tuple[str, tuple[int, int]], str] = OrderedDict()  # (name, version) -> adapter id
         self._ids = (f"lora{index}" for index in itertools.count())  # peft adapter names: module keys, no dots
-        self._active: Adapters | None = ()  # None: unknown (a load may have activated its adapter)
+        # The text encoders' set; None: unknown (a load may have activated its adapter, in the denoiser too).
+        self._active: Adapters | None = ()
 
     @property
     def loaded(self) -> int:
@@ -138,6 +153,10 @@ class LoraLibrary:
             self.pipeline.load_lora_weights(state_dict, adapter_name=adapter)
             if adapter not in self._held():  # diffusers only warns when no key matches a layer of this model
                 raise ValueError("no layer of this model matches its keys (a LoRA for another model family?)")
+            self.row_loras.attach()
+            unsupported = self.row_loras.unsupported(adapter)
+            if unsupported is not None:
+                raise ValueError(unsupported)
         except Exception as error:  # safetensors, format and shape errors alike: the request's 400
             self._forget(adapter)
             logger.warning("LoRA %s could not be loaded: %s", file.name, error)
@@ -164,12 +183,14 @@ class LoraLibrary:
     def _forget(self, adapter: str) -> None:
         """Remove an adapter from every component that holds it (also a half-loaded one)."""
         self._active = None
+        self.row_loras.forget(adapter)
         if adapter in self._held():
             self.pipeline.delete_adapters(adapter)
 
     def activate(self, adapters: Adapters) -> None:
-        """Make exactly ``adapters`` (ids and scales) act in the next forward: ``set_adapters``, or
-        ``disable_lora`` for none. Nothing to do when they already are."""
+        """Make exactly ``adapters`` (ids and scales) act in the text encoders: ``set_adapters``, or
+        ``disable_lora`` for none; the denoiser's LoRA layers stay off (``rows`` serves them).
+        Nothing to do when they already are."""
         if adapters == self._active:
             return
         if not self._loaded:
@@ -179,6 +200,16 @@ class LoraLibrary:
         if adapters:
             self.pipeline.enable_lora()
             self.pipeline.set_adapters([adapter for adapter, _ in adapters], [scale for _, scale in adapters])
+            self.row_loras.switch_off()
         else:
             self.pipeline.disable_lora()
         self._active = adapters
+
+    @contextmanager
+    def rows(self, sets: Sequence[tuple[Adapters, int]], device: torch.device) -> Iterator[RowPlan | None]:
+        """During the block, the denoiser's forwards give each consecutive block of rows its set:
+        ``sets`` holds (set, rows) pairs in row order."""
+        if self._active is None:  # after a load or a failure: every component's LoRA layers off first
+            self.activate(())
+        with self.row_loras.rows(sets, device) as plan:
+            yield plan

@@ -112,6 +112,12 @@ CANCEL_REASONS: tuple[CancelReason, ...] = ("client_gone", "deadline", "shutdown
 ITERATION_BATCH_SIZE = MetricSpec(
     "sd_iteration_batch_size", "histogram", "images", "images stepped by one denoiser forward (UNet or transformer)"
 )
+ITERATION_LORA_ADAPTERS = MetricSpec(
+    "sd_iteration_lora_adapters",
+    "histogram",
+    "adapters",
+    "distinct LoRA adapters in one denoiser forward, whose rows each get their own request's set (0: no LoRA)",
+)
 LORA_REQUESTS = MetricSpec(
     "sd_lora_requests_total",
     "counter",
@@ -148,6 +154,7 @@ METRICS = (
     WAITING,
     CANCELLED,
     ITERATION_BATCH_SIZE,
+    ITERATION_LORA_ADAPTERS,
     DEADLINE_MISSES,
     LORA_REQUESTS,
     LORAS_LOADED,
@@ -212,9 +219,10 @@ class DiffusionMetrics:
     def cancelled(self, reason: CancelReason) -> None:
         self._record(CANCELLED, 1, reason)
 
-    def step(self, images: int, seconds: float) -> None:
-        """One denoiser forward over ``images`` images."""
+    def step(self, images: int, adapters: int, seconds: float) -> None:
+        """One denoiser forward over ``images`` images with ``adapters`` distinct LoRA adapters."""
         self._record(ITERATION_BATCH_SIZE, images)
+        self._record(ITERATION_LORA_ADAPTERS, adapters)
         self._record(DENOISE_STEP, seconds)
 
     def decoded(self, images: int, seconds: float) -> None:

@@ -212,6 +212,7 @@ def load_engine(settings: HandlerSettings, model_dir: str | Path, gpu_id: int | 
     off_because = f"handler.compile compiles the {family.denoiser_name}, whose LoRA layers diffusers cannot switch"
     loras = LoraLibrary(
         pipeline,
+        family.denoiser,
         settings.loras.directory(),
         settings.loras.max_loaded,
         off_because if settings.compile.denoiser else None,

@@ -125,18 +125,18 @@ def slack(job: DenoiseJob, deadline: float, now: float, profile: StepProfile) ->
 
 
 def choose(waiting: dict[str, DenoiseJob], slacks: dict[str, float], cap: Callable[[Shape], int]) -> list[str]:
-    """The jobs (by id) that take the next forward: the latent shape and LoRA set of the
-    least-slack job, then in slack order every job of that shape and set whose rows still fit the
-    shape's cap (the least-slack job goes even when it alone is larger than the cap)."""
+    """The jobs (by id) that take the next forward: the latent shape of the least-slack job, then in
+    slack order every job of that shape (whatever its LoRA set) whose rows still fit the shape's cap
+    (the least-slack job goes even when it alone is larger than the cap)."""
     if not waiting:
         return []
     order = sorted(waiting, key=lambda name: slacks[name])
-    group = waiting[order[0]].forward_group
-    limit, rows = cap(group[0]), 0
+    shape = waiting[order[0]].latent_shape
+    limit, rows = cap(shape), 0
     chosen: list[str] = []
     for name in order:
         job = waiting[name]
-        if job.forward_group != group or chosen and rows + job.rows > limit:
+        if job.latent_shape != shape or chosen and rows + job.rows > limit:
             continue
         chosen.append(name)
         rows += job.rows

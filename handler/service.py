@@ -438,7 +438,8 @@ class DiffusionService:
     def _stepped(self, chosen: list[str], rows: int, seconds: float) -> dict[str, Response]:
         """Bookkeeping of a forward that went through: metrics, progress lines, finish times."""
         images = sum(self.flights[rid].job.images for rid in chosen)
-        self.metrics.step(images, seconds)
+        adapters = {adapter for rid in chosen for adapter, _ in self.flights[rid].job.spec.adapters}
+        self.metrics.step(images, len(adapters), seconds)
         now, responses = self.clock(), {}
         for rid in chosen:
             flight = self.flights[rid]

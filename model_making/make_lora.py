@@ -1,24 +1,34 @@
 """Random-weight LoRA adapters for a pipeline directory, in diffusers' LoRA format: the tests' LoRAs
 (a tiny model's own, one per family) and the shapes a LoRA of another family has.
 
-The adapter targets the attention projections of the denoiser (an SD 3.x transformer's joint
-attention: the image and the text streams) and, where asked, of the CLIP text encoder(s), with both
-LoRA matrices drawn at random (``init_lora_weights=False``) and scaled so that the adapter visibly
-changes an image without swamping it.
+The adapter targets the denoiser's attention projections (an SD 3.x transformer's joint attention:
+the image and the text streams) and, where asked, its feed-forward layers and convolutions (a UNet's
+ResNet convs, a transformer's patch embedding: PEFT Conv2d LoRAs, as kohya's LoCon) and the CLIP
+text encoder(s), with both LoRA matrices drawn at random (``init_lora_weights=False``) and scaled so
+that the adapter visibly changes an image without swamping it.
 """
 
 from __future__ import annotations
 
 import argparse
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
 from diffusers import AutoPipelineForText2Image, StableDiffusion3Pipeline, StableDiffusionXLPipeline
+from diffusers.utils import convert_state_dict_to_kohya
 from peft import LoraConfig, get_peft_model_state_dict
+from safetensors.torch import save_file
 
-UNET_TARGETS = ["to_q", "to_k", "to_v", "to_out.0"]
-TRANSFORMER_TARGETS = [*UNET_TARGETS, "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out"]
+ATTENTION = ["to_q", "to_k", "to_v", "to_out.0"]
+UNET_TARGETS = {"attention": ATTENTION, "feed_forward": ["ff.net.0.proj", "ff.net.2"], "conv": ["conv1", "conv2"]}
+TRANSFORMER_TARGETS = {
+    "attention": [*ATTENTION, "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out"],
+    "feed_forward": ["ff.net.0.proj", "ff.net.2", "ff_context.net.0.proj", "ff_context.net.2"],
+    "conv": ["pos_embed.proj"],
+}
 TEXT_TARGETS = ["q_proj", "k_proj", "v_proj", "out_proj"]
+LAYERS = tuple(UNET_TARGETS)
 
 
 def _adapter(module: torch.nn.Module, targets: list[str], rank: int, spread: float) -> dict[str, torch.Tensor]:
@@ -30,20 +40,44 @@ def _adapter(module: torch.nn.Module, targets: list[str], rank: int, spread: flo
     return get_peft_model_state_dict(module)
 
 
-def write_lora(model_dir: Path, output: Path, seed: int = 0, rank: int = 4, text_encoder: bool = True) -> Path:
-    """A random LoRA for the pipeline in ``model_dir``, written to ``output`` (a .safetensors file)."""
+def write_lora(
+    model_dir: Path,
+    output: Path,
+    seed: int = 0,
+    rank: int = 4,
+    text_encoder: bool = True,
+    layers: Sequence[str] = ("attention",),
+    spread: float | None = None,
+    kohya: bool = False,
+) -> Path:
+    """A random LoRA for the pipeline in ``model_dir`` on the denoiser's ``layers`` (of ``LAYERS``),
+    written to ``output`` (a .safetensors file); ``spread``: the matrices' standard deviation;
+    ``kohya``: in kohya's format (A1111, ComfyUI; SD 1.x and 2.x), alphas half the ranks."""
     torch.manual_seed(seed)
     pipeline = AutoPipelineForText2Image.from_pretrained(str(model_dir), use_safetensors=True)
     if isinstance(pipeline, StableDiffusion3Pipeline):
-        layers = {"transformer_lora_layers": _adapter(pipeline.transformer, TRANSFORMER_TARGETS, rank, 0.1)}
+        targets = [target for layer in layers for target in TRANSFORMER_TARGETS[layer]]
+        parts = {"transformer_lora_layers": _adapter(pipeline.transformer, targets, rank, spread or 0.1)}
     else:
-        layers = {"unet_lora_layers": _adapter(pipeline.unet, UNET_TARGETS, rank, 0.3)}
+        targets = [target for layer in layers for target in UNET_TARGETS[layer]]
+        parts = {"unet_lora_layers": _adapter(pipeline.unet, targets, rank, spread or 0.3)}
     if text_encoder:
-        layers["text_encoder_lora_layers"] = _adapter(pipeline.text_encoder, TEXT_TARGETS, rank, 0.3)
+        parts["text_encoder_lora_layers"] = _adapter(pipeline.text_encoder, TEXT_TARGETS, rank, 0.3)
         if isinstance(pipeline, (StableDiffusionXLPipeline, StableDiffusion3Pipeline)):
-            layers["text_encoder_2_lora_layers"] = _adapter(pipeline.text_encoder_2, TEXT_TARGETS, rank, 0.3)
+            parts["text_encoder_2_lora_layers"] = _adapter(pipeline.text_encoder_2, TEXT_TARGETS, rank, 0.3)
     output.parent.mkdir(parents=True, exist_ok=True)
-    type(pipeline).save_lora_weights(output.parent, weight_name=output.name, safe_serialization=True, **layers)
+    if kohya:
+        if isinstance(pipeline, (StableDiffusionXLPipeline, StableDiffusion3Pipeline)):
+            raise ValueError("kohya LoRAs are written for SD 1.x and 2.x models only")
+        prefixed = {
+            f"{part.removesuffix('_lora_layers')}.{key}": value
+            for part, layer in parts.items()
+            for key, value in layer.items()
+        }
+        state_dict = convert_state_dict_to_kohya(prefixed)
+        save_file({key: value / 2 if key.endswith(".alpha") else value for key, value in state_dict.items()}, output)
+        return output
+    type(pipeline).save_lora_weights(output.parent, weight_name=output.name, safe_serialization=True, **parts)
     return output
 
 
@@ -54,8 +88,10 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--rank", type=int, default=4)
     parser.add_argument("--denoiser-only", action="store_true", help="no text encoder layers")
+    parser.add_argument("--layers", nargs="+", choices=LAYERS, default=["attention"], help="the denoiser's layers")
+    parser.add_argument("--kohya", action="store_true", help="kohya's format (SD 1.x and 2.x)")
     args = parser.parse_args()
-    write_lora(args.model_dir, args.output, args.seed, args.rank, text_encoder=not args.denoiser_only)
+    write_lora(args.model_dir, args.output, args.seed, args.rank, not args.denoiser_only, args.layers, kohya=args.kohya)
 
 
 if __name__ == "__main__":

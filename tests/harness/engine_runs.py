@@ -4,6 +4,9 @@ family share."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from pathlib import Path
+
 import numpy as np
 from PIL import Image
 
@@ -47,7 +50,8 @@ def hole(side: int) -> Image.Image:
     return Image.fromarray(mask)
 
 
-def expected(reference: Reference, job: JobSpec):
+def expected(reference: Reference, job: JobSpec, loras: Sequence[tuple[Path, float]] = ()):
+    """diffusers' own call for the job (with ``loras``: its LoRA files and scales)."""
     return reference(
         job.prompt,
         job.seeds[0],
@@ -61,6 +65,7 @@ def expected(reference: Reference, job: JobSpec):
         image=job.image,
         mask=job.mask,
         strength=job.strength,
+        loras=loras,
     )
 
 

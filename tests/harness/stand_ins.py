@@ -25,7 +25,7 @@ class SolidColorEngine:
     settings) ask for failures."""
 
     device = torch.device("cpu")
-    loras = LoraLibrary(None, None, max_loaded=1)  # no LoRA directory
+    loras = LoraLibrary(None, torch.nn.Module(), None, max_loaded=1)  # no LoRA directory
 
     def __init__(
         self,

@@ -41,6 +41,7 @@ FAMILIES = {"sd1-safety": 64, "sd2": 96, "sdxl": 64, "sd3": 64}  # native sides
 CASES = [(family, mode) for family in FAMILIES for mode in MODES]
 # Long enough to keep a tiny model's worker busy while others arrive (a few seconds on 2 cores).
 LORA = "tiny"  # a random LoRA written for the family's tiny model
+CONV_LORA = "tiny-conv-ff"  # one on its convolutions and feed-forward layers
 LONG = {"prompt": "keep the worker busy", "seed": 1, "num_inference_steps": 300, "response_format": "json"}
 
 
@@ -70,6 +71,8 @@ def served(request, tmp_path_factory) -> Iterator[Served]:
     family, mode = request.param
     tmp = tmp_path_factory.mktemp(f"{family}-{mode}")
     write_lora(TINY_MODEL_DIRS[family], tmp / "loras" / f"{LORA}.safetensors", seed=5)
+    conv_ff = {"layers": ("conv", "feed_forward"), "spread": 0.1, "text_encoder": False}
+    write_lora(TINY_MODEL_DIRS[family], tmp / "loras" / f"{CONV_LORA}.safetensors", seed=6, **conv_ff)
     config = model_config(
         tmp,
         handler={"limits": {"max_inference_steps": LONG["num_inference_steps"]}, "loras": {"dir": str(tmp / "loras")}},
@@ -255,16 +258,17 @@ def test_an_edit_and_a_text_to_image_request_share_forwards_and_each_gets_diffus
         assert response.json()["batch"]["max_step_images"] >= 2
 
 
-def test_a_lora_request_gets_diffusers_images_with_the_lora_loaded(served, references):
-    body = {
-        "prompt": "a red circle",
-        "seed": 5,
-        "num_inference_steps": 5,
-        "num_images_per_prompt": 2,
-        "loras": [{"name": LORA, "scale": 0.7}],
-        "response_format": "json",
-    }
-    assert_diffusers_images(references, served, body, served.client.predict(body))
+def test_requests_with_other_lora_sets_share_forwards_and_each_gets_diffusers_images(served, references):
+    base = {"prompt": "a red circle", "num_inference_steps": 5, "response_format": "json"}
+    bodies = [
+        {**base, "seed": 5, "num_images_per_prompt": 2, "loras": [{"name": LORA, "scale": 0.7}]},
+        {**base, "seed": 6, "loras": [{"name": CONV_LORA, "scale": 1.0}, {"name": LORA, "scale": -0.4}]},
+        {**base, "seed": 7},
+    ]
+    _, followers = behind_long(served.client, bodies)
+    for body, (response, _) in zip(bodies, followers, strict=True):
+        assert_diffusers_images(references, served, body, response)
+        assert response.json()["batch"]["max_step_images"] >= 4, "the three requests in one forward"
 
 
 def test_a_request_without_a_scheduler_gets_the_familys_default_and_others_are_refused_naming_the_allowed(served):

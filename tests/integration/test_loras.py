@@ -1,9 +1,10 @@
 """LoRA adapters per request on a real TorchServe serving the default model, in both batching
 modes: equal to diffusers' pipeline with ``load_lora_weights`` + ``set_adapters``, several per
-request with their own scales; requests with other LoRA sets (or none) batched together, each
-equal to itself alone; a file added or changed while the server runs; every hostile name, file and
-scale refused naming ``loras`` without disturbing a batchmate or the worker; the metrics; the
-OpenAI API's ``extra_body``. Parity on every family is in ``test_families.py``."""
+request with their own scales; requests with other LoRA sets (or none, attention, convolution and
+feed-forward LoRAs) sharing denoiser forwards, each equal to itself alone, while adapters are
+evicted; a file added or changed while the server runs; every hostile name, file and scale refused
+naming ``loras`` without disturbing a batchmate or the worker; the metrics; the OpenAI API's
+``extra_body``. Parity on every family is in ``test_families.py``."""
 
 from __future__ import annotations
 
@@ -41,6 +42,14 @@ def lora_dir(tmp_path_factory) -> Path:
     shutil.copy(SHIPPED_LORA, directory / "outline.safetensors")
     write_lora(DEFAULT_MODEL_DIR, directory / "random.safetensors", seed=1)
     write_lora(DEFAULT_MODEL_DIR, directory / "unet-only.safetensors", seed=2, text_encoder=False)
+    write_lora(
+        DEFAULT_MODEL_DIR,
+        directory / "conv-ff.safetensors",
+        seed=4,
+        text_encoder=False,
+        layers=("conv", "feed_forward"),
+        spread=0.1,
+    )
     write_lora(TINY_MODEL_DIRS["sdxl"], directory / "sdxl.safetensors", seed=3)
     (directory / "corrupt.safetensors").write_bytes(b"\x08\x00\x00\x00\x00\x00\x00\x00{broken}")
     torch.save({"lora_A": torch.zeros(2)}, directory / "pickled.safetensors")
@@ -83,19 +92,29 @@ def test_several_loras_with_their_scales_equal_diffusers(served, reference, lora
     assert np.abs(ours.astype(int) - image(served).astype(int)).max() > 10, "the LoRAs changed the image"
 
 
-def test_requests_with_other_lora_sets_share_the_worker_and_each_equals_itself_alone(served):
+def test_requests_with_other_lora_sets_share_forwards_and_each_equals_itself_alone(served):
+    """Five sets of four LoRAs in flight with a server keeping two: adapters not in use are evicted
+    as others load, and those in use stay."""
     bodies = [
         {**BASE, "response_format": "json"},
         {**BASE, "loras": [{"name": "random", "scale": 0.8}], "response_format": "json"},
-        {**BASE, "loras": [{"name": "random", "scale": 0.3}], "response_format": "json"},
+        {**BASE, "loras": [{"name": "random", "scale": 0.3}, {"name": "conv-ff"}], "response_format": "json"},
         {**BASE, "loras": [{"name": "outline"}], "response_format": "json"},
+        {**BASE, "loras": [{"name": "unet-only", "scale": -0.5}], "response_format": "json"},
     ]
     client = Client(served)
+    before = served.metric_samples()
     with ThreadPoolExecutor(len(bodies) + 1) as pool:
-        long = pool.submit(client.predict, LONG)
+        long = pool.submit(client.predict, {**LONG, "loras": [{"name": "conv-ff", "scale": 0.5}]})
         together = [pool.submit(client.predict, body) for body in bodies]
         assert long.result().status_code == 200
         answers = [future.result() for future in together]
+    after = served.metric_samples()
+    forwards = value(after, "sd_iteration_lora_adapters_count") - value(before, "sd_iteration_lora_adapters_count")
+    at_most_one = value(after, "sd_iteration_lora_adapters_bucket", le="1.0") - value(
+        before, "sd_iteration_lora_adapters_bucket", le="1.0"
+    )
+    assert forwards - at_most_one >= BASE["num_inference_steps"], "forwards with several adapters in them"
     for body, answer in zip(bodies, answers, strict=True):
         assert answer.status_code == 200, answer.text
         (batched,) = [decode_png(base64.b64decode(item)) for item in answer.json()["images"]]

@@ -2,7 +2,7 @@
 and SD 3.5 Medium shapes): alone, joining running jobs with their own steps and guidance (0 as
 Large Turbo takes it), text encoding shared by jobs started together, image-to-image and
 inpainting (decoded with the VAE's shift, where diffusers' inpaint pipeline leaves it out), dynamic
-shifting, serving without T5, LoRAs; and the family's rules."""
+shifting, serving without T5; and the family's rules (LoRAs: ``test_engine_loras.py``)."""
 
 from __future__ import annotations
 
@@ -20,7 +20,6 @@ from handler.config import FamilyRules, HandlerSettings
 from handler.engine import StepEngine
 from handler.families import StableDiffusion3Family
 from handler.pipeline import load_engine
-from model_making.make_lora import write_lora
 from server.paths import TINY_MODEL_DIRS
 from tests.harness.engine_runs import (
     assert_same_images,
@@ -177,31 +176,6 @@ def test_max_sequence_length_sets_the_t5_tokens():
     engine = engine_for(TINY_MODEL_DIRS["sd3"], max_sequence_length=128)
     (job,) = engine.start([spec(guidance=1.0)])
     assert job.conditioning.hidden_states.shape[1] == 77 + 128
-
-
-def test_a_lora_on_the_transformer_and_text_encoders_gives_diffusers_images(tmp_path, references):
-    for name, seed, text_encoder in (("both", 3, True), ("transformer", 4, False)):
-        write_lora(TINY_MODEL_DIRS["sd3"], tmp_path / f"{name}.safetensors", seed=seed, text_encoder=text_encoder)
-    engine = engine_for(TINY_MODEL_DIRS["sd3"], loras={"dir": str(tmp_path)})
-    adapters = engine.loras.acquire([("both", 0.8), ("transformer", -0.5)], in_use=())
-    job = spec(images=2, steps=4, adapters=adapters)
-    (decoded,) = run(engine, [(0, job)])
-    loras = [(tmp_path / "both.safetensors", 0.8), (tmp_path / "transformer.safetensors", -0.5)]
-    expected_images = references["sd3"](
-        job.prompt,
-        job.seeds[0],
-        64,
-        64,
-        job.num_inference_steps,
-        num_images_per_prompt=2,
-        guidance_scale=5.0,
-        loras=loras,
-    )
-    assert_same_images(decoded, expected_images)
-    plain = references["sd3"](
-        job.prompt, job.seeds[0], 64, 64, job.num_inference_steps, num_images_per_prompt=2, guidance_scale=5.0
-    )
-    assert np.abs(np.asarray(decoded.images[0], dtype=np.int16) - np.asarray(plain.images[0])).max() > 1
 
 
 def test_the_family_is_detected_with_its_rules(engines):

@@ -59,7 +59,7 @@ def write(directory: Path, name: str, key: str = "lora_A", size: int = 2) -> Pat
 def library(tmp_path) -> LoraLibrary:
     for name in ("outline", "purple", "thick"):
         write(tmp_path, name)
-    return LoraLibrary(RecordingPipeline(), tmp_path, max_loaded=2)
+    return LoraLibrary(RecordingPipeline(), torch.nn.Module(), tmp_path, max_loaded=2)
 
 
 @pytest.mark.parametrize("name", ["outline", "purple-v2", "a_b.c", "X" * 64])
@@ -96,7 +96,7 @@ def test_a_symlink_out_of_the_directory_is_not_a_lora(library, tmp_path_factory)
 
 def test_without_a_directory_loras_are_off():
     with pytest.raises(LoraError) as caught:
-        LoraLibrary(RecordingPipeline(), None, 2).resolve("outline")
+        LoraLibrary(RecordingPipeline(), torch.nn.Module(), None, 2).resolve("outline")
     assert caught.value.rule == "loras_disabled"
 
 
@@ -154,12 +154,12 @@ def test_a_failed_activation_forgets_what_is_active(library):
 
 
 def test_loras_are_off_with_a_reason_and_an_unreadable_directory_lists_none(library, tmp_path):
-    off = LoraLibrary(RecordingPipeline(), tmp_path, 2, off_because="the UNet is compiled")
+    off = LoraLibrary(RecordingPipeline(), torch.nn.Module(), tmp_path, 2, off_because="the UNet is compiled")
     with pytest.raises(LoraError) as caught:
         off.resolve("outline")
     assert caught.value.rule == "loras_disabled" and "compiled" in str(caught.value)
     assert off.available() == []
-    assert LoraLibrary(RecordingPipeline(), tmp_path / "missing", 2).available() == []
+    assert LoraLibrary(RecordingPipeline(), torch.nn.Module(), tmp_path / "missing", 2).available() == []
 
 
 def test_activation_sets_adapters_only_when_the_set_changes(library):

@@ -375,6 +375,7 @@ def test_both_loops_record_the_same_metrics():
             "sd_in_flight_images",
             "sd_waiting_requests",
             "sd_iteration_batch_size",
+            "sd_iteration_lora_adapters",
             "sd_denoise_step_seconds",
             "sd_pipeline_calls_total",
             "sd_images_total",
@@ -388,6 +389,7 @@ def test_both_loops_record_the_same_metrics():
     for sink in (dynamic, continuous):
         assert sink.values("sd_batch_size") == [3]
         assert sum(sink.values("sd_iteration_batch_size")) == 3 + 2 * 2  # image-steps, however batched
+        assert set(sink.values("sd_iteration_lora_adapters")) == {0}  # no LoRA in any forward
         assert sum(sink.values("sd_images_total")) == 3
         assert len(sink.values("sd_request_latency_seconds")) == 2
 

@@ -1,0 +1,56 @@
+"""Jobs with different LoRA sets (or none) in one denoiser forward, per family (tiny random-weight
+SD 1.x, SDXL, SD 3): LoRAs on attention and the text encoders, on convolutions and feed-forward
+layers (for SD 1.x also a kohya LoCon file with alphas apart from its ranks), alone and mixed,
+joining mid-flight; each image equals the same job alone and diffusers' ``load_lora_weights`` +
+``set_adapters`` call."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from bench.reference import Reference
+from handler.config import HandlerSettings
+from handler.pipeline import load_engine
+from model_making.make_lora import write_lora
+from server.paths import TINY_MODEL_DIRS
+from tests.harness.engine_runs import assert_same_images, expected, run, spec
+
+SCHEDULERS = {"sd1": "ddim", "sdxl": "euler", "sd3": "flow_match_euler"}
+LORAS = {  # name: how make_lora writes it (conv and feed-forward LoRAs smaller: the tiny models amplify them)
+    "attention": dict(seed=1),
+    "conv-ff": dict(seed=2, layers=("conv", "feed_forward"), text_encoder=False, spread=0.1),
+    "everything": dict(seed=3, layers=("attention", "conv", "feed_forward"), spread=0.1),
+}
+KOHYA = {"kohya-locon": dict(seed=4, layers=("attention", "conv", "feed_forward"), spread=0.1, kohya=True)}
+SETS = [  # (joins at iteration, LoRA set)
+    (0, ()),
+    (0, (("attention", 0.8),)),
+    (0, (("conv-ff", 1.0), ("attention", -0.5))),
+    (1, (("everything", 0.6),)),
+    (1, (("attention", 0.3),)),
+]
+KOHYA_SETS = [(1, (("kohya-locon", 0.9), ("attention", 0.5)))]
+
+
+@pytest.mark.parametrize("family", list(SCHEDULERS))
+def test_jobs_with_other_lora_sets_share_forwards_and_each_equals_diffusers(family, tmp_path):
+    model_dir = TINY_MODEL_DIRS[family]
+    loras, sets = (LORAS | KOHYA, SETS + KOHYA_SETS) if family == "sd1" else (LORAS, SETS)
+    for name, recipe in loras.items():
+        write_lora(model_dir, tmp_path / f"{name}.safetensors", **recipe)
+    settings = {"model_path": str(model_dir), "loras": {"dir": str(tmp_path), "max_loaded": len(loras)}}
+    engine = load_engine(HandlerSettings.model_validate(settings), "/unused")
+    jobs = [
+        (joins, spec(f"a red circle {index}", index, side=32, steps=4, scheduler=SCHEDULERS[family], adapters=adapters))
+        for index, (joins, lora_set) in enumerate(sets)
+        for adapters in [engine.loras.acquire(list(lora_set), in_use=())]
+    ]
+    together = run(engine, jobs)  # each iteration's jobs in one forward, whatever their sets
+    reference = Reference(model_dir)
+    for (_, job), (_, lora_set), decoded in zip(jobs, sets, together, strict=True):
+        (alone,) = run(engine, [(0, job)])
+        assert_same_images(decoded, alone)
+        files = [(Path(tmp_path) / f"{name}.safetensors", weight) for name, weight in lora_set]
+        assert_same_images(decoded, expected(reference, job, files))
