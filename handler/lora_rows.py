@@ -52,7 +52,8 @@ STACKS_PER_LAYER = 8  # adapter combinations stacked per layer (least recently u
 @dataclass
 class RowPlan:
     """Which adapters act on which rows of one forward, at what weight (``weights``: rows x
-    adapters, 0 where a row's set lacks the adapter)."""
+    adapters, 0 where a row's set lacks the adapter; an adapter at weight 0 in every row is left
+    out, as its delta is 0)."""
 
     adapters: tuple[str, ...]
     weights: torch.Tensor
@@ -66,27 +67,30 @@ class RowPlan:
     def of(cls, sets: Sequence[tuple[Adapters, int]], device: torch.device) -> RowPlan | None:
         """The plan of a forward whose consecutive row blocks hold ``(set, rows)``; None where no
         row holds a LoRA."""
-        adapters = tuple(dict.fromkeys(adapter for adapter_set, _ in sets for adapter, _ in adapter_set))
-        if not adapters:
-            return None
-        column = {adapter: index for index, adapter in enumerate(adapters)}
+        named = tuple(dict.fromkeys(adapter for adapter_set, _ in sets for adapter, _ in adapter_set))
+        column = {adapter: index for index, adapter in enumerate(named)}
         rows = sum(count for _, count in sets)
-        weights = torch.zeros(rows, len(adapters), dtype=torch.float64)
+        weights = torch.zeros(rows, len(named), dtype=torch.float64)
         start = 0
         for adapter_set, count in sets:
             for adapter, weight in adapter_set:
                 weights[start : start + count, column[adapter]] += weight
             start += count
+        acting = [index for index in range(len(named)) if bool(weights[:, index].any())]  # scale 0: no delta
+        if not acting:
+            return None
+        adapters, weights = tuple(named[index] for index in acting), weights[:, acting]
         uniform, members = {}, {}
         for adapter, values in zip(adapters, weights.T, strict=True):
-            if bool((values == values[0]).all()) and values[0] != 0:
+            if bool((values == values[0]).all()):
                 uniform[adapter] = float(values[0])
                 continue
             held = values.nonzero().flatten()
             first, last = int(held[0]), int(held[-1])
             contiguous = last - first + 1 == len(held)  # one block of jobs: a view, no gather
-            members[adapter] = (slice(first, last + 1) if contiguous else held.to(device), values[held].to(device))
-        return cls(adapters, weights.to(device), rows, uniform, members)
+            rows_held = slice(first, last + 1) if contiguous else held.to(device)
+            members[adapter] = (rows_held, values[held].to(device, torch.float32))
+        return cls(adapters, weights.to(device, torch.float32), rows, uniform, members)
 
     def held(self, adapter: str) -> int:
         """How many rows hold ``adapter``."""
@@ -211,15 +215,16 @@ class LinearRows(LayerRows):
 
 
 class Conv2dRows(LayerRows):
-    """``nn.Conv2d`` base layers: A is a conv of the base's kernel, stride, padding and groups to
-    ``rank`` channels, B a 1x1 conv back; the rank is the channel dim."""
+    """``nn.Conv2d`` base layers: A is a conv of the base's kernel, stride and padding to ``rank``
+    channels (PEFT builds it so), B a 1x1 conv back; the rank is the channel dim."""
 
-    def __init__(self, base: torch.nn.Conv2d):
-        self.base = base
+    def __init__(self, layer: LoraLayer):
+        self.layer = layer
+        self.base = cast(torch.nn.Conv2d, layer.get_base_layer())
 
     def down(self, stack: Stack, x: torch.Tensor) -> torch.Tensor:
-        base = self.base
-        return F.conv2d(x, stack.a, None, base.stride, base.padding, base.dilation, base.groups)
+        conv = cast(torch.nn.Conv2d, self.layer.lora_A[stack.adapters[0]])
+        return F.conv2d(x, stack.a, None, conv.stride, conv.padding, conv.dilation, conv.groups)
 
     def up(self, stack: Stack, hidden: torch.Tensor) -> torch.Tensor:
         return F.conv2d(hidden, stack.b)
@@ -229,8 +234,7 @@ class Conv2dRows(LayerRows):
         return weights.view(rows, rank, *[1] * (hidden.dim() - 2))
 
     def fan(self) -> int:
-        base = self.base
-        return base.in_channels * math.prod(base.kernel_size) // base.groups + base.out_channels
+        return self.base.in_channels * math.prod(self.base.kernel_size) + self.base.out_channels
 
     def outputs(self) -> int:
         return self.base.out_channels
@@ -241,8 +245,9 @@ def rows_for(layer: LoraLayer) -> LayerRows | None:
     base = layer.get_base_layer()
     if type(base) is torch.nn.Linear:
         return LinearRows(base)
-    if type(base) is torch.nn.Conv2d:
-        return Conv2dRows(base)
+    # PEFT groups the B of a grouped conv, and leaves A undilated (its output size then differs).
+    if type(base) is torch.nn.Conv2d and base.groups == 1 and base.dilation == (1, 1):
+        return Conv2dRows(layer)
     return None
 
 
@@ -280,7 +285,7 @@ class RowLoras:
             if not isinstance(module, LoraLayer) or adapter not in module.lora_A:
                 continue
             if rows_for(module) is None:
-                return f"a LoRA on {name} ({type(module.get_base_layer()).__name__}) is not served"
+                return f"a LoRA on {name} ({module.get_base_layer()}) is not served"
             if adapter in getattr(module, "lora_variant", {}):
                 return f"{type(module.lora_variant[adapter]).__name__} adapters (on {name}) are not served"
             if getattr(module.lora_B[adapter], "bias", None) is not None:

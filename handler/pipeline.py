@@ -109,6 +109,15 @@ def _apply_memory_options(pipeline: Pipeline, settings: HandlerSettings, device:
         pipeline.enable_sequential_cpu_offload(gpu_id=device.index)
 
 
+def _loras_off(family: Family, settings: HandlerSettings) -> str | None:
+    """Why this pipeline serves no LoRAs, or None."""
+    if settings.compile.denoiser:  # diffusers loads LoRAs only into ModelMixin components, which it no longer is
+        return f"handler.compile compiles the {family.denoiser_name}, whose LoRA layers diffusers cannot switch"
+    if settings.cpu_offload == "sequential":  # the per-row path reads LoRA weights accelerate keeps off the device
+        return "handler.cpu_offload sequential keeps the LoRA weights off the device outside their own layers"
+    return None
+
+
 def _apply_compile(family: Family, settings: HandlerSettings) -> None:
     options = settings.compile
     if not options.enabled:
@@ -208,13 +217,7 @@ def load_engine(settings: HandlerSettings, model_dir: str | Path, gpu_id: int | 
         f"compile={settings.compile.mode if settings.compile.enabled else 'off'}"
         f"{'(' + ','.join(settings.compile.targets) + ')' if settings.compile.enabled else ''}"
     )
-    # diffusers switches LoRAs only on ModelMixin components, which a compiled denoiser no longer is.
-    off_because = f"handler.compile compiles the {family.denoiser_name}, whose LoRA layers diffusers cannot switch"
     loras = LoraLibrary(
-        pipeline,
-        family.denoiser,
-        settings.loras.directory(),
-        settings.loras.max_loaded,
-        off_because if settings.compile.denoiser else None,
+        pipeline, family.denoiser, settings.loras.directory(), settings.loras.max_loaded, _loras_off(family, settings)
     )
     return StepEngine(pipeline, family, device, dtype, description, loras, settings.fault_injection)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from bench.reference import Reference
@@ -53,4 +54,8 @@ def test_jobs_with_other_lora_sets_share_forwards_and_each_equals_diffusers(fami
         (alone,) = run(engine, [(0, job)])
         assert_same_images(decoded, alone)
         files = [(Path(tmp_path) / f"{name}.safetensors", weight) for name, weight in lora_set]
-        assert_same_images(decoded, expected(reference, job, files))
+        theirs = expected(reference, job, files)
+        assert_same_images(decoded, theirs)
+        if lora_set:  # and the LoRAs changed the image
+            plain = np.asarray(expected(reference, job).images[0], dtype=np.int16)
+            assert np.abs(np.asarray(theirs.images[0], dtype=np.int16) - plain).max() > 8, lora_set

@@ -1,7 +1,8 @@
 """Per-row LoRA sets in one forward (``handler.lora_rows``) on PEFT's own LoRA layers, Linear and
-strided Conv2d: every row equals PEFT's ``set_adapters`` path run on that row alone with its set,
-in both designs; a forward without LoRA is the base forward; the stacked weights stay bounded and
-go with their adapters; what the row path cannot serve is named."""
+strided Conv2d: every row equals PEFT's ``set_adapters`` path run on that row alone with
+its set, in both designs; a forward without LoRA (or with LoRAs at scale 0) is the base forward;
+the stacked weights stay bounded and go with their adapters; what the row path cannot serve is
+named."""
 
 from __future__ import annotations
 
@@ -28,7 +29,7 @@ class Layers(torch.nn.Module):
         self.linear = torch.nn.Linear(12, 10)
         self.conv = torch.nn.Conv2d(3, 6, 3, stride=2, padding=1)
 
-    def forward(self, tokens: torch.Tensor, image: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, tokens: torch.Tensor, image: torch.Tensor) -> tuple[torch.Tensor, ...]:
         return self.linear(tokens), self.conv(image)
 
 
@@ -75,24 +76,30 @@ def test_each_row_gets_exactly_its_own_set(model, strategy):
     row_loras.attach()
     row_loras.switch_off()
     with row_loras.rows(list(zip(SETS, rows_per_set, strict=True)), torch.device("cpu")):
-        linear, conv = model(tokens, image)
-    for index, (want_linear, want_conv) in enumerate(expected):
+        outputs = model(tokens, image)
+    for index, wanted in enumerate(expected):
         start = sum(rows_per_set[:index])
         rows = slice(start, start + rows_per_set[index])
-        torch.testing.assert_close(linear[rows], want_linear, rtol=1e-12, atol=1e-12)
-        torch.testing.assert_close(conv[rows], want_conv, rtol=1e-12, atol=1e-12)
+        for output, want in zip(outputs, wanted, strict=True):
+            torch.testing.assert_close(output[rows], want, rtol=1e-5, atol=1e-6)  # weights in float32
 
 
-def test_a_forward_without_lora_is_the_base_forward(model):
+@pytest.mark.parametrize("sets", [[((), 3)], [((("a", 0.0),), 1), ((("b", 0.0), ("a", 0.0)), 2)]])
+def test_a_forward_without_lora_or_at_scale_0_is_the_base_forward(model, sets):
     tokens, image = inputs(3)
     row_loras = RowLoras(model)
     row_loras.attach()
     row_loras.switch_off()
     base = (model.linear.base_layer(tokens), model.conv.base_layer(image))
-    with row_loras.rows([((), 3)], torch.device("cpu")) as plan:
+    with row_loras.rows(sets, torch.device("cpu")) as plan:
         assert plan is None
         ours = model(tokens, image)
     assert all(torch.equal(got, want) for got, want in zip(ours, base, strict=True))
+
+
+def test_an_adapter_at_scale_0_is_left_out_of_the_plan():
+    plan = RowPlan.of([((("a", 0.0), ("b", 1.0)), 2), ((("a", 0.0),), 1)], torch.device("cpu"))
+    assert plan is not None and plan.adapters == ("b",) and plan.members["b"][0] == slice(0, 2)
 
 
 def test_the_plan_weights_rows_keeps_uniform_adapters_scalar_and_blocks_as_views():
@@ -134,7 +141,15 @@ def test_stacked_weights_are_bounded_and_go_with_their_adapters(model):
 
 def test_what_the_row_path_cannot_serve_is_named(model):
     inject_adapter_in_model(LoraConfig(r=2, target_modules=["linear"], use_dora=True), model, adapter_name="dora")
+    model.grouped = torch.nn.Conv2d(4, 4, 3, groups=2).double()  # PEFT groups its B
+    model.dilated = torch.nn.Conv2d(3, 4, 3, padding=2, dilation=2).double()  # PEFT's A is not dilated
+    inject_adapter_in_model(LoraConfig(r=2, target_modules=["grouped"]), model, adapter_name="grouped")
+    inject_adapter_in_model(LoraConfig(r=2, target_modules=["dilated"]), model, adapter_name="dilated")
     row_loras = RowLoras(model)
     row_loras.attach()
     assert "DoraLinearVariant adapters (on linear) are not served" in (row_loras.unsupported("dora") or "")
+    assert "a LoRA on grouped (Conv2d(4, 4, kernel_size=(3, 3), stride=(1, 1), groups=2)) is not served" == (
+        row_loras.unsupported("grouped")
+    )
+    assert "a LoRA on dilated (Conv2d(3, 4, kernel_size=(3, 3)" in (row_loras.unsupported("dilated") or "")
     assert row_loras.unsupported("a") is None
