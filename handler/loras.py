@@ -26,7 +26,7 @@ from typing import Any
 import torch
 from safetensors.torch import load_file
 
-from handler.lora_rows import Adapters, RowLoras, RowPlan, Strategy
+from handler.lora_rows import Adapters, RowLoras, RowPlan
 
 logger = logging.getLogger(__name__)
 
@@ -70,10 +70,9 @@ class LoraLibrary:
         directory: Path | None,
         max_loaded: int,
         off_because: str | None = None,
-        strategy: Strategy = "auto",
     ):
         self.pipeline = pipeline
-        self.row_loras = RowLoras(denoiser, strategy)
+        self.row_loras = RowLoras(denoiser)
         self.directory = directory
         self.max_loaded = max_loaded
         self.off_because = off_because  # why LoRAs are off although a directory is set
