@@ -46,7 +46,7 @@ help:
 	@echo "make bench-continuous the shipped continuous batching vs dynamic batching, capacity and Poisson load; reports/continuous/"
 	@echo "make bench-engine   the step engine against the diffusers call it mirrors, per family, batch 1 and 8; reports/engine/"
 	@echo "make bench-lora     LoRA sets in one forward, per design, default model and SD 1.5's architecture; reports/lora/"
-	@echo "make bench-gpu      SD 1.5, SDXL and SD 3.5 Medium at real sizes on the GPU: variants, batch scaling, engine, served, SDXL, SD 3.5; reports/gpu/"
+	@echo "make bench-gpu      SD 1.5, SDXL and SD 3.5 Medium at real sizes on the GPU: variants, batch scaling, engine, served, SDXL, SD 3.5, LoRA; reports/gpu/"
 	@echo "                    BENCH_ARGS='--quick' for the CPU check CI runs; PY=python3 where there is no venv (the lent GPU)"
 	@echo "make dashboard      rebuild docker/grafana/dashboards/stable-diffusion.json"
 	@echo "make prometheus-rule  rebuild deploy/k8s/prometheusrule.yaml from docker/prometheus/rules/"

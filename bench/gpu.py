@@ -1,7 +1,7 @@
 """`make bench-gpu`: Stable Diffusion at real sizes on the GPU it finds, in-process and served.
 
 Random-weight pipelines of the published architectures (``bench.sd15``, ``bench.sdxl``,
-``bench.sd35``: nothing downloaded) through the code a worker runs, in seven sections. Each writes
+``bench.sd35``: nothing downloaded) through the code a worker runs, in eight sections. Each writes
 ``<output>/<section>.json`` when it ends, and ``gpu.md`` and ``gpu.png`` are rendered from every
 section file there (``bench.gpu_report``), so sections can run in separate calls:
 
@@ -22,6 +22,9 @@ section file there (``bench.gpu_report``), so sections can run in separate calls
    batch 1 and 4: transformer it/s (the ``unet_it_s`` figure), seconds per call, peak memory.
 7. ``sd35_served``: SD 3.5 Medium through TorchServe with continuous batching (what packaging ships
    for one GPU), closed loop at concurrency 1 and 4, against ``sd35``'s in-process figures.
+8. ``lora``: SD 1.5, 512x512, 8 requests with no LoRA, one LoRA, 8 different LoRAs and 8 sets of 3
+   (rank 16, attention and feed-forward) in one forward, per design of the row-wise LoRA path
+   (``bench.loras``): step time over no LoRA, and which design ``auto`` took per layer.
 
 ``--quick`` runs the same code on the CPU at tiny sizes (the random tiny models, 64x64, one step,
 concurrency 1 and 2): what CI runs, so that a GPU run has nothing left to debug but the GPU.
@@ -42,7 +45,7 @@ from pathlib import Path
 
 import numpy as np
 
-from bench import sd15, sd35, sdxl
+from bench import loras, sd15, sd35, sdxl
 from bench.engine import measure_model
 from bench.gpu_report import SECTION_RENDERERS, percent_text, render
 from bench.measure import PROMPTS, Workload, error_text
@@ -57,7 +60,7 @@ from server.paths import BUILD, REPORTS, ROOT, TINY_MODEL_DIRS
 
 logger = logging.getLogger("bench-gpu")
 
-SECTIONS = tuple(SECTION_RENDERERS)  # variants, scaling, engine, served, sdxl, sd35, sd35_served
+SECTIONS = tuple(SECTION_RENDERERS)  # variants, scaling, engine, served, sdxl, sd35, sd35_served, lora
 EAGER = "eager"
 SECTION_VARIANTS = (
     EAGER,
@@ -92,6 +95,9 @@ class Plan:
     sd35_side: int
     sd35_steps: int
     sd35_batches: tuple[int, ...]  # in-process batches, and the served concurrency
+    lora_side: int  # SD 1.5 with LoRAs (bench.loras): side, LoRA rank, steps timed per round
+    lora_rank: int
+    lora_steps: int
     repeats: int
     engine_repeats: int
     requests_per_client: int
@@ -113,6 +119,9 @@ FULL = Plan(
     sd35.NATIVE_SIDE,
     28,
     (1, 4),
+    sd15.NATIVE_SIDE,
+    16,
+    5,
     repeats=3,
     engine_repeats=5,
     requests_per_client=6,
@@ -133,6 +142,9 @@ QUICK = Plan(
     64,
     1,
     (1, 2),
+    64,
+    4,
+    1,
     repeats=1,
     engine_repeats=1,
     requests_per_client=2,
@@ -417,6 +429,12 @@ class GpuBench:
             logger.info("SD 3.5 Medium batch %d: %s", batch, summary(row))
             self.save("sd35", result)
         return result
+
+    def lora(self) -> dict:
+        """LoRA sets sharing one SD 1.5 forward, per design of the row-wise path (``bench.loras``)."""
+        plan = self.plan
+        model = loras.Model("sd15", model_dir(plan.sd15_model), plan.lora_side, plan.lora_rank, 0.02)
+        return loras.measure(model, plan.lora_steps, plan.repeats)
 
     def run(self, section: str, variant_names: list[str] | None) -> bool:
         """One section, its file saved and the report rendered whatever happens; False when it failed."""

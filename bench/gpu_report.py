@@ -261,6 +261,22 @@ def _sdxl(section: dict) -> list[str]:
     return [_workload_line(section["workload"]), "", variants_table(section)]
 
 
+def _lora(section: dict) -> list[str]:
+    designs = list(dict.fromkeys(row["design"] for row in section["rows"] if row["workload"] != "no LoRA"))
+    by_case = {(row["workload"], row["design"]): row for row in section["rows"]}
+    rows = []
+    for workload in dict.fromkeys(row["workload"] for row in section["rows"]):
+        cells = [by_case.get((workload, design)) or by_case[(workload, "auto")] for design in designs]
+        rows.append([workload, *(f"{cell['ratio']:.2f}x ({cell['median_s'] * 1000:.1f} ms)" for cell in cells)])
+    taken = [
+        f"auto, {workload}: {counts.get('stacked', 0)} of {sum(counts.values())} LoRA layer forwards stacked"
+        for workload, counts in section.get("auto_designs", {}).items()
+    ]
+    side = section["side"]
+    heading = f"8 requests, {side}x{side}, rank-{section['rank']} LoRAs; step time over no LoRA (median step):"
+    return [heading, "", *_table(["8 requests", *designs], rows), "", *taken]
+
+
 # section name: (heading, the key its measurements are under, how they are rendered)
 SECTION_RENDERERS = {
     "variants": ("1. SD 1.5 variants", "variants", _variants),
@@ -270,6 +286,7 @@ SECTION_RENDERERS = {
     "sdxl": ("5. SDXL", "variants", _sdxl),
     "sd35": ("6. SD 3.5 Medium, in-process", "rows", _sd35),
     "sd35_served": ("7. SD 3.5 Medium served through TorchServe (continuous batching, closed loop)", "points", _served),
+    "lora": ("8. LoRA sets in one SD 1.5 forward, per design", "rows", _lora),
 }
 
 

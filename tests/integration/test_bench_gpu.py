@@ -124,3 +124,17 @@ def test_sd35_runs_in_process_at_each_batch_and_served_with_continuous_batching(
     for point in points:
         assert point["errors"] == 0 and point["images_per_s"] > 0
         assert point["ceiling_images_per_s"] == ceilings[point["concurrency"]], "the ceiling is sd35's own figure"
+
+
+def test_lora_measures_every_design_against_no_lora_and_says_what_auto_took(report):
+    section = report["lora"]
+    assert section["status"] == "ok" and section["side"] == QUICK.lora_side and section["rank"] == QUICK.lora_rank
+    cases = {(row["workload"], row["design"]) for row in section["rows"]}
+    workloads = ("one LoRA, all 8", "8 different LoRAs", "8 sets of 3 LoRAs")
+    assert cases == {("no LoRA", "auto")} | {
+        (w, d) for w in workloads for d in ("grouped", "segments", "stacked", "auto")
+    }
+    assert all(row["ratio"] > 0 and row["median_s"] > 0 for row in section["rows"])
+    assert set(section["auto_designs"]) == set(workloads)
+    assert "## 8. LoRA sets in one SD 1.5 forward, per design" in report["markdown"]
+    assert "LoRA layer forwards stacked" in report["markdown"]
