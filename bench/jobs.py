@@ -14,19 +14,15 @@ from handler.pipeline import synchronize
 
 
 def generate(engine: StepEngine, specs: list[JobSpec]) -> tuple[list[Decoded], list[float]]:
-    """Decoded images per job, and the seconds of each forward (device time on CUDA). Jobs of one
-    latent shape take one forward each step whatever their LoRA sets, as the service steps them."""
+    """Decoded images per job (all of one size), and the seconds of each forward (device time on
+    CUDA). The jobs not done take one forward each step whatever their LoRA sets, as the service
+    steps them."""
     jobs = engine.start(specs)
     step_seconds = []
     while not all(job.done for job in jobs):
-        groups: dict[tuple, list] = {}
-        for job in jobs:
-            if not job.done:
-                groups.setdefault(job.latent_shape, []).append(job)
-        for group in groups.values():
-            started = time.perf_counter()
-            engine.step(group)
-            synchronize(engine.device)
-            step_seconds.append(time.perf_counter() - started)
+        started = time.perf_counter()
+        engine.step([job for job in jobs if not job.done])
+        synchronize(engine.device)
+        step_seconds.append(time.perf_counter() - started)
     decoded = engine.decode(torch.cat([job.latents for job in jobs]), specs[0].width, specs[0].height)
     return decoded.split([job.images for job in jobs]), step_seconds
