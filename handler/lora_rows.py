@@ -20,7 +20,9 @@ weight 1, folded into B). Two ways to compute it, one class per base layer type,
 
 ``auto`` stacks a layer where the multiply-adds stacking adds cost less than the ops it saves
 (``OP_COST``: what one op's overhead is worth on the device). On the default model (ranks large
-against its 32- to 64-wide layers) that is every layer; at SD 1.5's widths on a CPU it is none.
+against its 32- to 64-wide layers) that is every layer; at SD 1.5's widths it is none on a CPU and
+every one on an H100. One adapter on every row is always stacked: no extra arithmetic, and its
+weight per row scales A's small output rather than B's.
 A forward with no LoRA in any row costs what a plain one does: the hooks return at once.
 """
 
@@ -43,9 +45,10 @@ Strategy = Literal["auto", "segments", "stacked"]
 # Multiply-adds one op's overhead is worth, by device type: auto stacks a layer where the extra
 # multiply-adds cost less than the ops saved. CPU: between what the default model's largest layer
 # needs to stack (2.4e6 per op saved) and what SD 1.5's smallest at 256x256 would (2e7), where
-# `make bench-lora` measured stacked faster on the one and segments on the other; a CUDA kernel
-# launch is worth far more arithmetic (not measured yet: `make bench-gpu`).
-OP_COST = {"cpu": 1e7, "cuda": 5e8}
+# `make bench-lora` measured stacked faster on the one and segments on the other. CUDA: `make
+# bench-gpu` on an H100 (2026-11-26, SD 1.5 at 512x512, 16 rows, 8 rank-16 LoRAs) measured stacked
+# faster on every layer, the largest needing 1.5e9 per op saved (feed-forward in, 64x64 tokens).
+OP_COST = {"cpu": 1e7, "cuda": 2e9}
 STACKS_PER_LAYER = 8  # adapter combinations stacked per layer (least recently used dropped)
 
 
@@ -334,8 +337,6 @@ class RowLoras:
         cost less than the ops of one segment per adapter."""
         if self.strategy != "auto":
             return self.strategy == "stacked"
-        if len(present) == 1:
-            return False  # one adapter: its own pair of ops either way
         positions = result.numel() // (plan.rows * kind.outputs())  # tokens or output pixels per row
         unused = sum((plan.rows - plan.held(adapter)) * layer.r[adapter] for adapter in present)
         extra = unused * positions * kind.fan()

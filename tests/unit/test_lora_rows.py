@@ -153,3 +153,18 @@ def test_what_the_row_path_cannot_serve_is_named(model):
     )
     assert "a LoRA on dilated (Conv2d(3, 4, kernel_size=(3, 3)" in (row_loras.unsupported("dilated") or "")
     assert row_loras.unsupported("a") is None
+
+
+@pytest.mark.parametrize(
+    ("sets", "design"), [([((("a", 0.8),), 3)], "stacked"), ([((("a", 0.8),), 2), ((), 1)], "segments")]
+)
+def test_auto_stacks_one_adapter_on_every_row_and_not_on_some(model, sets, design):
+    """One adapter held by every row costs no extra arithmetic stacked (and its weight then scales
+    A's output, not B's); held by some rows only, stacking would compute it on the others too."""
+    tokens, image = inputs(3)
+    row_loras = RowLoras(model)
+    row_loras.attach()
+    row_loras.switch_off()
+    with row_loras.rows(sets, torch.device("cpu")):
+        model(tokens, image)
+    assert dict(row_loras.designs) == {design: 2}
