@@ -119,6 +119,13 @@ class LoraSettings(_Section):
         f"${LORA_DIR_ENV} where set, else no LoRAs",
     )
     max_loaded: int = Field(8, ge=1, description="adapters kept in memory (least recently used evicted)")
+    slot_rank: int = Field(
+        32,
+        ge=1,
+        le=1024,
+        description="with a compiled denoiser: the largest LoRA rank served; every Linear layer of its transformer "
+        "blocks holds max_loaded slots of this rank (memory: (in + out) x max_loaded x slot_rank per layer)",
+    )
 
     @field_validator("dir")
     @classmethod

@@ -20,6 +20,7 @@ from torch._inductor.runtime.cache_dir_utils import cache_dir
 from handler.config import HandlerSettings
 from handler.engine import StepEngine
 from handler.families import Family, Pipeline, StableDiffusion3Family, family_of
+from handler.lora_slots import SlotLoras
 from handler.loras import LoraLibrary
 
 logger = logging.getLogger(__name__)
@@ -109,10 +110,8 @@ def _apply_memory_options(pipeline: Pipeline, settings: HandlerSettings, device:
         pipeline.enable_sequential_cpu_offload(gpu_id=device.index)
 
 
-def _loras_off(family: Family, settings: HandlerSettings) -> str | None:
+def _loras_off(settings: HandlerSettings) -> str | None:
     """Why this pipeline serves no LoRAs, or None."""
-    if settings.compile.denoiser:  # diffusers loads LoRAs only into ModelMixin components, which it no longer is
-        return f"handler.compile compiles the {family.denoiser_name}, whose LoRA layers diffusers cannot switch"
     if settings.cpu_offload == "sequential":  # the per-row path reads LoRA weights accelerate keeps off the device
         return "handler.cpu_offload sequential keeps the LoRA weights off the device outside their own layers"
     return None
@@ -128,7 +127,11 @@ def _apply_compile(family: Family, settings: HandlerSettings) -> None:
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = options.cache_dir
     compile_ = functools.partial(torch.compile, mode=options.mode, fullgraph=options.fullgraph, dynamic=options.dynamic)
     if options.denoiser:
-        setattr(family.pipeline, family.denoiser_name, compile_(family.denoiser))
+        # In place: the denoiser stays the pipeline's model, which diffusers loads LoRAs into (their
+        # weights then go to handler.lora_slots). Inference only: PEFT freezing the weights at a
+        # LoRA load changes nothing a guard checks.
+        family.denoiser.requires_grad_(False)
+        family.denoiser.compile(mode=options.mode, fullgraph=options.fullgraph, dynamic=options.dynamic)
     if "vae_decoder" in options.targets:
         family.pipeline.vae.decode = compile_(family.pipeline.vae.decode)
 
@@ -203,6 +206,18 @@ def load_engine(settings: HandlerSettings, model_dir: str | Path, gpu_id: int | 
         pipeline.vae.to(memory_format=torch.channels_last)
     _apply_memory_options(pipeline, settings, device)
     attention = attention_summary(family, settings)
+    off_because, directory = _loras_off(settings), settings.loras.directory()
+    slots = None
+    if settings.compile.denoiser and directory is not None and off_because is None:
+        slots = SlotLoras(family.denoiser, settings.loras.max_loaded, settings.loras.slot_rank)
+        logger.info(
+            "LoRA slots for the compiled %s: %d slots of rank %d on %d Linear layers, %.1f MiB",
+            family.denoiser_name,
+            slots.slots,
+            slots.rank,
+            len(slots.layers),
+            slots.bytes() / 2**20,
+        )
     _apply_compile(family, settings)
     text_encoder_3 = (
         "" if not hasattr(pipeline, "text_encoder_3") else f" text_encoder_3={pipeline.text_encoder_3 is not None}"
@@ -217,7 +232,5 @@ def load_engine(settings: HandlerSettings, model_dir: str | Path, gpu_id: int | 
         f"compile={settings.compile.mode if settings.compile.enabled else 'off'}"
         f"{'(' + ','.join(settings.compile.targets) + ')' if settings.compile.enabled else ''}"
     )
-    loras = LoraLibrary(
-        pipeline, family.denoiser, settings.loras.directory(), settings.loras.max_loaded, _loras_off(family, settings)
-    )
+    loras = LoraLibrary(pipeline, family.denoiser, directory, settings.loras.max_loaded, off_because, slots)
     return StepEngine(pipeline, family, device, dtype, description, loras, settings.fault_injection)

@@ -131,6 +131,12 @@ def shutting_down(progress: tuple[int, int] | None = None) -> Response:
     return Response(503, error_json(503, "ShuttingDown", message), JSON_CONTENT_TYPE, headers)
 
 
+def busy(message: str) -> Response:
+    """503 with ``Retry-After``: what the request needs is held by requests in flight."""
+    headers = {"Retry-After": str(RETRY_AFTER_S)}
+    return Response(503, error_json(503, "Busy", message), JSON_CONTENT_TYPE, headers)
+
+
 def internal_error(stage: str, error: Exception) -> Response:
     """500 (507 for out of memory) naming the stage that failed."""
     if isinstance(error, torch.OutOfMemoryError):

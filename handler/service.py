@@ -29,7 +29,7 @@ import torch
 from handler.config import HandlerSettings, WarmupShape
 from handler.engine import DenoiseJob, JobSpec, StepEngine
 from handler.families import Decoded
-from handler.loras import Adapters, LoraError
+from handler.loras import Adapters, LoraBusy, LoraError
 from handler.metrics import DiffusionMetrics, MetricSink, QueueGauges
 from handler.pipeline import load_engine, release_cached_memory, synchronize
 from handler.protocol import (
@@ -38,6 +38,7 @@ from handler.protocol import (
     Preview,
     Response,
     bad_request,
+    busy,
     deadline_exceeded,
     does_not_fit,
     internal_error,
@@ -178,32 +179,36 @@ class DiffusionService:
 
     def warm_up(self, shapes: tuple[WarmupShape, ...]) -> float:
         """Profile each shape's step times, then run one job of it through start, steps and
-        decode, so that the first request pays no allocation or compilation. Returns seconds."""
+        decode, so that the first request pays no allocation or compilation (in a compiled
+        denoiser with LoRA slots, a second job compiles the graph with LoRA rows). Returns seconds."""
         started = time.perf_counter()
-        defaults = self.policy.defaults
         for shape in shapes:
             self.profile.measure(shape.width, shape.height)
             if not self.profile.fits(self.engine.latent_shape(shape.width, shape.height), shape.batch_size):
                 logger.warning("warm-up shape %s does not fit in memory; skipped", shape.model_dump())
                 continue
-            (job,) = self.engine.start(
-                [
-                    JobSpec(
-                        "warm-up",
-                        None,
-                        tuple(range(shape.batch_size)),
-                        shape.width,
-                        shape.height,
-                        shape.num_inference_steps,
-                        defaults.scheduler,
-                        defaults.guidance_scale,
-                    )
-                ]
-            )
-            while not job.done:
-                self.engine.step([job])
-            self.engine.decode(job.latents, shape.width, shape.height)
+            self._warm_up_job(shape)
+            if self.engine.loras.slots is not None:
+                with self.engine.loras.slots.lora_graph():
+                    self._warm_up_job(shape)
         return time.perf_counter() - started
+
+    def _warm_up_job(self, shape: WarmupShape) -> None:
+        defaults = self.policy.defaults
+        spec = JobSpec(
+            "warm-up",
+            None,
+            tuple(range(shape.batch_size)),
+            shape.width,
+            shape.height,
+            shape.num_inference_steps,
+            defaults.scheduler,
+            defaults.guidance_scale,
+        )
+        (job,) = self.engine.start([spec])
+        while not job.done:
+            self.engine.step([job])
+        self.engine.decode(job.latents, shape.width, shape.height)
 
     # Admission.
 
@@ -320,6 +325,9 @@ class DiffusionService:
             logger.info("request %s rejected: loras (%s)", rid, error.rule)
             self.metrics.request_rejected(["loras"])
             return bad_request(RequestError.single("loras", error.rule, str(error)))
+        except LoraBusy as error:
+            logger.info("request %s refused: %s", rid, error)
+            return busy(str(error))
         finally:
             self.metrics.loras_loaded(self.engine.loras.loaded)
         self.metrics.lora_requests([lora.name for lora in request.loras])

@@ -1,14 +1,21 @@
 """torch.compile in serving: a worker persists inductor's cache in ``compile.cache_dir``, and the
-worker TorchServe starts after a crash loads the compiled graphs from it instead of compiling."""
+worker TorchServe starts after a crash loads the compiled graphs from it instead of compiling; LoRAs
+on a compiled UNet equal diffusers and recompile nothing."""
 
 from __future__ import annotations
 
 import re
+import shutil
 import time
 
+import numpy as np
 import pytest
 
+from bench.reference import Reference
+from model_making.make_lora import write_lora
 from server import write_model_config as model_config
+from server.paths import DEFAULT_MODEL_DIR, ROOT
+from tests.harness.images import assert_same_image
 from tests.harness.serving import Client, serving, wait_until_serving, workers
 
 pytestmark = pytest.mark.slow
@@ -60,3 +67,32 @@ def test_a_restarted_compiled_worker_loads_its_kernels_from_the_persisted_cache(
         f"compiled VAE decoder worker start: warm-up {cold['warmup_s']:.1f} s cold, "
         f"{warm['warmup_s']:.1f} s from the cache"
     )
+
+
+SLOTS_LOG = re.compile(r"LoRA slots: (\d+) free; graphs compiled so far: (\d+)")
+
+
+def test_loras_on_a_compiled_unet_equal_diffusers_and_recompile_nothing(tmp_path):
+    """The compiled UNet's LoRA slots (handler.lora_slots) behind a real TorchServe: warm-up compiles
+    both graphs of the served shape, then LoRA requests, a new adapter and an eviction (two slots,
+    three LoRAs) compile nothing, and each image equals diffusers' call with the LoRA."""
+    loras = tmp_path / "loras"
+    loras.mkdir()
+    shutil.copy(ROOT / "loras" / "outline.safetensors", loras)
+    write_lora(DEFAULT_MODEL_DIR, loras / "random.safetensors", seed=1)
+    write_lora(DEFAULT_MODEL_DIR, loras / "unet-only.safetensors", seed=2, text_encoder=False)
+    handler = {"compile": {"enabled": True, "targets": ["unet"]}, "loras": {"dir": str(loras), "max_loaded": 2}}
+    body = {"prompt": "a red circle outline", "seed": 3, "num_inference_steps": 4}
+    reference = Reference(DEFAULT_MODEL_DIR)
+    with serving(tmp_path, model_config(tmp_path, handler=handler)) as server:
+        client = Client(server)
+        for name, scale in [("random", 0.8), ("outline", 1.0), ("unet-only", -0.5), ("random", 0.8)]:
+            ours = client.image(**body, loras=[{"name": name, "scale": scale}])
+            theirs = reference(body["prompt"], body["seed"], 64, 64, 4, loras=[(loras / f"{name}.safetensors", scale)])
+            assert_same_image(ours, np.asarray(theirs.images[0]))
+        assert client.predict({**body, "loras": [{"name": "outline", "scale": 2.0}]}).status_code == 200
+        loads = SLOTS_LOG.findall(server.console_log.read_text(errors="replace"))
+    assert len(loads) == 5, loads  # random, outline, unet-only (evicting random), random (evicting outline), outline
+    graphs = {int(count) for _, count in loads}
+    assert len(graphs) == 1 and graphs.pop() > 0, f"graphs compiled at each LoRA load: {loads}"
+    print(f"compiled UNet, 5 LoRA loads into 2 slots: graphs compiled at each load {[int(c) for _, c in loads]}")

@@ -154,10 +154,10 @@ def test_a_failed_activation_forgets_what_is_active(library):
 
 
 def test_loras_are_off_with_a_reason_and_an_unreadable_directory_lists_none(library, tmp_path):
-    off = LoraLibrary(RecordingPipeline(), torch.nn.Module(), tmp_path, 2, off_because="the UNet is compiled")
+    off = LoraLibrary(RecordingPipeline(), torch.nn.Module(), tmp_path, 2, off_because="sequential CPU offload")
     with pytest.raises(LoraError) as caught:
         off.resolve("outline")
-    assert caught.value.rule == "loras_disabled" and "compiled" in str(caught.value)
+    assert caught.value.rule == "loras_disabled" and "sequential CPU offload" in str(caught.value)
     assert off.available() == []
     assert LoraLibrary(RecordingPipeline(), torch.nn.Module(), tmp_path / "missing", 2).available() == []
 

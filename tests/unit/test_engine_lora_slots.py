@@ -1,0 +1,106 @@
+"""LoRA sets in a compiled denoiser (``handler.lora_slots``, tiny SD 1.x, inductor on the CPU): jobs
+with different sets share forwards and each image equals diffusers' ``load_lora_weights`` +
+``set_adapters`` call; loading, evicting and reloading adapters recompiles nothing; what the slots
+cannot hold is refused by name, and a full set of slots in use is busy, not broken."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from torch._dynamo.utils import counters
+
+from bench.reference import Reference
+from handler.config import HandlerSettings
+from handler.lora_slots import SlotLinear
+from handler.loras import LoraBusy, LoraError
+from handler.pipeline import load_engine
+from model_making.make_lora import write_lora
+from server.paths import TINY_MODEL_DIRS
+from tests.harness.engine_runs import assert_same_images, expected, run, spec
+
+pytestmark = pytest.mark.slow  # compiles the tiny UNet (about a minute here)
+
+MODEL = TINY_MODEL_DIRS["sd1"]
+LORAS = {  # name: how make_lora writes it
+    "attention": dict(seed=1),
+    "feed-forward": dict(seed=2, layers=("feed_forward",), text_encoder=False, spread=0.1),  # no text encoder part
+    "kohya": dict(seed=4, layers=("attention", "feed_forward"), spread=0.1, kohya=True),
+    "late": dict(seed=5),
+}
+SETS = [  # (joins at iteration, LoRA set)
+    (0, ()),
+    (0, (("attention", 0.8),)),
+    (0, (("feed-forward", 1.0), ("attention", -0.5))),
+    (1, (("kohya", 0.6),)),
+]
+
+
+@pytest.fixture(scope="module")
+def lora_dir(tmp_path_factory) -> Path:
+    directory = tmp_path_factory.mktemp("loras")
+    for name, recipe in LORAS.items():
+        write_lora(MODEL, directory / f"{name}.safetensors", **recipe)
+    write_lora(MODEL, directory / "conv.safetensors", seed=6, layers=("conv",), text_encoder=False)
+    write_lora(MODEL, directory / "wide.safetensors", seed=7, rank=16)
+    return directory
+
+
+@pytest.fixture(scope="module")
+def engine(lora_dir):
+    settings = {
+        "model_path": str(MODEL),
+        "compile": {"enabled": True, "targets": ["unet"]},
+        "loras": {"dir": str(lora_dir), "max_loaded": 3, "slot_rank": 8},
+    }
+    return load_engine(HandlerSettings.model_validate(settings), "/unused")
+
+
+def jobs_of(engine, sets):
+    return [
+        (joins, spec(f"a red circle {index}", index, side=32, steps=3, adapters=adapters))
+        for index, (joins, lora_set) in enumerate(sets)
+        for adapters in [engine.loras.acquire(list(lora_set), in_use=())]
+    ]
+
+
+def test_mixed_sets_share_compiled_forwards_and_each_equals_diffusers(engine, lora_dir):
+    assert engine.loras.slots is not None and all(
+        isinstance(module, SlotLinear) for module in engine.loras.slots.layers.values()
+    )
+    jobs = jobs_of(engine, SETS)
+    together = run(engine, jobs)
+    reference = Reference(MODEL)
+    for (_, job), (_, lora_set), decoded in zip(jobs, SETS, together, strict=True):
+        (alone,) = run(engine, [(0, job)])
+        assert_same_images(decoded, alone)
+        files = [(lora_dir / f"{name}.safetensors", weight) for name, weight in lora_set]
+        assert_same_images(decoded, expected(reference, job, files))
+
+
+def test_a_new_adapter_and_an_eviction_recompile_nothing(engine, lora_dir):
+    sets = [(0, (("attention", 0.5),)), (0, ())]
+    run(engine, jobs_of(engine, sets))  # both graphs of this shape compiled
+    graphs = counters["stats"]["unique_graphs"]
+    late = [(0, (("late", 0.9), ("attention", 0.3))), (0, ())]  # a fourth LoRA: one of three slots evicted
+    jobs = jobs_of(engine, late)
+    decoded = run(engine, jobs)
+    assert counters["stats"]["unique_graphs"] == graphs
+    files = [(lora_dir / "late.safetensors", 0.9), (lora_dir / "attention.safetensors", 0.3)]
+    assert_same_images(decoded[0], expected(Reference(MODEL), jobs[0][1], files))
+
+
+@pytest.mark.parametrize(("name", "says"), [("conv", "is not served with a compiled denoiser"), ("wide", "rank 16")])
+def test_what_the_slots_cannot_hold_is_refused_by_name(engine, name, says):
+    with pytest.raises(LoraError, match=says) as refused:
+        engine.loras.acquire([(name, 1.0)], in_use=())
+    assert refused.value.rule == "lora_unloadable"
+    assert not hasattr(engine.family.denoiser, "peft_config")  # PEFT's layers are out again
+
+
+def test_every_slot_in_use_is_busy(engine):
+    held = {adapter for adapter, _ in engine.loras.acquire([("attention", 1.0), ("feed-forward", 1.0)], in_use=())}
+    held |= {adapter for adapter, _ in engine.loras.acquire([("kohya", 1.0)], in_use=held)}
+    with pytest.raises(LoraBusy, match="all 3 LoRA slots"):
+        engine.loras.acquire([("late", 1.0)], in_use=held)
+    assert engine.loras.slots.free == 0
