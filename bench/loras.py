@@ -6,7 +6,10 @@ rank-16 LoRAs), the LoRAs random on the denoiser's attention and feed-forward la
 no LoRA; one LoRA on all 8; 8 different LoRAs, one per request; 8 different sets drawn from 3
 loaded LoRAs (alone, in pairs, all three, at other weights). Designs of the forward
 (``handler.lora_rows``): ``grouped`` (one forward per LoRA set, as before requests with different
-sets shared forwards), ``segments``, ``stacked``, and ``auto`` (what the server runs). Every
+sets shared forwards), ``segments``, ``stacked``, ``auto`` (what the server runs), and
+``compiled``: the denoiser compiled (``torch.compile``, default mode) with LoRA slots
+(``handler.lora_slots``, what the server runs then), against the same compiled denoiser without
+LoRA, with the graphs compiled after the warm-up round counted (the goal: none). Every
 workload and design steps the same 8 jobs from the same state; the figure is the median seconds of
 one step of all 8 (the sum of its forwards where grouped).
 Each case is timed right after the same jobs without LoRA (paired: the ratio is the median of the
@@ -34,13 +37,14 @@ from bench.report import publish
 from handler.config import HandlerSettings
 from handler.engine import DenoiseJob, JobSpec, StepEngine
 from handler.lora_rows import Adapters
+from handler.lora_slots import compiled_graphs
 from handler.pipeline import load_engine, synchronize
 from model_making.make_lora import write_lora
 from server.paths import DEFAULT_MODEL_DIR, REPORTS
 
 logger = logging.getLogger("bench-lora")
 
-DESIGNS = ("grouped", "segments", "stacked", "auto")
+DESIGNS = ("grouped", "segments", "stacked", "auto", "compiled")
 PLAIN = "no LoRA"
 LAYERS = ("attention", "feed_forward")
 GOALS = {"default": 1.6, "sd15": 1.15}  # 8 different sets against no LoRA, the server's design
@@ -86,7 +90,8 @@ def step_seconds(engine: StepEngine, jobs: list[DenoiseJob], design: str) -> flo
     groups: dict[Adapters, list[DenoiseJob]] = {}
     for job in jobs:
         groups.setdefault(job.spec.adapters if design == "grouped" else (), []).append(job)
-    engine.loras.row_loras.strategy = "auto" if design == "grouped" else design  # type: ignore[assignment]
+    if design != "compiled":
+        engine.loras.row_loras.strategy = "auto" if design == "grouped" else design  # type: ignore[assignment]
     started = time.perf_counter()
     for group in groups.values():
         engine.step(group)
@@ -109,39 +114,61 @@ def measure(model: Model, steps: int, repeats: int) -> dict:
                 layers=LAYERS,
                 spread=model.spread,
             )
-        settings = HandlerSettings.model_validate(
-            {"model_path": str(model_dir), "loras": {"dir": str(directory), "max_loaded": 8}}
-        )
-        engine = load_engine(settings, "/unused")
-        ids = [engine.loras.acquire([(f"lora{index}", 1.0)], set())[0][0] for index in range(8)]
+        loras = {"dir": str(directory), "max_loaded": 8, "slot_rank": model.rank}
+        engines = {
+            compiled: load_engine(
+                HandlerSettings.model_validate(
+                    {
+                        "model_path": str(model_dir),
+                        "loras": loras,
+                        "compile": {"enabled": compiled, "targets": ["unet"]},
+                    }
+                ),
+                "/unused",
+            )
+            for compiled in (False, True)
+        }
+        ids = {
+            compiled: [engine.loras.acquire([(f"lora{index}", 1.0)], set())[0][0] for index in range(8)]
+            for compiled, engine in engines.items()
+        }
+    engine = engines[False]
     base = [JobSpec(f"a red circle {i}", None, (i,), model.side, model.side, steps + 1, "ddim", 7.5) for i in range(8)]
-    sets_of = workloads(ids)
+    sets_of = workloads(ids[False])
     cases = [(workload, design) for workload in sets_of if workload != PLAIN for design in DESIGNS]
     started = {
-        workload: engine.start([replace(spec, adapters=adapters) for spec, adapters in zip(base, sets, strict=True)])
-        for workload, sets in sets_of.items()
+        (compiled, workload): engines[compiled].start(
+            [replace(spec, adapters=adapters) for spec, adapters in zip(base, sets, strict=True)]
+        )
+        for compiled in engines
+        for workload, sets in workloads(ids[compiled]).items()
     }
 
     designs = engine.loras.row_loras.designs
 
     def timed(workload: str, design: str) -> list[float]:
-        jobs = copy.deepcopy(started[workload])
+        compiled = design == "compiled"
+        jobs = copy.deepcopy(started[(compiled, workload)])
         if design == "auto":
             designs.clear()
-        timings = [step_seconds(engine, jobs, design) for _ in range(steps)]
+        timings = [step_seconds(engines[compiled], jobs, design) for _ in range(steps)]
         if design == "auto" and workload != PLAIN:
             taken[workload] = dict(designs)
         return timings
 
     taken: dict[str, dict[str, int]] = {}  # auto's designs, in layer forwards, per workload
     plain: list[float] = []
+    compiled_plain: list[float] = []
     seconds: dict[tuple[str, str], list[float]] = {case: [] for case in cases}
     ratios: dict[tuple[str, str], list[float]] = {case: [] for case in cases}
+    graphs = 0
     for round_ in range(repeats + 1):  # the first round warms up
+        graphs = graphs or (compiled_graphs() if round_ == 1 else 0)
         for workload, design in cases:
-            before, timings = timed(PLAIN, "auto"), timed(workload, design)  # paired: drift cancels
+            plain_design = "compiled" if design == "compiled" else "auto"  # against the same denoiser
+            before, timings = timed(PLAIN, plain_design), timed(workload, design)  # paired: drift cancels
             if round_:
-                plain.extend(before)
+                (compiled_plain if design == "compiled" else plain).extend(before)
                 seconds[(workload, design)].extend(timings)
                 ratios[(workload, design)].append(statistics.median(timings) / statistics.median(before))
             logger.info(
@@ -153,7 +180,10 @@ def measure(model: Model, steps: int, repeats: int) -> dict:
                 design,
                 statistics.median(timings) / statistics.median(before),
             )
-    rows = [{"workload": PLAIN, "design": "auto", "median_s": statistics.median(plain), "ratio": 1.0}]
+    rows = [
+        {"workload": PLAIN, "design": "auto", "median_s": statistics.median(plain), "ratio": 1.0},
+        {"workload": PLAIN, "design": "compiled", "median_s": statistics.median(compiled_plain), "ratio": 1.0},
+    ]
     rows += [
         {
             "workload": workload,
@@ -170,6 +200,8 @@ def measure(model: Model, steps: int, repeats: int) -> dict:
         "environment": environment(engine.device),
         "rows": rows,
         "auto_designs": taken,
+        "compiled_plain_over_eager": statistics.median(compiled_plain) / statistics.median(plain),
+        "graphs_compiled_after_warm_up": compiled_graphs() - graphs,
     }
 
 
@@ -193,6 +225,10 @@ def table(results: list[dict]) -> str:
         auto = by_case[("8 different LoRAs", "auto")]["ratio"]
         verdict = "met" if auto <= goal else "MISSED"
         lines.append(f"\n8 different LoRAs, auto: {auto:.2f}x no LoRA (goal {goal}x): {verdict}")
+        lines.append(
+            f"compiled, no LoRA: {result['compiled_plain_over_eager']:.2f}x the eager step; graphs compiled after "
+            f"the warm-up round (LoRAs loaded, sets changing): {result['graphs_compiled_after_warm_up']}"
+        )
         for workload, counts in result["auto_designs"].items():
             total = sum(counts.values())
             lines.append(f"auto, {workload}: {counts.get('stacked', 0)} of {total} LoRA layer forwards stacked")
