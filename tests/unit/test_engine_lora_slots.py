@@ -104,3 +104,27 @@ def test_every_slot_in_use_is_busy(engine):
     with pytest.raises(LoraBusy, match="all 3 LoRA slots"):
         engine.loras.acquire([("late", 1.0)], in_use=held)
     assert engine.loras.slots.free == 0
+
+
+@pytest.mark.parametrize(("family", "scheduler"), [("sdxl", "euler"), ("sd3", "flow_match_euler")])
+def test_other_families_mixed_sets_in_compiled_forwards_equal_diffusers(family, scheduler, tmp_path):
+    """SDXL's UNet (linear projections, two text encoders) and SD 3's transformer (MMDiT blocks)."""
+    model = TINY_MODEL_DIRS[family]
+    write_lora(model, tmp_path / "attention.safetensors", seed=1)
+    write_lora(model, tmp_path / "feed-forward.safetensors", seed=2, layers=("feed_forward",), spread=0.1)
+    settings = {
+        "model_path": str(model),
+        "compile": {"enabled": True, "targets": ["unet"]},
+        "loras": {"dir": str(tmp_path), "max_loaded": 2, "slot_rank": 4},
+    }
+    engine = load_engine(HandlerSettings.model_validate(settings), "/unused")
+    sets = [(0, ()), (0, (("attention", 0.8),)), (0, (("feed-forward", 1.0), ("attention", -0.5)))]
+    jobs = [
+        (joins, spec(f"a red circle {index}", index, side=32, steps=3, scheduler=scheduler, adapters=adapters))
+        for index, (joins, lora_set) in enumerate(sets)
+        for adapters in [engine.loras.acquire(list(lora_set), in_use=())]
+    ]
+    reference = Reference(model)
+    for (_, job), (_, lora_set), decoded in zip(jobs, sets, run(engine, jobs), strict=True):
+        files = [(tmp_path / f"{name}.safetensors", weight) for name, weight in lora_set]
+        assert_same_images(decoded, expected(reference, job, files))
