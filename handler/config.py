@@ -254,6 +254,12 @@ class HandlerSettings(_Section):
         256, ge=1, le=512, description="SD 3.x: T5 tokens a prompt is padded or truncated to (diffusers' default 256)"
     )
     max_images_per_call: int = Field(16, ge=1, description="most images one denoiser forward steps")
+    step_time_cap: bool = Field(
+        True,
+        description="cap a forward at the smallest batch within 5% of the best measured step time per image (less "
+        "latency where a larger batch gains nothing); false: forwards take up to max_images_per_call (memory "
+        "permitting)",
+    )
     iteration_budget_ms: float = Field(
         100.0,
         ge=0,

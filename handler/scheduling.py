@@ -33,8 +33,9 @@ class StepProfile:
     """Measured step seconds per latent shape and batch (in denoiser rows), the batch cap they imply,
     and the memory limits seen."""
 
-    def __init__(self, engine: StepEngine, max_images: int, scheduler: SchedulerName = "ddim"):
+    def __init__(self, engine: StepEngine, max_images: int, scheduler: SchedulerName = "ddim", time_cap: bool = True):
         self.engine = engine
+        self.time_cap = time_cap  # False: only memory caps a forward
         self.max_rows = 2 * max_images  # guided images
         self.scheduler = scheduler  # what the profile's jobs step with (one the model's family serves)
         self.seconds: dict[Shape, dict[int, float]] = {}
@@ -88,7 +89,7 @@ class StepProfile:
     def cap(self, shape: Shape) -> int:
         """The most rows one forward of this shape steps."""
         timings = self.seconds.get(shape)
-        if not timings:
+        if not timings or not self.time_cap:
             return min(self.max_rows, self.memory_caps.get(shape, self.max_rows))
         best = min(seconds / rows for rows, seconds in timings.items())
         fastest = min(rows for rows, seconds in timings.items() if seconds / rows <= best * (1 + PROFILE_GAIN))

@@ -622,7 +622,7 @@ def build_service(
     service = DiffusionService(
         engine,
         RequestPolicy(settings.limits, settings.defaults, streaming=streaming, model_name=model_name, rules=rules),
-        StepProfile(engine, settings.max_images_per_call, settings.defaults.scheduler),
+        StepProfile(engine, settings.max_images_per_call, settings.defaults.scheduler, settings.step_time_cap),
         DiffusionMetrics(sink, sla, worker),
         sla,
         settings.log_prompts,

@@ -40,6 +40,14 @@ def test_the_cap_is_the_fewest_rows_within_five_percent_of_the_best_per_row_time
     assert profile().cap(LARGE) == 32  # not measured: 16 guided images, the configured most
 
 
+def test_without_the_step_time_cap_only_memory_caps_a_forward():
+    measured = StepProfile(engine=None, max_images=16, time_cap=False)
+    measured.seconds[SMALL] = {2: 1.0, 4: 2.0, 8: 4.0}  # no gain from batching: the time cap would be 2 rows
+    assert measured.cap(SMALL) == 32
+    measured.ran_out_of_memory(SMALL, 16, alone=False)
+    assert measured.cap(SMALL) == 8
+
+
 def test_running_out_of_memory_caps_the_shape_and_remembers_what_cannot_run_alone():
     measured = profile({2: 1.0, 4: 1.0, 8: 1.0, 16: 1.0})
     measured.ran_out_of_memory(SMALL, 16, alone=False)
