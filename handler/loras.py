@@ -17,7 +17,7 @@ import itertools
 import logging
 import re
 from collections import OrderedDict
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -183,24 +183,24 @@ class LoraLibrary:
         return adapter
 
     def _make_room(self, keep: set[str]) -> None:
-        """A free slot for one more adapter in a compiled denoiser: the least recently used adapter
-        that ``keep`` does not hold is evicted if need be. Raises LoraBusy where every slot is kept."""
-        if self.slots is None or self.slots.free:
+        """A free slot for one more adapter in a compiled denoiser: least recently used adapters that
+        ``keep`` does not hold are evicted until one is free. Raises LoraBusy where every slot is kept."""
+        slots = self.slots
+        if slots is None:
             return
-        for key, adapter in self._loaded.items():
-            if adapter not in keep:
-                del self._loaded[key]
-                self._forget(adapter)
-                logger.info("LoRA %s (%s) evicted for a slot", key[0], adapter)
-                return
-        raise LoraBusy(
-            f"all {self.slots.slots} LoRA slots of the compiled denoiser hold adapters of requests in flight "
-            "(handler.loras.max_loaded); retry when they finish"
-        )
+        self._evict(keep, lambda: slots.free > 0)
+        if not slots.free:
+            raise LoraBusy(
+                f"all {slots.slots} LoRA slots of the compiled denoiser hold adapters of requests in flight "
+                "(handler.loras.max_loaded); retry when they finish"
+            )
 
-    def _evict(self, keep: set[str]) -> None:
+    def _evict(self, keep: set[str], enough: Callable[[], bool] | None = None) -> None:
+        """Evict least recently used adapters that ``keep`` does not hold until ``enough`` (by default:
+        at most ``max_loaded`` in memory)."""
+        enough = enough or (lambda: len(self._loaded) <= self.max_loaded)
         for key, adapter in list(self._loaded.items()):
-            if len(self._loaded) <= self.max_loaded:
+            if enough():
                 return
             if adapter not in keep:
                 del self._loaded[key]
