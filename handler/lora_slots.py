@@ -59,8 +59,12 @@ class SlotLinear(torch.nn.Linear):
         self.state = state
         self.rank = rank
         dtype, device = base.weight.dtype, base.weight.device
-        self.register_buffer("slot_a", torch.zeros(slots * rank, base.in_features, dtype=dtype, device=device))
-        self.register_buffer("slot_b", torch.zeros(base.out_features, slots * rank, dtype=dtype, device=device))
+        self.register_buffer(
+            "slot_a", torch.zeros(slots * rank, base.in_features, dtype=dtype, device=device), persistent=False
+        )
+        self.register_buffer(
+            "slot_b", torch.zeros(base.out_features, slots * rank, dtype=dtype, device=device), persistent=False
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         result = F.linear(x, self.weight, self.bias)
