@@ -163,7 +163,8 @@ def measure(model: Model, steps: int, repeats: int) -> dict:
     ratios: dict[tuple[str, str], list[float]] = {case: [] for case in cases}
     graphs = 0
     for round_ in range(repeats + 1):  # the first round warms up
-        graphs = graphs or (compiled_graphs() if round_ == 1 else 0)
+        if round_ == 1:
+            graphs = compiled_graphs()  # after the warm-up round
         for workload, design in cases:
             plain_design = "compiled" if design == "compiled" else "auto"  # against the same denoiser
             before, timings = timed(PLAIN, plain_design), timed(workload, design)  # paired: drift cancels

@@ -117,6 +117,16 @@ def base_scaling(layer: LoraLayer, adapter: str) -> float:
     return layer.lora_alpha[adapter] / (math.sqrt(rank) if layer.use_rslora.get(adapter, False) else rank)
 
 
+def beyond_plain_lora(name: str, layer: LoraLayer, adapter: str) -> str | None:
+    """Why ``adapter`` in ``layer`` is more than ``B(A(x))`` times its scaling (a DoRA or other
+    variant, a LoRA bias), or None."""
+    if adapter in getattr(layer, "lora_variant", {}):
+        return f"{type(layer.lora_variant[adapter]).__name__} adapters (on {name}) are not served"
+    if getattr(layer.lora_B[adapter], "bias", None) is not None:
+        return f"LoRA biases (on {name}) are not served"
+    return None
+
+
 def weight(module: torch.nn.Module) -> torch.Tensor:
     return cast(torch.Tensor, module.weight)
 
@@ -289,10 +299,9 @@ class RowLoras:
                 continue
             if rows_for(module) is None:
                 return f"a LoRA on {name} ({module.get_base_layer()}) is not served"
-            if adapter in getattr(module, "lora_variant", {}):
-                return f"{type(module.lora_variant[adapter]).__name__} adapters (on {name}) are not served"
-            if getattr(module.lora_B[adapter], "bias", None) is not None:
-                return f"LoRA biases (on {name}) are not served"
+            refused = beyond_plain_lora(name, module, adapter)
+            if refused is not None:
+                return refused
         return None
 
     def forget(self, adapter: str) -> None:

@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from peft.tuners.lora import LoraLayer
 from torch._dynamo.utils import counters
 
-from handler.lora_rows import Adapters, base_scaling, weight
+from handler.lora_rows import Adapters, base_scaling, beyond_plain_lora, weight
 
 # Linear layers of transformer blocks (UNet and MMDiT alike) and the projections around them.
 TARGETS = re.compile(r"(^|\.)transformer_blocks\.\d+\.|(^|\.)proj_(in|out)$")
@@ -134,11 +134,9 @@ class SlotLoras:
                     f"rank {module.r[adapter]} on {name} is over the {self.rank} of the compiled denoiser's LoRA slots "
                     "(handler.loras.slot_rank)"
                 )
-            if (
-                adapter in getattr(module, "lora_variant", {})
-                or getattr(module.lora_B[adapter], "bias", None) is not None
-            ):
-                raise ValueError(f"DoRA, other variants and LoRA biases (on {name}) are not served")
+            refused = beyond_plain_lora(name, module, adapter)
+            if refused is not None:
+                raise ValueError(refused)
             scaled_b = weight(module.lora_B[adapter]) * base_scaling(module, adapter)
             parts.append((base, weight(module.lora_A[adapter]), scaled_b))
         if not parts:
