@@ -29,6 +29,7 @@ from diffusers import (
     AutoPipelineForImage2Image,
     AutoPipelineForInpainting,
     AutoPipelineForText2Image,
+    ControlNetModel,
     DiffusionPipeline,
     StableDiffusion3Img2ImgPipeline,
     StableDiffusion3InpaintPipeline,
@@ -37,6 +38,17 @@ from PIL.Image import Image
 
 from handler.config import MAX_SEED
 from handler.families import SCHEDULERS
+
+
+@dataclass(frozen=True)
+class ControlNetCall:
+    """One ControlNet of a call: its directory, control image, scale and window."""
+
+    path: Path
+    image: Image
+    scale: float = 1.0
+    start: float = 0.0
+    end: float = 1.0
 
 
 @dataclass(frozen=True)
@@ -84,19 +96,26 @@ class Reference:
         mask: Image | None = None,
         strength: float = 1.0,
         loras: Sequence[tuple[Path, float]] = (),
+        controlnets: Sequence[ControlNetCall] = (),
     ) -> ReferenceOutput:
         """One request: ``num_images_per_prompt`` images of one prompt, image k from ``seed + k``
         (wrapping past the largest seed, as requests do); from ``image`` (of the request's size)
         with ``strength``, repainting where ``mask`` is white; with LoRA files and scales loaded
-        (``load_lora_weights``, ``set_adapters``) for this call only; ``scheduler`` None: the model's own."""
+        (``load_lora_weights``, ``set_adapters``) for this call only; with ControlNets (the
+        ControlNet pipelines, several as ``MultiControlNetModel``); ``scheduler`` None: the model's own."""
         seeds = [(seed + index) % (MAX_SEED + 1) for index in range(num_images_per_prompt)]
         inputs: dict = {"width": width, "height": height}
         pipeline = self.pipeline
+        extra = self._controlnet_inputs(controlnets, text_to_image=image is None)
+        nets = extra.pop("pipe")
         if image is not None and mask is None:  # its size is the image's
-            pipeline, inputs = AutoPipelineForImage2Image.from_pipe(self.pipeline), {"image": image}
+            pipeline, inputs = AutoPipelineForImage2Image.from_pipe(self.pipeline, **nets), {"image": image}
         elif image is not None:
-            pipeline = AutoPipelineForInpainting.from_pipe(self.pipeline)
+            pipeline = AutoPipelineForInpainting.from_pipe(self.pipeline, **nets)
             inputs.update(image=image, mask_image=mask)
+        elif controlnets:
+            pipeline = AutoPipelineForText2Image.from_pipe(self.pipeline, **nets)
+        inputs.update(extra)
         if image is not None:
             inputs["strength"] = strength
         names = [f"reference{index}" for index in range(len(loras))]
@@ -135,6 +154,30 @@ class Reference:
         finally:
             if loras:
                 self.pipeline.delete_adapters(names)
+
+    def _controlnet_inputs(self, controlnets: Sequence[ControlNetCall], text_to_image: bool) -> dict[str, Any]:
+        """What the ControlNet pipelines take for ``controlnets``: the nets (under "pipe", for
+        ``from_pipe``), the control images, scales and windows (one ControlNet: not as lists)."""
+        if not controlnets:
+            return {"pipe": {}}
+        nets = [
+            ControlNetModel.from_pretrained(str(call.path), torch_dtype=self.pipeline.dtype, use_safetensors=True).to(
+                self.pipeline.device
+            )
+            for call in controlnets
+        ]
+        one = len(controlnets) == 1
+
+        def each(values: list) -> Any:
+            return values[0] if one else values
+
+        return {
+            "pipe": {"controlnet": each(nets)},
+            "image" if text_to_image else "control_image": each([call.image for call in controlnets]),
+            "controlnet_conditioning_scale": each([float(call.scale) for call in controlnets]),
+            "control_guidance_start": each([float(call.start) for call in controlnets]),
+            "control_guidance_end": each([float(call.end) for call in controlnets]),
+        }
 
     def batch(
         self,

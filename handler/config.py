@@ -38,6 +38,7 @@ class FamilyRules:
     # first step skipped is rounded down instead (SD 3.x's), so a positive strength always runs one.
     strength_rounding: Literal["steps", "start"] = "steps"
     max_side: int | None = None  # the largest width or height the denoiser takes (None: any)
+    controlnets: bool = True  # whether its pipelines take ControlNets (the UNet families')
 
     def image_steps(self, steps: int, strength: float) -> int:
         """Of ``steps`` denoising steps, how many an input image at ``strength`` runs (``get_timesteps``)."""
@@ -66,6 +67,12 @@ class RequestLimits(_Section):
     max_images_per_request: int = Field(4, ge=1, description="most images one request may ask for")
     max_loras_per_request: int = Field(4, ge=0, description="most LoRA adapters one request may combine")
     max_lora_scale: float = Field(4.0, gt=0, description="largest |scale| of a LoRA adapter in a request")
+    max_controlnets_per_request: int = Field(
+        3, ge=0, description="most ControlNets one request may combine (diffusers' MultiControlNet)"
+    )
+    max_controlnet_scale: float = Field(
+        2.0, gt=0, description="largest |scale| (controlnet_conditioning_scale) of a ControlNet in a request"
+    )
     max_input_pixels: int = Field(
         2048 * 2048,
         ge=64,
@@ -135,6 +142,31 @@ class LoraSettings(_Section):
     def directory(self) -> Path | None:
         """The LoRA directory: ``dir``, else ``$LORA_DIR``, else none."""
         chosen = self.dir or os.environ.get(LORA_DIR_ENV) or None
+        return Path(chosen) if chosen else None
+
+
+# Where ControlNets are read from when handler.controlnets.dir is unset (make serve, the image, Kubernetes).
+CONTROLNET_DIR_ENV = "CONTROLNET_DIR"
+
+
+class ControlNetSettings(_Section):
+    """ControlNets served per request from a directory (``handler.controlnets``), SD 1.x/2.x and SDXL."""
+
+    dir: str | None = Field(
+        None,
+        description="absolute directory of ControlNets, each a diffusers directory (config.json + safetensors) named "
+        f"by its directory name; None: ${CONTROLNET_DIR_ENV} where set, else no ControlNets",
+    )
+    max_loaded: int = Field(2, ge=1, description="ControlNets kept in memory (least recently used evicted)")
+
+    @field_validator("dir")
+    @classmethod
+    def _dir_is_absolute(cls, value: str | None) -> str | None:
+        return absolute_dir(value, "controlnets.dir", "the worker runs in the unpacked archive")
+
+    def directory(self) -> Path | None:
+        """The ControlNet directory: ``dir``, else ``$CONTROLNET_DIR``, else none."""
+        chosen = self.dir or os.environ.get(CONTROLNET_DIR_ENV) or None
         return Path(chosen) if chosen else None
 
 
@@ -241,6 +273,7 @@ class HandlerSettings(_Section):
     cpu_offload: Literal["none", "model", "sequential"] = "none"
     compile: CompileSettings = CompileSettings()
     loras: LoraSettings = LoraSettings()
+    controlnets: ControlNetSettings = ControlNetSettings()
     safety_checker: bool = Field(
         True, description="run the model's safety checker where the model directory ships one (SD 1.x); false: off"
     )

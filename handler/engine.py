@@ -43,6 +43,7 @@ from diffusers.utils.torch_utils import randn_tensor
 from PIL.Image import Image
 
 from handler.config import FaultInjection, SchedulerName
+from handler.controlnets import Control, ControlNetLibrary, ControlSpec
 from handler.families import Conditioning, Decoded, Family, Pipeline, Scheduler
 from handler.loras import Adapters, LoraLibrary
 
@@ -64,6 +65,7 @@ class JobSpec:
     mask: Image | None = None  # inpainting: white where the image is repainted (with ``image``)
     strength: float = 1.0  # how much of the schedule an input image goes through
     adapters: Adapters = ()  # LoRA adapters (ids of the engine's library) and scales, active in its forwards
+    controls: tuple[ControlSpec, ...] = ()  # ControlNets (ids of the engine's library) with their images
 
     @property
     def images(self) -> int:
@@ -112,6 +114,11 @@ class DenoiseJob:
     step_kwargs: dict = field(default_factory=dict)
     step: int = 0
     inpainting: Inpainting | None = None
+    controls: tuple[Control, ...] = ()
+
+    def acting(self) -> list[Control]:
+        """The ControlNets that act in its next step."""
+        return [control for control in self.controls if control.spec.acts(self.step, self.total_steps)]
 
     @property
     def guided(self) -> bool:
@@ -148,6 +155,7 @@ class StepEngine:
     dtype: torch.dtype
     description: str
     loras: LoraLibrary
+    controlnets: ControlNetLibrary
     fault_injection: FaultInjection = field(default_factory=FaultInjection)
 
     def latent_shape(self, width: int, height: int) -> tuple[int, int, int]:
@@ -178,7 +186,16 @@ class StepEngine:
             latents = self.family.initial_latents(scheduler, noise)
         self.family.prepare_scheduler(scheduler)
         step_kwargs = self.family.step_kwargs(scheduler, generators)
-        return DenoiseJob(spec, scheduler, scheduler.timesteps, latents, conditioning, step_kwargs)
+        return DenoiseJob(
+            spec, scheduler, scheduler.timesteps, latents, conditioning, step_kwargs, controls=self._controls(spec)
+        )
+
+    def _controls(self, spec: JobSpec) -> tuple[Control, ...]:
+        """The ControlNet pipelines' ``prepare_image`` for each of a job's control images."""
+        return tuple(
+            Control(control, self.family.preprocess_control(control.image, spec.width, spec.height))
+            for control in spec.controls
+        )
 
     def _start_from_image(
         self,
@@ -228,11 +245,13 @@ class StepEngine:
             conditioning,
             step_kwargs,
             inpainting=inpainting,
+            controls=self._controls(spec),
         )
 
-    def step(self, jobs: list[DenoiseJob]) -> None:
-        """Advance every job one step with ONE denoiser forward, each job's rows with its own LoRA set.
-        All jobs must share a latent shape."""
+    def step(self, jobs: list[DenoiseJob]) -> int:
+        """Advance every job one step with ONE denoiser forward, each job's rows with its own LoRA set
+        and ControlNet residuals (each ControlNet run once over the rows acting with it). All jobs must
+        share a latent shape. Returns the ControlNet forwards run."""
         shapes = {job.latent_shape for job in jobs}
         if len(shapes) != 1:
             raise ValueError(f"one denoiser forward needs one latent shape, got {sorted(shapes)}")
@@ -249,9 +268,13 @@ class StepEngine:
                 rows = torch.cat([job.latents] * 2) if job.guided else job.latents
                 inputs.append(family.model_input(job.scheduler, rows, timestep))
                 timesteps.append(timestep.float().expand(job.rows))
+            latents, timestep_rows = torch.cat(inputs), torch.cat(timesteps)
             conditioning = Conditioning.concat([job.conditioning for job in jobs])
+            residuals, control_forwards = self.controlnets.residuals(
+                [(job.acting(), job.rows) for job in jobs], latents, timestep_rows, conditioning
+            )
             with self.loras.rows([(job.spec.adapters, job.rows) for job in jobs], self.device):
-                noise = family.forward(torch.cat(inputs), torch.cat(timesteps), conditioning)
+                noise = family.forward(latents, timestep_rows, conditioning, residuals)
             for job, job_noise in zip(jobs, noise.split([job.rows for job in jobs]), strict=True):
                 if job.guided:
                     unconditional, conditional = job_noise.chunk(2)
@@ -264,6 +287,7 @@ class StepEngine:
                 if job.inpainting is not None:
                     next_timestep = job.timesteps[job.step] if not job.done else None
                     job.latents = job.inpainting.blend(family, job.scheduler, job.latents, next_timestep)
+        return control_forwards
 
     def decode(self, latents: torch.Tensor, width: int, height: int, tiled: bool = False) -> Decoded:
         """The end of ``__call__`` for finished latents of one shape (``tiled``: the VAE decodes in

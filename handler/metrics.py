@@ -118,6 +118,28 @@ ITERATION_LORA_ADAPTERS = MetricSpec(
     "adapters",
     "distinct LoRA adapters in one denoiser forward, whose rows each get their own request's set (0: no LoRA)",
 )
+ITERATION_CONTROLNET_FORWARDS = MetricSpec(
+    "sd_iteration_controlnet_forwards",
+    "histogram",
+    "forwards",
+    "ControlNet forwards in one denoising step: each ControlNet once over the rows acting with it, beside the one "
+    "denoiser forward (0: none)",
+)
+CONTROLNET_REQUESTS = MetricSpec(
+    "sd_controlnet_requests_total",
+    "counter",
+    "requests",
+    "requests admitted with a ControlNet, by ControlNet name (a directory in the ControlNet directory, checked: "
+    "bounded by it)",
+    ("controlnet",),
+)
+CONTROLNETS_LOADED = MetricSpec(
+    "sd_controlnets_loaded",
+    "gauge",
+    "controlnets",
+    "ControlNets in this worker's memory (handler.controlnets.max_loaded)",
+    ("worker",),
+)
 LORA_REQUESTS = MetricSpec(
     "sd_lora_requests_total",
     "counter",
@@ -158,6 +180,9 @@ METRICS = (
     DEADLINE_MISSES,
     LORA_REQUESTS,
     LORAS_LOADED,
+    ITERATION_CONTROLNET_FORWARDS,
+    CONTROLNET_REQUESTS,
+    CONTROLNETS_LOADED,
 )
 
 # Where recorded values go: called with the metric, the value and the values of ``spec.labels``.
@@ -183,6 +208,7 @@ class DiffusionMetrics:
         self.worker = worker
         self._queue: QueueGauges | None = None
         self._loras_loaded: int | None = None
+        self._controlnets_loaded: int | None = None
 
     def _record(self, spec: MetricSpec, value: float, *labels: str) -> None:
         self.sink(spec, value, labels)
@@ -216,13 +242,26 @@ class DiffusionMetrics:
             self._loras_loaded = count
             self._record(LORAS_LOADED, count, self.worker)
 
+    def controlnet_requests(self, names: list[str]) -> None:
+        """A request admitted with these ControlNets (names that resolved to directories)."""
+        for name in names:
+            self._record(CONTROLNET_REQUESTS, 1, name)
+
+    def controlnets_loaded(self, count: int) -> None:
+        """The ControlNets in memory, recorded when the count changes."""
+        if count != self._controlnets_loaded:
+            self._controlnets_loaded = count
+            self._record(CONTROLNETS_LOADED, count, self.worker)
+
     def cancelled(self, reason: CancelReason) -> None:
         self._record(CANCELLED, 1, reason)
 
-    def step(self, images: int, adapters: int, seconds: float) -> None:
-        """One denoiser forward over ``images`` images with ``adapters`` distinct LoRA adapters."""
+    def step(self, images: int, adapters: int, control_forwards: int, seconds: float) -> None:
+        """One denoiser forward over ``images`` images with ``adapters`` distinct LoRA adapters, and
+        ``control_forwards`` ControlNet forwards beside it."""
         self._record(ITERATION_BATCH_SIZE, images)
         self._record(ITERATION_LORA_ADAPTERS, adapters)
+        self._record(ITERATION_CONTROLNET_FORWARDS, control_forwards)
         self._record(DENOISE_STEP, seconds)
 
     def decoded(self, images: int, seconds: float) -> None:

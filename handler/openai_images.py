@@ -55,7 +55,15 @@ EDITS = "v1/images/edits"
 MODELS = "v1/models"
 SSE_CONTENT_TYPE = "text/event-stream"
 # Stable Diffusion's own parameters, passed as extra fields (the SDK's extra_body) in diffusers' names.
-SD_PARAMETERS = ("negative_prompt", "seed", "num_inference_steps", "guidance_scale", "scheduler", "loras")
+SD_PARAMETERS = (
+    "negative_prompt",
+    "seed",
+    "num_inference_steps",
+    "guidance_scale",
+    "scheduler",
+    "loras",
+    "controlnets",
+)
 # The OpenAI parameter that sets a native field, to name it in errors.
 PARAMETER_OF = {"num_images_per_prompt": "n", "width": "size", "height": "size"}
 SIZE = re.compile(r"(\d{1,5})x(\d{1,5})")
@@ -96,6 +104,7 @@ class ImageGenerationParams(BaseModel):
     guidance_scale: Any = None
     scheduler: Any = None
     loras: Any = None
+    controlnets: Any = None
 
     @field_validator("response_format")
     @classmethod
@@ -325,10 +334,10 @@ def openai_error(response: Response) -> Response:
 STARTED = int(time.time())
 
 
-def models(path: str, model_name: str, loras: list[dict[str, Any]]) -> Response:
+def models(path: str, model_name: str, extensions: dict[str, list[dict[str, Any]]]) -> Response:
     """``v1/models`` and ``v1/models/{id}``: this model, so that clients which check it work, with
-    the LoRAs a request may name (``loras``: name, size, modification time)."""
-    model = {"id": model_name, "object": "model", "created": STARTED, "owned_by": "torchserve", "loras": loras}
+    the LoRAs and ControlNets a request may name (``extensions``: each by name, size, modification time)."""
+    model = {"id": model_name, "object": "model", "created": STARTED, "owned_by": "torchserve", **extensions}
     wanted = path.removeprefix(MODELS).strip("/")
     if not wanted:
         return Response(200, json_body({"object": "list", "data": [model]}), JSON_CONTENT_TYPE)

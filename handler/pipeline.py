@@ -18,6 +18,7 @@ from diffusers.models.attention_processor import AttnProcessor, AttnProcessor2_0
 from torch._inductor.runtime.cache_dir_utils import cache_dir
 
 from handler.config import HandlerSettings
+from handler.controlnets import ControlNetLibrary
 from handler.engine import StepEngine
 from handler.families import Family, Pipeline, StableDiffusion3Family, family_of
 from handler.lora_slots import SlotLoras
@@ -233,4 +234,7 @@ def load_engine(settings: HandlerSettings, model_dir: str | Path, gpu_id: int | 
         f"{'(' + ','.join(settings.compile.targets) + ')' if settings.compile.enabled else ''}"
     )
     loras = LoraLibrary(pipeline, family.denoiser, directory, settings.loras.max_loaded, off_because, slots)
-    return StepEngine(pipeline, family, device, dtype, description, loras, settings.fault_injection)
+    controlnets = ControlNetLibrary(
+        family, settings.controlnets.directory(), settings.controlnets.max_loaded, device, dtype
+    )
+    return StepEngine(pipeline, family, device, dtype, description, loras, controlnets, settings.fault_injection)

@@ -9,12 +9,13 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import reprlib
 import secrets
 import sys
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any, Literal, TypeVar
 
 from PIL.Image import Image
 from pydantic import (
@@ -37,13 +38,20 @@ from handler.config import (
     ResponseFormat,
     SchedulerName,
 )
-from handler.input_image import as_mask, as_rgb, fit, peek_size, read_image
+from handler.input_image import as_mask, as_rgb, canny, fit, peek_size, read_image
 from handler.loras import valid_name
 
 TEXT_CONTENT_PREFIX = "text/"
 # Most previews a streamed request may ask for (as the OpenAI Images API allows).
 MAX_PARTIAL_IMAGES = 3
 # Fields bounded above by an operator setting in RequestLimits.
+# What a list field looks like as JSON text (a form or query field), for its error.
+LIST_EXAMPLES = {
+    "loras": {"field": "loras", "example": '[{"name": "outline", "scale": 0.8}]'},
+    "controlnets": {"field": "controlnets", "example": '[{"name": "shapes-mask", "scale": 0.9}] with file parts'},
+}
+# A form's file part holding the control image of a ControlNet entry.
+CONTROL_FILE = re.compile(r"controlnets\.(\d{1,2})\.image")
 UPPER_LIMITS = {
     "num_inference_steps": "max_inference_steps",
     "guidance_scale": "max_guidance_scale",
@@ -147,6 +155,87 @@ class LoraChoice(BaseModel):
         return value
 
 
+class ControlNetChoice(BaseModel):
+    """One ControlNet of a request, in diffusers' terms: its control image (a map, or a photo turned
+    into an edge map with ``preprocess``), ``controlnet_conditioning_scale`` and the window of steps
+    it acts in (``control_guidance_start`` and ``control_guidance_end``)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, arbitrary_types_allowed=True)
+
+    name: str = Field(description="the ControlNet's name: its directory name in the ControlNet directory")
+    preprocess: Literal["canny"] | None = Field(
+        None, description="canny: the image is a photo, turned into an edge map (OpenCV's Canny) in the server"
+    )
+    low_threshold: int = Field(100, ge=0, le=1000, description="canny's lower hysteresis threshold")
+    high_threshold: int = Field(
+        200, ge=0, le=1000, validate_default=True, description="canny's upper hysteresis threshold"
+    )
+    image: Image = Field(description="the control image: base64 in JSON; a form file part controlnets.<index>.image")
+    scale: float = Field(1.0, allow_inf_nan=False, description="its weight, 0 up to max_controlnet_scale")
+    start: float = Field(0.0, ge=0, le=1, allow_inf_nan=False, description="share of the steps before it acts")
+    end: float = Field(
+        1.0,
+        ge=0,
+        le=1,
+        allow_inf_nan=False,
+        validate_default=True,
+        description="share of the steps after which it stops",
+    )
+
+    @field_validator("name")
+    @classmethod
+    def _a_name_not_a_path(cls, value: str) -> str:
+        if not valid_name(value):
+            raise PydanticCustomError(
+                "controlnet_name",
+                "a ControlNet name is a directory name of letters, digits, '_', '-' and '.' (at most 64, no '..', "
+                "no path)",
+            )
+        return value
+
+    @field_validator("high_threshold")
+    @classmethod
+    def _thresholds_ordered(cls, value: int, info: ValidationInfo) -> int:
+        low = info.data.get("low_threshold")
+        if isinstance(low, int) and value < low:
+            raise PydanticCustomError(
+                "threshold_order", "high_threshold {high} is below low_threshold {low}", {"high": value, "low": low}
+            )
+        return value
+
+    @field_validator("image", mode="before")
+    @classmethod
+    def _read_control_image(cls, value: Any, info: ValidationInfo) -> Image:
+        image = as_rgb(read_image(value, _policy(info).limits.max_input_pixels))
+        if info.data.get("preprocess") == "canny":
+            return canny(image, info.data.get("low_threshold", 100), info.data.get("high_threshold", 200))
+        return image
+
+    @field_validator("scale")
+    @classmethod
+    def _scale_within_limit(cls, value: float, info: ValidationInfo) -> float:
+        limit = _policy(info).limits.max_controlnet_scale
+        if not 0 <= value <= limit:
+            raise PydanticCustomError(
+                "controlnet_scale",
+                "a ControlNet scale must be within 0 .. {limit} (the configured max_controlnet_scale), got {value}",
+                {"limit": limit, "value": value},
+            )
+        return value
+
+    @field_validator("end")
+    @classmethod
+    def _window_not_empty(cls, value: float, info: ValidationInfo) -> float:
+        start = info.data.get("start")
+        if isinstance(start, float) and value <= start:
+            raise PydanticCustomError(
+                "controlnet_window",
+                "end {end} must be above start {start} (the ControlNet acts between these shares of the steps)",
+                {"end": value, "start": start},
+            )
+        return value
+
+
 class GenerationRequest(BaseModel):
     """One text-to-image request, in diffusers' parameter names."""
 
@@ -185,6 +274,9 @@ class GenerationRequest(BaseModel):
         None, gt=0, le=1, allow_inf_nan=False, description="with an image: how much of the schedule it goes through"
     )
     loras: list[LoraChoice] = Field([], description="LoRA adapters from the server's LoRA directory, with scales")
+    controlnets: list[ControlNetChoice] = Field(
+        [], description="ControlNets from the server's ControlNet directory, each with its control image"
+    )
 
     @model_validator(mode="before")
     @classmethod
@@ -197,8 +289,9 @@ class GenerationRequest(BaseModel):
         defaults = policy.defaults.model_dump()
         if data.get("image") is None:
             defaults.pop("strength")
-        elif "width" not in data and "height" not in data:
-            size = peek_size(data["image"], policy.limits.max_input_pixels)
+        source = data.get("image") if data.get("image") is not None else _first_control_image(data.get("controlnets"))
+        if source is not None and "width" not in data and "height" not in data:
+            size = peek_size(source, policy.limits.max_input_pixels)
             if size is not None:
                 limits = policy.limits
                 defaults["width"], defaults["height"] = fit(
@@ -318,16 +411,16 @@ class GenerationRequest(BaseModel):
             )
         return value
 
-    @field_validator("loras", mode="before")
+    @field_validator("loras", "controlnets", mode="before")
     @classmethod
-    def _loras_from_text(cls, value: Any) -> Any:
+    def _list_from_text(cls, value: Any, info: ValidationInfo) -> Any:
         """A form or query field carries the list as JSON text."""
         if isinstance(value, str):
             try:
                 return json.loads(value)
             except ValueError:
                 raise PydanticCustomError(
-                    "json", 'loras in a form is JSON text such as [{"name": "outline", "scale": 0.8}]'
+                    "json", "{field} in a form is JSON text such as {example}", LIST_EXAMPLES[str(info.field_name)]
                 ) from None
         return value
 
@@ -344,6 +437,30 @@ class GenerationRequest(BaseModel):
         names = [choice.name for choice in value]
         if len(set(names)) != len(names):
             raise PydanticCustomError("lora_repeated", "each LoRA at most once per request (give it one scale)")
+        return value
+
+    @field_validator("controlnets")
+    @classmethod
+    def _controlnets_served(cls, value: list[ControlNetChoice], info: ValidationInfo) -> list[ControlNetChoice]:
+        policy = _policy(info)
+        if value and not policy.rules.controlnets:
+            raise PydanticCustomError(
+                "controlnets_unavailable",
+                "ControlNets are served for SD 1.x/2.x and SDXL models; this is an {family} model",
+                {"family": policy.rules.family},
+            )
+        if value and info.data.get("mask") is not None:
+            raise PydanticCustomError(
+                "controlnets_with_mask",
+                "ControlNets are served with text-to-image and image-to-image, not inpainting (leave out mask)",
+            )
+        limit = policy.limits.max_controlnets_per_request
+        if len(value) > limit:
+            raise PydanticCustomError(
+                "too_long",
+                "at most {limit} ControlNets per request (the configured max_controlnets_per_request), got {count}",
+                {"limit": limit, "count": len(value)},
+            )
         return value
 
     @field_validator("image", mode="before")
@@ -418,7 +535,24 @@ class GenerationRequest(BaseModel):
         """The effective parameters, as reported back to the client."""
         excluded = {"output_format", "output_compression", "response_format", "stream", "partial_images", "mask"}
         excluded |= {"image"} if self.image is not None else {"image", "strength"}
-        return self.model_dump(exclude=excluded if self.loras else excluded | {"loras"})
+        excluded |= {"controlnets"} if self.loras else {"controlnets", "loras"}
+        parameters = self.model_dump(exclude=excluded)
+        if self.controlnets:  # their settings, not their images
+            parameters["controlnets"] = [choice.model_dump(exclude={"image"}) for choice in self.controlnets]
+        return parameters
+
+
+def _first_control_image(controlnets: Any) -> Any:
+    """The first ControlNet's image as sent (where the request has one), whose size a request
+    without a size or input image takes, as diffusers' ControlNet pipelines do."""
+    if isinstance(controlnets, str):
+        try:
+            controlnets = json.loads(controlnets)
+        except ValueError:
+            return None
+    if isinstance(controlnets, list) and controlnets and isinstance(controlnets[0], dict):
+        return controlnets[0].get("image")
+    return None
 
 
 UNKNOWN_FIELD_LABEL = "unknown_field"
@@ -553,11 +687,32 @@ FILE_FIELDS = frozenset({"image", "mask"})
 
 
 def form_text(fields: dict[str, Any]) -> dict[str, Any]:
-    """Form or query fields, which arrive as text or bytes per field, as text (files as bytes)."""
-    return {
+    """Form or query fields, which arrive as text or bytes per field, as text (files as bytes), the
+    control images' file parts (``controlnets.<index>.image``) in their ControlNet entries."""
+    files = {name: value for name, value in fields.items() if CONTROL_FILE.fullmatch(name)}
+    text = {
         name: _decode_text(value) if isinstance(value, (bytes, bytearray)) and name not in FILE_FIELDS else value
         for name, value in fields.items()
+        if name not in files
     }
+    return _with_control_files(text, files) if files else text
+
+
+def _with_control_files(fields: dict[str, Any], files: dict[str, Any]) -> dict[str, Any]:
+    """Each ``controlnets.<index>.image`` file part as the image of ControlNet entry ``index``."""
+    entries = fields.get("controlnets")
+    if isinstance(entries, str):
+        try:
+            entries = json.loads(entries)
+        except ValueError:
+            return fields  # the controlnets field's own error says why
+    for name, data in files.items():
+        index = int(CONTROL_FILE.fullmatch(name).group(1))  # type: ignore[union-attr]  # matched above
+        if not isinstance(entries, list) or index >= len(entries) or not isinstance(entries[index], dict):
+            message = f"the file part {name} needs a controlnets entry {index} to be the image of"
+            raise RequestError([FieldError(name, "no_controlnet", message, nested=True)])
+        entries[index] = {**entries[index], "image": data}
+    return {**fields, "controlnets": entries}
 
 
 def decode_form(fields: dict[str, Any], policy: RequestPolicy) -> GenerationRequest:

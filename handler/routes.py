@@ -32,14 +32,14 @@ APIS: dict[str, Api] = {
 OPENAI_PREFIX = "v1/"
 
 
-def route(path: str, model_name: str, loras: Callable[[], list[dict[str, Any]]]) -> Api | Response:
+def route(path: str, model_name: str, extensions: Callable[[], dict[str, list[dict[str, Any]]]]) -> Api | Response:
     """The API that serves ``path``, or the whole answer where no generation is asked for
-    (``loras``: the LoRAs available now, for the model list)."""
+    (``extensions``: the LoRAs and ControlNets available now, for the model list)."""
     path = path.strip("/")
     if path in APIS:
         return APIS[path]
     if path == MODELS or path.startswith(MODELS + "/"):
-        return models(path, model_name, loras())
+        return models(path, model_name, extensions())
     message = (
         f"no route {path!r} under /predictions/{model_name}/<version>/; the routes are {GENERATIONS}, {EDITS} and "
         f"{MODELS} (the OpenAI Images API), and this server's JSON API at /predictions/{model_name} itself"

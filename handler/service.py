@@ -27,6 +27,7 @@ from typing import Any
 import torch
 
 from handler.config import HandlerSettings, WarmupShape
+from handler.controlnets import ControlNetError, ControlSpec
 from handler.engine import DenoiseJob, JobSpec, StepEngine
 from handler.families import Decoded
 from handler.loras import Adapters, LoraBusy, LoraError
@@ -51,9 +52,10 @@ from handler.scheduling import StepProfile, choose, slack
 logger = logging.getLogger(__name__)
 
 
-def job_spec(request: GenerationRequest, adapters: Adapters = ()) -> JobSpec:
+def job_spec(request: GenerationRequest, adapters: Adapters = (), nets: tuple[str, ...] = ()) -> JobSpec:
     """What the engine generates for a validated request (image k from seed + k), with its LoRA
-    adapters as the engine's library resolved them."""
+    adapters and ControlNets (``nets``: ids, one per ``request.controlnets``) as the engine's
+    libraries resolved them."""
     return JobSpec(
         request.prompt,
         request.negative_prompt,
@@ -67,6 +69,10 @@ def job_spec(request: GenerationRequest, adapters: Adapters = ()) -> JobSpec:
         request.mask,
         1.0 if request.strength is None else request.strength,
         adapters,
+        tuple(
+            ControlSpec(net, choice.image, choice.scale, choice.start, choice.end)
+            for net, choice in zip(nets, request.controlnets, strict=True)
+        ),
     )
 
 
@@ -252,7 +258,7 @@ class DiffusionService:
     ) -> tuple[Api, GenerationRequest] | Response:
         """The request's API and the validated request, or its whole answer (an error, a route
         that generates nothing, or while the server is stopping 503 with ``Retry-After``)."""
-        api = route(incoming.path, self.policy.model_name, self._available_loras)
+        api = route(incoming.path, self.policy.model_name, self._extensions)
         if isinstance(api, Response):
             return api
         if draining:
@@ -284,7 +290,11 @@ class DiffusionService:
             if isinstance(adapters, Response):
                 outcomes[rid] = adapters
                 continue
-            spec = job_spec(request, adapters)
+            nets = self._controlnets(rid, request, specs.values())
+            if isinstance(nets, Response):
+                outcomes[rid] = nets
+                continue
+            spec = job_spec(request, adapters, nets)
             try:
                 fits = self._fits(spec)
             except Exception as error:  # out of memory (507) or a failure while profiling (500)
@@ -306,8 +316,35 @@ class DiffusionService:
         outcomes.update(self._start_together(specs))
         return outcomes
 
-    def _available_loras(self) -> list[dict[str, Any]]:
-        return [file.describe() for file in self.engine.loras.available()]
+    def _extensions(self) -> dict[str, list[dict[str, Any]]]:
+        """The LoRAs and ControlNets a request may name now."""
+        return {
+            "loras": [file.describe() for file in self.engine.loras.available()],
+            "controlnets": [item.describe() for item in self.engine.controlnets.available()],
+        }
+
+    def _controlnets(
+        self, rid: str, request: GenerationRequest, starting: Iterable[JobSpec]
+    ) -> tuple[str, ...] | Response:
+        """The ids of the request's ControlNets, loaded where needed (keeping those of the jobs in
+        flight and starting), or its 400."""
+        if not request.controlnets:
+            return ()
+        in_use = {
+            control.net
+            for spec in (*starting, *(flight.job.spec for flight in self.flights.values()))
+            for control in spec.controls
+        }
+        try:
+            nets = self.engine.controlnets.acquire([choice.name for choice in request.controlnets], in_use)
+        except ControlNetError as error:
+            logger.info("request %s rejected: controlnets (%s)", rid, error.rule)
+            self.metrics.request_rejected(["controlnets"])
+            return bad_request(RequestError.single("controlnets", error.rule, str(error)))
+        finally:
+            self.metrics.controlnets_loaded(self.engine.controlnets.loaded)
+        self.metrics.controlnet_requests([choice.name for choice in request.controlnets])
+        return tuple(nets)
 
     def _adapters(self, rid: str, request: GenerationRequest, starting: Iterable[JobSpec]) -> Adapters | Response:
         """The request's LoRA adapters, loaded where needed (keeping those of the jobs in flight and
@@ -420,7 +457,7 @@ class DiffusionService:
         rows = sum(job.rows for job in jobs)
         started = time.perf_counter()
         try:
-            self.engine.step(jobs)
+            control_forwards = self.engine.step(jobs)
             if self.synchronize_steps:
                 synchronize(self.engine.device)
         except torch.OutOfMemoryError as error:
@@ -429,7 +466,7 @@ class DiffusionService:
             logger.exception("denoising step for requests %s failed", chosen)
             return {rid: self._fail(rid, internal_error("denoising", error)) for rid in chosen}
         else:
-            return self._stepped(chosen, rows, time.perf_counter() - started)
+            return self._stepped(chosen, control_forwards, time.perf_counter() - started)
         # Retried outside the except block, whose traceback would keep the failed forward's tensors alive.
         release_cached_memory()
         pending = [rid for rid, job, step in zip(chosen, jobs, steps_before, strict=True) if job.step == step]
@@ -443,11 +480,11 @@ class DiffusionService:
         halves = [half for half in (pending[:middle], pending[middle:]) if half]
         return {rid: response for half in halves for rid, response in self._step(half).items()}
 
-    def _stepped(self, chosen: list[str], rows: int, seconds: float) -> dict[str, Response]:
+    def _stepped(self, chosen: list[str], control_forwards: int, seconds: float) -> dict[str, Response]:
         """Bookkeeping of a forward that went through: metrics, progress lines, finish times."""
         images = sum(self.flights[rid].job.images for rid in chosen)
         adapters = {adapter for rid in chosen for adapter, _ in self.flights[rid].job.spec.adapters}
-        self.metrics.step(images, len(adapters), seconds)
+        self.metrics.step(images, len(adapters), control_forwards, seconds)
         now, responses = self.clock(), {}
         for rid in chosen:
             flight = self.flights[rid]

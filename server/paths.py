@@ -31,6 +31,8 @@ MODELS = ROOT / "models"
 DEFAULT_MODEL_DIR = MODELS / "shapes-sd"
 # The LoRA adapters make serve serves (LORA_DIR): the default model's, committed.
 LORA_DIR = ROOT / "loras"
+# The ControlNets make serve serves (CONTROLNET_DIR): the default model's, committed.
+CONTROLNET_DIR = ROOT / "controlnets"
 # Random-weight tiny models of every family the engine serves (make model), for tests that need no
 # image quality; sd1 is the default model's architecture.
 TINY_MODEL_DIRS = {

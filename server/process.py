@@ -25,7 +25,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from server.archive import MODEL_NAME, archive_model_config, build, console_script
 from server.control import CONTROL_DIR_ENV, ControlDir
-from server.paths import CONFIG_PROPERTIES, LORA_DIR
+from server.paths import CONFIG_PROPERTIES, CONTROLNET_DIR, LORA_DIR
 from server.properties import (
     EFFECTIVE_CONFIG,
     KEY_FILE,
@@ -383,10 +383,15 @@ def serve_archive(
     the visible ones) and serve it from ``workdir`` on free loopback ports (config.properties plus
     ``properties``) until the block ends, waiting for a ready worker ``startup_timeout`` seconds
     (default: as long as the archive's ``startupTimeout`` allows). As ``make serve`` does, the
-    workers read LoRAs from ``$LORA_DIR``, else the checkout's ``loras/``."""
+    workers read LoRAs from ``$LORA_DIR``, else the checkout's ``loras/``, and ControlNets from
+    ``$CONTROLNET_DIR``, else the checkout's ``controlnets/``."""
     model_store = build(model_dir, model_config, workdir / "model_store", gpus=gpus).parent
     config = config_on_free_ports(CONFIG_PROPERTIES, workdir, **properties)
-    env = {"TMPDIR": str(workdir), "LORA_DIR": os.environ.get("LORA_DIR", str(LORA_DIR))}
+    env = {
+        "TMPDIR": str(workdir),
+        "LORA_DIR": os.environ.get("LORA_DIR", str(LORA_DIR)),
+        "CONTROLNET_DIR": os.environ.get("CONTROLNET_DIR", str(CONTROLNET_DIR)),
+    }
     with TorchServe(config, model_store, workdir / "server", env=env) as server:
         server.wait_ready(startup_timeout or archive_ready_timeout(model_store, server.model_name))
         yield server

@@ -12,6 +12,7 @@
 #   WORKDIR         TorchServe's working directory: key_file.json, logs/ [runtime]
 #   BIND_ADDRESS    listen on this host instead of the config's (0.0.0.0 in a container) [unset]
 #   LORA_DIR        LoRA adapters requests may name (handler.loras.dir in model-config.yaml wins) [loras]
+#   CONTROLNET_DIR  ControlNets requests may name (handler.controlnets.dir wins) [controlnets]
 #   STOP_GRACE_SECONDS  on SIGTERM/Ctrl-C, seconds the requests in flight get to finish (new ones get 503)
 #                   [the archive's request time limit + 5: 275 with the shipped model-config.yaml]
 set -euo pipefail
@@ -25,7 +26,8 @@ MODEL_STORE="${MODEL_STORE:-model_store}"
 CONFIG="${CONFIG:-config.properties}"
 WORKDIR="${WORKDIR:-runtime}"
 LORA_DIR="$(realpath -m "${LORA_DIR:-loras}")"
-export LORA_DIR  # the workers inherit TorchServe's environment
+CONTROLNET_DIR="$(realpath -m "${CONTROLNET_DIR:-controlnets}")"
+export LORA_DIR CONTROLNET_DIR  # the workers inherit TorchServe's environment
 
 if [[ -n "$MODEL_DIR" ]]; then
   "$PYTHON" -m server.archive --model-dir "$MODEL_DIR" --export-path "$MODEL_STORE" \

@@ -159,6 +159,7 @@ class Family(ABC):
     # The denoiser's own attention processor, kept whatever handler.attention says (None: it takes the
     # configured one, as the UNets do).
     own_attention: ClassVar[type | None] = None
+    takes_controlnets: ClassVar[bool] = False  # FamilyRules.controlnets
 
     def __init__(self, pipeline: Pipeline, device: torch.device, dtype: torch.dtype, max_sequence_length: int = 256):
         self.pipeline = pipeline
@@ -168,6 +169,10 @@ class Family(ABC):
         # The inpaint pipelines' mask processor: one grey channel, binarized, not normalized.
         self.mask_processor = VaeImageProcessor(
             vae_scale_factor=pipeline.vae_scale_factor, do_normalize=False, do_binarize=True, do_convert_grayscale=True
+        )
+        # The ControlNet pipelines' control image processor: RGB in [0, 1], not normalized.
+        self.control_processor = VaeImageProcessor(
+            vae_scale_factor=pipeline.vae_scale_factor, do_convert_rgb=True, do_normalize=False
         )
         self._templates: dict[tuple, Scheduler] = {}
 
@@ -200,6 +205,7 @@ class Family(ABC):
             self.pipeline.vae_scale_factor * self.patch_size,
             self.strength_rounding,
             self.max_side,
+            self.takes_controlnets,
         )
 
     @property
@@ -313,8 +319,33 @@ class Family(ABC):
     # The denoiser.
 
     @abstractmethod
-    def forward(self, latents: torch.Tensor, timesteps: torch.Tensor, conditioning: Conditioning) -> torch.Tensor:
-        """One denoiser call over rows, each at its own timestep: the noise (or velocity) prediction."""
+    def forward(
+        self,
+        latents: torch.Tensor,
+        timesteps: torch.Tensor,
+        conditioning: Conditioning,
+        residuals: tuple[list[torch.Tensor], torch.Tensor] | None = None,
+    ) -> torch.Tensor:
+        """One denoiser call over rows, each at its own timestep: the noise (or velocity) prediction;
+        ``residuals``: ControlNet residuals for every row (families that take ControlNets)."""
+
+    # ControlNets (the UNet families'; ``handler.controlnets``).
+
+    def controlnet_refusal(self, config: Any) -> str | None:
+        """Why a ControlNet with this config cannot serve this model (None: it can)."""
+        return f"ControlNets are served for SD 1.x/2.x and SDXL models, not {self.name}"
+
+    def control_forward(
+        self, net: Any, latents: torch.Tensor, timesteps: torch.Tensor, conditioning: Conditioning, images: torch.Tensor
+    ) -> tuple[list[torch.Tensor], torch.Tensor]:
+        """One ControlNet call over rows (scale 1): its down-block and mid-block residuals."""
+        raise NotImplementedError(f"{self.name} models take no ControlNets")
+
+    def preprocess_control(self, image: Image, width: int, height: int) -> torch.Tensor:
+        """A control image as the ControlNet pipelines' ``prepare_image`` takes it: ``(1, 3, height,
+        width)`` in [0, 1], resized by their control image processor where its size differs."""
+        pixels = self.control_processor.preprocess(image, height=height, width=width).to(dtype=torch.float32)
+        return pixels.to(device=self.device, dtype=self.dtype)
 
     # The VAE and the images.
 

@@ -44,12 +44,32 @@ SCHEDULERS: dict[SchedulerName, SchedulerChoice] = {
 }
 
 
+# What a ControlNet's config must share with the UNet's: its residuals' shapes, the conditioning it reads.
+CONTROLNET_FIT = (
+    "in_channels",
+    "block_out_channels",
+    "layers_per_block",
+    "down_block_types",
+    "cross_attention_dim",
+    "addition_embed_type",
+    "addition_time_embed_dim",
+    "projection_class_embeddings_input_dim",
+)
+
+
+def _setting(config: Any, key: str) -> Any:
+    """A config value, sequences as tuples (a saved config holds lists, a built one tuples)."""
+    value = getattr(config, key, None)
+    return tuple(value) if isinstance(value, (list, tuple)) else value
+
+
 class StableDiffusionFamily(Family):
     """SD 1.x and SD 2.x."""
 
     pipeline_class: ClassVar[type] = StableDiffusionPipeline
     denoiser_name: ClassVar[str] = "unet"
     schedulers: ClassVar[dict[SchedulerName, SchedulerChoice]] = SCHEDULERS
+    takes_controlnets: ClassVar[bool] = True
 
     @classmethod
     def refuse(cls, pipeline: Pipeline) -> str | None:
@@ -84,14 +104,52 @@ class StableDiffusionFamily(Family):
     ) -> torch.Tensor:
         return scheduler.add_noise(original, noise, timesteps)  # type: ignore[attr-defined]  # the UNet schedulers'
 
-    def forward(self, latents: torch.Tensor, timesteps: torch.Tensor, conditioning: Conditioning) -> torch.Tensor:
+    def forward(
+        self,
+        latents: torch.Tensor,
+        timesteps: torch.Tensor,
+        conditioning: Conditioning,
+        residuals: tuple[list[torch.Tensor], torch.Tensor] | None = None,
+    ) -> torch.Tensor:
+        down, mid = residuals or (None, None)
         return self.pipeline.unet(
             latents,
             timesteps,
             encoder_hidden_states=conditioning.hidden_states,
             added_cond_kwargs=conditioning.added or None,
+            down_block_additional_residuals=down,
+            mid_block_additional_residual=mid,
             return_dict=False,
         )[0]
+
+    def controlnet_refusal(self, config: Any) -> str | None:
+        """A ControlNet fits where its residuals fit the UNet's blocks and it reads the UNet's
+        conditioning (a ControlNet for another family differs in these); global-pooling ControlNets
+        (guess mode) and other conditioning channels than RGB are not served."""
+        unet = self.pipeline.unet.config
+        differing = [key for key in CONTROLNET_FIT if _setting(config, key) != _setting(unet, key)]
+        if differing:
+            settings = ", ".join(f"{key} {_setting(config, key)} (UNet: {_setting(unet, key)})" for key in differing)
+            return f"it does not fit this {self.name} model's UNet: {settings}"
+        if getattr(config, "global_pool_conditions", False):
+            return "global-pooling ControlNets (guess mode, as shuffle) are not served"
+        if getattr(config, "conditioning_channels", 3) != 3:
+            return f"it takes {config.conditioning_channels}-channel control images; RGB (3) ones are served"
+        return None
+
+    def control_forward(
+        self, net: Any, latents: torch.Tensor, timesteps: torch.Tensor, conditioning: Conditioning, images: torch.Tensor
+    ) -> tuple[list[torch.Tensor], torch.Tensor]:
+        down, mid = net(
+            latents,
+            timesteps,
+            encoder_hidden_states=conditioning.hidden_states,
+            controlnet_cond=images,
+            conditioning_scale=1.0,
+            added_cond_kwargs=conditioning.added or None,
+            return_dict=False,
+        )
+        return list(down), mid
 
     def encode_image(self, pixels: torch.Tensor, generators: list[torch.Generator], inpaint: bool) -> torch.Tensor:
         return self.pipeline.vae.config.scaling_factor * self._vae_encode(pixels, generators)

@@ -136,7 +136,13 @@ class StableDiffusion3Family(Family):
     ) -> torch.Tensor:
         return scheduler.scale_noise(original, timesteps, noise)  # type: ignore[attr-defined]  # flow matching's
 
-    def forward(self, latents: torch.Tensor, timesteps: torch.Tensor, conditioning: Conditioning) -> torch.Tensor:
+    def forward(
+        self,
+        latents: torch.Tensor,
+        timesteps: torch.Tensor,
+        conditioning: Conditioning,
+        residuals: tuple[list[torch.Tensor], torch.Tensor] | None = None,  # never given: no ControlNets here
+    ) -> torch.Tensor:
         return self.pipeline.transformer(
             hidden_states=latents,
             timestep=timesteps,

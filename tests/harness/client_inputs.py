@@ -139,6 +139,20 @@ def boundary_values(limits: RequestLimits) -> dict[str, list[Any]]:
             "outline",
             None,
         ],
+        "controlnets": [
+            [],
+            [{"name": "shapes-mask", "image": PICTURE}],
+            [{"name": "shapes-mask", "image": PICTURE, "preprocess": "canny", "low_threshold": 300}],
+            [{"name": "shapes-mask", "image": PICTURE, "start": 0.6, "end": 0.4}],
+            [{"name": "shapes-mask", "image": PICTURE, "scale": math.inf}],
+            [{"name": "shapes-mask", "image": PICTURE, "scale": -1}],
+            [{"name": "shapes-mask", "image": PICTURE[:-41]}],
+            [{"name": "shapes-mask"}],
+            [{"name": "../shapes-mask", "image": PICTURE}],
+            [{"name": "shapes-mask", "image": PICTURE}] * 4,
+            "shapes-mask",
+            None,
+        ],
     }
 
 

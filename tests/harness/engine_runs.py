@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 from PIL import Image
 
-from bench.reference import Reference
+from bench.reference import ControlNetCall, Reference
 from handler.engine import JobSpec, StepEngine
 from handler.families import Decoded
 
@@ -32,10 +32,13 @@ def spec(
     mask=None,
     strength=1.0,
     adapters=(),
+    controls=(),
 ) -> JobSpec:
     """A job of ``images`` images (seeds ``seed``, ``seed + 1``, ...) at ``side`` x ``side``."""
     seeds = tuple(range(seed, seed + images))
-    return JobSpec(prompt, negative, seeds, side, side, steps, scheduler, guidance, image, mask, strength, adapters)
+    return JobSpec(
+        prompt, negative, seeds, side, side, steps, scheduler, guidance, image, mask, strength, adapters, controls
+    )
 
 
 def picture(side: int, seed: int = 0) -> Image.Image:
@@ -50,8 +53,14 @@ def hole(side: int) -> Image.Image:
     return Image.fromarray(mask)
 
 
-def expected(reference: Reference, job: JobSpec, loras: Sequence[tuple[Path, float]] = ()):
-    """diffusers' own call for the job (with ``loras``: its LoRA files and scales)."""
+def expected(
+    reference: Reference,
+    job: JobSpec,
+    loras: Sequence[tuple[Path, float]] = (),
+    controlnets: Sequence[ControlNetCall] = (),
+):
+    """diffusers' own call for the job (with ``loras``: its LoRA files and scales; ``controlnets``:
+    its ControlNets' directories, with the job's control images, scales and windows)."""
     return reference(
         job.prompt,
         job.seeds[0],
@@ -66,6 +75,7 @@ def expected(reference: Reference, job: JobSpec, loras: Sequence[tuple[Path, flo
         mask=job.mask,
         strength=job.strength,
         loras=loras,
+        controlnets=controlnets,
     )
 
 

@@ -7,6 +7,7 @@ import torch
 from PIL import Image
 
 from handler.config import RequestDefaults
+from handler.controlnets import ControlNetLibrary
 from handler.engine import DenoiseJob, JobSpec
 from handler.families import Conditioning, Decoded
 from handler.loras import LoraLibrary
@@ -26,6 +27,7 @@ class SolidColorEngine:
 
     device = torch.device("cpu")
     loras = LoraLibrary(None, torch.nn.Module(), None, max_loaded=1)  # no LoRA directory
+    controlnets = ControlNetLibrary(None, None, 1, torch.device("cpu"), torch.float32)  # no ControlNet directory
 
     def __init__(
         self,
@@ -66,7 +68,7 @@ class SolidColorEngine:
             spec, None, torch.arange(spec.num_inference_steps), latents, Conditioning(torch.zeros(rows, 1, 1))
         )
 
-    def step(self, jobs: list[DenoiseJob]) -> None:
+    def step(self, jobs: list[DenoiseJob]) -> int:
         self.steps.append([job.spec.prompt for job in jobs])
         if self.broken or any(job.spec.prompt == FAILS_STEPPING for job in jobs):
             raise RuntimeError("boom")
@@ -74,6 +76,7 @@ class SolidColorEngine:
             raise torch.OutOfMemoryError("CUDA out of memory")
         for job in jobs:
             job.step += 1
+        return 0  # ControlNet forwards
 
     def decode(self, latents: torch.Tensor, width: int, height: int, tiled: bool = False) -> Decoded:
         self.decodes.append((latents.shape[0], tiled))

@@ -24,9 +24,10 @@ import requests
 from openai import BadRequestError, OpenAI
 from PIL import Image, ImageOps
 
-from bench.reference import Reference
+from bench.reference import ControlNetCall, Reference
 from handler.encode import EXIF_IMAGE_DESCRIPTION
 from handler.protocol import NSFW_HEADER
+from model_making.make_controlnet import write_controlnet
 from model_making.make_lora import write_lora
 from model_making.make_tiny_model import CALIBRATION, CALIBRATION_FILE, build_pipeline, write_lcm_model
 from server import KEY_FILE, TorchServe
@@ -42,6 +43,8 @@ CASES = [(family, mode) for family in FAMILIES for mode in MODES]
 # Long enough to keep a tiny model's worker busy while others arrive (a few seconds on 2 cores).
 LORA = "tiny"  # a random LoRA written for the family's tiny model
 CONV_LORA = "tiny-conv-ff"  # one on its convolutions and feed-forward layers
+CONTROLNETS = ("edges", "depth")  # random ControlNets written for the family's tiny model
+OTHER_FAMILY = "other-family"  # one written for another family's model
 LONG = {"prompt": "keep the worker busy", "seed": 1, "num_inference_steps": 300, "response_format": "json"}
 
 
@@ -73,11 +76,16 @@ def served(request, tmp_path_factory) -> Iterator[Served]:
     write_lora(TINY_MODEL_DIRS[family], tmp / "loras" / f"{LORA}.safetensors", seed=5)
     conv_ff = {"layers": ("conv", "feed_forward"), "spread": 0.1, "text_encoder": False}
     write_lora(TINY_MODEL_DIRS[family], tmp / "loras" / f"{CONV_LORA}.safetensors", seed=6, **conv_ff)
+    if family != "sd3":  # ControlNets are the UNet families'
+        for seed, name in enumerate(CONTROLNETS):
+            write_controlnet(TINY_MODEL_DIRS[family], tmp / "controlnets" / name, seed=seed)
+        write_controlnet(TINY_MODEL_DIRS["sd1" if family == "sdxl" else "sdxl"], tmp / "controlnets" / OTHER_FAMILY)
     config = model_config(
         tmp,
         handler={
             "limits": {"max_inference_steps": LONG["num_inference_steps"]},
             "loras": {"dir": str(tmp / "loras")},
+            "controlnets": {"dir": str(tmp / "controlnets")},
             # These tests check what shares a forward; on 2 cores a tiny model's step time per image can
             # be flat from 2 images on, and the step-time cap would then keep forwards that small.
             "step_time_cap": False,
@@ -116,6 +124,16 @@ def reference(references: dict[str, Reference], served: Served, body: dict):
             (served.server.workdir.parent / "loras" / f"{lora['name']}.safetensors", lora["scale"])
             for lora in body.get("loras", [])
         ],
+        controlnets=[
+            ControlNetCall(
+                served.server.workdir.parent / "controlnets" / control["name"],
+                Image.open(io.BytesIO(base64.b64decode(control["image"]))).convert("RGB"),
+                control.get("scale", 1.0),
+                control.get("start", 0.0),
+                control.get("end", 1.0),
+            )
+            for control in body.get("controlnets", [])
+        ],
     )
 
 
@@ -136,6 +154,12 @@ def edit_inputs(side: int) -> tuple[bytes, bytes]:
     mask = np.full((side, side, 4), 255, dtype=np.uint8)
     mask[side // 4 : 3 * side // 4, side // 4 : 3 * side // 4, 3] = 0
     return png(picture), png(mask)
+
+
+def control_maps(side: int, count: int) -> list[str]:
+    """Control images (coloured noise, one seed each) as base64 PNG."""
+    rng = np.random.default_rng(11)
+    return [base64.b64encode(png(rng.integers(0, 256, (side, side, 3), dtype=np.uint8))).decode() for _ in range(count)]
 
 
 def images_of(response: requests.Response) -> list[np.ndarray]:
@@ -276,6 +300,104 @@ def test_requests_with_other_lora_sets_share_forwards_and_each_gets_diffusers_im
         assert_diffusers_images(references, served, body, response)
         # 4 images in a forward (of 2 + 1 + 1, and the long one's 1) hold requests with other LoRA sets
         assert response.json()["batch"]["max_step_images"] >= 4, "requests with other LoRA sets in one forward"
+
+
+def test_requests_with_other_controlnets_share_forwards_and_each_gets_diffusers_images(served, references):
+    """One ControlNet on two images, two at once with their windows and scales, one on an edit with
+    a LoRA, and a plain request, behind a long one: each equals diffusers' ControlNet pipelines, in
+    one UNet forward per step; an SD 3 server refuses ControlNets naming the field."""
+    picture, _ = edit_inputs(served.side)
+    maps = control_maps(served.side, 3)
+    base = {"prompt": "a red circle", "num_inference_steps": 5, "response_format": "json"}
+    if served.family == "sd3":
+        response = served.client.predict({**base, "controlnets": [{"name": "edges", "image": maps[0]}]})
+        assert response.status_code == 400
+        assert [(e["field"], e["rule"]) for e in response.json()["errors"]] == [
+            ("controlnets", "controlnets_unavailable")
+        ]
+        return
+    bodies = [
+        {**base, "seed": 5, "num_images_per_prompt": 2, "controlnets": [{"name": "edges", "image": maps[0]}]},
+        {
+            **base,
+            "seed": 6,
+            "controlnets": [
+                {"name": "edges", "image": maps[1], "scale": 0.7, "end": 0.6},
+                {"name": "depth", "image": maps[2], "scale": 1.4, "start": 0.2},
+            ],
+        },
+        {
+            **base,
+            "seed": 7,
+            "image": base64.b64encode(picture).decode(),
+            "strength": 0.8,
+            "loras": [{"name": LORA, "scale": 0.7}],
+            "controlnets": [{"name": "depth", "image": maps[0], "scale": 0.9}],
+        },
+        {**base, "seed": 8},
+    ]
+    before = served.server.metric_samples()
+    _, followers = behind_long(served.client, bodies)
+    after = served.server.metric_samples()
+    for body, (response, _) in zip(bodies, followers, strict=True):
+        assert_diffusers_images(references, served, body, response)
+        assert response.json()["batch"]["max_step_images"] >= 4, "requests with other ControlNets in one forward"
+
+    def delta(name: str, **labels) -> float:
+        return value(after, name, **labels) - value(before, name, **labels)
+
+    # each ControlNet once per step whatever its rows: never more forwards in a step than the two nets
+    steps = delta("sd_iteration_controlnet_forwards_count")
+    assert delta("sd_iteration_controlnet_forwards_bucket", le="2.5") == steps
+    assert delta("sd_iteration_controlnet_forwards_sum") >= 5  # at least the first request's steps
+    assert (
+        value(after, "sd_controlnet_requests_total", controlnet="edges")
+        - value(before, "sd_controlnet_requests_total", controlnet="edges")
+        == 2
+    )
+
+
+def test_hostile_controlnets_are_refused_naming_the_field_and_a_batchmate_is_unharmed(served):
+    if served.family == "sd3":
+        pytest.skip("an SD 3 server refuses every ControlNet (the test above)")
+    picture, mask = edit_inputs(served.side)
+    image = base64.b64encode(picture).decode()
+    huge = base64.b64encode(png(np.zeros((2100, 2100, 3), dtype=np.uint8))).decode()  # past max_input_pixels
+    cases = {
+        "../edges": ("controlnets.0.name", "controlnet_name"),
+        "missing": ("controlnets", "unknown_controlnet"),
+        OTHER_FAMILY: ("controlnets", "controlnet_unloadable"),
+    }
+    bodies = [({"controlnets": [{"name": name, "image": image}]}, expected) for name, expected in cases.items()] + [
+        ({"controlnets": [{"name": "edges", "image": image[:-40]}]}, ("controlnets.0.image", "image_corrupt")),
+        ({"controlnets": [{"name": "edges", "image": huge}]}, ("controlnets.0.image", "image_too_large")),
+        ({"controlnets": [{"name": "edges", "image": image, "scale": 9}]}, ("controlnets.0.scale", "controlnet_scale")),
+        ({"controlnets": [{"name": "edges", "image": image, "start": 1}]}, ("controlnets.0.end", "controlnet_window")),
+        (
+            {
+                "controlnets": [{"name": "edges", "image": image}],
+                "image": image,
+                "mask": base64.b64encode(mask).decode(),
+            },
+            ("controlnets", "controlnets_with_mask"),
+        ),
+    ]
+    good = {
+        "prompt": "a red circle",
+        "seed": 2,
+        "num_inference_steps": 4,
+        "controlnets": [{"name": "edges", "image": image}],
+    }
+    with ThreadPoolExecutor(len(bodies) + 1) as pool:
+        fine = pool.submit(served.client.predict, good)
+        answers = list(
+            pool.map(served.client.predict, [{"prompt": "x", "num_inference_steps": 3, **body} for body, _ in bodies])
+        )
+        assert fine.result().status_code == 200
+    for (body, (field, rule)), answer in zip(bodies, answers, strict=True):
+        assert answer.status_code == 400, (body.keys(), answer.text[:300])
+        assert (field, rule) in [(e["field"], e["rule"]) for e in answer.json()["errors"]], answer.text[:500]
+    assert served.client.predict(good).status_code == 200, "the worker still serves"
 
 
 def test_a_request_without_a_scheduler_gets_the_familys_default_and_others_are_refused_naming_the_allowed(served):

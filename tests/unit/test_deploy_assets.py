@@ -65,6 +65,7 @@ SERVING_FILES = {
     "models/shapes-sd/",
     "server/",
     "loras/",
+    "controlnets/",
 }
 # Development, tests, load tests and benchmarks only.
 DEV_ONLY = {
@@ -317,6 +318,7 @@ def test_every_kustomized_manifest_validates():
             "Service",
             "Deployment",
             "PersistentVolumeClaim",
+            "PersistentVolumeClaim",
             "PodDisruptionBudget",
             "HorizontalPodAutoscaler",
             "ServiceMonitor",
@@ -473,9 +475,16 @@ def test_without_token_authorization_nothing_but_the_intended_listeners_leave_th
     assert urlparse(listening(k8s_env, k8s_config, dockerfile)["inference_address"]).hostname == "127.0.0.1"
 
 
-def test_the_image_and_every_manifest_serve_loras_from_one_mounted_directory():
+@pytest.mark.parametrize(
+    "variable, folder, claim",
+    [
+        ("LORA_DIR", "loras", "stable-diffusion-loras"),
+        ("CONTROLNET_DIR", "controlnets", "stable-diffusion-controlnets"),
+    ],
+)
+def test_the_image_and_every_manifest_serve_loras_and_controlnets_from_mounted_directories(variable, folder, claim):
     dockerfile = (ROOT / "docker" / "Dockerfile").read_text()
-    (lora_dir,) = re.findall(r"LORA_DIR=(\S+)", dockerfile)
+    (directory,) = re.findall(rf"\b{variable}=(\S+)", dockerfile)
     pod = next(d for d in kustomized() if d["kind"] == "Deployment")["spec"]["template"]["spec"]
     server = next(c for c in pod["containers"] if c["name"] != "auth-proxy")
     kserve = yaml.safe_load((KSERVE / "inferenceservice.yaml").read_text())["spec"]["predictor"]
@@ -484,10 +493,11 @@ def test_the_image_and_every_manifest_serve_loras_from_one_mounted_directory():
         (server["volumeMounts"], pod["volumes"]),
         (kserve["model"]["volumeMounts"], kserve["volumes"]),
     ):
-        (mount,) = [m for m in mounts if m["mountPath"] == lora_dir]
+        (mount,) = [m for m in mounts if m["mountPath"] == directory]
         (volume,) = [v for v in volumes if v["name"] == mount["name"]]
-        assert mount["readOnly"] and volume["persistentVolumeClaim"]["claimName"] == "stable-diffusion-loras"
-    assert f"../loras:{lora_dir}:ro" in compose["volumes"]
+        assert mount["readOnly"] and volume["persistentVolumeClaim"]["claimName"] == claim
+    assert f"../{folder}:{directory}:ro" in compose["volumes"]
+    assert f"COPY {folder}/ {directory}/" in dockerfile
 
 
 # --- Stopping -----------------------------------------------------------------------------------

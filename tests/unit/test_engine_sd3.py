@@ -186,7 +186,7 @@ def test_the_family_is_detected_with_its_rules(engines):
         assert "JointAttnProcessor2_0" in engine.description
         assert engine.family.native_size() == (64, 64) and engine.latent_shape(64, 48) == (16, 6, 8)
     rules = engines["sd3"].family.rules
-    assert rules == FamilyRules("SD 3.x", (FLOW,), FLOW, 16, "start", max_side=32 * 2 * 8)  # pos_embed_max_size 32
+    assert rules == FamilyRules("SD 3.x", (FLOW,), FLOW, 16, "start", max_side=32 * 2 * 8, controlnets=False)
     assert [rules.image_steps(steps, strength) for steps, strength in ((5, 0.7), (2, 0.3), (10, 1.0))] == [4, 1, 10]
     assert [FamilyRules().image_steps(steps, strength) for steps, strength in ((5, 0.7), (2, 0.3))] == [3, 0]
 

@@ -49,7 +49,7 @@ def test_every_field_is_taken_as_sent():
         "partial_images": 2,
     }
     request = decode_body(body, "application/json", replace(POLICY, streaming=True))
-    unset = {"image": None, "mask": None, "strength": None, "loras": []}
+    unset = {"image": None, "mask": None, "strength": None, "loras": [], "controlnets": []}
     assert request.model_dump() == {**body, "guidance_scale": 1.0, **unset}
 
 
@@ -288,3 +288,108 @@ def test_the_familys_rules_name_what_it_allows():
     assert fields == [("width", "multiple_of"), ("height", "less_than_equal")]
     assert "multiple of 16 for SD 3.x models (given: 72)" in message and "largest side this SD 3.x model" in message
     assert decode_body({"prompt": "x", "width": 72}, "application/json", POLICY).width == 72
+
+
+def _png(pixels) -> bytes:
+    import io
+
+    from PIL import Image
+
+    buffer = io.BytesIO()
+    Image.fromarray(pixels).save(buffer, format="PNG")
+    return buffer.getvalue()
+
+
+def _b64(data: bytes) -> str:
+    import base64
+
+    return base64.b64encode(data).decode("ascii")
+
+
+def _photo(width=96, height=80):
+    """A picture with a sharp square in it (edges for Canny)."""
+    import numpy as np
+
+    pixels = np.zeros((height, width, 3), dtype=np.uint8)
+    pixels[20:60, 30:70] = (200, 120, 40)
+    return pixels
+
+
+def test_controlnets_take_their_settings_and_a_request_without_a_size_takes_the_control_images():
+    control = {"name": "edges", "image": _b64(_png(_photo())), "scale": 0.5, "start": 0.1, "end": 0.9}
+    request = decode_body({"prompt": "a", "controlnets": [control]}, "application/json", POLICY)
+    (choice,) = request.controlnets
+    assert (choice.name, choice.scale, choice.start, choice.end, choice.preprocess) == ("edges", 0.5, 0.1, 0.9, None)
+    assert choice.image.size == (96, 80) and choice.image.mode == "RGB"
+    assert (request.width, request.height) == (96, 80)  # as diffusers' ControlNet pipelines size a call
+    settings = {"preprocess": None, "low_threshold": 100, "high_threshold": 200, "scale": 0.5, "start": 0.1, "end": 0.9}
+    assert request.parameters()["controlnets"] == [{"name": "edges", **settings}]  # not the image
+
+
+def test_canny_turns_a_photo_into_diffusers_edge_map():
+    import cv2
+    import numpy as np
+
+    photo = _photo()
+    body = {"prompt": "a", "controlnets": [{"name": "edges", "image": _b64(_png(photo)), "preprocess": "canny"}]}
+    (choice,) = decode_body(body, "application/json", POLICY).controlnets
+    edges = cv2.Canny(photo, 100, 200)  # diffusers' ControlNet example
+    assert np.array_equal(np.asarray(choice.image), np.stack([edges] * 3, axis=2))
+    assert set(np.unique(edges)) == {0, 255}
+    loose = {**body["controlnets"][0], "low_threshold": 0, "high_threshold": 10}
+    (looser,) = decode_body({"prompt": "a", "controlnets": [loose]}, "application/json", POLICY).controlnets
+    assert np.asarray(looser.image).sum() >= np.asarray(choice.image).sum()
+
+
+@pytest.mark.parametrize(
+    "control, field, rule",
+    [
+        ({"name": "../edges"}, "controlnets.0.name", "controlnet_name"),
+        ({"name": "/etc"}, "controlnets.0.name", "controlnet_name"),
+        ({"name": "edges", "image": "not base64!"}, "controlnets.0.image", "base64"),
+        ({"name": "edges", "image": _b64(_png(_photo())[:-40])}, "controlnets.0.image", "image_corrupt"),
+        ({"name": "edges", "scale": 2.5}, "controlnets.0.scale", "controlnet_scale"),
+        ({"name": "edges", "scale": -0.1}, "controlnets.0.scale", "controlnet_scale"),
+        ({"name": "edges", "scale": math.inf}, "controlnets.0.scale", "finite_number"),
+        ({"name": "edges", "start": 0.5, "end": 0.5}, "controlnets.0.end", "controlnet_window"),
+        ({"name": "edges", "start": 1.0}, "controlnets.0.end", "controlnet_window"),
+        ({"name": "edges", "end": 1.5}, "controlnets.0.end", "less_than_equal"),
+        ({"name": "edges", "preprocess": "depth"}, "controlnets.0.preprocess", "literal_error"),
+        ({"name": "edges", "low_threshold": 250}, "controlnets.0.high_threshold", "threshold_order"),
+        ({"name": "edges", "weights": "x"}, "controlnets.0.weights", "unknown_field"),
+    ],
+)
+def test_bad_controlnets_are_refused_by_field_and_rule(control, field, rule):
+    control = {"image": _b64(_png(_photo())), **control}
+    errors, _ = errors_of({"prompt": "a", "controlnets": [control]})
+    assert (field, rule) in errors, errors
+
+
+def test_controlnets_are_refused_where_the_family_or_the_request_cannot_take_them():
+    control = {"name": "edges", "image": _b64(_png(_photo()))}
+    sd3 = replace(POLICY, rules=FamilyRules("SD 3.x", ("flow_match_euler",), "flow_match_euler", 16, controlnets=False))
+    errors, message = errors_of({"prompt": "a", "controlnets": [control], "scheduler": "flow_match_euler"}, policy=sd3)
+    assert errors == [("controlnets", "controlnets_unavailable")] and "SD 3.x" in message
+    errors, _ = errors_of({"prompt": "a", "controlnets": [control] * 4})
+    assert errors == [("controlnets", "too_long")]
+    import numpy as np
+
+    mask = np.zeros((80, 96, 4), dtype=np.uint8)
+    body = {"prompt": "a", "image": _b64(_png(_photo())), "mask": _b64(_png(mask)), "controlnets": [control]}
+    errors, _ = errors_of(body)
+    assert errors == [("controlnets", "controlnets_with_mask")]
+
+
+def test_a_form_sends_control_images_as_file_parts():
+    fields = {
+        "prompt": b"a",
+        "controlnets": b'[{"name": "edges", "scale": 0.8}, {"name": "depth", "image": "%s"}]'
+        % _b64(_png(_photo(64, 64))).encode(),
+        "controlnets.0.image": _png(_photo()),
+    }
+    request = decode_form(fields, POLICY)
+    assert [choice.image.size for choice in request.controlnets] == [(96, 80), (64, 64)]
+    assert request.controlnets[0].scale == 0.8
+    with pytest.raises(RequestError) as caught:
+        decode_form({**fields, "controlnets.5.image": _png(_photo())}, POLICY)
+    assert [(item.field, item.rule) for item in caught.value.errors] == [("controlnets.5.image", "no_controlnet")]

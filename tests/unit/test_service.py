@@ -376,6 +376,7 @@ def test_both_loops_record_the_same_metrics():
             "sd_waiting_requests",
             "sd_iteration_batch_size",
             "sd_iteration_lora_adapters",
+            "sd_iteration_controlnet_forwards",
             "sd_denoise_step_seconds",
             "sd_pipeline_calls_total",
             "sd_images_total",

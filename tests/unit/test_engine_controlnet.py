@@ -1,0 +1,153 @@
+"""Jobs with different ControlNets (or none) in one UNet forward, per family (tiny random-weight SD
+1.x, SD 2.x and SDXL with random ControlNets): one ControlNet, two at once, a window, an input image,
+a LoRA, plain jobs beside them, joining mid-flight; each image equals the same job alone and
+diffusers' ControlNet pipelines; each ControlNet runs once per step over its rows, and only in its
+window. The library refuses what it cannot serve before the forward."""
+
+from __future__ import annotations
+
+import shutil
+
+import numpy as np
+import pytest
+import torch
+
+from bench.reference import ControlNetCall, Reference
+from handler.config import HandlerSettings
+from handler.controlnets import ControlNetError, ControlSpec
+from handler.pipeline import load_engine
+from model_making.make_controlnet import write_controlnet
+from model_making.make_lora import write_lora
+from server.paths import TINY_MODEL_DIRS
+from tests.harness.engine_runs import assert_same_images, expected, picture, run, spec
+
+SCHEDULERS = {"sd1": "ddim", "sd2": "euler_a", "sdxl": "euler"}
+SIDE = 32
+STEPS = 4
+
+
+@pytest.fixture(scope="module", params=list(SCHEDULERS))
+def family_engine(request, tmp_path_factory):
+    """An engine over a tiny model with two random ControlNets and a LoRA for it."""
+    family = request.param
+    model_dir = TINY_MODEL_DIRS[family]
+    directory = tmp_path_factory.mktemp(f"controlnets-{family}")
+    write_controlnet(model_dir, directory / "edges", seed=1)
+    write_controlnet(model_dir, directory / "depth", seed=2)
+    loras = tmp_path_factory.mktemp(f"loras-{family}")
+    write_lora(model_dir, loras / "attention.safetensors", seed=1)
+    settings = {
+        "model_path": str(model_dir),
+        "controlnets": {"dir": str(directory)},
+        "loras": {"dir": str(loras)},
+    }
+    engine = load_engine(HandlerSettings.model_validate(settings), "/unused")
+    return family, engine, directory, loras, Reference(model_dir)
+
+
+def test_jobs_with_other_controlnets_share_forwards_and_each_equals_diffusers(family_engine):
+    family, engine, directory, loras, reference = family_engine
+    edges, depth = engine.controlnets.acquire(["edges", "depth"], in_use=())
+    maps = [picture(SIDE, seed) for seed in range(3)]
+    scheduler = SCHEDULERS[family]
+    plans = [  # (joins at iteration, controls, input image, LoRA)
+        (0, (), None, False),
+        (0, (ControlSpec(edges, maps[0]),), None, False),
+        (0, (ControlSpec(edges, maps[1], 0.7), ControlSpec(depth, maps[2], 1.3, 0.25, 0.75)), None, False),
+        (1, (ControlSpec(depth, maps[0], 0.9, 0.0, 0.5),), picture(SIDE, 9), False),
+        (1, (ControlSpec(edges, maps[2], 1.0),), None, True),
+    ]
+    jobs = []
+    for index, (joins, controls, image, lora) in enumerate(plans):
+        adapters = engine.loras.acquire([("attention", 0.8)], in_use=()) if lora else ()
+        job = spec(
+            f"a red circle {index}",
+            index,
+            images=2 if index == 1 else 1,
+            side=SIDE,
+            steps=STEPS,
+            scheduler=scheduler,
+            image=image,
+            strength=0.75 if image is not None else 1.0,
+            adapters=adapters,
+            controls=controls,
+        )
+        jobs.append((joins, job))
+    together = run(engine, jobs)
+    paths = {edges: directory / "edges", depth: directory / "depth"}
+    for (_, job), (_, controls, _, lora), decoded in zip(jobs, plans, together, strict=True):
+        (alone,) = run(engine, [(0, job)])
+        assert_same_images(decoded, alone)
+        calls = [ControlNetCall(paths[c.net], c.image, c.scale, c.start, c.end) for c in controls]
+        files = [(loras / "attention.safetensors", 0.8)] if lora else []
+        theirs = expected(reference, job, files, calls)
+        assert_same_images(decoded, theirs)
+        if controls:  # and the ControlNets changed the image
+            plain = np.asarray(expected(reference, job, files).images[0], dtype=np.int16)
+            assert np.abs(np.asarray(theirs.images[0], dtype=np.int16) - plain).max() > 8
+
+
+def test_each_controlnet_runs_once_per_step_over_its_rows_and_only_in_its_window(family_engine):
+    family, engine, *_ = family_engine
+    edges, depth = engine.controlnets.acquire(["edges", "depth"], in_use=())
+    control = picture(SIDE)
+    jobs = engine.start(
+        [
+            spec("a", 1, side=SIDE, steps=4, scheduler=SCHEDULERS[family], controls=(ControlSpec(edges, control),)),
+            spec("b", 2, side=SIDE, steps=4, scheduler=SCHEDULERS[family], controls=(ControlSpec(edges, control),)),
+            spec(
+                "c",
+                3,
+                side=SIDE,
+                steps=4,
+                scheduler=SCHEDULERS[family],
+                controls=(ControlSpec(depth, control, 1.0, 0.5, 1.0),),
+            ),
+            spec("d", 4, side=SIDE, steps=4, scheduler=SCHEDULERS[family]),
+        ]
+    )
+    calls = []
+    for net_id in (edges, depth):
+        net = engine.controlnets._nets[net_id]
+        net.register_forward_hook(
+            lambda module, args, kwargs, out, net_id=net_id: calls.append((net_id, args[0].shape[0])), with_kwargs=True
+        )
+    forwards = [engine.step(jobs) for _ in range(4)]
+    # both ControlNets act in the last two steps (depth from half-way), each over its own rows (2 per guided job)
+    assert forwards == [1, 1, 2, 2]
+    assert calls[:2] == [(edges, 4), (edges, 4)]
+    assert sorted(calls[2:4]) == sorted([(edges, 4), (depth, 2)])
+
+
+def test_the_library_refuses_bad_names_pickles_and_other_families_controlnets(family_engine, tmp_path):
+    family, engine, directory, *_ = family_engine
+    other = "sd1" if family == "sdxl" else "sdxl"
+    write_controlnet(TINY_MODEL_DIRS[other], directory / "other-family", seed=3)
+    pickled = directory / "pickled"
+    shutil.copytree(directory / "edges", pickled, dirs_exist_ok=True)
+    for weights in pickled.glob("*.safetensors"):
+        weights.unlink()
+    torch.save({"weight": torch.zeros(1)}, pickled / "diffusion_pytorch_model.bin")
+    outside = tmp_path / "outside"
+    shutil.copytree(directory / "edges", outside)
+    (directory / "escape").symlink_to(outside)
+    cases = {
+        "../edges": "controlnet_name",
+        "/etc": "controlnet_name",
+        "a/b": "controlnet_name",
+        "missing": "unknown_controlnet",
+        "escape": "unknown_controlnet",
+        "pickled": "controlnet_unloadable",
+        "other-family": "controlnet_unloadable",
+    }
+    try:
+        for name, rule in cases.items():
+            with pytest.raises(ControlNetError) as refused:
+                engine.controlnets.acquire([name], in_use=())
+            assert refused.value.rule == rule, (name, str(refused.value))
+    finally:
+        for name in ("other-family", "pickled"):
+            shutil.rmtree(directory / name)
+        (directory / "escape").unlink()
+    names = [item.name for item in engine.controlnets.available()]
+    assert names == ["depth", "edges"]
