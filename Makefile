@@ -19,7 +19,7 @@ MODEL_DIR ?= $(DEFAULT_MODEL_DIR)
 ARCHIVE_FORMAT ?= auto
 PYTEST_ARGS ?=
 
-.PHONY: help venv system-deps lint format model train-default-model train-lora model-grid prometheus-rule metrics-config mar image image-test serve stop scale scale-cycles test test-fast unit-test integration-test dashboard dashboard-png loadtest sweep bench-overhead bench-pipeline bench-continuous bench-engine bench-lora bench-gpu clean
+.PHONY: help venv system-deps lint format model train-default-model train-lora train-controlnet model-grid prometheus-rule metrics-config mar image image-test serve stop scale scale-cycles test test-fast unit-test integration-test dashboard dashboard-png loadtest sweep bench-overhead bench-pipeline bench-continuous bench-engine bench-lora bench-controlnet bench-gpu clean
 
 help:
 	@echo "make serve   set up, build the archive and serve it on 127.0.0.1:8080 (MODEL_DIR=/path for a real model)"
@@ -37,6 +37,7 @@ help:
 	@echo "make model   generate the random-weight tiny models of every family into models/tiny-* (for tests)"
 	@echo "make train-default-model  retrain the default model into $(DEFAULT_MODEL_DIR) (about 26 min on 2 CPU cores)"
 	@echo "make train-lora     retrain the default model's outline LoRA into loras/outline.safetensors (about 2 min)"
+	@echo "make train-controlnet retrain the default model's shapes-mask ControlNet into controlnets/shapes-mask (about 5 min)"
 	@echo "make model-grid     prompt x seed grid of the default model through TorchServe: docs/img/default-model-grid.png"
 	@echo "make loadtest       locust against the running server (make serve), judged against the SLA in benchmark_config.yaml"
 	@echo "make sweep          batch size / delay / workers / concurrency sweep on its own server; report in reports/"
@@ -46,6 +47,7 @@ help:
 	@echo "make bench-continuous the shipped continuous batching vs dynamic batching, capacity and Poisson load; reports/continuous/"
 	@echo "make bench-engine   the step engine against the diffusers call it mirrors, per family, batch 1 and 8; reports/engine/"
 	@echo "make bench-lora     LoRA sets in one forward, per design, default model and SD 1.5's architecture; reports/lora/"
+	@echo "make bench-controlnet ControlNets in the shared UNet forward against grouped, default model and SD 1.5's architecture; reports/controlnet/"
 	@echo "make bench-gpu      SD 1.5, SDXL and SD 3.5 Medium at real sizes on the GPU: variants, batch scaling, engine, served, SDXL, SD 3.5, LoRA; reports/gpu/"
 	@echo "                    BENCH_ARGS='--quick' for the CPU check CI runs; PY=python3 where there is no venv (the lent GPU)"
 	@echo "make dashboard      rebuild docker/grafana/dashboards/stable-diffusion.json"
@@ -94,6 +96,10 @@ train-default-model: venv
 # The default model's outline LoRA (loras/outline.safetensors, committed): about 2 minutes here.
 train-lora: venv
 	$(PY) -m model_making.train_lora $(DEFAULT_MODEL_DIR) loras/outline.safetensors
+
+# The default model's shapes-mask ControlNet (controlnets/shapes-mask, committed): about 5 minutes here.
+train-controlnet: venv
+	$(PY) -m model_making.train_controlnet $(DEFAULT_MODEL_DIR) controlnets/shapes-mask
 
 model-grid: venv
 	$(PY) -m model_making.render_model_grid --output docs/img/default-model-grid.png
@@ -165,6 +171,9 @@ bench-engine: venv model
 
 bench-lora: venv
 	$(PY) -m bench.loras $(BENCH_ARGS)
+
+bench-controlnet: venv
+	$(PY) -m bench.controlnets $(BENCH_ARGS)
 
 # Without a venv (the lent GPU machine: no package registry), PY=python3 with the carried wheels on
 # PYTHONPATH (docs/performance.md, "make bench-gpu").

@@ -25,6 +25,9 @@ section file there (``bench.gpu_report``), so sections can run in separate calls
 8. ``lora``: SD 1.5, 512x512, 8 requests with no LoRA, one LoRA, 8 different LoRAs and 8 sets of 3
    (rank 16, attention and feed-forward) in one forward, per design of the row-wise LoRA path
    (``bench.loras``): step time over no LoRA, and which design ``auto`` took per layer.
+9. ``controlnet``: SD 1.5, 512x512, two random ControlNets: one request with a ControlNet against
+   none, and 8 requests with one ControlNet on all, on half, two on four each, in the shared UNet
+   forward against a forward per ControlNet set (``bench.controlnets``).
 
 ``--quick`` runs the same code on the CPU at tiny sizes (the random tiny models, 64x64, one step,
 concurrency 1 and 2): what CI runs, so that a GPU run has nothing left to debug but the GPU.
@@ -45,7 +48,7 @@ from pathlib import Path
 
 import numpy as np
 
-from bench import loras, sd15, sd35, sdxl
+from bench import controlnets, loras, sd15, sd35, sdxl
 from bench.engine import measure_model
 from bench.gpu_report import SECTION_RENDERERS, percent_text, render
 from bench.measure import PROMPTS, Workload, error_text
@@ -102,6 +105,8 @@ class Plan:
     engine_repeats: int
     requests_per_client: int
     max_batch_limit: int
+    controlnet_side: int  # SD 1.5 with ControlNets (bench.controlnets): side, steps timed per round
+    controlnet_steps: int
 
 
 FULL = Plan(
@@ -126,6 +131,8 @@ FULL = Plan(
     engine_repeats=5,
     requests_per_client=6,
     max_batch_limit=128,
+    controlnet_side=sd15.NATIVE_SIDE,
+    controlnet_steps=5,
 )
 QUICK = Plan(
     str(TINY_MODEL_DIRS["sd1"].relative_to(ROOT)),
@@ -149,6 +156,8 @@ QUICK = Plan(
     engine_repeats=1,
     requests_per_client=2,
     max_batch_limit=0,
+    controlnet_side=64,
+    controlnet_steps=1,
 )
 
 
@@ -435,6 +444,12 @@ class GpuBench:
         plan = self.plan
         model = loras.Model("sd15", model_dir(plan.sd15_model), plan.lora_side, plan.lora_rank, 0.02)
         return loras.measure(model, plan.lora_steps, plan.repeats)
+
+    def controlnet(self) -> dict:
+        """ControlNets in the shared SD 1.5 forward against a forward per ControlNet set (``bench.controlnets``)."""
+        plan = self.plan
+        model = controlnets.Model("sd15", model_dir(plan.sd15_model), plan.controlnet_side, None)
+        return controlnets.measure(model, plan.controlnet_steps, plan.repeats)
 
     def run(self, section: str, variant_names: list[str] | None) -> bool:
         """One section, its file saved and the report rendered whatever happens; False when it failed."""

@@ -12,6 +12,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
 from bench import sd35  # noqa: E402
+from bench.controlnets import table as controlnet_table  # noqa: E402
 from bench.engine import GOAL as ENGINE_GOAL  # noqa: E402
 from bench.engine import Row, table  # noqa: E402
 from bench.report import number_text, variants_table  # noqa: E402
@@ -285,6 +286,10 @@ def _lora(section: dict) -> list[str]:
     return [heading, "", *_table(["8 requests", *designs], rows), "", *taken]
 
 
+def _controlnet(section: dict) -> list[str]:
+    return controlnet_table([section]).strip().splitlines()
+
+
 # section name: (heading, the key its measurements are under, how they are rendered)
 SECTION_RENDERERS = {
     "variants": ("1. SD 1.5 variants", "variants", _variants),
@@ -295,6 +300,7 @@ SECTION_RENDERERS = {
     "sd35": ("6. SD 3.5 Medium, in-process", "rows", _sd35),
     "sd35_served": ("7. SD 3.5 Medium served through TorchServe (continuous batching, closed loop)", "points", _served),
     "lora": ("8. LoRA sets in one SD 1.5 forward, per design", "rows", _lora),
+    "controlnet": ("9. ControlNets in one SD 1.5 forward, against a forward per ControlNet set", "rows", _controlnet),
 }
 
 

@@ -15,16 +15,25 @@ from pathlib import Path
 import torch
 from diffusers import ControlNetModel, UNet2DConditionModel
 
-# The conditioning embedding's channels: three stride-2 convolutions, 8x down as the VAE.
+# The conditioning embedding's channels: three stride-2 convolutions, 8x down as the VAE; the tiny
+# models' narrow one, and SD 1.5 ControlNets' (diffusers' default).
 SMALL_EMBEDDING = (8, 8, 16, 16)
+SD_EMBEDDING = (16, 32, 96, 256)
 
 
-def write_controlnet(model_dir: Path, output: Path, seed: int = 0, spread: float = 0.05) -> Path:
+def write_controlnet(
+    model_dir: Path,
+    output: Path,
+    seed: int = 0,
+    spread: float = 0.05,
+    embedding: tuple[int, ...] = SMALL_EMBEDDING,
+) -> Path:
     """A random ControlNet for the UNet in ``model_dir``, written to the directory ``output``;
-    ``spread``: the standard deviation of the weights drawn for its output convolutions."""
+    ``spread``: the standard deviation of the weights drawn for its output convolutions;
+    ``embedding``: its conditioning embedding's channels."""
     torch.manual_seed(seed)
     unet = UNet2DConditionModel.from_pretrained(str(model_dir), subfolder="unet", use_safetensors=True)
-    controlnet = ControlNetModel.from_unet(unet, conditioning_embedding_out_channels=SMALL_EMBEDDING)
+    controlnet = ControlNetModel.from_unet(unet, conditioning_embedding_out_channels=embedding)
     with torch.no_grad():
         for name, parameter in controlnet.named_parameters():
             if name.startswith(("controlnet_down_blocks", "controlnet_mid_block", "controlnet_cond_embedding")):

@@ -48,6 +48,7 @@ def test_every_section_records_where_it_ran(report):
         "## 5. SDXL",
         "## 6. SD 3.5",
         "## 7. SD 3.5",
+        "## 9. ControlNets",
     ):
         assert heading in report["markdown"]
 
@@ -139,3 +140,13 @@ def test_lora_measures_every_design_against_no_lora_and_says_what_auto_took(repo
     assert set(section["auto_designs"]) == set(workloads)
     assert "## 8. LoRA sets in one SD 1.5 forward, per design" in report["markdown"]
     assert "LoRA layer forwards stacked" in report["markdown"] and "graphs compiled after" in report["markdown"]
+
+
+def test_controlnet_times_the_shared_forward_against_grouped_with_the_forwards_each_took(report):
+    section = report["controlnet"]
+    assert section["status"] == "ok" and section["side"] == QUICK.controlnet_side
+    forwards = {(row["workload"], row["design"]): tuple(row["forwards"]) for row in section["rows"]}
+    assert forwards[("4 with one, 4 with another", "shared")] == (1, 2)
+    assert forwards[("4 with one, 4 with another", "grouped")] == (2, 2)
+    assert all(row["ratio"] > 0 and row["median_s"] > 0 for row in section["rows"])
+    assert "## 9. ControlNets in one SD 1.5 forward" in report["markdown"]

@@ -13,6 +13,7 @@ from __future__ import annotations
 import base64
 import io
 import json
+import shutil
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -21,6 +22,7 @@ from dataclasses import dataclass
 import numpy as np
 import pytest
 import requests
+import torch
 from openai import BadRequestError, OpenAI
 from PIL import Image, ImageOps
 
@@ -45,6 +47,7 @@ LORA = "tiny"  # a random LoRA written for the family's tiny model
 CONV_LORA = "tiny-conv-ff"  # one on its convolutions and feed-forward layers
 CONTROLNETS = ("edges", "depth")  # random ControlNets written for the family's tiny model
 OTHER_FAMILY = "other-family"  # one written for another family's model
+PICKLED = "pickled"  # one whose weights are a pickle only
 LONG = {"prompt": "keep the worker busy", "seed": 1, "num_inference_steps": 300, "response_format": "json"}
 
 
@@ -80,6 +83,10 @@ def served(request, tmp_path_factory) -> Iterator[Served]:
         for seed, name in enumerate(CONTROLNETS):
             write_controlnet(TINY_MODEL_DIRS[family], tmp / "controlnets" / name, seed=seed)
         write_controlnet(TINY_MODEL_DIRS["sd1" if family == "sdxl" else "sdxl"], tmp / "controlnets" / OTHER_FAMILY)
+        pickled = tmp / "controlnets" / PICKLED  # the config and a pickle of the weights, no safetensors
+        pickled.mkdir()
+        shutil.copy(tmp / "controlnets" / CONTROLNETS[0] / "config.json", pickled)
+        torch.save({"conv_in.weight": torch.zeros(1)}, pickled / "diffusion_pytorch_model.bin")
     config = model_config(
         tmp,
         handler={
@@ -366,7 +373,10 @@ def test_hostile_controlnets_are_refused_naming_the_field_and_a_batchmate_is_unh
     cases = {
         "../edges": ("controlnets.0.name", "controlnet_name"),
         "missing": ("controlnets", "unknown_controlnet"),
+        "/etc": ("controlnets.0.name", "controlnet_name"),
+        "a/b": ("controlnets.0.name", "controlnet_name"),
         OTHER_FAMILY: ("controlnets", "controlnet_unloadable"),
+        PICKLED: ("controlnets", "controlnet_unloadable"),
     }
     bodies = [({"controlnets": [{"name": name, "image": image}]}, expected) for name, expected in cases.items()] + [
         ({"controlnets": [{"name": "edges", "image": image[:-40]}]}, ("controlnets.0.image", "image_corrupt")),

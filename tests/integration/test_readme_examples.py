@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import json
 
+import numpy as np
 import pytest
 import requests
 
+from model_making.shapes import coloured_mask, dominant_colour
 from server import KEY_FILE, Keys
 from tests.harness.images import decode_png
 from tests.harness.readme import RUNNERS, readme_examples, run_example
@@ -25,6 +27,7 @@ def test_every_marked_example_is_bash_or_python():
         "openai-sdk",
         "openai-curl",
         "lora-curl",
+        "controlnet-python",
         "sd3-curl",
     } <= set(examples)
     assert all(language in RUNNERS for language, _ in examples.values())
@@ -51,6 +54,17 @@ def test_a_readme_openai_example_generates_and_edits(name, server, cwd):
 def test_the_readme_lora_example_draws_the_default_model_an_outline(server, cwd):
     run_example("lora-curl", server, cwd)
     assert decode_png((cwd / "outline.png").read_bytes()).shape == (64, 64, 3)
+
+
+def test_the_readme_controlnet_example_draws_the_circle_where_the_mask_says(server, cwd):
+    run_example("controlnet-python", server, cwd)
+    image = decode_png((cwd / "controlled.png").read_bytes())
+    mask = np.zeros((64, 64), dtype=bool)  # the example's circle, lower left
+    rows, cols = np.ogrid[:64, :64]
+    mask[(rows - 42) ** 2 + (cols - 18) ** 2 <= 12**2] = True
+    drawn = coloured_mask(image)
+    assert dominant_colour(image) == "blue"
+    assert (drawn & mask).sum() / (drawn | mask).sum() > 0.6, "the circle is not where the mask says"
 
 
 def test_the_readme_key_rotation_replaces_the_inference_key(server, cwd):
