@@ -20,7 +20,6 @@ machine's speed cancels). Prints the ratios against no ControlNet and writes
 
 from __future__ import annotations
 
-import argparse
 import copy
 import json
 import logging
@@ -37,13 +36,13 @@ from PIL import Image
 
 from bench import sd15
 from bench.pipeline import environment
-from bench.report import publish
+from bench.report import run_per_model
 from handler.config import HandlerSettings
 from handler.controlnets import ControlSpec
 from handler.engine import DenoiseJob, JobSpec, StepEngine
 from handler.pipeline import load_engine, synchronize
 from model_making.make_controlnet import SD_EMBEDDING, write_controlnet
-from server.paths import CONTROLNET_DIR, DEFAULT_MODEL_DIR, REPORTS
+from server.paths import CONTROLNET_DIR, DEFAULT_MODEL_DIR
 
 logger = logging.getLogger("bench-controlnet")
 
@@ -206,15 +205,7 @@ def plot(results: list[dict], path: Path) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--models", nargs="+", choices=list(MODELS), default=list(MODELS))
-    parser.add_argument("--steps", type=int, default=None, help="steps timed per round (default: 10, SD 1.5: 1)")
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--output", type=Path, default=REPORTS / "controlnet")
-    args = parser.parse_args()
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
-    results = [measure(MODELS[name], args.steps or (1 if name == "sd15" else 10), args.repeats) for name in args.models]
-    publish({"results": results}, table(results), lambda path: plot(results, path), args.output, "controlnet")
+    run_per_model(__doc__.splitlines()[0], MODELS, measure, table, plot, "controlnet")
 
 
 if __name__ == "__main__":

@@ -19,7 +19,6 @@ writes ``reports/lora/lora.{json,md,png}``.
 
 from __future__ import annotations
 
-import argparse
 import copy
 import logging
 import statistics
@@ -33,14 +32,14 @@ import numpy as np
 
 from bench import sd15
 from bench.pipeline import environment
-from bench.report import publish
+from bench.report import run_per_model
 from handler.config import HandlerSettings
 from handler.engine import DenoiseJob, JobSpec, StepEngine
 from handler.lora_rows import Adapters
 from handler.lora_slots import compiled_graphs
 from handler.pipeline import load_engine, synchronize
 from model_making.make_lora import write_lora
-from server.paths import DEFAULT_MODEL_DIR, REPORTS
+from server.paths import DEFAULT_MODEL_DIR
 
 logger = logging.getLogger("bench-lora")
 
@@ -257,15 +256,7 @@ def plot(results: list[dict], path: Path) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--models", nargs="+", choices=list(MODELS), default=list(MODELS))
-    parser.add_argument("--steps", type=int, default=None, help="steps timed per round (default: 10, SD 1.5: 1)")
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--output", type=Path, default=REPORTS / "lora")
-    args = parser.parse_args()
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
-    results = [measure(MODELS[name], args.steps or (1 if name == "sd15" else 10), args.repeats) for name in args.models]
-    publish({"results": results}, table(results), lambda path: plot(results, path), args.output, "lora")
+    run_per_model(__doc__.splitlines()[0], MODELS, measure, table, plot, "lora")
 
 
 if __name__ == "__main__":

@@ -2,15 +2,20 @@
 
 from __future__ import annotations
 
+import argparse
 import json
+import logging
 import math
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
+
+from server.paths import REPORTS  # noqa: E402
 
 
 def number_text(value: float | None, digits: int = 2) -> str:
@@ -155,6 +160,30 @@ def publish(data: dict, table: str, plot: Callable[[Path], None], directory: Pat
     plot(paths[2])
     print(table)
     return paths
+
+
+def run_per_model(
+    description: str,
+    models: dict[str, Any],
+    measure: Callable[[Any, int, int], dict],
+    table: Callable[[list[dict]], str],
+    plot: Callable[[list[dict], Path], None],
+    name: str,
+) -> None:
+    """The command line of a benchmark measured per model (``make bench-lora``, ``bench-controlnet``):
+    ``--models``, ``--steps`` timed per round (default 10, SD 1.5: 1), ``--repeats`` and ``--output``
+    (``reports/NAME``); publishes the results of every model."""
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--models", nargs="+", choices=list(models), default=list(models))
+    parser.add_argument("--steps", type=int, default=None, help="steps timed per round (default: 10, SD 1.5: 1)")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--output", type=Path, default=REPORTS / name)
+    args = parser.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
+    results = [
+        measure(models[model], args.steps or (1 if model == "sd15" else 10), args.repeats) for model in args.models
+    ]
+    publish({"results": results}, table(results), lambda path: plot(results, path), args.output, name)
 
 
 def write_report(report: dict, directory: Path, name: str) -> list[Path]:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
@@ -113,13 +113,35 @@ def absolute_dir(value: str | None, setting: str, why: str) -> str | None:
     return expanded
 
 
-# Where LoRA adapters are read from when handler.loras.dir is unset (make serve, the image, Kubernetes).
+# Where LoRA adapters and ControlNets are read from when handler.loras.dir / handler.controlnets.dir
+# is unset (make serve, the image, Kubernetes).
 LORA_DIR_ENV = "LORA_DIR"
+CONTROLNET_DIR_ENV = "CONTROLNET_DIR"
 
 
-class LoraSettings(_Section):
+class _ServedDirectory(_Section):
+    """A directory of what requests may name: ``dir`` (absolute), else an environment variable."""
+
+    section: ClassVar[str]  # its name under handler:
+    env: ClassVar[str]  # the variable read where ``dir`` is unset
+    dir: str | None = None
+
+    @field_validator("dir")
+    @classmethod
+    def _dir_is_absolute(cls, value: str | None) -> str | None:
+        return absolute_dir(value, f"{cls.section}.dir", "the worker runs in the unpacked archive")
+
+    def directory(self) -> Path | None:
+        """The directory: ``dir``, else the environment variable, else none."""
+        chosen = self.dir or os.environ.get(self.env) or None
+        return Path(chosen) if chosen else None
+
+
+class LoraSettings(_ServedDirectory):
     """LoRA adapters served per request from a directory (``handler.loras``)."""
 
+    section: ClassVar[str] = "loras"
+    env: ClassVar[str] = LORA_DIR_ENV
     dir: str | None = Field(
         None,
         description="absolute directory of LoRA .safetensors files (a LoRA's name is its file stem); None: "
@@ -134,40 +156,18 @@ class LoraSettings(_Section):
         "blocks holds max_loaded slots of this rank (memory: (in + out) x max_loaded x slot_rank per layer)",
     )
 
-    @field_validator("dir")
-    @classmethod
-    def _dir_is_absolute(cls, value: str | None) -> str | None:
-        return absolute_dir(value, "loras.dir", "the worker runs in the unpacked archive")
 
-    def directory(self) -> Path | None:
-        """The LoRA directory: ``dir``, else ``$LORA_DIR``, else none."""
-        chosen = self.dir or os.environ.get(LORA_DIR_ENV) or None
-        return Path(chosen) if chosen else None
-
-
-# Where ControlNets are read from when handler.controlnets.dir is unset (make serve, the image, Kubernetes).
-CONTROLNET_DIR_ENV = "CONTROLNET_DIR"
-
-
-class ControlNetSettings(_Section):
+class ControlNetSettings(_ServedDirectory):
     """ControlNets served per request from a directory (``handler.controlnets``), SD 1.x/2.x and SDXL."""
 
+    section: ClassVar[str] = "controlnets"
+    env: ClassVar[str] = CONTROLNET_DIR_ENV
     dir: str | None = Field(
         None,
         description="absolute directory of ControlNets, each a diffusers directory (config.json + safetensors) named "
         f"by its directory name; None: ${CONTROLNET_DIR_ENV} where set, else no ControlNets",
     )
     max_loaded: int = Field(2, ge=1, description="ControlNets kept in memory (least recently used evicted)")
-
-    @field_validator("dir")
-    @classmethod
-    def _dir_is_absolute(cls, value: str | None) -> str | None:
-        return absolute_dir(value, "controlnets.dir", "the worker runs in the unpacked archive")
-
-    def directory(self) -> Path | None:
-        """The ControlNet directory: ``dir``, else ``$CONTROLNET_DIR``, else none."""
-        chosen = self.dir or os.environ.get(CONTROLNET_DIR_ENV) or None
-        return Path(chosen) if chosen else None
 
 
 # Names of the denoiser among compile targets: "unet" and "transformer" are the same target, the

@@ -28,15 +28,13 @@ import torch
 from diffusers import ControlNetModel
 from PIL.Image import Image
 
-from handler.families import Conditioning, Family
+from handler.families import Conditioning, Family, Residuals
 from handler.loras import valid_name
 
 logger = logging.getLogger(__name__)
 
 CONFIG = "config.json"
 WEIGHTS_SUFFIX = ".safetensors"
-# Residuals for a UNet forward: one tensor per down-block output, and the mid block's.
-Residuals = tuple[list[torch.Tensor], torch.Tensor]
 
 
 class ControlNetError(Exception):

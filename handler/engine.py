@@ -4,7 +4,8 @@ Mirrors diffusers 0.42.1: ``StableDiffusionPipeline.__call__`` (SD 1.x, SD 2.x),
 ``StableDiffusionXLPipeline.__call__`` (SDXL) and ``StableDiffusion3Pipeline.__call__`` (SD 3.x),
 cut at the denoising loop so jobs can join and leave between steps; a job with an input image
 mirrors the family's ``Img2ImgPipeline`` and, with a mask, its ``InpaintPipeline`` for the model's
-own (4- or 16-channel) denoiser. What differs between the families is theirs
+own (4- or 16-channel) denoiser; a job with ControlNets mirrors ``StableDiffusion(XL)ControlNetPipeline``
+(from an image, its ``Img2Img`` variant). What differs between the families is theirs
 (``handler.families``); the loop reads the same for all. Their numbered steps map to:
 
 - ``start``: 3. encode the prompts of the jobs started together in one call (SDXL: and 7. its
@@ -16,8 +17,10 @@ own (4- or 16-channel) denoiser. What differs between the families is theirs
   where the family's pipeline passes them).
 - ``step``: one iteration of the denoising loop for any set of jobs of one latent shape, in ONE
   denoiser forward (UNet or transformer): each job's rows (doubled for classifier-free guidance
-  when its guidance scale is above 1) at its own timestep, then per job the guidance and its own
-  ``scheduler.step`` (and, inpainting, the unmasked area put back at the next noise level).
+  when its guidance scale is above 1) at its own timestep, with the residuals of the ControlNets
+  acting in its step (``handler.controlnets``: each ControlNet once over the rows that use it, zeros
+  for the others), then per job the guidance and its own ``scheduler.step`` (and, inpainting, the
+  unmasked area put back at the next noise level).
 - ``decode``: the end of ``__call__``: VAE decode, the safety checker (SD, where the model has one)
   or the watermark (SDXL), PIL images.
 
@@ -26,7 +29,8 @@ Left out, because no request can ask for it: ``guidance_rescale``, ``clip_skip``
 timesteps or sigmas, ``denoising_start``/``denoising_end``, ``prompt_2``/``negative_prompt_2``
 (and SD 3's ``prompt_3``), SDXL's negative size conditioning and aesthetic scores, SD 3.5's
 skip-layer guidance, inpainting's ``padding_mask_crop`` and 9- or 33-channel inpainting denoisers,
-output types other than PIL, step callbacks. UNets with a guidance embedding (``time_cond_proj_dim``,
+ControlNet inpainting, guess mode and global-pooling ControlNets, output types other than PIL, step
+callbacks. UNets with a guidance embedding (``time_cond_proj_dim``,
 LCM) are refused at load. Different by design: jobs of one shape share one denoiser forward, so an
 image equals diffusers' to float rounding, not bit for bit; SDXL's VAE is kept in float32 instead
 of being upcast around each decode (same arithmetic); SD 3's inpainting decodes with the VAE's

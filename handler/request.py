@@ -124,6 +124,16 @@ def _above_limit(value: float, limit: float, setting: str) -> PydanticCustomErro
     )
 
 
+def _at_most(items: list, limit: int, what: str, setting: str) -> None:
+    """Raises where a request lists more ``what`` than the configured ``setting`` allows."""
+    if len(items) > limit:
+        raise PydanticCustomError(
+            "too_long",
+            "at most {limit} {what} per request (the configured {setting}), got {count}",
+            {"limit": limit, "what": what, "setting": setting, "count": len(items)},
+        )
+
+
 class LoraChoice(BaseModel):
     """One LoRA adapter of a request and its weight."""
 
@@ -427,13 +437,7 @@ class GenerationRequest(BaseModel):
     @field_validator("loras")
     @classmethod
     def _loras_within_limits(cls, value: list[LoraChoice], info: ValidationInfo) -> list[LoraChoice]:
-        limit = _policy(info).limits.max_loras_per_request
-        if len(value) > limit:
-            raise PydanticCustomError(
-                "too_long",
-                "at most {limit} LoRAs per request (the configured max_loras_per_request), got {count}",
-                {"limit": limit, "count": len(value)},
-            )
+        _at_most(value, _policy(info).limits.max_loras_per_request, "LoRAs", "max_loras_per_request")
         names = [choice.name for choice in value]
         if len(set(names)) != len(names):
             raise PydanticCustomError("lora_repeated", "each LoRA at most once per request (give it one scale)")
@@ -454,13 +458,7 @@ class GenerationRequest(BaseModel):
                 "controlnets_with_mask",
                 "ControlNets are served with text-to-image and image-to-image, not inpainting (leave out mask)",
             )
-        limit = policy.limits.max_controlnets_per_request
-        if len(value) > limit:
-            raise PydanticCustomError(
-                "too_long",
-                "at most {limit} ControlNets per request (the configured max_controlnets_per_request), got {count}",
-                {"limit": limit, "count": len(value)},
-            )
+        _at_most(value, policy.limits.max_controlnets_per_request, "ControlNets", "max_controlnets_per_request")
         return value
 
     @field_validator("image", mode="before")

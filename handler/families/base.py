@@ -11,7 +11,8 @@ for everything that differs between their diffusers pipelines:
   ``init_noise_sigma``, ``scale_model_input`` and ``add_noise`` against flow matching's plain noise
   and ``scale_noise``;
 - the denoiser forward (``forward``): one call of the UNet or transformer over the rows of several
-  jobs, each row at its own timestep with its own conditioning;
+  jobs, each row at its own timestep with its own conditioning (and, in the UNet families, its
+  ControlNet residuals: ``control_forward``, ``controlnet_refusal``, ``preprocess_control``);
 - the VAE (``encode_image``, ``vae_decode``) and post-processing (``postprocess``: safety checker,
   watermark);
 - the request rules (``rules``): schedulers, the size grid, how an input image's steps round.
@@ -39,6 +40,8 @@ from handler.config import FamilyRules, SchedulerName
 # A loaded diffusers pipeline of one of the families. diffusers registers a pipeline's components
 # (unet, transformer, vae, scheduler, ...) at run time, so its classes declare none of them to a type checker.
 Pipeline = Any
+# ControlNet residuals for a UNet forward: one tensor per down-block output, and the mid block's.
+Residuals = tuple[list[torch.Tensor], torch.Tensor]
 # A diffusers scheduler class (its from_config is added at run time) and the settings it needs on top
 # of the model's scheduler config.
 SchedulerChoice = tuple[Any, dict[str, Any]]
@@ -324,7 +327,7 @@ class Family(ABC):
         latents: torch.Tensor,
         timesteps: torch.Tensor,
         conditioning: Conditioning,
-        residuals: tuple[list[torch.Tensor], torch.Tensor] | None = None,
+        residuals: Residuals | None = None,
     ) -> torch.Tensor:
         """One denoiser call over rows, each at its own timestep: the noise (or velocity) prediction;
         ``residuals``: ControlNet residuals for every row (families that take ControlNets)."""
@@ -337,7 +340,7 @@ class Family(ABC):
 
     def control_forward(
         self, net: Any, latents: torch.Tensor, timesteps: torch.Tensor, conditioning: Conditioning, images: torch.Tensor
-    ) -> tuple[list[torch.Tensor], torch.Tensor]:
+    ) -> Residuals:
         """One ControlNet call over rows (scale 1): its down-block and mid-block residuals."""
         raise NotImplementedError(f"{self.name} models take no ControlNets")
 

@@ -28,6 +28,7 @@ from handler.families.base import (
     Family,
     Pipeline,
     PromptSpec,
+    Residuals,
     Scheduler,
     SchedulerChoice,
     TextEmbedding,
@@ -109,7 +110,7 @@ class StableDiffusionFamily(Family):
         latents: torch.Tensor,
         timesteps: torch.Tensor,
         conditioning: Conditioning,
-        residuals: tuple[list[torch.Tensor], torch.Tensor] | None = None,
+        residuals: Residuals | None = None,
     ) -> torch.Tensor:
         down, mid = residuals or (None, None)
         return self.pipeline.unet(
@@ -139,7 +140,7 @@ class StableDiffusionFamily(Family):
 
     def control_forward(
         self, net: Any, latents: torch.Tensor, timesteps: torch.Tensor, conditioning: Conditioning, images: torch.Tensor
-    ) -> tuple[list[torch.Tensor], torch.Tensor]:
+    ) -> Residuals:
         down, mid = net(
             latents,
             timesteps,

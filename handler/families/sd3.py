@@ -43,6 +43,7 @@ from handler.families.base import (
     Family,
     Pipeline,
     PromptSpec,
+    Residuals,
     Scheduler,
     SchedulerChoice,
     TextEmbedding,
@@ -141,7 +142,7 @@ class StableDiffusion3Family(Family):
         latents: torch.Tensor,
         timesteps: torch.Tensor,
         conditioning: Conditioning,
-        residuals: tuple[list[torch.Tensor], torch.Tensor] | None = None,  # never given: no ControlNets here
+        residuals: Residuals | None = None,  # never given: no ControlNets here
     ) -> torch.Tensor:
         return self.pipeline.transformer(
             hidden_states=latents,
