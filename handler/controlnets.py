@@ -185,13 +185,13 @@ class ControlNetLibrary:
             refusal = self.family.controlnet_refusal(net.config)
             if refusal is not None:
                 raise ValueError(refusal)
-        except Exception as error:  # config, format and shape errors alike: the request's 400
+            net = net.to(self.device).eval().requires_grad_(False)
+        except Exception as error:  # config, format, shape and memory errors alike: the request's 400
             logger.warning("ControlNet %s could not be loaded: %s", found.name, error)
             raise ControlNetError(
                 "controlnet_unloadable",
                 f"ControlNet {found.name!r} cannot be loaded on this model: {type(error).__name__}: {str(error)[:300]}",
             ) from None
-        net = net.to(self.device).eval().requires_grad_(False)
         net_id = next(self._ids)
         self._nets[net_id] = net
         logger.info("ControlNet %s loaded as %s (%d bytes)", found.name, net_id, found.version[1])
