@@ -30,13 +30,12 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-import matplotlib.pyplot as plt
 import numpy as np
 from PIL import Image
 
 from bench import sd15
 from bench.pipeline import environment
-from bench.report import run_per_model
+from bench.report import plot_design_ratios, run_per_model
 from handler.config import HandlerSettings
 from handler.controlnets import ControlSpec
 from handler.engine import DenoiseJob, JobSpec, StepEngine
@@ -186,22 +185,9 @@ def table(results: list[dict]) -> str:
 
 
 def plot(results: list[dict], path: Path) -> None:
-    figure, axes = plt.subplots(1, len(results), figsize=(6 * len(results), 4), squeeze=False)
-    for axis, result in zip(axes[0], results, strict=True):
-        names = [n for n in dict.fromkeys(row["workload"] for row in result["rows"]) if n not in (PLAIN, ALONE_PLAIN)]
-        by_case = {(row["workload"], row["design"]): row["ratio"] for row in result["rows"]}
-        width = 0.8 / len(DESIGNS)
-        for index, design in enumerate(DESIGNS):
-            positions = np.arange(len(names)) + index * width
-            axis.bar(positions, [by_case.get((n, design), 0.0) for n in names], width, label=design)
-        axis.axhline(1.0, color="black", linewidth=0.8)
-        axis.set_xticks(np.arange(len(names)) + width / 2, [n.replace(", ", ",\n") for n in names], fontsize=7)
-        axis.set_ylabel("step time / no ControlNet")
-        axis.set_title(f"{result['model']} {result['side']}x{result['side']}")
-        axis.legend(fontsize=8)
-    figure.tight_layout()
-    figure.savefig(path, dpi=110)
-    plt.close(figure)
+    plot_design_ratios(
+        results, DESIGNS, (PLAIN, ALONE_PLAIN), PLAIN, path, lambda r: f"{r['model']} {r['side']}x{r['side']}"
+    )
 
 
 def main() -> None:

@@ -27,12 +27,9 @@ import time
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-import matplotlib.pyplot as plt
-import numpy as np
-
 from bench import sd15
 from bench.pipeline import environment
-from bench.report import run_per_model
+from bench.report import plot_design_ratios, run_per_model
 from handler.config import HandlerSettings
 from handler.engine import DenoiseJob, JobSpec, StepEngine
 from handler.lora_rows import Adapters
@@ -236,23 +233,15 @@ def table(results: list[dict]) -> str:
 
 
 def plot(results: list[dict], path: Path) -> None:
-    figure, axes = plt.subplots(1, len(results), figsize=(6 * len(results), 4), squeeze=False)
-    for axis, result in zip(axes[0], results, strict=True):
-        workloads_ = [w for w in dict.fromkeys(row["workload"] for row in result["rows"]) if w != PLAIN]
-        by_case = {(row["workload"], row["design"]): row["ratio"] for row in result["rows"]}
-        width = 0.8 / len(DESIGNS)
-        for index, design in enumerate(DESIGNS):
-            positions = np.arange(len(workloads_)) + index * width
-            axis.bar(positions, [by_case[(w, design)] for w in workloads_], width, label=design)
-        axis.axhline(1.0, color="black", linewidth=0.8)
-        axis.axhline(GOALS[result["model"]], color="red", linestyle="--", linewidth=0.8, label="goal (8 different)")
-        axis.set_xticks(np.arange(len(workloads_)) + width * (len(DESIGNS) - 1) / 2, workloads_, fontsize=8)
-        axis.set_ylabel("step time / no LoRA")
-        axis.set_title(f"{result['model']} {result['side']}x{result['side']}, rank {result['rank']}")
-        axis.legend(fontsize=8)
-    figure.tight_layout()
-    figure.savefig(path, dpi=110)
-    plt.close(figure)
+    plot_design_ratios(
+        results,
+        DESIGNS,
+        (PLAIN,),
+        PLAIN,
+        path,
+        lambda r: f"{r['model']} {r['side']}x{r['side']}, rank {r['rank']}",
+        lambda r: GOALS[r["model"]],
+    )
 
 
 def main() -> None:

@@ -162,6 +162,39 @@ def publish(data: dict, table: str, plot: Callable[[Path], None], directory: Pat
     return paths
 
 
+def plot_design_ratios(
+    results: list[dict],
+    designs: tuple[str, ...],
+    baselines: tuple[str, ...],
+    what: str,
+    path: Path,
+    title: Callable[[dict], str],
+    goal: Callable[[dict], float | None] = lambda result: None,
+) -> None:
+    """One panel per model: per workload (but the ``baselines``), a bar per design with its ratio to
+    ``what`` (missing: 0), the 1.0 line and, where ``goal`` gives one, the goal's."""
+    figure, axes = plt.subplots(1, len(results), figsize=(6 * len(results), 4), squeeze=False)
+    for axis, result in zip(axes[0], results, strict=True):
+        names = [n for n in dict.fromkeys(row["workload"] for row in result["rows"]) if n not in baselines]
+        by_case = {(row["workload"], row["design"]): row["ratio"] for row in result["rows"]}
+        width = 0.8 / len(designs)
+        for index, design in enumerate(designs):
+            positions = [position + index * width for position in range(len(names))]
+            axis.bar(positions, [by_case.get((name, design), 0.0) for name in names], width, label=design)
+        axis.axhline(1.0, color="black", linewidth=0.8)
+        target = goal(result)
+        if target is not None:
+            axis.axhline(target, color="red", linestyle="--", linewidth=0.8, label="goal")
+        centres = [position + width * (len(designs) - 1) / 2 for position in range(len(names))]
+        axis.set_xticks(centres, [name.replace(", ", ",\n") for name in names], fontsize=7)
+        axis.set_ylabel(f"step time / {what}")
+        axis.set_title(title(result))
+        axis.legend(fontsize=8)
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
+    plt.close(figure)
+
+
 def run_per_model(
     description: str,
     models: dict[str, Any],
