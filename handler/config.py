@@ -71,7 +71,7 @@ class RequestLimits(_Section):
         3, ge=0, description="most ControlNets one request may combine (diffusers' MultiControlNet)"
     )
     max_controlnet_scale: float = Field(
-        2.0, gt=0, description="largest |scale| (controlnet_conditioning_scale) of a ControlNet in a request"
+        2.0, gt=0, description="largest scale (controlnet_conditioning_scale, from 0) of a ControlNet in a request"
     )
     max_input_pixels: int = Field(
         2048 * 2048,

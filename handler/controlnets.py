@@ -29,7 +29,7 @@ from diffusers import ControlNetModel
 from PIL.Image import Image
 
 from handler.families import Conditioning, Family, Residuals
-from handler.loras import valid_name
+from handler.loras import evict_least_recent, valid_name
 
 logger = logging.getLogger(__name__)
 
@@ -136,9 +136,6 @@ class ControlNetLibrary:
 
     def resolve(self, name: str) -> ControlNetDir:
         """The directory of a ControlNet name (checked first, so no path outside the directory is touched)."""
-        if not self.family.rules.controlnets:
-            message = f"ControlNets are served for SD 1.x/2.x and SDXL models, not {self.family.name}"
-            raise ControlNetError("controlnets_unavailable", message)
         if self.directory is None:
             raise ControlNetError(
                 "controlnets_disabled",
@@ -200,13 +197,9 @@ class ControlNetLibrary:
     def _evict(self, keep: set[str]) -> None:
         """Evict least recently used ControlNets that ``keep`` does not hold until at most
         ``max_loaded`` are in memory."""
-        for key, net_id in list(self._loaded.items()):
-            if len(self._loaded) <= self.max_loaded:
-                return
-            if net_id not in keep:
-                del self._loaded[key]
-                del self._nets[net_id]
-                logger.info("ControlNet %s (%s) evicted", key[0], net_id)
+        evict_least_recent(
+            self._loaded, keep, lambda: len(self._loaded) <= self.max_loaded, self._nets.pop, "ControlNet"
+        )
 
     def residuals(
         self,

@@ -33,7 +33,7 @@ logger = logging.getLogger(__name__)
 
 NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
 SUFFIX = ".safetensors"
-__all__ = ["Adapters", "LoraBusy", "LoraError", "LoraFile", "LoraLibrary", "valid_name"]
+__all__ = ["Adapters", "LoraBusy", "LoraError", "LoraFile", "LoraLibrary", "evict_least_recent", "valid_name"]
 
 
 class LoraError(Exception):
@@ -62,6 +62,20 @@ class LoraFile:
 
 def valid_name(name: str) -> bool:
     return bool(NAME.fullmatch(name)) and ".." not in name
+
+
+def evict_least_recent(
+    loaded: OrderedDict[Any, str], keep: set[str], enough: Callable[[], bool], forget: Callable[[str], Any], kind: str
+) -> None:
+    """Evict from ``loaded`` ((name, version) -> id, least recently used first) the entries whose id
+    ``keep`` does not hold, ``forget`` each, until ``enough`` (the LoRA and ControlNet libraries')."""
+    for key, loaded_id in list(loaded.items()):
+        if enough():
+            return
+        if loaded_id not in keep:
+            del loaded[key]
+            forget(loaded_id)
+            logger.info("%s %s (%s) evicted", kind, key[0], loaded_id)
 
 
 class LoraLibrary:
@@ -199,13 +213,7 @@ class LoraLibrary:
         """Evict least recently used adapters that ``keep`` does not hold until ``enough`` (by default:
         at most ``max_loaded`` in memory)."""
         enough = enough or (lambda: len(self._loaded) <= self.max_loaded)
-        for key, adapter in list(self._loaded.items()):
-            if enough():
-                return
-            if adapter not in keep:
-                del self._loaded[key]
-                self._forget(adapter)
-                logger.info("LoRA %s (%s) evicted", key[0], adapter)
+        evict_least_recent(self._loaded, keep, enough, self._forget, "LoRA")
 
     def _held(self) -> set[str]:
         """The adapters some component of the pipeline holds."""

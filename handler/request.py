@@ -44,7 +44,6 @@ from handler.loras import valid_name
 TEXT_CONTENT_PREFIX = "text/"
 # Most previews a streamed request may ask for (as the OpenAI Images API allows).
 MAX_PARTIAL_IMAGES = 3
-# Fields bounded above by an operator setting in RequestLimits.
 # What a list field looks like as JSON text (a form or query field), for its error.
 LIST_EXAMPLES = {
     "loras": {"field": "loras", "example": '[{"name": "outline", "scale": 0.8}]'},
@@ -52,6 +51,7 @@ LIST_EXAMPLES = {
 }
 # A form's file part holding the control image of a ControlNet entry.
 CONTROL_FILE = re.compile(r"controlnets\.(\d{1,2})\.image")
+# Fields bounded above by an operator setting in RequestLimits.
 UPPER_LIMITS = {
     "num_inference_steps": "max_inference_steps",
     "guidance_scale": "max_guidance_scale",
@@ -124,6 +124,13 @@ def _above_limit(value: float, limit: float, setting: str) -> PydanticCustomErro
     )
 
 
+def _served_name(value: str, rule: str, what: str) -> str:
+    """A LoRA's or ControlNet's name, checked before any file is touched (``handler.loras.valid_name``)."""
+    if not valid_name(value):
+        raise PydanticCustomError(rule, f"{what} of letters, digits, '_', '-' and '.' (at most 64, no '..', no path)")
+    return value
+
+
 def _at_most(items: list, limit: int, what: str, setting: str) -> None:
     """Raises where a request lists more ``what`` than the configured ``setting`` allows."""
     if len(items) > limit:
@@ -145,12 +152,7 @@ class LoraChoice(BaseModel):
     @field_validator("name")
     @classmethod
     def _a_name_not_a_path(cls, value: str) -> str:
-        if not valid_name(value):
-            raise PydanticCustomError(
-                "lora_name",
-                "a LoRA name is a file stem of letters, digits, '_', '-' and '.' (at most 64, no '..', no path)",
-            )
-        return value
+        return _served_name(value, "lora_name", "a LoRA name is a file stem")
 
     @field_validator("scale")
     @classmethod
@@ -195,13 +197,7 @@ class ControlNetChoice(BaseModel):
     @field_validator("name")
     @classmethod
     def _a_name_not_a_path(cls, value: str) -> str:
-        if not valid_name(value):
-            raise PydanticCustomError(
-                "controlnet_name",
-                "a ControlNet name is a directory name of letters, digits, '_', '-' and '.' (at most 64, no '..', "
-                "no path)",
-            )
-        return value
+        return _served_name(value, "controlnet_name", "a ControlNet name is a directory name")
 
     @field_validator("high_threshold")
     @classmethod

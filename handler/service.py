@@ -323,6 +323,10 @@ class DiffusionService:
             "controlnets": [item.describe() for item in self.engine.controlnets.available()],
         }
 
+    def _specs_in_use(self, starting: Iterable[JobSpec]) -> list[JobSpec]:
+        """The jobs whose LoRAs and ControlNets must stay loaded: those starting and those in flight."""
+        return [*starting, *(flight.job.spec for flight in self.flights.values())]
+
     def _controlnets(
         self, rid: str, request: GenerationRequest, starting: Iterable[JobSpec]
     ) -> tuple[str, ...] | Response:
@@ -330,11 +334,7 @@ class DiffusionService:
         flight and starting), or its 400."""
         if not request.controlnets:
             return ()
-        in_use = {
-            control.net
-            for spec in (*starting, *(flight.job.spec for flight in self.flights.values()))
-            for control in spec.controls
-        }
+        in_use = {control.net for spec in self._specs_in_use(starting) for control in spec.controls}
         try:
             nets = self.engine.controlnets.acquire([choice.name for choice in request.controlnets], in_use)
         except ControlNetError as error:
@@ -351,11 +351,7 @@ class DiffusionService:
         starting), or its 400."""
         if not request.loras:
             return ()
-        in_use = {
-            adapter
-            for spec in (*starting, *(flight.job.spec for flight in self.flights.values()))
-            for adapter, _ in spec.adapters
-        }
+        in_use = {adapter for spec in self._specs_in_use(starting) for adapter, _ in spec.adapters}
         try:
             adapters = self.engine.loras.acquire([(lora.name, lora.scale) for lora in request.loras], in_use)
         except LoraError as error:

@@ -347,7 +347,7 @@ class Family(ABC):
     def preprocess_control(self, image: Image, width: int, height: int) -> torch.Tensor:
         """A control image as the ControlNet pipelines' ``prepare_image`` takes it: ``(1, 3, height,
         width)`` in [0, 1], resized by their control image processor where its size differs."""
-        pixels = self.control_processor.preprocess(image, height=height, width=width).to(dtype=torch.float32)
+        pixels = self.control_processor.preprocess(image, height=height, width=width)
         return pixels.to(device=self.device, dtype=self.dtype)
 
     # The VAE and the images.
