@@ -41,7 +41,8 @@ help:
 	@echo "make model-grid     prompt x seed grid of the default model through TorchServe: docs/img/default-model-grid.png"
 	@echo "make loadtest       locust against the running server (make serve), judged against the SLA in benchmark_config.yaml"
 	@echo "make sweep          batch size / delay / workers / concurrency sweep on its own server; report in reports/"
-	@echo "make bench-overhead serving overhead: TorchServe end to end vs the pipeline in-process; OpenAI API vs native"
+	@echo "make bench-overhead serving overhead: TorchServe end to end vs the pipeline in-process, where the time goes; OpenAI API vs native"
+	@echo "                    BENCH_ARGS=--profile also samples the worker with py-spy"
 	@echo "make bench-pipeline attention / precision / channels_last / compile / slicing variants side by side; report in reports/"
 	@echo "                    BENCH_ARGS='--model sd15' for SD 1.5's architecture with random weights, '--quick' for CI"
 	@echo "make bench-continuous the shipped continuous batching vs dynamic batching, capacity and Poisson load; reports/continuous/"
@@ -158,7 +159,7 @@ sweep: venv
 	$(PY) -m loadtest.sweep $(SWEEP_ARGS)
 
 bench-overhead: venv
-	$(PY) -m bench.overhead
+	$(PY) -m bench.overhead $(BENCH_ARGS)
 
 bench-pipeline: venv
 	$(PY) -m bench.pipeline $(BENCH_ARGS)

@@ -216,20 +216,23 @@ class DiffusionMetrics:
     def batch_received(self, size: int) -> None:
         """Requests admitted together: a TorchServe batch, or the requests joining one iteration."""
         self._record(BATCH_SIZE, size)
-        self._record(LATENCY_SLA, self.latency_sla_seconds)
 
     def request_rejected(self, fields: list[str]) -> None:
         for field in sorted(set(fields)):
             self._record(INVALID_REQUESTS, 1, field)
 
     def queue(self, queue: QueueGauges) -> None:
-        """The queue gauges, recorded when they change (each record is a log line TorchServe parses)."""
-        if queue == self._queue:
-            return
+        """The queue gauges, each recorded when it changes: every record is a log line that
+        TorchServe's frontend parses, at a cost of its CPU (docs/benchmarks.md, "Serving overhead")."""
+        last = self._queue
         self._queue = queue
-        self._record(IN_FLIGHT, queue.requests, self.worker)
-        self._record(IN_FLIGHT_IMAGES, queue.images, self.worker)
-        self._record(WAITING, queue.waiting, self.worker)
+        for spec, value, before in (
+            (IN_FLIGHT, queue.requests, last and last.requests),
+            (IN_FLIGHT_IMAGES, queue.images, last and last.images),
+            (WAITING, queue.waiting, last and last.waiting),
+        ):
+            if last is None or value != before:
+                self._record(spec, value, self.worker)
 
     def lora_requests(self, names: list[str]) -> None:
         """A request admitted with these LoRAs (names that resolved to files in the directory)."""
@@ -279,14 +282,16 @@ class DiffusionMetrics:
         self._record(REQUEST_LATENCY_SLA_RATIO, latency_seconds / self.latency_sla_seconds)
         if encode_seconds is not None:
             self._record(ENCODE, encode_seconds)
-        # 0 for a request in time, so the counter exists (and its rate is 0) before the first miss
-        self._record(DEADLINE_MISSES, 1 if latency_seconds > self.latency_sla_seconds else 0)
+        if latency_seconds > self.latency_sla_seconds:
+            self._record(DEADLINE_MISSES, 1)
 
     def worker_ready(self, seconds: float) -> None:
         """A worker starts: its gauges read an empty queue (also where a worker of the same id died
-        with requests in flight), and the counters exist, so that their rate reads 0, not nothing."""
+        with requests in flight), and the counters exist, so that their rate reads 0, not nothing.
+        The SLA gauge is recorded here only: a gauge keeps its value."""
         self._record(WORKER_WARMUP, seconds)
         self._record(LATENCY_SLA, self.latency_sla_seconds)
+        self._record(DEADLINE_MISSES, 0)
         self._queue = None
         self.queue(QueueGauges())
         for stage in OOM_STAGES:

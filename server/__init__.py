@@ -36,6 +36,8 @@ _HOMES = {
     "build": "server.archive",
     "console_script": "server.archive",
     "write_model_config": "server.archive",
+    "serving_defaults": "server.archive",
+    "visible_gpus": "server.archive",
     "scale": "server.scaling",
     "ScaleError": "server.scaling",
 }

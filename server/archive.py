@@ -9,7 +9,8 @@ The packaged model-config.yaml is the given one with the worker count filled in 
 neither ``minWorkers`` nor ``maxWorkers`` (one worker per GPU visible here, or ``--gpus``:
 TorchServe gives workers GPUs round-robin; one on a CPU host or device or with continuous
 batching), then the batching mode where it does not set ``continuousBatching``: continuous
-batching with one worker, dynamic batching with several.
+batching with one worker, dynamic batching with several; then ``maxBatchDelay`` where it does not
+set it, the one measured best for that mode (``BATCH_DELAY_MS``).
 """
 
 from __future__ import annotations
@@ -35,6 +36,13 @@ logger = logging.getLogger("archive")
 MODEL_NAME = "stable-diffusion"
 PICKLE_SUFFIXES = {".bin", ".ckpt", ".pt", ".pth", ".pkl", ".pickle"}
 NO_ARCHIVE_ABOVE_BYTES = 1 << 30
+# maxBatchDelay (ms) per batching mode, where model-config.yaml leaves it out (docs/benchmarks.md,
+# "Serving overhead"). Continuous batching: an idle worker waits this long for batchmates before its
+# first step, although a later request joins at the next step anyway; so the least wait. Not 0:
+# TorchServe 0.12 counts the delay down while it takes queued requests, in flight or not, and at 0
+# stops after one, so that one request joined per call. Dynamic batching: a batch is closed after
+# this long, and a request arriving later waits for the whole batch.
+BATCH_DELAY_MS = {"continuous": 1, "dynamic": 50}
 MANIFEST = "MAR-INF/MANIFEST.json"
 
 
@@ -98,6 +106,14 @@ def default_batching(config: dict) -> tuple[dict, str]:
     )
 
 
+def default_batch_delay(config: dict) -> tuple[dict, str]:
+    """``config`` (its batching mode set) with ``maxBatchDelay`` set where it does not set it, and why."""
+    if "maxBatchDelay" in config:
+        return config, "set in the model config"
+    mode = "continuous" if config["continuousBatching"] else "dynamic"
+    return {**config, "maxBatchDelay": BATCH_DELAY_MS[mode]}, f"{mode} batching's"
+
+
 def visible_gpus() -> int:
     """CUDA devices this process sees (``CUDA_VISIBLE_DEVICES`` applies)."""
     import torch  # here: it takes seconds to import, and the health check imports this module's importers
@@ -107,14 +123,17 @@ def visible_gpus() -> int:
 
 def serving_defaults(config: dict, gpus: int) -> tuple[dict, str]:
     """``config`` as it serves on a host with ``gpus`` GPUs: the worker count, then the batching
-    mode, filled in where it leaves them out; and a sentence saying what was chosen and why."""
+    mode, then the batch delay, filled in where it leaves them out; and a sentence saying what was
+    chosen and why."""
     with_workers, workers_reason = default_workers(config, gpus)
-    filled, batching_reason = default_batching(with_workers)
+    with_mode, batching_reason = default_batching(with_workers)
+    filled, delay_reason = default_batch_delay(with_mode)
     workers = filled.get("minWorkers", filled.get("maxWorkers", "TorchServe's default"))
     mode = "continuous" if filled["continuousBatching"] else "dynamic"
     return filled, (
         f"workers: {workers} ({workers_reason}); batching: {mode} ({batching_reason}); "
-        "set minWorkers/maxWorkers and continuousBatching in model-config.yaml to choose"
+        f"maxBatchDelay: {filled['maxBatchDelay']} ms ({delay_reason}); "
+        "set minWorkers/maxWorkers, continuousBatching and maxBatchDelay in model-config.yaml to choose"
     )
 
 

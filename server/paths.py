@@ -16,6 +16,7 @@ DOCKERFILE = ROOT / "docker" / "Dockerfile"  # the serving image
 CONFIG_PROPERTIES = ROOT / "config.properties"  # TorchServe's server settings
 MODEL_CONFIG = ROOT / "model-config.yaml"  # the archive's frontend and handler settings
 METRICS_CONFIG = ROOT / "metrics.yaml"  # TorchServe's metrics_config (generated from handler/metrics.py)
+LOG_CONFIG = ROOT / "server" / "log4j2.xml"  # TorchServe's frontend logging
 BENCHMARK_CONFIG = ROOT / "benchmark_config.yaml"  # SLA, request mix, load test and sweep
 MODEL_STORE = ROOT / "model_store"
 RUNTIME = ROOT / "runtime"  # make serve's working directory: key_file.json, logs/

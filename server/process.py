@@ -25,7 +25,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from server.archive import MODEL_NAME, archive_model_config, build, console_script
 from server.control import CONTROL_DIR_ENV, ControlDir
-from server.paths import CONFIG_PROPERTIES, CONTROLNET_DIR, LORA_DIR
+from server.paths import CONFIG_PROPERTIES, CONTROLNET_DIR, LOG_CONFIG, LORA_DIR
 from server.properties import (
     EFFECTIVE_CONFIG,
     KEY_FILE,
@@ -164,8 +164,8 @@ class TorchServe:
         return write_properties(self.workdir / EFFECTIVE_CONFIG, self._properties())
 
     def start(self, load_model: bool = True) -> None:
-        """Launch ``torchserve --foreground`` with key_file.json and logs in the working directory;
-        with ``load_model`` the model archive is loaded at start."""
+        """Launch ``torchserve --foreground`` with key_file.json and logs in the working directory
+        (``LOG_CONFIG`` says what is logged); with ``load_model`` the model archive is loaded at start."""
         (self.workdir / "logs").mkdir(parents=True, exist_ok=True)
         (self.workdir / KEY_FILE).unlink(missing_ok=True)
         self.control.reset()
@@ -178,6 +178,8 @@ class TorchServe:
             str(self._effective_config()),
             "--model-store",
             str(self.model_store),
+            "--log-config",
+            str(LOG_CONFIG),
         ]
         if load_model:
             command += ["--models", f"{self.model_name}={find_archive(self.model_store, self.model_name)}"]

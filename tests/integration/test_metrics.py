@@ -33,6 +33,11 @@ def test_every_declared_metric_is_exported_after_traffic_in_both_modes(request, 
     for spec in METRICS:
         exported = f"{spec.name}_count" if spec.type == "histogram" else spec.name
         assert exported in names, f"{spec.name} is not exported ({mode})"
+    # server/log4j2.xml: metric lines parsed, not echoed into the log; no DEBUG; each line written once
+    log = (server.workdir / "logs" / "ts_log.log").read_text(errors="replace")
+    assert "result=[METRICS]" not in log and "[DEBUG]" not in log
+    answered = log.count("Backend response time")
+    assert answered >= 3 and answered == server.console_log.read_text(errors="replace").count("Backend response time")
 
 
 def test_metric_values_match_the_traffic_of_a_dynamic_batch(dynamic_client, dynamic_server):

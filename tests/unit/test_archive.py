@@ -10,6 +10,7 @@ import pytest
 import yaml
 
 from server.archive import (
+    BATCH_DELAY_MS,
     archive_model_config,
     build,
     console_script,
@@ -114,17 +115,35 @@ def test_the_batching_mode_follows_the_worker_count_unless_the_config_sets_it(co
         assert "batching: " + ("continuous" if continuous else "dynamic") + " (set in the model config)" in chosen
 
 
+@pytest.mark.parametrize(
+    ("config", "delay"),
+    [
+        ({"continuousBatching": True}, BATCH_DELAY_MS["continuous"]),
+        ({"continuousBatching": False}, BATCH_DELAY_MS["dynamic"]),
+        ({"minWorkers": 2, "maxWorkers": 2}, BATCH_DELAY_MS["dynamic"]),  # several workers: dynamic batching
+        ({"continuousBatching": True, "maxBatchDelay": 20}, 20),  # the user's choice always wins
+        ({"continuousBatching": False, "maxBatchDelay": 0}, 0),
+    ],
+)
+def test_the_batch_delay_follows_the_batching_mode_unless_the_config_sets_it(config, delay):
+    filled, chosen = serving_defaults(config, gpus=0)
+    assert filled["maxBatchDelay"] == delay and f"maxBatchDelay: {delay} ms" in chosen
+    assert BATCH_DELAY_MS["continuous"] < BATCH_DELAY_MS["dynamic"]  # an idle continuous worker need not wait
+
+
 def test_the_archive_config_gets_workers_and_batching_and_the_shipped_one_sets_neither(tmp_path, model_copy, caplog):
     shipped = SHIPPED_CONFIG
-    assert not {"minWorkers", "maxWorkers", "continuousBatching"} & set(shipped)
+    assert not {"minWorkers", "maxWorkers", "continuousBatching", "maxBatchDelay"} & set(shipped)
     archive = build(model_copy, MODEL_CONFIG, tmp_path / "store", gpus=2)
     packaged = yaml.safe_load(zipfile.ZipFile(archive).read("model-config.yaml"))
     assert (packaged["minWorkers"], packaged["maxWorkers"], packaged["continuousBatching"]) == (2, 2, False)
+    assert packaged["maxBatchDelay"] == BATCH_DELAY_MS["dynamic"]
     assert packaged["handler"] == shipped["handler"]
     with caplog.at_level(logging.INFO, logger="archive"):
         build(model_copy, MODEL_CONFIG, tmp_path / "store", gpus=1)
     packaged = yaml.safe_load(zipfile.ZipFile(archive).read("model-config.yaml"))
     assert (packaged["minWorkers"], packaged["continuousBatching"]) == (1, True), "a different GPU count rebuilds"
+    assert packaged["maxBatchDelay"] == BATCH_DELAY_MS["continuous"]
     assert "workers: 1 (one per visible GPU, 1 visible); batching: continuous (one worker" in caplog.text
 
 

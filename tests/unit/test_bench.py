@@ -1,4 +1,5 @@
-"""The pipeline benchmark's pure parts: variants, image distance, FLOP counting, the report."""
+"""The benchmarks' pure parts: variants, image distance, FLOP counting, the reports, the serving
+overhead's breakdown."""
 
 from __future__ import annotations
 
@@ -11,13 +12,14 @@ from diffusers import UNet2DConditionModel
 from diffusers.models.attention_processor import AttnProcessor
 from torch.utils.flop_counter import FlopCounterMode
 
-from bench import sd15, sdxl
+from bench import overhead, sd15, sdxl
 from bench.measure import Workload, unet_flops
 from bench.pipeline import image_distance
 from bench.report import markdown
 from bench.variants import BASELINE, VARIANT_NAMES, VARIANTS, select
 from handler.config import HandlerSettings
 from handler.families import family_of
+from server.archive import BATCH_DELAY_MS
 from server.paths import RANDOM_MODEL_DIR
 
 
@@ -176,3 +178,64 @@ def test_engine_overhead_table_states_the_ratio_per_family_and_batch():
     )
     assert "| sd1 | shapes-sd | 1 | 64x64 | 25 | 0.2000 | 0.2100 | 1.050x | 0 | 0 |" in table
     assert "| sdxl | tiny-sdxl | 8 | 64x64 | 25 | 0.4000 | 0.3800 | 0.950x | 1 | 2 |" in table
+
+
+def _overhead_result(client_ms: float, frontend_ms: float, worker_ms: float, local_ms: float) -> dict:
+    service = {"service": 0.0, "steps": 0.0, "decode": 0.0, "encode": 0.001}
+    return {
+        "in_process_median_s": local_ms / 1000,
+        "http_median_s": client_ms / 1000,
+        "paired_difference_median_s": (client_ms - local_ms) / 1000,
+        "ping_median_s": 0.002,
+        "mean_s": {"client": client_ms / 1000, "frontend": frontend_ms / 1000, "in_process": local_ms / 1000},
+        "worker": {**service, "service": worker_ms / 1000},
+        "in_process": {**service, "service": local_ms / 1000},
+        "cpu_s_per_request": {"frontend": 0.02, "worker": 0.2, "in_process": 0.18},
+    }
+
+
+def test_overhead_breakdown_adds_up_to_the_clients_time_and_the_table_shows_every_registration(tmp_path):
+    result = _overhead_result(client_ms=100.0, frontend_ms=95.0, worker_ms=91.0, local_ms=88.0)
+    parts = overhead.breakdown(result)
+    assert sum(parts.values()) == pytest.approx(0.100)
+    assert parts["service in the worker, beyond in-process"] == pytest.approx(0.003)
+    registrations = overhead.registrations()
+    assert [entry.batch_size for entry in registrations][0] == 1
+    shipped = registrations[1]
+    assert shipped.label.startswith("shipped") and shipped.delay_ms == BATCH_DELAY_MS["continuous"]  # no GPU here
+    report = {
+        "date": "2026-11-27 01:00 UTC",
+        "machine": "2 CPUs",
+        "request": overhead.REQUEST,
+        "repeats": 3,
+        "registrations": [{**vars(entry), "result": result} for entry in registrations],
+        "native_json_median_s": 0.1,
+        "openai_median_s": 0.101,
+    }
+    text = overhead.table(report)
+    for entry in registrations:
+        assert f"| {entry.label} | 88.0 | 100.0 | 12.0 | 1.14x |" in text
+    assert "| client, total | 100.0 | 100.0 | 100.0 |" in text and "= 1.01x (+1.0 ms)" in text
+    assert "| TorchServe's floor: GET /ping round trip, median | 2.0 | 2.0 | 2.0 |" in text
+    overhead.plot(report, tmp_path / "overhead.png")
+    assert (tmp_path / "overhead.png").stat().st_size > 0
+
+
+def test_the_worker_profile_names_each_sample_by_the_innermost_part_it_is_in():
+    loop = "<module> (/v/ts/model_service_worker.py:301);handle_connection (/v/ts/model_service_worker.py:187)"
+    handle = f"{loop};predict (/v/ts/service.py:130);handle (/tmp/models/a1/sd_handler.py:190)"
+    step = f"{handle};iterate (/tmp/models/a1/handler/service.py:160);step (/tmp/models/a1/handler/engine.py:260)"
+    collapsed = "\n".join(
+        [
+            f"{step};forward (/v/torch/nn/modules/conv.py:554) 60",
+            f"{step};_stepped (/tmp/models/a1/handler/service.py:480);_record (/tmp/m/handler/metrics.py:214) 5",
+            f"{handle};_admit (/tmp/models/a1/handler/service.py:230) 20",
+            f"{handle};to_incoming (/tmp/models/a1/sd_handler.py:80) 5",
+            f"{loop} 10",
+        ]
+    )
+    shares = overhead.profile_shares(collapsed)
+    assert shares["denoising steps"] == 0.6 and shares["metric records (log lines TorchServe parses)"] == 0.05
+    assert shares["admission: validation, prompt encoding"] == 0.2 and shares["the handler, other"] == 0.05
+    assert shares[overhead.WORKER_LOOP] == 0.1 and sum(shares.values()) == pytest.approx(1.0)
+    assert overhead.profile_shares("") == {}

@@ -16,6 +16,7 @@ from loadtest.config import SLA, BenchmarkConfig
 from loadtest.report import best_point, write_report
 from loadtest.results import PointResult, ServerFigures, server_figures
 from loadtest.run import LoadResult, summarize
+from server.archive import BATCH_DELAY_MS
 from server.paths import BENCHMARK_CONFIG, ROOT
 
 CONFIG = BenchmarkConfig.load(BENCHMARK_CONFIG)
@@ -39,11 +40,14 @@ def test_shipped_configs_are_valid_and_sweep_batching(path):
 def test_the_shipped_sweep_measures_both_batching_modes():
     points = CONFIG.sweep.points()
     assert {point.continuous_batching for point in points} == {False, True}
+    assert set(BATCH_DELAY_MS.values()) <= set(CONFIG.sweep.max_batch_delay), "the delays packaging ships"
     assert points[0].label.startswith("dynamic, batch") and points[-1].label.startswith("continuous, batch")
 
 
 def test_the_sweep_leaves_out_continuous_batching_with_more_than_one_worker():
-    sweep = CONFIG.sweep.model_copy(update={"workers": [1, 2], "batch_size": [8], "concurrency": [8]})
+    sweep = CONFIG.sweep.model_copy(
+        update={"workers": [1, 2], "batch_size": [8], "max_batch_delay": [50], "concurrency": [8]}
+    )
     assert [(point.mode, point.workers) for point in sweep.points()] == [
         ("dynamic", 1),
         ("dynamic", 2),
