@@ -240,7 +240,7 @@ def main() -> None:
     parser.add_argument("--cycles", type=int, default=20)
     parser.add_argument("--clients", type=int, default=6)
     parser.add_argument("--path", choices=PATHS, action="append", help="raw, safe or both (the default)")
-    parser.add_argument("--max-batch-delay", type=int, help="maxBatchDelay in ms [model-config.yaml's]")
+    parser.add_argument("--max-batch-delay", type=int, help="maxBatchDelay in ms [packaging's for dynamic batching]")
     parser.add_argument("--output", type=Path, default=REPORTS / "scaling")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")

@@ -10,7 +10,10 @@ import pytest
 from PIL import Image
 
 from handler.metrics import METRICS
-from tests.harness.serving import SHIPPED_CONFIG, Client, run_behind_blocker, value
+from tests.harness.serving import SHIPPED_CONFIG, Client, eventually, run_behind_blocker, value
+
+# What TorchServe's default logging writes per request and server/log4j2.xml leaves out.
+PER_REQUEST_NOISE = ("result=[METRICS]", "Flushing req.cmd", "Waiting time ns")
 
 
 def black_png() -> str:
@@ -33,11 +36,18 @@ def test_every_declared_metric_is_exported_after_traffic_in_both_modes(request, 
     for spec in METRICS:
         exported = f"{spec.name}_count" if spec.type == "histogram" else spec.name
         assert exported in names, f"{spec.name} is not exported ({mode})"
-    # server/log4j2.xml: metric lines parsed, not echoed into the log; no DEBUG; each line written once
-    log = (server.workdir / "logs" / "ts_log.log").read_text(errors="replace")
-    assert "result=[METRICS]" not in log and "[DEBUG]" not in log
-    answered = log.count("Backend response time")
-    assert answered >= 3 and answered == server.console_log.read_text(errors="replace").count("Backend response time")
+    # server/log4j2.xml: metric lines parsed, not echoed into the log; no per-request DEBUG lines; each
+    # line written once (to the console, then to ts_log.log: compared once both have it)
+    ts_log = server.workdir / "logs" / "ts_log.log"
+    log = ts_log.read_text(errors="replace")
+    assert not [line for line in PER_REQUEST_NOISE if line in log]
+    assert log.count("Backend response time") >= 3
+
+    def written_once() -> bool:
+        once = server.console_log.read_text(errors="replace").count("Backend response time")
+        return ts_log.read_text(errors="replace").count("Backend response time") == once
+
+    eventually(written_once, "each frontend line written once to ts_log.log", timeout=10)
 
 
 def test_metric_values_match_the_traffic_of_a_dynamic_batch(dynamic_client, dynamic_server):

@@ -194,7 +194,8 @@ def _overhead_result(client_ms: float, frontend_ms: float, worker_ms: float, loc
     }
 
 
-def test_overhead_breakdown_adds_up_to_the_clients_time_and_the_table_shows_every_registration(tmp_path):
+def test_overhead_breakdown_adds_up_to_the_clients_time_and_the_table_shows_every_registration(tmp_path, monkeypatch):
+    monkeypatch.setattr(overhead, "visible_gpus", lambda: 0)  # a CPU host: one worker, continuous batching
     result = _overhead_result(client_ms=100.0, frontend_ms=95.0, worker_ms=91.0, local_ms=88.0)
     parts = overhead.breakdown(result)
     assert sum(parts.values()) == pytest.approx(0.100)
@@ -202,7 +203,8 @@ def test_overhead_breakdown_adds_up_to_the_clients_time_and_the_table_shows_ever
     registrations = overhead.registrations()
     assert [entry.batch_size for entry in registrations][0] == 1
     shipped = registrations[1]
-    assert shipped.label.startswith("shipped") and shipped.delay_ms == BATCH_DELAY_MS["continuous"]  # no GPU here
+    assert shipped.label.startswith("shipped") and shipped.delay_ms == BATCH_DELAY_MS["continuous"]
+    assert registrations[2].delay_ms == overhead.BEFORE_DELAY_MS
     report = {
         "date": "2026-11-27 01:00 UTC",
         "machine": "2 CPUs",
@@ -219,9 +221,11 @@ def test_overhead_breakdown_adds_up_to_the_clients_time_and_the_table_shows_ever
     assert "| TorchServe's floor: GET /ping round trip, median | 2.0 | 2.0 | 2.0 |" in text
     overhead.plot(report, tmp_path / "overhead.png")
     assert (tmp_path / "overhead.png").stat().st_size > 0
+    monkeypatch.setattr(overhead, "visible_gpus", lambda: 4)  # four workers: dynamic batching, already 50 ms
+    assert [entry.delay_ms for entry in overhead.registrations()] == [0, BATCH_DELAY_MS["dynamic"]]
 
 
-def test_the_worker_profile_names_each_sample_by_the_innermost_part_it_is_in():
+def test_the_worker_profile_names_each_sample_by_the_first_part_its_stack_holds():
     loop = "<module> (/v/ts/model_service_worker.py:301);handle_connection (/v/ts/model_service_worker.py:187)"
     handle = f"{loop};predict (/v/ts/service.py:130);handle (/tmp/models/a1/sd_handler.py:190)"
     step = f"{handle};iterate (/tmp/models/a1/handler/service.py:160);step (/tmp/models/a1/handler/engine.py:260)"
