@@ -122,6 +122,11 @@ def _cpu_seconds(process: psutil.Process) -> float:
     return times.user + times.system
 
 
+def _answered(session: requests.Session, server: TorchServe, url: str, body: dict) -> None:
+    """``body`` posted to ``url`` with the inference key; fails unless the answer is a 200."""
+    session.post(url, json=body, headers=server.auth(), timeout=120).raise_for_status()
+
+
 def _timed(action: Callable[[], None]) -> tuple[float, float]:
     """Wall-clock and this process's CPU seconds of ``action``."""
     started, cpu = time.perf_counter(), time.process_time()
@@ -181,7 +186,7 @@ def profile_worker(server: TorchServe, repeats: int, output: Path) -> dict[str, 
     (worker,) = server.describe()["workers"]
     with sampled(int(worker["pid"]), output):
         for _ in range(repeats):
-            session.post(server.predictions_url, json=REQUEST, headers=server.auth(), timeout=120).raise_for_status()
+            _answered(session, server, server.predictions_url, REQUEST)
     if not output.exists():
         logger.warning("py-spy wrote no samples of the worker (is ptrace allowed?); no profile")
         return {}
@@ -192,10 +197,7 @@ def measure(server: TorchServe, local: InProcess, continuous: bool, repeats: int
     """``repeats`` rounds of one in-process request and one HTTP request (after ``WARMUP``), and the
     breakdown of their mean time (seconds per request)."""
     session = requests.Session()
-
-    def over_http() -> None:
-        session.post(server.predictions_url, json=REQUEST, headers=server.auth(), timeout=120).raise_for_status()
-
+    over_http = partial(_answered, session, server, server.predictions_url, REQUEST)
     in_process = partial(local.once, continuous)
     for _ in range(WARMUP):
         in_process()
@@ -269,7 +271,7 @@ def native_and_openai(server: TorchServe, repeats: int) -> tuple[float, float]:
     for index in range(WARMUP + repeats):
         for url, body, timings in ((server.predictions_url, NATIVE_JSON, native), (openai_url, OPENAI, openai)):
             started = time.perf_counter()
-            session.post(url, json=body, headers=server.auth(), timeout=120).raise_for_status()
+            _answered(session, server, url, body)
             if index >= WARMUP:
                 timings.append(time.perf_counter() - started)
     return statistics.median(native), statistics.median(openai)
@@ -352,12 +354,12 @@ def plot(report: dict, path: Path) -> None:
     """One stacked bar per registration: the parts of a request's mean time (a part below 0, noise
     in the difference of two means, drawn as 0)."""
     rows = report["registrations"]
-    parts = list(breakdown(rows[0]["result"]))
+    splits = [breakdown(row["result"]) for row in rows]
     figure, axis = plt.subplots(figsize=(11, 4.6))
     left = [0.0] * len(rows)
     labels = [row["label"].replace(": ", ":\n") for row in rows]
-    for part in parts:
-        widths = [max(breakdown(row["result"])[part], 0.0) * 1000 for row in rows]
+    for part in splits[0]:
+        widths = [max(split[part], 0.0) * 1000 for split in splits]
         axis.barh(labels, widths, left=left, label=part)
         left = [start + width for start, width in zip(left, widths, strict=True)]
     axis.invert_yaxis()
@@ -379,9 +381,10 @@ def main() -> None:
     args = parser.parse_args()
     args.output.mkdir(parents=True, exist_ok=True)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
+    gpus = visible_gpus()
     report: dict = {
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-        "machine": f"{psutil.cpu_count()} CPUs" + (f", {visible_gpus()} GPUs" if visible_gpus() else ""),
+        "machine": f"{psutil.cpu_count()} CPUs" + (f", {gpus} GPUs" if gpus else ""),
         "request": REQUEST,
         "repeats": args.repeats,
         "registrations": [],

@@ -106,11 +106,16 @@ def default_batching(config: dict) -> tuple[dict, str]:
     )
 
 
+def _batching_mode(config: dict) -> str:
+    """``continuous`` or ``dynamic``, as ``config`` (its batching mode set) says."""
+    return "continuous" if config["continuousBatching"] else "dynamic"
+
+
 def default_batch_delay(config: dict) -> tuple[dict, str]:
     """``config`` (its batching mode set) with ``maxBatchDelay`` set where it does not set it, and why."""
     if "maxBatchDelay" in config:
         return config, "set in the model config"
-    mode = "continuous" if config["continuousBatching"] else "dynamic"
+    mode = _batching_mode(config)
     return {**config, "maxBatchDelay": BATCH_DELAY_MS[mode]}, f"{mode} batching's"
 
 
@@ -129,9 +134,8 @@ def serving_defaults(config: dict, gpus: int) -> tuple[dict, str]:
     with_mode, batching_reason = default_batching(with_workers)
     filled, delay_reason = default_batch_delay(with_mode)
     workers = filled.get("minWorkers", filled.get("maxWorkers", "TorchServe's default"))
-    mode = "continuous" if filled["continuousBatching"] else "dynamic"
     return filled, (
-        f"workers: {workers} ({workers_reason}); batching: {mode} ({batching_reason}); "
+        f"workers: {workers} ({workers_reason}); batching: {_batching_mode(filled)} ({batching_reason}); "
         f"maxBatchDelay: {filled['maxBatchDelay']} ms ({delay_reason}); "
         "set minWorkers/maxWorkers, continuousBatching and maxBatchDelay in model-config.yaml to choose"
     )
