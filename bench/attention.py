@@ -20,7 +20,7 @@ import torch
 from diffusers.models.attention_processor import Attention, AttnProcessor, AttnProcessor2_0
 
 from bench.measure import MIB, PeakMemory
-from handler.pipeline import synchronize
+from handler.engine.loading import synchronize
 
 PROCESSORS = {"vanilla": AttnProcessor, "sdpa": AttnProcessor2_0}
 

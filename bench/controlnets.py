@@ -36,10 +36,11 @@ from PIL import Image
 from bench import sd15
 from bench.pipeline import environment
 from bench.report import plot_design_ratios, run_per_model
+from handler.adapters.controlnets import ControlSpec
 from handler.config import HandlerSettings
-from handler.controlnets import ControlSpec
-from handler.engine import DenoiseJob, JobSpec, StepEngine
-from handler.pipeline import load_engine, synchronize
+from handler.engine.jobs import DenoiseJob, JobSpec
+from handler.engine.loading import load_engine, synchronize
+from handler.engine.step_engine import StepEngine
 from model_making.make_controlnet import SD_EMBEDDING, write_controlnet
 from server.paths import CONTROLNET_DIR, DEFAULT_MODEL_DIR
 

@@ -34,8 +34,9 @@ from bench.pipeline import environment
 from bench.reference import Reference
 from bench.report import publish
 from handler.config import HandlerSettings
-from handler.engine import JobSpec, StepEngine
-from handler.pipeline import load_engine, resolve_device, synchronize
+from handler.engine.jobs import JobSpec
+from handler.engine.loading import load_engine, resolve_device, synchronize
+from handler.engine.step_engine import StepEngine
 from server.paths import DEFAULT_MODEL_DIR, REPORTS, TINY_MODEL_DIRS
 
 logger = logging.getLogger("bench-engine")

@@ -56,7 +56,7 @@ from bench.measure import PROMPTS, Workload, error_text
 from bench.pipeline import Runner, environment, summary
 from bench.report import number_text
 from bench.variants import by_name, select
-from handler.pipeline import release_cached_memory, resolve_device
+from handler.engine.loading import release_cached_memory, resolve_device
 from loadtest.client import closed_loop
 from loadtest.results import server_figures
 from server import console_script, serve_archive, write_model_config
@@ -183,6 +183,7 @@ class GpuBench:
         self.caches = scratch / "inductor"  # shared, so a shape compiled in one section is warm in the next
         self.environment = environment(self.device)
         self.measured: dict[str, dict] = {}  # what each section measured in this run, as last saved
+        self.rows: dict[tuple[str, str], dict] = {}  # (workload, variant) -> the row this run measured
 
     def workload(
         self, model: str, side: int, steps: int, batch: int = 1, max_batch_limit: int = 0, scheduler: str = "ddim"
@@ -266,7 +267,19 @@ class GpuBench:
             self.device,
             on_result=lambda partial: self.save("variants", merged(partial)),
         )
+        self.rows.update({(_key(workload), name): row for name, row in results.items()})
         return merged(results)
+
+    def row(self, workload: Workload, name: str, scratch: str) -> dict:
+        """``name``'s row on ``workload``: the one a section of this run measured (the batch-1 scaling
+        point and ceiling are the variants section's workload), else measured now, in ``scratch``."""
+        key = (_key(workload), name)
+        if key in self.rows:
+            logger.info("%s on %s: measured by an earlier section of this run", name, workload)
+        else:
+            runner = Runner(workload, self.scratch / scratch, self.timeout, caches=self.caches)
+            self.rows[key] = runner.variant(by_name(name), self.device, warm=False)
+        return self.rows[key]
 
     def scaling(self) -> dict:
         compiled = self.best_compiled()
@@ -279,8 +292,7 @@ class GpuBench:
         for name in (EAGER, compiled):
             for batch in self.plan.batches:
                 workload = self.workload(self.plan.sd15_model, self.plan.side, self.plan.steps, batch)
-                runner = Runner(workload, self.scratch / f"scaling-{batch}", self.timeout, caches=self.caches)
-                row = runner.variant(by_name(name), self.device, warm=False)
+                row = self.row(workload, name, f"scaling-{batch}")
                 result["rows"].append({"variant": name, "batch": batch, **row})
                 logger.info("scaling %s batch %d: %s", name, batch, summary(row))
                 self.save("scaling", result)
@@ -345,9 +357,7 @@ class GpuBench:
             ceiling = (ceilings or {}).get(concurrency)
             if ceiling is None:
                 workload = self.workload(model, side, steps, concurrency, scheduler=scheduler)
-                row = Runner(workload, self.scratch / f"{section}-ceiling-{concurrency}", self.timeout).variant(
-                    by_name(EAGER), self.device, warm=False
-                )
+                row = self.row(workload, EAGER, f"{section}-ceiling-{concurrency}")
                 ceiling = row.get("images_per_s")
                 logger.info("in-process ceiling, batch %d: %s", concurrency, summary(row))
             result["ceiling_images_per_s"][concurrency] = ceiling
@@ -477,6 +487,10 @@ class GpuBench:
             self.output / "gpu.md",
         )
         return not failed
+
+
+def _key(workload: Workload) -> str:
+    return json.dumps(asdict(workload), sort_keys=True)
 
 
 def check_serving_tools() -> None:

@@ -8,9 +8,10 @@ import time
 
 import torch
 
-from handler.engine import JobSpec, StepEngine
+from handler.engine.jobs import JobSpec
+from handler.engine.loading import synchronize
+from handler.engine.step_engine import StepEngine
 from handler.families import Decoded
-from handler.pipeline import synchronize
 
 
 def generate(engine: StepEngine, specs: list[JobSpec]) -> tuple[list[Decoded], list[float]]:

@@ -5,10 +5,10 @@
 rank-16 LoRAs), the LoRAs random on the denoiser's attention and feed-forward layers. Workloads:
 no LoRA; one LoRA on all 8; 8 different LoRAs, one per request; 8 different sets drawn from 3
 loaded LoRAs (alone, in pairs, all three, at other weights). Designs of the forward
-(``handler.lora_rows``): ``grouped`` (one forward per LoRA set, as before requests with different
+(``handler.adapters.lora_rows``): ``grouped`` (one forward per LoRA set, as before requests with different
 sets shared forwards), ``segments``, ``stacked``, ``auto`` (what the server runs), and
 ``compiled``: the denoiser compiled (``torch.compile``, default mode) with LoRA slots
-(``handler.lora_slots``, what the server runs then), against the same compiled denoiser without
+(``handler.adapters.lora_slots``, what the server runs then), against the same compiled denoiser without
 LoRA, with the graphs compiled after the warm-up round counted (the goal: none). Every
 workload and design steps the same 8 jobs from the same state; the figure is the median seconds of
 one step of all 8 (the sum of its forwards where grouped).
@@ -30,11 +30,12 @@ from pathlib import Path
 from bench import sd15
 from bench.pipeline import environment
 from bench.report import plot_design_ratios, run_per_model
+from handler.adapters.lora_rows import Adapters
+from handler.adapters.lora_slots import compiled_graphs
 from handler.config import HandlerSettings
-from handler.engine import DenoiseJob, JobSpec, StepEngine
-from handler.lora_rows import Adapters
-from handler.lora_slots import compiled_graphs
-from handler.pipeline import load_engine, synchronize
+from handler.engine.jobs import DenoiseJob, JobSpec
+from handler.engine.loading import load_engine, synchronize
+from handler.engine.step_engine import StepEngine
 from model_making.make_lora import write_lora
 from server.paths import DEFAULT_MODEL_DIR
 

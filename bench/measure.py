@@ -28,8 +28,9 @@ from torch.utils.flop_counter import FlopCounterMode
 from bench.jobs import generate
 from bench.variants import by_name
 from handler.config import HandlerSettings
-from handler.engine import JobSpec, StepEngine
-from handler.pipeline import load_engine
+from handler.engine.jobs import JobSpec
+from handler.engine.loading import load_engine
+from handler.engine.step_engine import StepEngine
 
 logger = logging.getLogger(__name__)
 

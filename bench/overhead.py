@@ -41,10 +41,10 @@ import requests
 import yaml
 
 from bench.report import publish
+from handler.api.protocol import IncomingRequest
 from handler.config import HandlerSettings
 from handler.metrics import MetricSpec
-from handler.protocol import IncomingRequest
-from handler.service import DiffusionService, build_service
+from handler.service.loops import DiffusionService, build_service
 from loadtest.sweep import ModelRegistration
 from server import TorchServe, build, config_on_free_ports, serving_defaults, visible_gpus
 from server.paths import CONFIG_PROPERTIES, DEFAULT_MODEL_DIR, MODEL_CONFIG, REPORTS, ROOT
@@ -73,10 +73,10 @@ SERVICE_METRICS = {
 # its part (a metric record inside a step counts as a metric record); the rest is TorchServe's loop.
 PROFILE_PARTS = (
     ("metric records (log lines TorchServe parses)", re.compile(r"_record \([^)]*handler/metrics\.py")),
-    ("denoising steps", re.compile(r"\bstep \([^)]*handler/engine\.py")),
-    ("VAE decode and safety check", re.compile(r"\bdecode \([^)]*handler/engine\.py")),
-    ("image encoding", re.compile(r"encode_image \([^)]*handler/encode\.py")),
-    ("admission: validation, prompt encoding", re.compile(r"_admit \([^)]*handler/service\.py")),
+    ("denoising steps", re.compile(r"\bstep \([^)]*handler/engine/step_engine\.py")),
+    ("VAE decode and safety check", re.compile(r"\bdecode \([^)]*handler/engine/step_engine\.py")),
+    ("image encoding", re.compile(r"encode_image \([^)]*handler/api/encode\.py")),
+    ("admission: validation, prompt encoding", re.compile(r"\badmit \([^)]*handler/service/admission\.py")),
     ("the handler, other", re.compile(r"sd_handler\.py")),
 )
 WORKER_LOOP = "TorchServe's worker loop: messages in and out"

@@ -9,6 +9,7 @@ the cold run persisted, as a restarted worker finds it). Then an attention micro
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import os
@@ -31,12 +32,14 @@ from bench import sd15
 from bench.measure import Workload
 from bench.report import write_report
 from bench.variants import BASELINE, VARIANT_NAMES, Variant, select
-from handler.pipeline import resolve_device
+from handler.engine.loading import resolve_device
 from server.paths import DEFAULT_MODEL_DIR, RANDOM_MODEL_DIR, REPORTS, ROOT
 
 logger = logging.getLogger("bench-pipeline")
 
 MODELS = {"default": DEFAULT_MODEL_DIR, "tiny": RANDOM_MODEL_DIR, "sd15": sd15.MODEL_DIR}
+WORKLOAD_FILE = "workload.json"  # the workload the variants in a scratch directory were measured with
+WARM_KEYS = ("first_call_s", "warmup_overhead_s", "latency_s", "compile_counters")  # a warm run's figures
 
 
 def image_distance(images: np.ndarray, baseline: np.ndarray) -> dict:
@@ -76,6 +79,7 @@ class Runner:
         profile: bool = False,
         caches: Path | None = None,
         max_batch_for: set[str] | None = None,
+        reuse: bool = False,
     ):
         self.workload = workload
         self.scratch = scratch
@@ -85,6 +89,11 @@ class Runner:
         self.caches = caches or scratch  # inductor caches, one per variant; runners may share them
         self.max_batch_for = max_batch_for  # variants whose largest batch is searched (None: every eager one)
         scratch.mkdir(parents=True, exist_ok=True)
+        # With ``reuse``, a variant already measured in ``scratch`` for the same workload (an earlier
+        # run stopped midway, or another benchmark's run) is taken as it is, not measured again.
+        recorded = scratch / WORKLOAD_FILE
+        self.reuse = reuse and recorded.is_file() and json.loads(recorded.read_text()) == asdict(workload)
+        recorded.write_text(json.dumps(asdict(workload)))
 
     def _extras(self, variant: Variant) -> list[str]:
         extra = ["--count-flops"] + (["--profile"] if self.profile else []) if variant.name == self.baseline else []
@@ -124,6 +133,10 @@ class Runner:
         reason = variant.skip_reason(device)
         if reason:
             return {"status": "skipped", "reason": reason}
+        reused = self._reused(variant, warm)
+        if reused is not None:
+            logger.info("%s: measured earlier for this workload in %s; reused", variant.name, self.scratch)
+            return reused
         cache = self.caches / f"inductor-{variant.name}"
         if warm:
             shutil.rmtree(cache, ignore_errors=True)  # the cold run starts from an empty cache
@@ -131,13 +144,24 @@ class Runner:
         result = self.measure(variant, "cold", env, self._extras(variant))
         if warm and variant.compiled and result["status"] == "ok":
             warm_result = self.measure(variant, "warm", env, [])
-            if warm_result["status"] == "ok":
-                result["warm"] = {
-                    key: warm_result[key]
-                    for key in ("first_call_s", "warmup_overhead_s", "latency_s", "compile_counters")
-                }
-            else:
-                result["warm"] = warm_result
+            result["warm"] = _warm_part(warm_result)
+        return result
+
+    def _reused(self, variant: Variant, warm: bool) -> dict | None:
+        """The result this scratch holds for ``variant`` (with its warm run where one is due and the
+        extras this runner asks for), or None."""
+        cold = self.scratch / f"{variant.name}-cold.json"
+        if not self.reuse or not cold.is_file() or not (self.scratch / f"{variant.name}.npy").is_file():
+            return None
+        result = json.loads(cold.read_text())
+        wanted = {"--count-flops": "unet_call_flops", "--profile": "profile", "--max-batch": "max_batch"}
+        if result["status"] != "ok" or any(wanted[extra] not in result for extra in self._extras(variant)):
+            return None
+        if warm and variant.compiled:
+            warm_file = self.scratch / f"{variant.name}-warm.json"
+            if not warm_file.is_file():
+                return None
+            result["warm"] = _warm_part(json.loads(warm_file.read_text()))
         return result
 
     def variants(
@@ -165,6 +189,11 @@ class Runner:
             if on_result:
                 on_result(results)
         return results
+
+
+def _warm_part(warm_result: dict) -> dict:
+    """What a variant's result keeps of its warm run: its figures, or why it failed."""
+    return {key: warm_result[key] for key in WARM_KEYS} if warm_result["status"] == "ok" else warm_result
 
 
 def compare_with_baseline(results: dict[str, dict], scratch: Path, baseline_name: str = BASELINE) -> None:
@@ -238,7 +267,7 @@ def build_workload(args: argparse.Namespace, device: torch.device) -> Workload:
         model_dir = sd15.ensure_model()
         side, steps = (sd15.NATIVE_SIDE, 50) if device.type == "cuda" else (256, 4)
     elif args.quick:
-        side, steps = 64, 2
+        side, steps = 64, 1
     else:
         side, steps = 64, 25
     return Workload(
@@ -249,7 +278,7 @@ def build_workload(args: argparse.Namespace, device: torch.device) -> Workload:
         steps=args.steps or steps,
         batch=args.batch,
         repeats=args.repeats or (1 if args.quick else 3),
-        max_batch_limit=args.max_batch_limit,
+        max_batch_limit=0 if args.quick else args.max_batch_limit,
     )
 
 
@@ -273,12 +302,23 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument("--attention-repeats", type=int, default=5)
     parser.add_argument("--timeout", type=float, default=3600, help="seconds one variant process may take")
-    parser.add_argument("--quick", action="store_true", help="CI mode: the random tiny model, 64x64, 2 steps, 1 repeat")
+    parser.add_argument(
+        "--quick", action="store_true", help="CI mode: the random tiny model on the CPU, 64x64, 1 step, 1 repeat"
+    )
     parser.add_argument("--output-dir", type=Path, default=REPORTS)
     parser.add_argument("--name", help="report file stem (default: pipeline-<model>-<device>)")
+    parser.add_argument(
+        "--scratch",
+        type=Path,
+        help="keep images and results here and reuse the variants already measured there for the same workload "
+        "(a run stopped midway, or make bench-gpu's variants section: <its scratch>/variants); default: a "
+        "temporary directory",
+    )
     args = parser.parse_args(argv)
     if args.quick and args.model == "default":
         args.model = "tiny"
+    if args.quick and args.device == "auto":
+        args.device = "cpu"
     return args
 
 
@@ -290,10 +330,11 @@ def main(argv: list[str] | None = None) -> None:
     variants = select(args.variants)
     name = args.name or f"pipeline-{args.model if args.model in MODELS else Path(args.model).name}-{device.type}"
     logger.info("workload: %s on %s; %d variants", workload, device, len(variants))
-    with tempfile.TemporaryDirectory(prefix="bench-pipeline-") as scratch:
-        results = Runner(workload, Path(scratch), args.timeout).variants(variants, device)
+    with contextlib.ExitStack() as stack:
+        scratch = args.scratch or Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="bench-pipeline-")))
+        results = Runner(workload, scratch, args.timeout, reuse=args.scratch is not None).variants(variants, device)
         logger.info("attention micro-benchmark at SD 1.5 shapes")
-        attention_path = Path(scratch) / "attention.json"
+        attention_path = scratch / "attention.json"
         _python_module(
             "bench.attention",
             ["--device", str(device), "--repeats", str(args.attention_repeats), "--result", str(attention_path)],

@@ -1,7 +1,7 @@
 """The pipeline variants the benchmark compares, as changes to the handler's own settings.
 
 Every variant is ``HandlerSettings`` plus a few overrides, so it is built by the same loading code
-a worker runs (``handler.pipeline.load_text_to_image``). Variants that do not apply to a device are
+a worker runs (``handler.engine.loading.load_text_to_image``). Variants that do not apply to a device are
 reported as skipped with the reason, never silently dropped.
 """
 
@@ -56,7 +56,7 @@ def _compiled(mode: str, summary: str, cuda_only: bool = False) -> Variant:
 
 
 # The baseline first: images of every other variant are compared with its images. Variants with no
-# dtype override run the serving dtype (float16 on GPU, float32 on CPU; handler.pipeline.resolve_dtype).
+# dtype override run the serving dtype (float16 on GPU, float32 on CPU; handler.engine.loading.resolve_dtype).
 VARIANTS: tuple[Variant, ...] = (
     Variant(
         BASELINE,

@@ -39,6 +39,9 @@ class FamilyRules:
     strength_rounding: Literal["steps", "start"] = "steps"
     max_side: int | None = None  # the largest width or height the denoiser takes (None: any)
     controlnets: bool = True  # whether its pipelines take ControlNets (the UNet families')
+    # The most denoising steps its schedulers take: a UNet's schedule samples the model's training
+    # timesteps (DDIM refuses more), None where it is continuous (flow matching).
+    max_steps: int | None = None
 
     def image_steps(self, steps: int, strength: float) -> int:
         """Of ``steps`` denoising steps, how many an input image at ``strength`` runs (``get_timesteps``)."""
@@ -138,7 +141,7 @@ class _ServedDirectory(_Section):
 
 
 class LoraSettings(_ServedDirectory):
-    """LoRA adapters served per request from a directory (``handler.loras``)."""
+    """LoRA adapters served per request from a directory (``handler.adapters.loras``)."""
 
     section: ClassVar[str] = "loras"
     env: ClassVar[str] = LORA_DIR_ENV
@@ -158,7 +161,7 @@ class LoraSettings(_ServedDirectory):
 
 
 class ControlNetSettings(_ServedDirectory):
-    """ControlNets served per request from a directory (``handler.controlnets``), SD 1.x/2.x and SDXL."""
+    """ControlNets served per request from a directory (``handler.adapters.controlnets``), SD 1.x/2.x and SDXL."""
 
     section: ClassVar[str] = "controlnets"
     env: ClassVar[str] = CONTROLNET_DIR_ENV

@@ -20,13 +20,13 @@ from ts.metrics.metric_type_enum import MetricTypes
 from ts.torch_handler.base_handler import BaseHandler
 
 from handler import single_worker
+from handler.api.encode import JSON_CONTENT_TYPE, json_body
+from handler.api.protocol import IncomingRequest, Response
 from handler.config import HandlerSettings, continuous_batching
 from handler.control import Control
-from handler.encode import JSON_CONTENT_TYPE, json_body
+from handler.engine.loading import compile_cache_summary
 from handler.metrics import MetricSink, MetricSpec
-from handler.pipeline import compile_cache_summary
-from handler.protocol import IncomingRequest, Response
-from handler.service import build_service
+from handler.service.loops import build_service
 
 logger = logging.getLogger(__name__)
 

@@ -50,17 +50,21 @@ def write_lora(
     spread: float | None = None,
     kohya: bool = False,
 ) -> Path:
-    """A random LoRA for the pipeline in ``model_dir`` on the denoiser's ``layers`` (of ``LAYERS``),
-    written to ``output`` (a .safetensors file); ``spread``: the matrices' standard deviation;
+    """A random LoRA for the pipeline in ``model_dir`` on the denoiser's ``layers`` (of ``LAYERS``;
+    none: on the text encoders only), written to ``output`` (a .safetensors file); ``spread``: the
+    matrices' standard deviation;
     ``kohya``: in kohya's format (A1111, ComfyUI; SD 1.x and 2.x), alphas half the ranks."""
     torch.manual_seed(seed)
     pipeline = AutoPipelineForText2Image.from_pretrained(str(model_dir), use_safetensors=True)
-    if isinstance(pipeline, StableDiffusion3Pipeline):
+    parts: dict[str, dict[str, torch.Tensor]] = {}
+    if not layers:
+        pass  # a LoRA of the text encoders only
+    elif isinstance(pipeline, StableDiffusion3Pipeline):
         targets = [target for layer in layers for target in TRANSFORMER_TARGETS[layer]]
-        parts = {"transformer_lora_layers": _adapter(pipeline.transformer, targets, rank, spread or 0.1)}
+        parts["transformer_lora_layers"] = _adapter(pipeline.transformer, targets, rank, spread or 0.1)
     else:
         targets = [target for layer in layers for target in UNET_TARGETS[layer]]
-        parts = {"unet_lora_layers": _adapter(pipeline.unet, targets, rank, spread or 0.3)}
+        parts["unet_lora_layers"] = _adapter(pipeline.unet, targets, rank, spread or 0.3)
     if text_encoder:
         parts["text_encoder_lora_layers"] = _adapter(pipeline.text_encoder, TEXT_TARGETS, rank, 0.3)
         if isinstance(pipeline, (StableDiffusionXLPipeline, StableDiffusion3Pipeline)):

@@ -19,6 +19,7 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import NamedTuple
 
 import requests
 from prometheus_client.parser import text_string_to_metric_families
@@ -55,8 +56,11 @@ ANSWER_MARGIN_SECONDS = 5.0
 DRAIN_POLL_SECONDS = 0.1
 # A drained server has had nothing in flight and no arrival for this long beyond maxBatchDelay.
 DRAIN_QUIET_SECONDS = 0.5
+# No denoising step for this long while requests count as in flight: the drain probes (TorchServe.drain).
+DRAIN_PROBE_SECONDS = 5.0
 IN_FLIGHT_GAUGE = "sd_in_flight_requests"
 RECEIVED_COUNTER = "ts_inference_requests_total"
+STEPS_COUNTER = "sd_denoise_step_seconds_count"
 
 
 def find_archive(model_store: Path, model_name: str = MODEL_NAME) -> str:
@@ -97,6 +101,15 @@ def default_stop_grace(model_config: dict) -> float:
 def archive_stop_grace(model_store: Path, model_name: str = MODEL_NAME) -> float:
     """``default_stop_grace`` for the archive of ``model_name`` in ``model_store``."""
     return default_stop_grace(archive_model_config(model_store, find_archive(model_store, model_name)))
+
+
+class Activity(NamedTuple):
+    """What a drain watches (``TorchServe.activity``)."""
+
+    left: int  # requests not yet answered
+    received: float  # requests received so far
+    steps: float  # denoising steps taken so far
+    gathering: float  # seconds a request can spend being gathered into a batch, seen nowhere
 
 
 class TorchServe:
@@ -224,7 +237,7 @@ class TorchServe:
                     return self.keys
                 except requests.ConnectionError:
                     pass
-            time.sleep(0.5)
+            time.sleep(0.1)
         raise TimeoutError(f"TorchServe did not start within {timeout:.0f} s; see {self.console_log}")
 
     def wait_ready(self, timeout: float = 900.0, progress=None) -> Keys | None:
@@ -238,7 +251,7 @@ class TorchServe:
                 progress(status)
             if "READY" in status:
                 return self.keys
-            time.sleep(1.0)
+            time.sleep(0.2)
         raise TimeoutError(f"no READY worker for {self.model_name} after {timeout:.0f} s; see {self.console_log}")
 
     def metric_samples(self) -> dict[tuple[str, frozenset], float]:
@@ -291,21 +304,23 @@ class TorchServe:
         params = {"min_worker": workers, "max_worker": workers, "synchronous": "true"}
         return self.management("PUT", self.model_url, params=params, timeout=timeout)
 
-    def activity(self) -> tuple[int, float, float]:
+    def activity(self) -> Activity:
         """Requests not yet answered (waiting in the frontend's queue, or in a worker: its
         ``sd_in_flight_requests`` gauge, current workers only), requests received so far
-        (``ts_inference_requests_total``, counted as they arrive), and the seconds a request can
-        spend being gathered into a batch, unseen by both (``maxBatchDelay``)."""
+        (``ts_inference_requests_total``, counted as they arrive), denoising steps taken so far, and
+        the seconds a request can spend being gathered into a batch, unseen by both (``maxBatchDelay``)."""
         described = self.describe()
         workers = {worker["id"] for worker in described["workers"]}
-        in_workers, received = 0.0, 0.0
+        in_workers, received, steps = 0.0, 0.0, 0.0
         for (name, labels), value in self.metric_samples().items():
             if name == IN_FLIGHT_GAUGE and dict(labels).get("worker") in workers:
                 in_workers += value
             elif name == RECEIVED_COUNTER:
                 received += value
+            elif name == STEPS_COUNTER:
+                steps += value
         pending = described["jobQueueStatus"]["pendingRequests"]
-        return int(in_workers) + pending, received, described["maxBatchDelay"] / 1000
+        return Activity(int(in_workers) + pending, received, steps, described["maxBatchDelay"] / 1000)
 
     def drain(self, grace_s: float) -> tuple[float, int]:
         """Stop taking requests (the workers answer new ones 503 with ``Retry-After``; the health
@@ -315,13 +330,15 @@ class TorchServe:
 
         A request the frontend is gathering into a batch shows nowhere for up to ``maxBatchDelay``,
         so the server counts as drained once nothing is in flight and nothing new arrived for
-        longer than that."""
+        longer than that. Requests in flight while no step is taken for ``DRAIN_PROBE_SECONDS`` get a
+        probe (``_probe``): their clients may have left."""
         drain = self.control.begin_drain(grace_s, min(ANSWER_MARGIN_SECONDS, grace_s / 4))
         logger.info("draining: no new requests; waiting up to %.0f s for those in flight", drain["ends"] - time.time())
-        quiet_since, left, received, shown = time.monotonic(), 0, None, None
+        quiet_since = stalled_since = time.monotonic()
+        left, received, steps, shown = 0, None, None, None
         while time.time() < drain["ends"] and self.process is not None and self.process.poll() is None:
             try:
-                left, now_received, gathering = self.activity()
+                now = self.activity()
             except (requests.RequestException, RuntimeError, KeyError, IndexError) as error:
                 if not self.started:  # no request can be in flight yet
                     logger.info("the server had not started (%s); stopping", error)
@@ -329,15 +346,34 @@ class TorchServe:
                 logger.warning("cannot read the requests in flight (%s); trying again", error)
                 time.sleep(1.0)
                 continue
-            if left or now_received != received:
-                quiet_since, received = time.monotonic(), now_received
-            elif time.monotonic() - quiet_since >= gathering + DRAIN_QUIET_SECONDS:
+            left = now.left
+            if left or now.received != received:
+                quiet_since, received = time.monotonic(), now.received
+            elif time.monotonic() - quiet_since >= now.gathering + DRAIN_QUIET_SECONDS:
                 break
+            if not left or now.steps != steps or left != shown:
+                stalled_since, steps = time.monotonic(), now.steps
+            elif time.monotonic() - stalled_since >= DRAIN_PROBE_SECONDS:
+                self._probe(left)
+                stalled_since = time.monotonic()
             if left != shown:
                 logger.info("requests in flight: %d", left)
                 shown = left
             time.sleep(DRAIN_POLL_SECONDS)
         return time.time() - drain["started"], max(left, 0)
+
+    def _probe(self, left: int) -> None:
+        """One request of the drain's own, answered 503 by a worker that is stopping. With continuous
+        batching TorchServe drops a request whose client left and calls the worker only while it
+        holds a request, so a worker whose every client left would count them in flight until the
+        grace period ends; the probe's call shows it which ones are gone."""
+        logger.info(
+            "%d request(s) in flight and no step for %.0f s: probing for clients that left", left, DRAIN_PROBE_SECONDS
+        )
+        try:
+            requests.post(self.predictions_url, json={"prompt": "drain probe"}, headers=self.auth(), timeout=30)
+        except requests.RequestException as error:
+            logger.warning("the drain's probe got no answer (%s)", error)
 
     def auth(self, management: bool = False) -> dict[str, str]:
         """The Authorization header for the inference (or management) API; none without token authorization."""
@@ -348,10 +384,11 @@ class TorchServe:
         return self.keys.authorization(management)
 
     def stop(self, grace: float = TERMINATE_SECONDS) -> None:
-        """SIGTERM the process group (the frontend stops its workers), SIGKILL what is left."""
+        """SIGTERM the process group (the frontend stops its workers), SIGKILL what is left after
+        ``grace`` seconds; with ``grace`` 0, SIGKILL at once."""
         if self.process is None:
             return
-        for sig, wait in ((signal.SIGTERM, grace), (signal.SIGKILL, 10)):
+        for sig, wait in (*(((signal.SIGTERM, grace),) if grace > 0 else ()), (signal.SIGKILL, 10)):
             try:
                 os.killpg(self.process.pid, sig)
             except ProcessLookupError:
@@ -379,14 +416,16 @@ def serve_archive(
     workdir: Path,
     startup_timeout: float | None = None,
     gpus: int | None = None,
+    stop_grace: float = TERMINATE_SECONDS,
     **properties: str,
 ) -> Iterator[TorchServe]:
     """Build the archive from ``model_dir`` and ``model_config`` (workers for ``gpus`` GPUs, default
     the visible ones) and serve it from ``workdir`` on free loopback ports (config.properties plus
     ``properties``) until the block ends, waiting for a ready worker ``startup_timeout`` seconds
-    (default: as long as the archive's ``startupTimeout`` allows). As ``make serve`` does, the
-    workers read LoRAs from ``$LORA_DIR``, else the checkout's ``loras/``, and ControlNets from
-    ``$CONTROLNET_DIR``, else the checkout's ``controlnets/``."""
+    (default: as long as the archive's ``startupTimeout`` allows), then stop it (``stop_grace``:
+    ``TorchServe.stop``'s). As ``make serve`` does, the workers read LoRAs from ``$LORA_DIR``, else
+    the checkout's ``loras/``, and ControlNets from ``$CONTROLNET_DIR``, else the checkout's
+    ``controlnets/``."""
     model_store = build(model_dir, model_config, workdir / "model_store", gpus=gpus).parent
     config = config_on_free_ports(CONFIG_PROPERTIES, workdir, **properties)
     env = {
@@ -394,9 +433,13 @@ def serve_archive(
         "LORA_DIR": os.environ.get("LORA_DIR", str(LORA_DIR)),
         "CONTROLNET_DIR": os.environ.get("CONTROLNET_DIR", str(CONTROLNET_DIR)),
     }
-    with TorchServe(config, model_store, workdir / "server", env=env) as server:
+    server = TorchServe(config, model_store, workdir / "server", env=env)
+    server.start()
+    try:
         server.wait_ready(startup_timeout or archive_ready_timeout(model_store, server.model_name))
         yield server
+    finally:
+        server.stop(stop_grace)
 
 
 def _wait_group_gone(pgid: int, timeout: float) -> None:

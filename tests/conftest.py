@@ -1,8 +1,60 @@
 """Hypothesis runs the same examples on every run and every machine: derandomized, with no example
 database, so a property that fails in CI fails the same way locally, and passes the same way too.
-Each test bounds its own ``max_examples``; no deadline, since a loaded CI machine is slow."""
+Each test bounds its own ``max_examples``; no deadline, since a loaded CI machine is slow.
 
+Every ``torch.compile`` of the run, in this process and in the servers and benchmarks it starts,
+shares one inductor cache directory made fresh for the run (``TORCHINDUCTOR_CACHE_DIR``), so a graph
+two tests compile alike is compiled once; tests that measure a cold compile set a directory of
+their own.
+
+``--suite-time-limit SECONDS`` (``make test`` passes 35 minutes) fails a run that took longer, so
+a change that makes the suite slow is noticed when it is made, not when CI's limit is reached."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+import time
+
+import pytest
 from hypothesis import settings
 
 settings.register_profile("ci", derandomize=True, database=None, deadline=None, max_examples=100)
 settings.load_profile("ci")
+
+STARTED = pytest.StashKey[float]()
+INDUCTOR_CACHE = pytest.StashKey[str]()
+INDUCTOR_CACHE_ENV = "TORCHINDUCTOR_CACHE_DIR"
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption(
+        "--suite-time-limit",
+        type=float,
+        default=None,
+        help="seconds the whole run may take; a longer run fails (make test: 2100)",
+    )
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.stash[INDUCTOR_CACHE] = os.environ[INDUCTOR_CACHE_ENV] = tempfile.mkdtemp(prefix="sd-tests-inductor-")
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    shutil.rmtree(config.stash[INDUCTOR_CACHE], ignore_errors=True)
+
+
+def pytest_sessionstart(session: pytest.Session) -> None:
+    session.config.stash[STARTED] = time.monotonic()
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    limit = session.config.getoption("--suite-time-limit")
+    took = time.monotonic() - session.config.stash[STARTED]
+    if limit is not None and took > limit and exitstatus == pytest.ExitCode.OK:
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
+        reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+        message = f"the suite took {took / 60:.1f} minutes, over its limit of {limit / 60:.0f} (--suite-time-limit)"
+        if reporter is not None:
+            reporter.write_line(message, red=True, bold=True)

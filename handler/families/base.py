@@ -1,6 +1,6 @@
 """The family contract: what differs between Stable Diffusion generations, behind one interface.
 
-The step engine (``handler.engine``) runs one denoising loop for every family and asks its family
+The step engine (``handler.engine.step_engine``) runs one denoising loop for every family and asks its family
 for everything that differs between their diffusers pipelines:
 
 - text conditioning (``encode``): the texts of jobs started together through the family's text
@@ -27,6 +27,7 @@ import copy
 import functools
 import inspect
 from abc import ABC, abstractmethod
+from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Literal, Protocol
@@ -36,6 +37,10 @@ from diffusers.image_processor import VaeImageProcessor
 from PIL.Image import Image
 
 from handler.config import FamilyRules, SchedulerName
+
+# Scheduler templates a family keeps: one per (scheduler, steps, timestep options) in use, such as
+# SD 3's ``mu`` per image size.
+TEMPLATES_KEPT = 64
 
 # A loaded diffusers pipeline of one of the families. diffusers registers a pipeline's components
 # (unet, transformer, vae, scheduler, ...) at run time, so its classes declare none of them to a type checker.
@@ -60,7 +65,7 @@ class Scheduler(Protocol):
 
 
 class PromptSpec(Protocol):
-    """What a family conditions a job on (``handler.engine.JobSpec`` is one)."""
+    """What a family conditions a job on (``handler.engine.step_engine.JobSpec`` is one)."""
 
     @property
     def prompt(self) -> str: ...
@@ -177,7 +182,7 @@ class Family(ABC):
         self.control_processor = VaeImageProcessor(
             vae_scale_factor=pipeline.vae_scale_factor, do_convert_rgb=True, do_normalize=False
         )
-        self._templates: dict[tuple, Scheduler] = {}
+        self._templates: OrderedDict[tuple, Scheduler] = OrderedDict()  # least recently used first
 
     @classmethod
     def refuse(cls, pipeline: Pipeline) -> str | None:
@@ -209,11 +214,17 @@ class Family(ABC):
             self.strength_rounding,
             self.max_side,
             self.takes_controlnets,
+            self.max_steps,
         )
 
     @property
     def max_side(self) -> int | None:
         """The largest width or height the denoiser takes (None: any, as a UNet)."""
+        return None
+
+    @property
+    def max_steps(self) -> int | None:
+        """The most denoising steps its schedulers take (None: any)."""
         return None
 
     @property
@@ -275,7 +286,8 @@ class Family(ABC):
 
     def scheduler(self, name: SchedulerName, steps: int, latent_shape: tuple[int, ...]) -> Scheduler:
         """A fresh scheduler with ``steps`` timesteps: a copy of one built and set once per
-        (scheduler, steps, timestep options), which costs a fifth of building it from the model's config."""
+        (scheduler, steps, timestep options), which costs a fifth of building it from the model's
+        config. At most ``TEMPLATES_KEPT`` templates are kept, the least recently used dropped."""
         options = self._timestep_options(latent_shape)
         key = (name, steps, tuple(sorted(options.items())))
         template = self._templates.get(key)
@@ -284,6 +296,9 @@ class Family(ABC):
             template = scheduler_class.from_config(self.pipeline.scheduler.config, **overrides)
             template.set_timesteps(steps, device=self.device, **options)
             self._templates[key] = template
+            if len(self._templates) > TEMPLATES_KEPT:
+                self._templates.popitem(last=False)
+        self._templates.move_to_end(key)
         return copy.deepcopy(template)
 
     def _timestep_options(self, latent_shape: tuple[int, ...]) -> dict[str, float]:
@@ -332,7 +347,7 @@ class Family(ABC):
         """One denoiser call over rows, each at its own timestep: the noise (or velocity) prediction;
         ``residuals``: ControlNet residuals for every row (families that take ControlNets)."""
 
-    # ControlNets (the UNet families'; ``handler.controlnets``).
+    # ControlNets (the UNet families'; ``handler.adapters.controlnets``).
 
     def controlnet_refusal(self, config: Any) -> str | None:
         """Why a ControlNet with this config cannot serve this model (None: it can)."""

@@ -82,6 +82,11 @@ class StableDiffusionFamily(Family):
         return None
 
     @property
+    def max_steps(self) -> int | None:
+        """The model's training timesteps, which every UNet schedule samples (SDXL's too)."""
+        return int(self.pipeline.scheduler.config.num_train_timesteps)
+
+    @property
     def name(self) -> str:
         """SD 2.x by its OpenCLIP text width (1024) or v-prediction, SD 1.x otherwise."""
         v_prediction = self.pipeline.scheduler.config.get("prediction_type") == "v_prediction"

@@ -142,8 +142,10 @@ class StableDiffusion3Family(Family):
         latents: torch.Tensor,
         timesteps: torch.Tensor,
         conditioning: Conditioning,
-        residuals: Residuals | None = None,  # never given: no ControlNets here
+        residuals: Residuals | None = None,
     ) -> torch.Tensor:
+        if residuals is not None:  # the request schema refuses ControlNets for this family first
+            raise ValueError(f"{self.name} models take no ControlNet residuals")
         return self.pipeline.transformer(
             hidden_states=latents,
             timestep=timesteps,

@@ -15,8 +15,8 @@ from typing import Any, get_args
 import hypothesis.strategies as st
 from PIL import Image
 
+from handler.api.request import GenerationRequest
 from handler.config import MAX_SEED, OutputFormat, RequestLimits, ResponseFormat, SchedulerName
-from handler.request import GenerationRequest
 
 FIELDS = tuple(GenerationRequest.model_fields)
 

@@ -11,7 +11,8 @@ import numpy as np
 from PIL import Image
 
 from bench.reference import ControlNetCall, Reference
-from handler.engine import JobSpec, StepEngine
+from handler.engine.jobs import JobSpec
+from handler.engine.step_engine import StepEngine
 from handler.families import Decoded
 
 # Jobs stepped together and alone differ by float rounding only; in 8 bits an image may differ by

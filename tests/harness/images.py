@@ -22,3 +22,14 @@ def assert_same_image(first: np.ndarray, second: np.ndarray) -> None:
     difference = np.abs(first.astype(int) - second.astype(int))
     assert difference.max() <= 1, f"max difference {difference.max()}"
     assert (difference > 0).mean() <= 0.01, f"{(difference > 0).mean():.2%} of values differ"
+
+
+# An adapter under test moves at least one channel value of its image by more than this: the
+# positive control of a parity check, which a path that added nothing would pass on its own.
+ADAPTER_EFFECT = 8
+
+
+def assert_moved(image: np.ndarray, without: np.ndarray, what: str = "the LoRA") -> None:
+    """``image`` differs from the same request's image ``without`` the adapter: the positive control."""
+    difference = np.abs(np.asarray(image, dtype=np.int16) - np.asarray(without, dtype=np.int16)).max()
+    assert difference > ADAPTER_EFFECT, f"{what} moved the image by {difference} levels at most"

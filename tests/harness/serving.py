@@ -44,9 +44,9 @@ def serving(
             f"{model_dir} is missing: the default model is committed (`make train-default-model` rebuilds "
             "it); the tiny ones come from `make model`"
         )
-    with serve_archive(
-        model_dir, config, tmp, STARTUP_TIMEOUT, gpus=1, **properties
-    ) as server:  # one worker, GPU or not
+    # One worker, GPU or not; killed when the block ends (its state is not kept, and TorchServe's
+    # graceful stop takes seconds: the stop tests run the start script's).
+    with serve_archive(model_dir, config, tmp, STARTUP_TIMEOUT, gpus=1, stop_grace=0, **properties) as server:
         yield server
 
 
@@ -58,16 +58,17 @@ class Client:
         self.url = server.predictions_url
 
     def predict(
-        self, body=None, *, data=None, content_type="application/json", headers=None, **kwargs
+        self, body=None, *, data=None, content_type="application/json", headers=None, timeout=120, **kwargs
     ) -> requests.Response:
+        """``timeout``: seconds a read may wait (a request not streamed sends nothing until it is done)."""
         all_headers = {
             **self.server.auth(),
             **({"Content-Type": content_type} if content_type else {}),
             **(headers or {}),
         }
         if body is not None:
-            return requests.post(self.url, json=body, headers=all_headers, timeout=120, **kwargs)
-        return requests.post(self.url, data=data, headers=all_headers, timeout=120, **kwargs)
+            return requests.post(self.url, json=body, headers=all_headers, timeout=timeout, **kwargs)
+        return requests.post(self.url, data=data, headers=all_headers, timeout=timeout, **kwargs)
 
     def image(self, **fields) -> np.ndarray:
         """One image as an array, asserting success."""

@@ -3,19 +3,21 @@ the fuzzing tests (``tests/unit/test_request_fuzz.py``)."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import torch
 from PIL import Image
 
-from handler.config import RequestDefaults
-from handler.controlnets import ControlNetLibrary
-from handler.engine import DenoiseJob, JobSpec
+from handler.adapters.controlnets import ControlNetLibrary
+from handler.adapters.loras import LoraLibrary
+from handler.api.policy import RequestPolicy
+from handler.api.protocol import IncomingRequest
+from handler.config import FamilyRules, RequestDefaults
+from handler.engine.jobs import DenoiseJob, JobSpec
+from handler.engine.scheduling import StepProfile
 from handler.families import Conditioning, Decoded
-from handler.loras import LoraLibrary
 from handler.metrics import DiffusionMetrics, MetricSpec
-from handler.protocol import IncomingRequest
-from handler.request import RequestPolicy
-from handler.scheduling import StepProfile
-from handler.service import DiffusionService
+from handler.service.loops import DiffusionService
 
 SHAPE = (4, 8, 8)  # latents of a 64x64 image
 FAILS_AT_START, FAILS_STEPPING = "explode at start", "explode"  # prompts that make the stand-in fail
@@ -27,7 +29,8 @@ class SolidColorEngine:
 
     device = torch.device("cpu")
     loras = LoraLibrary(None, torch.nn.Module(), None, max_loaded=1)  # no LoRA directory
-    controlnets = ControlNetLibrary(None, None, 1, torch.device("cpu"), torch.float32)  # no ControlNet directory
+    # no ControlNet directory, for any family that takes ControlNets
+    controlnets = ControlNetLibrary(SimpleNamespace(rules=FamilyRules()), None, 1, torch.device("cpu"), torch.float32)
 
     def __init__(
         self,

@@ -15,7 +15,7 @@ from bench.reference import Reference
 from model_making.make_lora import write_lora
 from server import write_model_config as model_config
 from server.paths import DEFAULT_MODEL_DIR, ROOT
-from tests.harness.images import assert_same_image
+from tests.harness.images import assert_moved, assert_same_image
 from tests.harness.serving import Client, serving, wait_until_serving, workers
 
 pytestmark = pytest.mark.slow
@@ -73,7 +73,7 @@ SLOTS_LOG = re.compile(r"LoRA slots: (\d+) free; graphs compiled so far: (\d+)")
 
 
 def test_loras_on_a_compiled_unet_equal_diffusers_and_recompile_nothing(tmp_path):
-    """The compiled UNet's LoRA slots (handler.lora_slots) behind a real TorchServe: warm-up compiles
+    """The compiled UNet's LoRA slots (handler.adapters.lora_slots) behind a real TorchServe: warm-up compiles
     both graphs of the served shape, then LoRA requests, a new adapter and an eviction (two slots,
     three LoRAs) compile nothing, and each image equals diffusers' call with the LoRA."""
     loras = tmp_path / "loras"
@@ -84,12 +84,14 @@ def test_loras_on_a_compiled_unet_equal_diffusers_and_recompile_nothing(tmp_path
     handler = {"compile": {"enabled": True, "targets": ["unet"]}, "loras": {"dir": str(loras), "max_loaded": 2}}
     body = {"prompt": "a red circle outline", "seed": 3, "num_inference_steps": 4}
     reference = Reference(DEFAULT_MODEL_DIR)
+    plain = np.asarray(reference(body["prompt"], body["seed"], 64, 64, 4).images[0])
     with serving(tmp_path, model_config(tmp_path, handler=handler)) as server:
         client = Client(server)
         for name, scale in [("random", 0.8), ("outline", 1.0), ("unet-only", -0.5), ("random", 0.8)]:
             ours = client.image(**body, loras=[{"name": name, "scale": scale}])
             theirs = reference(body["prompt"], body["seed"], 64, 64, 4, loras=[(loras / f"{name}.safetensors", scale)])
             assert_same_image(ours, np.asarray(theirs.images[0]))
+            assert_moved(ours, plain, f"LoRA {name} at {scale}")
         assert client.predict({**body, "loras": [{"name": "outline", "scale": 2.0}]}).status_code == 200
         loads = SLOTS_LOG.findall(server.console_log.read_text(errors="replace"))
     assert len(loads) == 5, loads  # random, outline, unet-only (evicting random), random (evicting outline), outline

@@ -17,7 +17,6 @@ import requests
 from openai import OpenAI
 from PIL import Image, ImageDraw
 
-from server.paths import CONTROLNET_DIR
 from tests.harness.images import assert_same_image, decode_png
 from tests.harness.serving import Client
 
@@ -88,9 +87,9 @@ def test_canny_in_the_server_equals_opencvs_edge_map_sent_as_the_image(server):
     assert_same_image(made, sent)
 
 
-def test_a_controlnet_added_while_the_server_runs_is_served_at_once(server, tmp_path):
-    added = CONTROLNET_DIR / "added-while-serving"
-    shutil.copytree(CONTROLNET_DIR / "shapes-mask", added)
+def test_a_controlnet_added_while_the_server_runs_is_served_at_once(server, served_dirs):
+    added = served_dirs.controlnets / "added-while-serving"
+    shutil.copytree(served_dirs.controlnets / "shapes-mask", added)
     try:
         body = {**BASE, "controlnets": [{**control(png(mask())), "name": added.name}]}
         assert_same_image(

@@ -27,8 +27,8 @@ from openai import BadRequestError, OpenAI
 from PIL import Image, ImageOps
 
 from bench.reference import ControlNetCall, Reference
-from handler.encode import EXIF_IMAGE_DESCRIPTION
-from handler.protocol import NSFW_HEADER
+from handler.api.encode import EXIF_IMAGE_DESCRIPTION
+from handler.api.protocol import NSFW_HEADER
 from model_making.make_controlnet import write_controlnet
 from model_making.make_lora import write_lora
 from model_making.make_tiny_model import CALIBRATION, CALIBRATION_FILE, build_pipeline, write_lcm_model
@@ -37,18 +37,19 @@ from server import write_model_config as model_config
 from server.paths import TINY_MODEL_DIRS
 from tests.harness.images import decode_png
 from tests.harness.readme import run_example
-from tests.harness.serving import Client, serving, value
+from tests.harness.serving import Client, serving, value, wait_until_denoising
 
 MODES = ("dynamic", "continuous")
 FAMILIES = {"sd1-safety": 64, "sd2": 96, "sdxl": 64, "sd3": 64}  # native sides
 CASES = [(family, mode) for family in FAMILIES for mode in MODES]
-# Long enough to keep a tiny model's worker busy while others arrive (a few seconds on 2 cores).
 LORA = "tiny"  # a random LoRA written for the family's tiny model
 CONV_LORA = "tiny-conv-ff"  # one on its convolutions and feed-forward layers
 CONTROLNETS = ("edges", "depth")  # random ControlNets written for the family's tiny model
 OTHER_FAMILY = "other-family"  # one written for another family's model
 PICKLED = "pickled"  # one whose weights are a pickle only
-LONG = {"prompt": "keep the worker busy", "seed": 1, "num_inference_steps": 300, "response_format": "json"}
+# Long enough to keep a tiny model's worker busy while others arrive, sent once it denoises (a second
+# or two on 2 cores).
+LONG = {"prompt": "keep the worker busy", "seed": 1, "num_inference_steps": 100, "response_format": "json"}
 
 
 @dataclass(frozen=True)
@@ -197,7 +198,7 @@ def behind_long(
     they join the running one (continuous). Responses with their arrival times."""
     with ThreadPoolExecutor(len(bodies) + 1) as pool:
         long = pool.submit(timed, client, LONG)
-        time.sleep(0.5)
+        wait_until_denoising(client.server)
         followers = [pool.submit(timed, client, body) for body in bodies]
         return long.result(), [future.result() for future in followers]
 

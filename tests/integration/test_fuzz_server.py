@@ -19,8 +19,8 @@ import requests
 from hypothesis import Phase, example, given, settings
 from PIL import Image
 
+from handler.api.request import FIELD_LABELS
 from handler.config import HandlerSettings
-from handler.request import FIELD_LABELS
 from tests.harness.client_inputs import (
     BASE_FIELDS,
     CONTENT_TYPE_HEADERS,

@@ -23,7 +23,7 @@ from hypothesis import Phase, given, settings
 from openai import OpenAI
 from PIL import Image
 
-from handler.openai_images import SSE_CONTENT_TYPE, ImageEditParams
+from handler.api.openai_images import SSE_CONTENT_TYPE, ImageEditParams
 from server import TorchServe
 from tests.harness.images import assert_same_image, decode_png
 from tests.harness.serving import Client, worker_processes

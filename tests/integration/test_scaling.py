@@ -1,7 +1,8 @@
 """Scaling workers down under load on a real TorchServe (dynamic batching, the mode several workers
-run): TorchServe 0.12's raw scale-down loses requests (reproduced, and how often reported), the
-project's safe path (``python -m server.cli scale``) answers every request 200, cycle after cycle;
-a continuous-batching model is never scaled beyond its one worker."""
+run): the project's safe path (``python -m server.cli scale``) answers every request 200, cycle
+after cycle; how often TorchServe 0.12's raw scale-down loses requests is measured and reported (the
+race strikes some days and not others: a measurement, not a check); a continuous-batching model is
+never scaled beyond its one worker."""
 
 from __future__ import annotations
 
@@ -20,8 +21,10 @@ SAFE_CYCLES = 6
 # A worker gathers a batch for up to maxBatchDelay, when the race loses requests most: at 500 ms it
 # showed in 3 of 4 cycles here, at the shipped 50 ms in 3 of 20 (docs/reliability.md).
 MAX_BATCH_DELAY_MS = 500
-RAW_CYCLES_AT_MOST = 20
+RAW_CYCLES = 4
 ANSWER_TIMEOUT_S = 30  # a request of 8 steps takes about a second here: unanswered this long is lost
+# The raw cycles are a measurement: a request unanswered this long counts as lost in their report.
+RAW_ANSWER_TIMEOUT_S = 10
 
 
 @pytest.fixture(scope="module")
@@ -38,11 +41,15 @@ def test_the_safe_path_answers_every_request_while_scaling_down_under_load(dynam
     assert dynamic.worker_status() == ["READY"]
 
 
-def test_torchserves_raw_scale_down_under_load_loses_requests(dynamic, record_property):
-    """The race the safe path avoids: cycles until one loses (or fails) a request."""
-    run = run_cycles(dynamic, "raw", RAW_CYCLES_AT_MOST, until_failure=True, answer_timeout_s=ANSWER_TIMEOUT_S)
-    record_property("raw_scale_down", f"a failing cycle after {run.cycles} cycle(s): {dict(run.outcomes)}")
-    assert run.failed_cycles == 1, f"no request lost or failed in {run.cycles} raw scale-downs"
+def test_torchserves_raw_scale_down_under_load_is_measured_and_the_server_keeps_serving(dynamic, record_property):
+    """The race the safe path avoids, as a measurement: how many of ``RAW_CYCLES`` raw scale-downs
+    lost or failed a request (it struck in 3 of 4 cycles at 500 ms here one day, in none of 20 on
+    another). Whatever it struck, the server answers the next request."""
+    run = run_cycles(dynamic, "raw", RAW_CYCLES, hold_s=1.0, answer_timeout_s=RAW_ANSWER_TIMEOUT_S)
+    struck = f"{run.failed_cycles} of {run.cycles} raw scale-downs lost or failed a request: {dict(run.outcomes)}"
+    record_property("raw_scale_down", struck)
+    print(struck)
+    assert run.cycles == RAW_CYCLES and run.requests > 0
     assert set(run.outcomes) <= {"200", "500", "connection ended", "no answer"}, dict(run.outcomes)
     wait_for_workers(dynamic, 1)
     assert Client(dynamic).predict({"prompt": "still serving", "num_inference_steps": 4}).status_code == 200

@@ -2,8 +2,8 @@
 the container and a Kubernetes pod run) drains, in both batching modes. The requests in flight
 finish with their images, a request sent during the drain gets 503 with Retry-After (with
 continuous batching with room in the batch, before any request in flight finishes; with dynamic
-batching once the worker is free), the health check fails, and no process is left; past the grace
-period what is left is answered 503, not dropped."""
+batching once the worker is free), the health check fails, and no process is left; a client that
+left does not hold the drain; past the grace period what is left is answered 503, not dropped."""
 
 from __future__ import annotations
 
@@ -20,12 +20,15 @@ from tests.harness.serving import Client, eventually, value
 from tests.harness.start_script import group_members, healthcheck, server_process_group, start_script
 
 IN_FLIGHT = 8
-# Long enough that the 8 are still denoising while the test checks the drain (the default model steps
-# 8 images of 64x64 about 70 times a second here: 13 s), short of the stop's grace period.
-LONG = {"prompt": "a blue square", "num_inference_steps": 900}
+# Long enough that the 8 are still denoising while the test checks the drain, a few seconds (the
+# default model steps 8 images of 64x64 about 70 times a second here: 7 s), short of the stop's
+# grace period.
+LONG = {"prompt": "a blue square", "num_inference_steps": 500}
 # Longer than the grace period of 4 s given to it (one image steps about 130 times a second here).
 LONGEST = {"prompt": "a red circle", "num_inference_steps": 990, "seed": 3}
 LIMITS = {"limits": {"max_inference_steps": LONGEST["num_inference_steps"]}}
+# Not a timing check: a read that waits this long means the answer was lost (a loaded machine is slow).
+READ_TIMEOUT_S = 600
 DRAINED = re.compile(r"drained in ([0-9.]+) s \((\d+) request\(s\) left unanswered\)")
 
 
@@ -36,8 +39,17 @@ def in_flight(server) -> float:
 
 def answered(client: Client, body: dict):
     """The response, and when it came (monotonic seconds)."""
-    response = client.predict(body)
+    response = client.predict(body, timeout=READ_TIMEOUT_S)
     return response, time.monotonic()
+
+
+def outcome(flight) -> tuple:
+    """A flight's (status, Content-Type, when) or the exception it raised, so every flight is reported."""
+    error = flight.exception()
+    if error is not None:
+        return (type(error).__name__, str(error)[:200], None)
+    response, at = flight.result()
+    return (response.status_code, response.headers.get("Content-Type"), at)
 
 
 @pytest.mark.parametrize("continuous", [True, False], ids=["continuous", "dynamic"])
@@ -57,20 +69,39 @@ def test_sigterm_drains_the_requests_in_flight_and_stops_leaving_no_process(tmp_
             eventually(lambda: (started.runtime / "control" / "draining").exists(), "the drain to begin")
             late, late_at = answered(client, {"prompt": "too late", "num_inference_steps": 4})
             check = healthcheck(started.runtime)
-            answers = [flight.result() for flight in flights]
+            outcomes = [outcome(flight) for flight in flights]  # each waits for its flight
+        assert [status for status, _, _ in outcomes] == [200] * IN_FLIGHT, outcomes
+        assert all(content_type == "image/png" for _, content_type, _ in outcomes), outcomes
         assert check.returncode == 1 and "stopping" in check.stdout, check.stdout
-        assert [answer.status_code for answer, _ in answers] == [200] * IN_FLIGHT, [a.text[:200] for a, _ in answers]
-        assert all(answer.headers["Content-Type"] == "image/png" for answer, _ in answers)
         assert late.status_code == 503 and late.headers["Retry-After"] == "1", late.text
         assert late.json()["type"] == "ShuttingDown"
         if continuous:  # refused in the next iteration, while the 8 still denoise
-            assert late_at < min(at for _, at in answers)
-        assert started.process.wait(timeout=300) == 0
+            assert late_at < min(at for _, _, at in outcomes)
+        assert started.process.wait(timeout=READ_TIMEOUT_S) == 0
         output = started.process.stdout.read()
     drained = DRAINED.search(output)
     assert drained and drained.group(2) == "0", output[-3000:]
     assert group_members(group) == [], "TorchServe processes outlived the start script"
     assert healthcheck(started.runtime).returncode == 1
+
+
+def test_a_client_that_left_does_not_hold_the_drain(tmp_path):
+    """Continuous batching: TorchServe drops a request whose client left and, with no request left,
+    calls the worker no more, so the worker would count it in flight until the grace period ends.
+    The drain's probe shows the worker which clients left: nothing is left unanswered."""
+    config = write_model_config(tmp_path, handler=LIMITS, continuousBatching=True)
+    with start_script(tmp_path, MODEL_CONFIG=str(config), STOP_GRACE_SECONDS="60") as started:
+        client = Client(started.server)
+        with client.predict({**LONGEST, "stream": True}, stream=True) as leaving:
+            assert leaving.status_code == 200 and next(leaving.iter_lines()), leaving.status_code
+        # its client left; TorchServe drops it at its next progress line, and nothing calls the worker since
+        eventually(lambda: in_flight(started.server) == 1, "the request counted in flight")
+        started.process.send_signal(signal.SIGTERM)
+        assert started.process.wait(timeout=READ_TIMEOUT_S) == 0
+        output = started.process.stdout.read()
+    drained = DRAINED.search(output)
+    assert drained and drained.group(2) == "0", output[-3000:]
+    assert "probing for clients that left" in output, output[-3000:]
 
 
 @pytest.mark.parametrize("continuous", [True, False], ids=["continuous", "dynamic"])

@@ -38,7 +38,7 @@ def test_archive_holds_handler_package_config_and_safetensors_only(tmp_path, mod
     assert {
         "sd_handler.py",
         "handler/sd_handler.py",
-        "handler/request.py",
+        "handler/api/request.py",
         "model-config.yaml",
         "MAR-INF/MANIFEST.json",
     } <= names

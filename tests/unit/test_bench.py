@@ -3,6 +3,7 @@ overhead's breakdown."""
 
 from __future__ import annotations
 
+import json
 import math
 
 import numpy as np
@@ -14,9 +15,9 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from bench import overhead, sd15, sdxl
 from bench.measure import Workload, unet_flops
-from bench.pipeline import image_distance
+from bench.pipeline import Runner, image_distance
 from bench.report import markdown
-from bench.variants import BASELINE, VARIANT_NAMES, VARIANTS, select
+from bench.variants import BASELINE, VARIANT_NAMES, VARIANTS, by_name, select
 from handler.config import HandlerSettings
 from handler.families import family_of
 from server.archive import BATCH_DELAY_MS
@@ -62,6 +63,41 @@ def test_workload_gives_every_variant_the_same_prompts_and_seeds():
     assert {spec.num_inference_steps for spec in specs} == {2} and workload.specs(3, steps=5)[
         2
     ].num_inference_steps == 5
+
+
+MEASURED = {"status": "ok", "latency_s": 1.0, "warmup_overhead_s": 2.0, "first_call_s": 3.0, "compile_counters": {}}
+
+
+def test_a_runner_reuses_what_its_scratch_holds_for_the_same_workload_only(tmp_path, monkeypatch):
+    workload = Workload(str(RANDOM_MODEL_DIR), "cpu", 64, 64, 1, 1, 1)
+    measured: list[tuple[str, str]] = []
+
+    def measure(self, variant, run, env, extra):  # what bench.measure leaves in the scratch, recorded
+        measured.append((variant.name, run))
+        (self.scratch / f"{variant.name}.npy").write_bytes(b"")
+        result = {**MEASURED, **({"unet_call_flops": 5} if "--count-flops" in extra else {})}
+        (self.scratch / f"{variant.name}-{run}.json").write_text(json.dumps(result))
+        return result
+
+    monkeypatch.setattr(Runner, "measure", measure)
+    cpu, eager, compiled = torch.device("cpu"), by_name("eager"), by_name("compile-default")
+    first = Runner(workload, tmp_path, 60, baseline="vanilla")  # bench-gpu's run measures these
+    first.variant(eager, cpu)
+    first.variant(compiled, cpu)
+    assert measured == [("eager", "cold"), ("compile-default", "cold"), ("compile-default", "warm")]
+    measured.clear()
+    again = Runner(workload, tmp_path, 60, reuse=True)  # the pipeline bench's, on the same workload
+    assert again.variant(compiled, cpu)["warm"]["latency_s"] == 1.0 and again.variant(eager, cpu)["status"] == "ok"
+    assert measured == []
+    again.variant(by_name("vanilla"), cpu)
+    assert measured == [("vanilla", "cold")], "a variant the scratch lacks is measured"
+    measured.clear()
+    as_baseline = Runner(workload, tmp_path, 60, baseline="eager", reuse=True)
+    as_baseline.variant(eager, cpu)
+    assert measured == [("eager", "cold")], "a result without the FLOP count its baseline role needs is not reused"
+    measured.clear()
+    Runner(Workload(str(RANDOM_MODEL_DIR), "cpu", 64, 64, 2, 1, 1), tmp_path, 60, reuse=True).variant(eager, cpu)
+    assert measured == [("eager", "cold")], "another workload's results are not reused"
 
 
 def test_image_distance_is_zero_for_identical_images_and_psnr_otherwise():
@@ -194,12 +230,20 @@ def _overhead_result(client_ms: float, frontend_ms: float, worker_ms: float, loc
     }
 
 
-def test_overhead_breakdown_adds_up_to_the_clients_time_and_the_table_shows_every_registration(tmp_path, monkeypatch):
+def test_overhead_breakdown_takes_each_part_from_its_own_clocks_and_the_table_shows_every_registration(
+    tmp_path, monkeypatch
+):
     monkeypatch.setattr(overhead, "visible_gpus", lambda: 0)  # a CPU host: one worker, continuous batching
     result = _overhead_result(client_ms=100.0, frontend_ms=95.0, worker_ms=91.0, local_ms=88.0)
-    parts = overhead.breakdown(result)
-    assert sum(parts.values()) == pytest.approx(0.100)
-    assert parts["service in the worker, beyond in-process"] == pytest.approx(0.003)
+    # Each part differs from the others, so a part read from the wrong clock shows.
+    assert overhead.breakdown(result) == pytest.approx(
+        {
+            "service in-process": 0.088,
+            "service in the worker, beyond in-process": 0.003,
+            "TorchServe: queue, batching wait, frontend, socket, worker loop": 0.004,
+            "HTTP: client, connection, frontend before its timer starts": 0.005,
+        }
+    )
     registrations = overhead.registrations()
     assert [entry.batch_size for entry in registrations][0] == 1
     shipped = registrations[1]
@@ -228,12 +272,13 @@ def test_overhead_breakdown_adds_up_to_the_clients_time_and_the_table_shows_ever
 def test_the_worker_profile_names_each_sample_by_the_first_part_its_stack_holds():
     loop = "<module> (/v/ts/model_service_worker.py:301);handle_connection (/v/ts/model_service_worker.py:187)"
     handle = f"{loop};predict (/v/ts/service.py:130);handle (/tmp/models/a1/sd_handler.py:190)"
-    step = f"{handle};iterate (/tmp/models/a1/handler/service.py:160);step (/tmp/models/a1/handler/engine.py:260)"
+    archive = "/tmp/models/a1/handler"
+    step = f"{handle};iterate ({archive}/service/loops.py:160);step ({archive}/engine/step_engine.py:160)"
     collapsed = "\n".join(
         [
             f"{step};forward (/v/torch/nn/modules/conv.py:554) 60",
-            f"{step};_stepped (/tmp/models/a1/handler/service.py:480);_record (/tmp/m/handler/metrics.py:214) 5",
-            f"{handle};_admit (/tmp/models/a1/handler/service.py:230) 20",
+            f"{step};_stepped ({archive}/service/stepping.py:130);_record ({archive}/metrics.py:214) 5",
+            f"{handle};admit ({archive}/service/admission.py:70) 20",
             f"{handle};to_incoming (/tmp/models/a1/sd_handler.py:80) 5",
             f"{loop} 10",
         ]

@@ -12,11 +12,12 @@ import torch
 
 from bench.reference import Reference
 from handler.config import UNET_SCHEDULERS, HandlerSettings, SchedulerName
-from handler.engine import JobSpec, StepEngine
+from handler.engine.jobs import JobSpec
+from handler.engine.loading import load_engine
+from handler.engine.step_engine import StepEngine
 from handler.families import SCHEDULERS as ALL_SCHEDULERS
 from handler.families import UnsupportedPipeline
 from handler.families.sd import SCHEDULERS
-from handler.pipeline import load_engine
 from model_making.make_tiny_model import write_lcm_model
 from server.paths import TINY_MODEL_DIRS
 from tests.harness.engine_runs import (
@@ -156,6 +157,7 @@ def test_the_request_rules_name_the_schedulers_the_families_build():
 
 def test_families_are_detected_from_the_loaded_pipeline(engines):
     assert [engines[family].family.name for family in FAMILIES] == ["SD 1.x", "SD 2.x", "SDXL"]
+    assert {engines[family].family.rules.max_steps for family in FAMILIES} == {1000}  # their training timesteps
     assert "family=SDXL pipeline=StableDiffusionXLPipeline" in engines["sdxl"].description
 
 

@@ -13,9 +13,10 @@ import pytest
 import torch
 
 from bench.reference import ControlNetCall, Reference
+from handler.adapters.controlnets import ControlSpec
+from handler.adapters.library import EntryError
 from handler.config import HandlerSettings
-from handler.controlnets import ControlNetError, ControlSpec
-from handler.pipeline import load_engine
+from handler.engine.loading import load_engine
 from model_making.make_controlnet import write_controlnet
 from model_making.make_lora import write_lora
 from server.paths import TINY_MODEL_DIRS
@@ -142,7 +143,7 @@ def test_the_library_refuses_bad_names_pickles_and_other_families_controlnets(fa
     }
     try:
         for name, rule in cases.items():
-            with pytest.raises(ControlNetError) as refused:
+            with pytest.raises(EntryError) as refused:
                 engine.controlnets.acquire([name], in_use=())
             assert refused.value.rule == rule, (name, str(refused.value))
     finally:

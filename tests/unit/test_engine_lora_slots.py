@@ -1,4 +1,4 @@
-"""LoRA sets in a compiled denoiser (``handler.lora_slots``, tiny SD 1.x, inductor on the CPU): jobs
+"""LoRA sets in a compiled denoiser (``handler.adapters.lora_slots``, tiny SD 1.x, inductor on the CPU): jobs
 with different sets share forwards and each image equals diffusers' ``load_lora_weights`` +
 ``set_adapters`` call; loading, evicting and reloading adapters recompiles nothing; what the slots
 cannot hold is refused by name, and a full set of slots in use is busy, not broken."""
@@ -11,13 +11,14 @@ import pytest
 from torch._dynamo.utils import counters
 
 from bench.reference import Reference
+from handler.adapters.library import Busy, EntryError
+from handler.adapters.lora_slots import SlotLinear
 from handler.config import HandlerSettings
-from handler.lora_slots import SlotLinear
-from handler.loras import LoraBusy, LoraError
-from handler.pipeline import load_engine
+from handler.engine.loading import load_engine
 from model_making.make_lora import write_lora
 from server.paths import TINY_MODEL_DIRS
 from tests.harness.engine_runs import assert_same_images, expected, run, spec
+from tests.harness.images import assert_moved
 
 pytestmark = pytest.mark.slow  # compiles the tiny UNet (about a minute here)
 
@@ -43,6 +44,7 @@ def lora_dir(tmp_path_factory) -> Path:
         write_lora(MODEL, directory / f"{name}.safetensors", **recipe)
     write_lora(MODEL, directory / "conv.safetensors", seed=6, layers=("conv",), text_encoder=False)
     write_lora(MODEL, directory / "wide.safetensors", seed=7, rank=16)
+    write_lora(MODEL, directory / "text-only.safetensors", seed=8, layers=())
     return directory
 
 
@@ -65,6 +67,9 @@ def jobs_of(engine, sets):
 
 
 def test_mixed_sets_share_compiled_forwards_and_each_equals_diffusers(engine, lora_dir):
+    unet = engine.pipeline.unet  # compiled in place: still the pipeline's model, for diffusers' LoRA loading
+    assert type(unet).__name__ == "UNet2DConditionModel" and unet._compiled_call_impl is not None
+    assert "compile=default(unet)" in engine.description
     assert engine.loras.slots is not None and all(
         isinstance(module, SlotLinear) for module in engine.loras.slots.layers.values()
     )
@@ -76,6 +81,8 @@ def test_mixed_sets_share_compiled_forwards_and_each_equals_diffusers(engine, lo
         assert_same_images(decoded, alone)
         files = [(lora_dir / f"{name}.safetensors", weight) for name, weight in lora_set]
         assert_same_images(decoded, expected(reference, job, files))
+        if lora_set:  # the slots added each set's deltas: the image is not the one without LoRA
+            assert_moved(decoded.images[0], expected(reference, job).images[0], f"LoRA set {lora_set}")
 
 
 def test_a_new_adapter_and_an_eviction_recompile_nothing(engine, lora_dir):
@@ -87,12 +94,14 @@ def test_a_new_adapter_and_an_eviction_recompile_nothing(engine, lora_dir):
     decoded = run(engine, jobs)
     assert counters["stats"]["unique_graphs"] == graphs
     files = [(lora_dir / "late.safetensors", 0.9), (lora_dir / "attention.safetensors", 0.3)]
-    assert_same_images(decoded[0], expected(Reference(MODEL), jobs[0][1], files))
+    reference = Reference(MODEL)
+    assert_same_images(decoded[0], expected(reference, jobs[0][1], files))
+    assert_moved(decoded[0].images[0], expected(reference, jobs[0][1]).images[0], "the late set")
 
 
 @pytest.mark.parametrize(("name", "says"), [("conv", "is not served with a compiled denoiser"), ("wide", "rank 16")])
 def test_what_the_slots_cannot_hold_is_refused_by_name(engine, name, says):
-    with pytest.raises(LoraError, match=says) as refused:
+    with pytest.raises(EntryError, match=says) as refused:
         engine.loras.acquire([(name, 1.0)], in_use=())
     assert refused.value.rule == "lora_unloadable"
     assert not hasattr(engine.family.denoiser, "peft_config")  # PEFT's layers are out again
@@ -101,9 +110,22 @@ def test_what_the_slots_cannot_hold_is_refused_by_name(engine, name, says):
 def test_every_slot_in_use_is_busy(engine):
     held = {adapter for adapter, _ in engine.loras.acquire([("attention", 1.0), ("feed-forward", 1.0)], in_use=())}
     held |= {adapter for adapter, _ in engine.loras.acquire([("kohya", 1.0)], in_use=held)}
-    with pytest.raises(LoraBusy, match="all 3 LoRA slots"):
+    with pytest.raises(Busy, match="all 3 LoRA slots"):
         engine.loras.acquire([("late", 1.0)], in_use=held)
     assert engine.loras.slots.free == 0
+
+
+def test_a_lora_of_the_text_encoders_only_takes_no_slot_so_full_slots_do_not_refuse_it(engine, lora_dir):
+    held = {adapter for adapter, _ in engine.loras.acquire([("attention", 1.0), ("feed-forward", 1.0)], in_use=())}
+    held |= {adapter for adapter, _ in engine.loras.acquire([("kohya", 1.0)], in_use=held)}
+    assert engine.loras.slots.free == 0
+    adapters = engine.loras.acquire([("text-only", 1.0)], in_use=held)
+    assert engine.loras.slots.free == 0 and not engine.loras.slots.needs_slot(adapters[0][0])
+    (job,) = [spec("a red circle", 3, side=32, steps=3, adapters=adapters)]
+    reference = Reference(MODEL)
+    (decoded,) = run(engine, [(0, job)])
+    assert_same_images(decoded, expected(reference, job, [(lora_dir / "text-only.safetensors", 1.0)]))
+    assert_moved(decoded.images[0], expected(reference, job).images[0], "the text encoders' LoRA")
 
 
 @pytest.mark.parametrize(("family", "scheduler"), [("sdxl", "euler"), ("sd3", "flow_match_euler")])
@@ -128,3 +150,5 @@ def test_other_families_mixed_sets_in_compiled_forwards_equal_diffusers(family, 
     for (_, job), (_, lora_set), decoded in zip(jobs, sets, run(engine, jobs), strict=True):
         files = [(tmp_path / f"{name}.safetensors", weight) for name, weight in lora_set]
         assert_same_images(decoded, expected(reference, job, files))
+        if lora_set:
+            assert_moved(decoded.images[0], expected(reference, job).images[0], f"LoRA set {lora_set}")

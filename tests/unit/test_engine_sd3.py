@@ -17,9 +17,9 @@ import torch
 
 from bench.reference import Reference
 from handler.config import FamilyRules, HandlerSettings
-from handler.engine import StepEngine
-from handler.families import StableDiffusion3Family
-from handler.pipeline import load_engine
+from handler.engine.loading import load_engine
+from handler.engine.step_engine import StepEngine
+from handler.families import StableDiffusion3Family, base
 from server.paths import TINY_MODEL_DIRS
 from tests.harness.engine_runs import (
     assert_same_images,
@@ -148,6 +148,25 @@ def test_dynamic_shifting_gives_each_size_its_own_schedule_and_diffusers_images(
     shapes = [engine.latent_shape(side, side) for side in (64, 128)]
     schedules = [engine.family.scheduler(FLOW, 4, shape).sigmas for shape in shapes]
     assert not torch.equal(*schedules), "the schedule should depend on the image's token count"
+
+
+def test_scheduler_templates_per_image_size_are_bounded(dynamic_model, monkeypatch):
+    """Each size has its own ``mu`` and so its own template; the family keeps the most recent few."""
+    monkeypatch.setattr(base, "TEMPLATES_KEPT", 3)
+    family = engine_for(dynamic_model).family
+    sides = (32, 48, 64, 80, 96)
+    for side in sides:
+        family.scheduler(FLOW, 4, family.latent_shape(side, side))
+    latest = [(FLOW, 4, tuple(family._timestep_options(family.latent_shape(side, side)).items())) for side in sides]
+    assert list(family._templates) == latest[-3:], "the three most recently used, oldest first"
+
+
+def test_controlnet_residuals_are_refused_by_the_transformer_family(engines):
+    engine = engines["sd3"]
+    (job,) = engine.start([spec(side=32)])
+    latents = torch.cat([job.latents] * 2)
+    with pytest.raises(ValueError, match="take no ControlNet residuals"):
+        engine.family.forward(latents, job.timesteps[:1].expand(2), job.conditioning, ([], latents))
 
 
 def test_without_t5_the_model_conditions_on_zeros_as_diffusers_does_without_its_encoder():

@@ -14,9 +14,11 @@ import numpy as np
 import pytest
 from PIL import Image
 
+from handler.api.bodies import decode_body, decode_form
+from handler.api.errors import RequestError
+from handler.api.input_image import fit
+from handler.api.policy import RequestPolicy
 from handler.config import FamilyRules, RequestDefaults, RequestLimits
-from handler.input_image import fit
-from handler.request import RequestError, RequestPolicy, decode_body, decode_form
 
 POLICY = RequestPolicy(RequestLimits(max_side=512, max_pixels=512 * 256), RequestDefaults(width=64, height=64))
 

@@ -23,6 +23,20 @@ ALLOWED = {
     "loadtest": {"server"},
     "bench": {"handler", "server", "model_making", "loadtest"},
 }
+# handler/'s rooms and the rooms each may import: imports run down, never back up (docs/architecture.md).
+# A room is a package of handler/ or one of the worker's modules at its top.
+HANDLER_ROOMS = {
+    "config": set(),
+    "metrics": set(),
+    "control": set(),
+    "single_worker": set(),
+    "families": {"config"},
+    "adapters": {"config", "families"},
+    "engine": {"config", "families", "adapters"},
+    "api": {"config", "adapters"},
+    "service": {"config", "metrics", "families", "adapters", "engine", "api"},
+    "sd_handler": {"config", "metrics", "control", "single_worker", "api", "engine", "service"},
+}
 # What the operations side may import of server/: the package (its entry points, server.__all__) and the paths.
 ENTRY_MODULES = {"server", "server.paths"}
 FOLDERS = (*ALLOWED, "tests")
@@ -64,6 +78,27 @@ def test_a_folder_imports_only_the_folders_below_it(name):
         for imported in imports(module):
             allowed = ALLOWED[name] | {name}
             assert folder(imported) in allowed, f"{module} imports {imported}; {name}/ may import {sorted(allowed)}"
+
+
+def room(module: str) -> str | None:
+    """The handler room of a handler module (None for the package itself)."""
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else None
+
+
+def test_handler_has_exactly_these_rooms():
+    rooms = {room(module) for module in modules() if folder(module) == "handler"} - {None}
+    assert rooms == set(HANDLER_ROOMS), "a new room of handler/ goes into HANDLER_ROOMS and docs/architecture.md"
+
+
+@pytest.mark.parametrize("name", HANDLER_ROOMS)
+def test_a_handler_room_imports_only_the_rooms_below_it(name):
+    allowed = HANDLER_ROOMS[name] | {name, None}
+    for module in (module for module in modules() if folder(module) == "handler" and room(module) == name):
+        for imported in imports(module):
+            assert room(imported) in allowed, (
+                f"{module} imports {imported}; handler/{name} may import {sorted(allowed - {None})}"
+            )
 
 
 def test_the_operations_side_uses_the_server_package_through_its_entry_points():

@@ -1,4 +1,4 @@
-"""Per-row LoRA sets in one forward (``handler.lora_rows``) on PEFT's own LoRA layers, Linear and
+"""Per-row LoRA sets in one forward (``handler.adapters.lora_rows``) on PEFT's own LoRA layers, Linear and
 strided Conv2d: every row equals PEFT's ``set_adapters`` path run on that row alone with
 its set, in both designs; a forward without LoRA (or with LoRAs at scale 0) is the base forward;
 the stacked weights stay bounded and go with their adapters; what the row path cannot serve is
@@ -11,7 +11,7 @@ import torch
 from peft import LoraConfig, inject_adapter_in_model
 from peft.tuners.lora import LoraLayer
 
-from handler.lora_rows import STACKS_PER_LAYER, RowLoras, RowPlan
+from handler.adapters.lora_rows import STACKS_PER_LAYER, RowLoras, RowPlan
 
 ADAPTERS = {  # name: (config, layers)
     "a": (dict(r=2, lora_alpha=4), ["linear", "conv"]),

@@ -12,7 +12,8 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from handler.loras import LoraError, LoraLibrary, valid_name
+from handler.adapters.library import EntryError, valid_name
+from handler.adapters.loras import LoraLibrary
 
 
 class RecordingPipeline:
@@ -74,13 +75,13 @@ def test_paths_and_odd_names_are_not_names(name):
 
 def test_a_bad_name_is_refused_before_any_file_is_touched(library, monkeypatch):
     monkeypatch.setattr(Path, "is_file", lambda self: pytest.fail(f"touched {self}"))
-    with pytest.raises(LoraError) as caught:
+    with pytest.raises(EntryError) as caught:
         library.resolve("../outline")
     assert caught.value.rule == "lora_name"
 
 
 def test_unknown_names_list_what_there_is(library):
-    with pytest.raises(LoraError) as caught:
+    with pytest.raises(EntryError) as caught:
         library.resolve("nope")
     assert caught.value.rule == "unknown_lora" and "outline, purple, thick" in str(caught.value)
 
@@ -90,12 +91,12 @@ def test_a_symlink_out_of_the_directory_is_not_a_lora(library, tmp_path_factory)
     assert library.directory is not None
     (library.directory / "escape.safetensors").symlink_to(outside)
     assert "escape" not in [file.name for file in library.available()]
-    with pytest.raises(LoraError):
+    with pytest.raises(EntryError):
         library.resolve("escape")
 
 
 def test_without_a_directory_loras_are_off():
-    with pytest.raises(LoraError) as caught:
+    with pytest.raises(EntryError) as caught:
         LoraLibrary(RecordingPipeline(), torch.nn.Module(), None, 2).resolve("outline")
     assert caught.value.rule == "loras_disabled"
 
@@ -124,12 +125,12 @@ def test_the_least_recently_used_adapter_is_evicted_unless_in_use(library):
 def test_a_file_that_fails_to_load_leaves_no_adapter_behind(library):
     assert library.directory is not None
     write(library.directory, "wrong-family", key="broken")
-    with pytest.raises(LoraError) as caught:
+    with pytest.raises(EntryError) as caught:
         library.acquire([("wrong-family", 1.0)], set())
     assert caught.value.rule == "lora_unloadable" and "size mismatch" in str(caught.value)
     assert library.pipeline.adapters == [] and library.loaded == 0
     (library.directory / "corrupt.safetensors").write_bytes(b"not a safetensors file")
-    with pytest.raises(LoraError) as caught:
+    with pytest.raises(EntryError) as caught:
         library.acquire([("corrupt", 1.0)], set())
     assert caught.value.rule == "lora_unloadable"
 
@@ -137,7 +138,7 @@ def test_a_file_that_fails_to_load_leaves_no_adapter_behind(library):
 def test_a_lora_no_layer_of_the_model_matches_is_refused(library):
     assert library.directory is not None
     write(library.directory, "sd3-lora", key="other_model")
-    with pytest.raises(LoraError) as caught:
+    with pytest.raises(EntryError) as caught:
         library.acquire([("sd3-lora", 1.0)], set())
     assert caught.value.rule == "lora_unloadable" and "no layer of this model" in str(caught.value)
     assert library.loaded == 0
@@ -155,7 +156,7 @@ def test_a_failed_activation_forgets_what_is_active(library):
 
 def test_loras_are_off_with_a_reason_and_an_unreadable_directory_lists_none(library, tmp_path):
     off = LoraLibrary(RecordingPipeline(), torch.nn.Module(), tmp_path, 2, off_because="sequential CPU offload")
-    with pytest.raises(LoraError) as caught:
+    with pytest.raises(EntryError) as caught:
         off.resolve("outline")
     assert caught.value.rule == "loras_disabled" and "sequential CPU offload" in str(caught.value)
     assert off.available() == []

@@ -11,11 +11,12 @@ import json
 import pytest
 from PIL import Image
 
-from handler.encode import encode_image
-from handler.openai_images import GENERATIONS, SSE_CONTENT_TYPE
-from handler.protocol import IncomingRequest
-from handler.request import GenerationRequest, RequestPolicy
-from handler.routes import APIS
+from handler.api.encode import encode_image
+from handler.api.openai_images import GENERATIONS, SSE_CONTENT_TYPE
+from handler.api.policy import RequestPolicy
+from handler.api.protocol import IncomingRequest
+from handler.api.request import GenerationRequest
+from handler.api.routes import APIS
 from tests.harness.stand_ins import RecordingSink, SolidColorEngine, batch, make_service, run
 
 

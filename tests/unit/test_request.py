@@ -6,9 +6,12 @@ from dataclasses import replace
 
 import pytest
 
+from handler.api.bodies import decode_body, decode_form
+from handler.api.errors import RequestError
+from handler.api.policy import RequestPolicy
+from handler.api.protocol import IncomingRequest, decode
+from handler.api.request import FIELD_LABELS, GenerationRequest
 from handler.config import MAX_SEED, FamilyRules, RequestDefaults, RequestLimits
-from handler.protocol import IncomingRequest, decode
-from handler.request import FIELD_LABELS, GenerationRequest, RequestError, RequestPolicy, decode_body, decode_form
 
 POLICY = RequestPolicy(
     RequestLimits(
@@ -288,6 +291,19 @@ def test_the_familys_rules_name_what_it_allows():
     assert fields == [("width", "multiple_of"), ("height", "less_than_equal")]
     assert "multiple of 16 for SD 3.x models (given: 72)" in message and "largest side this SD 3.x model" in message
     assert decode_body({"prompt": "x", "width": 72}, "application/json", POLICY).width == 72
+
+
+def test_more_steps_than_the_models_training_timesteps_are_refused_naming_the_field():
+    """A UNet's schedule samples its training timesteps (DDIM fails above them): with limits that
+    allow more, the family's rule refuses them as a 400, not a failed start."""
+    policy = replace(
+        POLICY, limits=RequestLimits(max_inference_steps=5000), rules=replace(POLICY.rules, max_steps=1000)
+    )
+    fields, message = errors_of({"prompt": "x", "num_inference_steps": 1001}, policy=policy)
+    assert fields == [("num_inference_steps", "less_than_equal")]
+    assert "1000 (the training timesteps of this SD 1.x model's schedule), got 1001" in message
+    assert decode_body({"prompt": "x", "num_inference_steps": 1000}, "application/json", policy).num_inference_steps
+    assert errors_of({"prompt": "x", "num_inference_steps": 31})[0] == [("num_inference_steps", "less_than_equal")]
 
 
 def _png(pixels) -> bytes:

@@ -23,11 +23,13 @@ from ts.context import Context
 from ts.protocol.otf_message_handler import _retrieve_input_data
 from ts.service import Service
 
+from handler.api.encode import CONTENT_TYPES as IMAGE_CONTENT_TYPES
+from handler.api.encode import JSON_CONTENT_TYPE
+from handler.api.errors import UNKNOWN_FIELD_LABEL, RequestError
+from handler.api.policy import RequestPolicy
+from handler.api.protocol import IncomingRequest, Response, bad_request, decode
+from handler.api.request import FIELD_LABELS, GenerationRequest
 from handler.config import MAX_SEED, HandlerSettings, OutputFormat, ResponseFormat, SchedulerName
-from handler.encode import CONTENT_TYPES as IMAGE_CONTENT_TYPES
-from handler.encode import JSON_CONTENT_TYPE
-from handler.protocol import IncomingRequest, Response, bad_request, decode
-from handler.request import FIELD_LABELS, UNKNOWN_FIELD_LABEL, GenerationRequest, RequestError, RequestPolicy
 from handler.sd_handler import to_incoming
 from tests.harness.client_inputs import (
     CONTENT_TYPE_HEADERS,

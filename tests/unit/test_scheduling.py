@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import torch
 
-from handler.engine import DenoiseJob, JobSpec
+from handler.engine.jobs import DenoiseJob, JobSpec
+from handler.engine.scheduling import StepProfile, choose, slack
 from handler.families import Conditioning
-from handler.scheduling import StepProfile, choose, slack
 
 SMALL, LARGE = (4, 8, 8), (4, 16, 16)
 

@@ -14,13 +14,20 @@ import pytest
 import torch
 from PIL import Image
 
-from handler.engine import DenoiseJob
-from handler.protocol import NSFW_HEADER, STREAM_CONTENT_TYPE, IncomingRequest
+from handler.adapters.library import Busy, EntryError
+from handler.api.protocol import NSFW_HEADER, STREAM_CONTENT_TYPE, IncomingRequest
+from handler.engine.jobs import DenoiseJob
 from tests.harness.stand_ins import SHAPE, Clock, RecordingSink, SolidColorEngine, batch, make_service, run
 
 
 def body(**fields) -> IncomingRequest:
     return IncomingRequest({"prompt": "p", "seed": 1, "num_inference_steps": 3, **fields}, "application/json")
+
+
+def png_base64(side: int = 8) -> str:
+    buffer = io.BytesIO()
+    Image.new("RGB", (side, side), "white").save(buffer, "PNG")
+    return base64.b64encode(buffer.getvalue()).decode()
 
 
 def grey(data: bytes) -> int:
@@ -50,6 +57,25 @@ def test_requests_of_one_shape_share_each_forward_whatever_their_steps_scheduler
     # the two 64x64 jobs share each forward; the 128x64 job takes its own
     assert engine.steps[:2] == [["p", "p"], ["p"]] or engine.steps[:2] == [["p"], ["p", "p"]]
     assert sum(len(prompts) for prompts in engine.steps) == 2 + 3 + 4
+
+
+@pytest.mark.parametrize("field", ["loras", "controlnets"])
+def test_an_adapter_that_cannot_load_now_is_503_and_one_that_cannot_be_served_400_naming_the_field(field, monkeypatch):
+    engine = SolidColorEngine()
+    library = getattr(engine, field)
+    refusals = iter([Busy("does not fit in device memory now"), EntryError(f"unknown_{field[:-1]}", "no such one")])
+
+    def refuse(*args):
+        raise next(refusals)
+
+    monkeypatch.setattr(library, "acquire", refuse)
+    choice = {"name": "outline"} if field == "loras" else {"name": "edges", "image": png_base64()}
+    busy, unknown, plain = batch(
+        make_service(engine, streaming=False), body(**{field: [choice]}), body(**{field: [choice]}), body(seed=7)
+    )
+    assert busy.status == 503 and busy.headers["Retry-After"] == "1" and b"device memory" in busy.body
+    assert unknown.status == 400 and json.loads(unknown.body)["errors"][0]["field"] == field
+    assert plain.status == 200 and grey(plain.body) == 7
 
 
 def test_a_bad_request_fails_alone():
@@ -87,16 +113,16 @@ def test_requests_admitted_together_are_started_in_one_call():
 
 
 def test_an_unexpected_decoding_error_fails_only_that_request(monkeypatch):
-    import handler.protocol
+    import handler.api.protocol
 
-    real = handler.protocol.decode_body
+    real = handler.api.protocol.decode_body
 
     def buggy(body, content_type, policy):
         if body.get("prompt") == "bug":
             raise TypeError("unexpected")
         return real(body, content_type, policy)
 
-    monkeypatch.setattr(handler.protocol, "decode_body", buggy)
+    monkeypatch.setattr(handler.api.protocol, "decode_body", buggy)
     responses = batch(make_service(streaming=False), body(seed=3), body(prompt="bug"))
     assert [response.status for response in responses] == [200, 500]
     assert "decoding failed: TypeError" in json.loads(responses[1].body)["message"]
@@ -455,7 +481,7 @@ def test_a_retry_after_running_out_of_memory_steps_only_the_jobs_that_did_not_ad
 def test_an_unexpected_error_fails_the_batch_and_the_next_one_starts_clean(monkeypatch):
     sink = RecordingSink()
     service = make_service(sink=sink, streaming=False)
-    monkeypatch.setattr(service, "_finish", lambda done: 1 / 0)
+    monkeypatch.setattr(service.finishing, "finish", lambda: 1 / 0)
     with pytest.raises(ZeroDivisionError):
         batch(service, body(seed=1, num_inference_steps=2))
     assert service.flights == {} and sink.values("sd_in_flight_requests")[-1] == 0

@@ -67,8 +67,9 @@ def test_without_a_place_for_the_lock_the_worker_serves_and_says_so(tmp_path, ca
     [
         (["model_service_worker.py", "--sock-type", "unix", "--sock-name", "/tmp/.ts.sock.9001"], "9001"),
         (["model_service_worker.py", "--sock-type", "tcp", "--port", "9002", "--host", "127.0.0.1"], "9002"),
-        (["pytest"], str(os.getpid())),
+        (["pytest"], None),  # no socket: this process's id
     ],
+    ids=["unix", "tcp", "no-socket"],
 )
 def test_the_worker_id_is_the_port_the_describe_api_names_it_by(argv, expected):
-    assert worker_id(argv) == expected
+    assert worker_id(argv) == (expected or str(os.getpid()))

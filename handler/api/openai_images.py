@@ -28,9 +28,11 @@ from PIL.Image import Image
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 from pydantic_core import PydanticCustomError
 
-from handler.config import OutputFormat
-from handler.encode import JSON_CONTENT_TYPE, json_body
-from handler.protocol import (
+from handler.api.bodies import form_text, json_fields
+from handler.api.encode import JSON_CONTENT_TYPE, json_body
+from handler.api.errors import RequestError
+from handler.api.policy import RequestPolicy
+from handler.api.protocol import (
     SEED_HEADER,
     IncomingRequest,
     Preview,
@@ -39,16 +41,8 @@ from handler.protocol import (
     encode_preview,
     without_body,
 )
-from handler.request import (
-    MAX_PARTIAL_IMAGES,
-    GenerationRequest,
-    RequestError,
-    RequestPolicy,
-    form_text,
-    json_fields,
-    validate_fields,
-    validate_model,
-)
+from handler.api.request import MAX_PARTIAL_IMAGES, GenerationRequest, validate_fields, validate_model
+from handler.config import OutputFormat
 
 GENERATIONS = "v1/images/generations"
 EDITS = "v1/images/edits"

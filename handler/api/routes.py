@@ -11,8 +11,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from handler.encode import JSON_CONTENT_TYPE, error_json
-from handler.openai_images import (
+from handler.api.encode import JSON_CONTENT_TYPE, error_json
+from handler.api.openai_images import (
     EDITS,
     GENERATIONS,
     MODELS,
@@ -22,7 +22,7 @@ from handler.openai_images import (
     error_body,
     models,
 )
-from handler.protocol import NATIVE, Api, Response
+from handler.api.protocol import NATIVE, Api, Response
 
 APIS: dict[str, Api] = {
     "": NATIVE,

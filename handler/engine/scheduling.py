@@ -19,8 +19,9 @@ from collections.abc import Callable
 import torch
 
 from handler.config import SchedulerName
-from handler.engine import DenoiseJob, JobSpec, StepEngine
-from handler.pipeline import release_cached_memory, synchronize
+from handler.engine.jobs import DenoiseJob, JobSpec
+from handler.engine.loading import release_cached_memory, synchronize
+from handler.engine.step_engine import StepEngine
 
 logger = logging.getLogger(__name__)
 

@@ -7,7 +7,7 @@ content type and headers of a request's first chunk).
 
 ``Api`` is the hook contract of a wire API over the one engine: how a request is read and how its
 answer, progress and errors are written. ``NATIVE`` is this server's own JSON API (and gRPC);
-``handler.openai_images`` is the OpenAI Images API; ``handler.routes`` picks one by URL path.
+``handler.api.openai_images`` is the OpenAI Images API; ``handler.api.routes`` picks one by URL path.
 """
 
 from __future__ import annotations
@@ -22,15 +22,11 @@ from typing import Any, Protocol
 import torch
 from PIL.Image import Image
 
-from handler.encode import CONTENT_TYPES, JSON_CONTENT_TYPE, encode_image, error_json, images_json, json_body
-from handler.request import (
-    FIELD_LABELS,
-    GenerationRequest,
-    RequestError,
-    RequestPolicy,
-    decode_body,
-    decode_form,
-)
+from handler.api.bodies import decode_body, decode_form
+from handler.api.encode import CONTENT_TYPES, JSON_CONTENT_TYPE, encode_image, error_json, images_json, json_body
+from handler.api.errors import RequestError
+from handler.api.policy import RequestPolicy
+from handler.api.request import FIELD_LABELS, GenerationRequest
 
 SEED_HEADER = "X-Seed"
 # "true" when the safety checker flagged the (one) image of an image response, "false" when it

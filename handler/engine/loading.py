@@ -17,12 +17,12 @@ from diffusers import AutoPipelineForText2Image
 from diffusers.models.attention_processor import AttnProcessor, AttnProcessor2_0, SlicedAttnProcessor
 from torch._inductor.runtime.cache_dir_utils import cache_dir
 
+from handler.adapters.controlnets import ControlNetLibrary
+from handler.adapters.lora_slots import SlotLoras
+from handler.adapters.loras import LoraLibrary
 from handler.config import HandlerSettings
-from handler.controlnets import ControlNetLibrary
-from handler.engine import StepEngine
+from handler.engine.step_engine import StepEngine
 from handler.families import Family, Pipeline, StableDiffusion3Family, family_of
-from handler.lora_slots import SlotLoras
-from handler.loras import LoraLibrary
 
 logger = logging.getLogger(__name__)
 
@@ -129,7 +129,7 @@ def _apply_compile(family: Family, settings: HandlerSettings) -> None:
     compile_ = functools.partial(torch.compile, mode=options.mode, fullgraph=options.fullgraph, dynamic=options.dynamic)
     if options.denoiser:
         # In place: the denoiser stays the pipeline's model, which diffusers loads LoRAs into (their
-        # weights then go to handler.lora_slots). Inference only: PEFT freezing the weights at a
+        # weights then go to handler.adapters.lora_slots). Inference only: PEFT freezing the weights at a
         # LoRA load changes nothing a guard checks.
         family.denoiser.requires_grad_(False)
         family.denoiser.compile(mode=options.mode, fullgraph=options.fullgraph, dynamic=options.dynamic)

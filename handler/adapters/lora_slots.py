@@ -1,6 +1,6 @@
 """LoRA sets per row in a compiled denoiser: fixed slots, so that loading an adapter recompiles nothing.
 
-``handler.lora_rows`` reads Python objects in forward hooks (the forward's plan, PEFT's adapter
+``handler.adapters.lora_rows`` reads Python objects in forward hooks (the forward's plan, PEFT's adapter
 dicts), which ``torch.compile`` would guard on and recompile for. Here, before the denoiser is
 compiled, every ``nn.Linear`` of its transformer blocks (attention, feed-forward, ``proj_in`` and
 ``proj_out``: where LoRAs go) becomes a ``SlotLinear``: the same weights, plus buffers for
@@ -12,7 +12,7 @@ of the same shapes, and there are two graphs per shape: with LoRA rows and witho
 An adapter is loaded by diffusers (``load_lora_weights``, every format and alpha it reads), then
 copied into a free slot with its scaling folded into B (``lora_alpha / r``, as ``set_adapters``
 computes it), and PEFT's layers are taken out of the denoiser again (``unload_lora``), leaving the
-modules it was compiled with. This is the ``stacked`` design of ``handler.lora_rows`` over every
+modules it was compiled with. This is the ``stacked`` design of ``handler.adapters.lora_rows`` over every
 slot: each row pays ``slots x rank`` ranks on every slot layer in a forward with LoRA rows.
 """
 
@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from peft.tuners.lora import LoraLayer
 from torch._dynamo.utils import counters
 
-from handler.lora_rows import Adapters, base_scaling, beyond_plain_lora, weight
+from handler.adapters.lora_rows import Adapters, base_scaling, beyond_plain_lora, weight
 
 # Linear layers of transformer blocks (UNet and MMDiT alike) and the projections around them.
 TARGETS = re.compile(r"(^|\.)transformer_blocks\.\d+\.|(^|\.)proj_(in|out)$")
@@ -114,6 +114,10 @@ class SlotLoras:
 
     def bytes(self) -> int:
         return sum(buffer.nbytes for layer in self.layers.values() for buffer in (layer.slot_a, layer.slot_b))
+
+    def needs_slot(self, adapter: str) -> bool:
+        """Whether ``adapter`` has layers in the denoiser (one of the text encoders only has none)."""
+        return any(isinstance(module, LoraLayer) and adapter in module.lora_A for module in self.denoiser.modules())
 
     def take(self, adapter: str) -> None:
         """Copy ``adapter`` from the denoiser's PEFT layers into a free slot. Raises ValueError (the

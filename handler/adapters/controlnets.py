@@ -1,0 +1,166 @@
+"""ControlNets per request, served from a directory of diffusers ControlNet directories by name
+(``handler.adapters.library``: a directory added while the server runs is used at once, a changed
+one is loaded again, at most ``max_loaded`` in memory, those of jobs in flight kept).
+
+A ControlNet is a diffusers directory (``config.json`` and safetensors weights) named by its
+directory name. Every file read must resolve inside the ControlNet directory (no symlink out), and
+weights are read from safetensors only. A ControlNet must fit the served UNet (the family says:
+``Family.controlnet_refusal``).
+
+In a denoising step (``residuals``), each ControlNet runs ONCE over the rows of the jobs that use
+it in their start/end window, each row with its own control image and scale; its residuals are
+added into zero tensors for all rows of the UNet forward, so rows without a ControlNet get zeros
+(exact: ``x + 0 == x``) and a row with several gets their sum, as diffusers' ``MultiControlNetModel``.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from diffusers import ControlNetModel
+from PIL.Image import Image
+
+from handler.adapters.library import Entry, Kind, Library
+from handler.families import Conditioning, Family, Residuals
+
+logger = logging.getLogger(__name__)
+
+WEIGHTS_SUFFIX = ".safetensors"
+CONTROLNETS = Kind(
+    "ControlNet",
+    "controlnets",
+    "handler.controlnets.dir (or $CONTROLNET_DIR)",
+    "a directory name",
+    marker="config.json",
+)
+
+
+@dataclass(frozen=True)
+class ControlSpec:
+    """One ControlNet of a job: the loaded net's id, its control image, its scale
+    (``controlnet_conditioning_scale``) and its window (``control_guidance_start`` and ``_end``,
+    shares of the job's steps)."""
+
+    net: str
+    image: Image
+    scale: float = 1.0
+    start: float = 0.0
+    end: float = 1.0
+
+    def acts(self, step: int, steps: int) -> bool:
+        """Whether it acts in step ``step`` of ``steps``: the pipelines' ``controlnet_keep`` is 1."""
+        return not (step / steps < self.start or (step + 1) / steps > self.end)
+
+
+@dataclass(frozen=True)
+class Control:
+    """A job's ControlNet with its control image as the pipelines' ``prepare_image`` makes it."""
+
+    spec: ControlSpec
+    image: torch.Tensor  # (1, 3, height, width) in [0, 1]
+
+
+class ControlNetLibrary(Library):
+    """The ControlNets of one directory for one family's UNet, on one device and dtype."""
+
+    kind = CONTROLNETS
+
+    def __init__(
+        self,
+        family: Family,
+        directory: Path | None,
+        max_loaded: int,
+        device: torch.device,
+        dtype: torch.dtype,
+    ):
+        off_because = None if family.rules.controlnets else f"{family.rules.family} models take no ControlNets"
+        super().__init__(directory, max_loaded, off_because)
+        self.family = family
+        self.device = device
+        self.dtype = dtype
+        self._nets: dict[str, torch.nn.Module] = {}  # id -> the loaded ControlNetModel
+
+    def acquire(self, names: Sequence[str], in_use: Iterable[str]) -> list[str]:
+        """The ids of the loaded ControlNets for a request's names, loading those not in memory (or
+        changed since) after making room, then evicting least recently used ones ``in_use`` does not hold."""
+        return self._acquire(names, in_use)
+
+    def _load(self, entry: Entry, keep: set[str]) -> str:
+        weights = [path for path in entry.path.iterdir() if path.name.endswith(WEIGHTS_SUFFIX)]
+        try:
+            if not weights:
+                raise ValueError(f"no {WEIGHTS_SUFFIX} weights (only safetensors are read)")
+            config = entry.path / self.kind.marker
+            outside = [path.name for path in [config, *weights] if path.resolve().parent != entry.path]
+            if outside:
+                raise ValueError(f"{', '.join(outside)} resolve outside its directory")
+            net = ControlNetModel.from_pretrained(
+                str(entry.path), torch_dtype=self.dtype, use_safetensors=True, local_files_only=True
+            )
+            refusal = self.family.controlnet_refusal(net.config)
+            if refusal is not None:
+                raise ValueError(refusal)
+            net = net.to(self.device).eval().requires_grad_(False)
+        except Exception as error:  # config, format, shape and memory errors alike
+            raise self.unloadable(entry, error) from None
+        net_id = next(self._ids)
+        self._nets[net_id] = net
+        logger.info("ControlNet %s loaded as %s (%d bytes)", entry.name, net_id, entry.version[1])
+        return net_id
+
+    def _forget(self, loaded_id: str) -> None:
+        del self._nets[loaded_id]
+
+    def residuals(
+        self,
+        uses: Sequence[tuple[Sequence[Control], int]],
+        latents: torch.Tensor,
+        timesteps: torch.Tensor,
+        conditioning: Conditioning,
+    ) -> tuple[Residuals | None, int]:
+        """The residuals for one UNet forward whose consecutive blocks of rows are jobs: ``uses``
+        holds each job's acting ControlNets and its rows, in row order. Each ControlNet runs once over
+        the rows that use it. Returns the residuals (None: no row uses a ControlNet) and the ControlNet
+        forwards run."""
+        rows_of: dict[str, list[tuple[torch.Tensor, Control]]] = {}
+        offset = 0
+        for controls, rows in uses:
+            index = torch.arange(offset, offset + rows, device=latents.device)
+            for control in controls:
+                rows_of.setdefault(control.spec.net, []).append((index, control))
+            offset += rows
+        if not rows_of:
+            return None, 0
+        down: list[torch.Tensor] = []
+        mid = torch.empty(0)
+        for net_id, parts in rows_of.items():
+            index = torch.cat([part for part, _ in parts])
+            images = torch.cat([control.image.expand(len(part), -1, -1, -1) for part, control in parts])
+            scales = torch.cat([torch.full((len(part),), control.spec.scale) for part, control in parts])
+            net_down, net_mid = self.family.control_forward(
+                self._nets[net_id], latents[index], timesteps[index], _rows(conditioning, index), images
+            )
+            scales = scales.to(latents.device).view(-1, 1, 1, 1)
+            if not down:
+                down = [_zero_rows(sample, offset) for sample in net_down]
+                mid = _zero_rows(net_mid, offset)
+            for total, sample in zip(down, net_down, strict=True):
+                total.index_add_(0, index, (sample * scales).to(total.dtype))
+            mid.index_add_(0, index, (net_mid * scales).to(mid.dtype))
+        return (down, mid), len(rows_of)
+
+
+def _zero_rows(like: torch.Tensor, rows: int) -> torch.Tensor:
+    """Zeros for ``rows`` rows of a residual like ``like``."""
+    return torch.zeros((rows, *like.shape[1:]), dtype=like.dtype, device=like.device)
+
+
+def _rows(conditioning: Conditioning, index: torch.Tensor) -> Conditioning:
+    """The conditioning of some rows of a forward."""
+    return Conditioning(
+        conditioning.hidden_states[index], {name: value[index] for name, value in conditioning.added.items()}
+    )

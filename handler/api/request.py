@@ -1,0 +1,149 @@
+"""The request schema: wire fields -> validated ``GenerationRequest`` -> what the engine generates.
+
+Bounds that operators configure (``RequestLimits``) and defaults (``RequestDefaults``) are passed
+as the validation context (``handler.api.policy``), so one model class serves every configuration.
+Its rules, by concern, are ``handler.api.rules``; errors are reported as ``RequestError`` with one
+entry per offending field, naming the field and the rule it broke (``handler.api.errors``); bodies
+and forms become fields in ``handler.api.bodies``.
+"""
+
+from __future__ import annotations
+
+import secrets
+from typing import Any, TypeVar
+
+from PIL.Image import Image
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, model_validator
+
+from handler.api.choices import ControlNetChoice, LoraChoice
+from handler.api.errors import RequestError, field_errors
+from handler.api.input_image import fit, peek_size
+from handler.api.policy import RequestPolicy, policy_of
+from handler.api.rules import AdapterRules, ImageRules, LimitRules, SizeRules, StreamRules, TextRules
+from handler.config import MAX_SEED, OutputFormat, ResponseFormat, SchedulerName
+
+# Most previews a streamed request may ask for (as the OpenAI Images API allows).
+MAX_PARTIAL_IMAGES = 3
+
+Model = TypeVar("Model", bound=BaseModel)
+
+
+class GenerationRequest(TextRules, LimitRules, SizeRules, StreamRules, AdapterRules, ImageRules):
+    """One text-to-image request, in diffusers' parameter names."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, arbitrary_types_allowed=True)
+
+    prompt: str = Field(description="what to draw; must contain a non-blank character")
+    negative_prompt: str | None = Field(None, description="what to steer away from")
+    num_inference_steps: int = Field(ge=1, description="denoising steps")
+    guidance_scale: float = Field(ge=0, allow_inf_nan=False, description="classifier-free guidance scale")
+    seed: int | None = Field(None, ge=0, le=MAX_SEED, description="seed of the first image; random if left out")
+    width: int = Field(ge=8, description="image width in pixels, on the model family's grid (8, SD 3.x: 16)")
+    height: int = Field(ge=8, description="image height in pixels, on the model family's grid (8, SD 3.x: 16)")
+    num_images_per_prompt: int = Field(ge=1, description="images to generate for this prompt")
+    scheduler: SchedulerName = Field(
+        description="sampler used for denoising, one of the model family's: ddim, euler, euler_a, dpmpp_2m, pndm "
+        "(SD 1.x/2.x, SDXL); flow_match_euler (SD 3.x)"
+    )
+    output_format: OutputFormat = Field(description="encoding of the returned images")
+    output_compression: int | None = Field(
+        None, ge=0, le=100, description="quality of jpeg and webp images (0..100, higher is better); png ignores it"
+    )
+    response_format: ResponseFormat = Field(description="'image' returns raw bytes, 'json' base64 with metadata")
+    stream: bool = Field(
+        False, description="newline-delimited JSON progress events, then the images (continuous-batching engine)"
+    )
+    partial_images: int = Field(
+        0, ge=0, le=MAX_PARTIAL_IMAGES, description="previews decoded from the latents while streaming, evenly spaced"
+    )
+    image: Image | None = Field(
+        None, description="image-to-image from this picture: base64 in JSON, a file part in a form (PNG, JPEG, WebP)"
+    )
+    mask: Image | None = Field(
+        None, description="inpainting: where this image (the input's size) is transparent, the input is repainted"
+    )
+    strength: float | None = Field(
+        None, gt=0, le=1, allow_inf_nan=False, description="with an image: how much of the schedule it goes through"
+    )
+    loras: list[LoraChoice] = Field([], description="LoRA adapters from the server's LoRA directory, with scales")
+    controlnets: list[ControlNetChoice] = Field(
+        [], description="ControlNets from the server's ControlNet directory, each with its control image"
+    )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _fill_defaults(cls, data: Any, info: ValidationInfo) -> Any:
+        """The configured defaults; with an input image, its size (fitted to the limits) unless
+        the request gives one."""
+        if not isinstance(data, dict):
+            return data
+        policy = policy_of(info)
+        defaults = policy.defaults.model_dump()
+        if data.get("image") is None:
+            defaults.pop("strength")
+        source = data.get("image") if data.get("image") is not None else _first_control_image(data.get("controlnets"))
+        if source is not None and "width" not in data and "height" not in data:
+            size = peek_size(source, policy.limits.max_input_pixels)
+            if size is not None:
+                limits = policy.limits
+                defaults["width"], defaults["height"] = fit(
+                    *size, limits.min_side, policy.max_side, limits.max_pixels, policy.rules.grid
+                )
+        return {**defaults, **data}
+
+    def preview_steps(self, steps: int) -> frozenset[int]:
+        """The steps after which a streamed request of ``steps`` denoising steps (fewer than
+        ``num_inference_steps`` from an image with strength below 1) gets a preview:
+        ``partial_images`` of them, evenly spaced before the last (fewer when there are too few)."""
+        parts = self.partial_images + 1
+        spaced = (round(steps * index / parts) for index in range(1, parts))
+        return frozenset(step for step in spaced if 0 < step < steps)
+
+    def with_seed(self) -> GenerationRequest:
+        """This request with a concrete seed, drawn at random when the client sent none."""
+        if self.seed is not None:
+            return self
+        return self.model_copy(update={"seed": secrets.randbelow(MAX_SEED + 1)})
+
+    def image_seeds(self) -> list[int]:
+        """One seed per image: ``seed``, ``seed + 1``, ... so every image is reproducible alone."""
+        if self.seed is None:
+            raise ValueError("image_seeds() needs a concrete seed; call with_seed() first")
+        return [(self.seed + index) % (MAX_SEED + 1) for index in range(self.num_images_per_prompt)]
+
+    def parameters(self) -> dict[str, Any]:
+        """The effective parameters, as reported back to the client."""
+        excluded = {"output_format", "output_compression", "response_format", "stream", "partial_images", "mask"}
+        excluded |= {"image"} if self.image is not None else {"image", "strength"}
+        excluded |= {"controlnets"} if self.loras else {"controlnets", "loras"}
+        parameters = self.model_dump(exclude=excluded)
+        if self.controlnets:  # their settings, not their images
+            parameters["controlnets"] = [choice.model_dump(exclude={"image"}) for choice in self.controlnets]
+        return parameters
+
+
+def _first_control_image(controlnets: Any) -> Any:
+    """The first ControlNet's image as sent (where the request has one), whose size a request
+    without a size or input image takes, as diffusers' ControlNet pipelines do."""
+    if isinstance(controlnets, list) and controlnets and isinstance(controlnets[0], dict):
+        return controlnets[0].get("image")
+    return None
+
+
+# The fields the native API knows, as logs and metric labels name them.
+FIELD_LABELS = frozenset({*GenerationRequest.model_fields, "body"})
+
+
+def validate_model(model: type[Model], fields: dict[str, Any], policy: RequestPolicy, *, strict: bool) -> Model:
+    """Validate a dict of request fields against a request model, with ``policy`` as context.
+    JSON bodies are strict (no ``"20"`` for 20, no ``true`` for 1); form and query fields arrive
+    as text and are converted."""
+    try:
+        return model.model_validate(fields, strict=strict, context=policy)
+    except ValidationError as error:
+        raise RequestError(field_errors(error, model.model_fields)) from None
+
+
+def validate_fields(fields: dict[str, Any], policy: RequestPolicy, *, strict: bool) -> GenerationRequest:
+    """Validate a dict of ``GenerationRequest`` fields."""
+    return validate_model(GenerationRequest, fields, policy, strict=strict)

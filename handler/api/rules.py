@@ -1,0 +1,263 @@
+"""The rules of a ``GenerationRequest``, by concern: each class holds the validators of one group of
+fields (the text, the operator's limits, the size, streaming, LoRAs and ControlNets, an input
+image), and the request model takes them all. A rule reads the deployment's ``RequestPolicy``
+(``handler.api.policy``) and fields validated before its own (``info.data``, in field order)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from PIL.Image import Image
+from pydantic import BaseModel, ValidationInfo, field_validator
+from pydantic_core import PydanticCustomError
+
+from handler.api.choices import ControlNetChoice, LoraChoice
+from handler.api.input_image import as_mask, as_rgb, read_image
+from handler.api.policy import above_limit, at_most, policy_of
+
+# What a list field looks like, for its error (in a form or query: that list as JSON text).
+LIST_EXAMPLES = {
+    "loras": {"field": "loras", "example": '[{"name": "outline", "scale": 0.8}]'},
+    "controlnets": {"field": "controlnets", "example": '[{"name": "shapes-mask", "scale": 0.9}] with file parts'},
+}
+# Fields bounded above by an operator setting in RequestLimits.
+UPPER_LIMITS = {
+    "num_inference_steps": "max_inference_steps",
+    "guidance_scale": "max_guidance_scale",
+    "num_images_per_prompt": "max_images_per_request",
+}
+
+
+class TextRules(BaseModel):
+    """The prompt and negative prompt: text the tokenizer reads, within the configured length."""
+
+    @field_validator("prompt", check_fields=False)
+    @classmethod
+    def _prompt_not_blank(cls, value: str, info: ValidationInfo) -> str:
+        if not value.strip():
+            raise PydanticCustomError("non_blank", "prompt must contain a non-blank character")
+        return cls._prompt_text(value, info)
+
+    @field_validator("negative_prompt", check_fields=False)
+    @classmethod
+    def _negative_prompt_length(cls, value: str | None, info: ValidationInfo) -> str | None:
+        return value if value is None else cls._prompt_text(value, info)
+
+    @staticmethod
+    def _prompt_text(value: str, info: ValidationInfo) -> str:
+        """Text the tokenizer can read (JSON's \\ud800-\\udfff escapes can carry lone surrogates,
+        which it refuses), within max_prompt_chars."""
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError as error:
+            raise PydanticCustomError(
+                "string_unicode",
+                "String should be valid Unicode: lone surrogate {code} at character {position} (a \\ud800-\\udbff "
+                "escape must be followed by a \\udc00-\\udfff one)",
+                {"code": f"\\u{ord(value[error.start]):04x}", "position": error.start},
+            ) from None
+        limit = policy_of(info).limits.max_prompt_chars
+        if len(value) > limit:
+            raise PydanticCustomError(
+                "string_too_long",
+                "String should have at most {limit} characters (the configured max_prompt_chars), got {length}",
+                {"limit": limit, "length": len(value)},
+            )
+        return value
+
+
+class LimitRules(BaseModel):
+    """The operator's upper limits and the model family's schedulers and schedule."""
+
+    @field_validator(*UPPER_LIMITS, check_fields=False)
+    @classmethod
+    def _within_upper_limit(cls, value: float, info: ValidationInfo) -> float:
+        setting = UPPER_LIMITS[str(info.field_name)]
+        policy = policy_of(info)
+        limit = getattr(policy.limits, setting)
+        if value > limit:
+            raise above_limit(value, limit, setting)
+        rules = policy.rules
+        if info.field_name == "num_inference_steps" and rules.max_steps is not None and value > rules.max_steps:
+            raise PydanticCustomError(
+                "less_than_equal",
+                "Input should be less than or equal to {limit} (the training timesteps of this {family} model's "
+                "schedule), got {value}",
+                {"limit": rules.max_steps, "family": rules.family, "value": value},
+            )
+        return value
+
+    @field_validator("scheduler", mode="before", check_fields=False)
+    @classmethod
+    def _scheduler_of_the_family(cls, value: Any, info: ValidationInfo) -> Any:
+        rules = policy_of(info).rules
+        if value not in rules.schedulers:
+            names = [f"'{name}'" for name in rules.schedulers]
+            allowed = names[0] if len(names) == 1 else f"{', '.join(names[:-1])} or {names[-1]}"
+            raise PydanticCustomError(
+                "literal_error",
+                "Input should be {allowed} (the schedulers of {family} models)",
+                {"allowed": allowed, "family": rules.family},
+            )
+        return value
+
+
+class SizeRules(BaseModel):
+    """Width and height: on the family's grid, within the sides and pixels configured and the denoiser takes."""
+
+    @field_validator("width", "height", check_fields=False)
+    @classmethod
+    def _side_within_limits(cls, value: int, info: ValidationInfo) -> int:
+        policy = policy_of(info)
+        limits, rules = policy.limits, policy.rules
+        if value % rules.grid:
+            raise PydanticCustomError(
+                "multiple_of",
+                "Input should be a multiple of {grid} for {family} models",
+                {"grid": rules.grid, "family": rules.family},
+            )
+        if value < limits.min_side:
+            raise PydanticCustomError(
+                "greater_than_equal",
+                "Input should be greater than or equal to {limit} (the configured min_side), got {value}",
+                {"limit": limits.min_side, "value": value},
+            )
+        if value > limits.max_side:
+            raise above_limit(value, limits.max_side, "max_side")
+        if value > policy.max_side:
+            raise PydanticCustomError(
+                "less_than_equal",
+                "Input should be less than or equal to {limit} (the largest side this {family} model's denoiser "
+                "takes), got {value}",
+                {"limit": policy.max_side, "family": rules.family, "value": value},
+            )
+        if info.field_name == "height" and isinstance(info.data.get("width"), int):
+            pixels = info.data["width"] * value
+            if pixels > limits.max_pixels:
+                raise PydanticCustomError(
+                    "pixel_budget",
+                    "width x height = {width} x {height} = {pixels} pixels is more than the configured "
+                    "max_pixels {limit}",
+                    {"width": info.data["width"], "height": value, "pixels": pixels, "limit": limits.max_pixels},
+                )
+        return value
+
+
+class StreamRules(BaseModel):
+    """Streaming: only with the continuous-batching engine over HTTP; previews only in a stream."""
+
+    @field_validator("stream", check_fields=False)
+    @classmethod
+    def _stream_needs_the_step_engine(cls, value: bool, info: ValidationInfo) -> bool:
+        policy = policy_of(info)
+        if value and policy.over_grpc:
+            raise PydanticCustomError(
+                "streaming_unavailable",
+                "stream is not available over gRPC: TorchServe 0.12 ends a gRPC call with the first part of an "
+                "answer, so progress streams over HTTP only",
+            )
+        if value and not policy.streaming:
+            raise PydanticCustomError(
+                "streaming_unavailable",
+                "stream needs the continuous-batching engine (continuousBatching: true in model-config.yaml); "
+                "this model runs dynamic batching",
+            )
+        return value
+
+    @field_validator("partial_images", check_fields=False)
+    @classmethod
+    def _partial_images_need_a_stream(cls, value: int, info: ValidationInfo) -> int:
+        if value and info.data.get("stream") is not True:
+            raise PydanticCustomError(
+                "needs_stream", "partial_images needs stream: true (previews are parts of a streamed answer)"
+            )
+        return value
+
+
+class AdapterRules(BaseModel):
+    """LoRAs and ControlNets: lists (a form's JSON text is parsed before), within the limits, where
+    the family takes them."""
+
+    @field_validator("loras", "controlnets", mode="before", check_fields=False)
+    @classmethod
+    def _a_list_not_text(cls, value: Any, info: ValidationInfo) -> Any:
+        """A form's list fields were parsed from their JSON text (``handler.api.bodies``); text left
+        here was no JSON."""
+        if isinstance(value, str):
+            raise PydanticCustomError(
+                "json",
+                "{field} is a list such as {example}; in a form, that list as JSON text",
+                LIST_EXAMPLES[str(info.field_name)],
+            )
+        return value
+
+    @field_validator("loras", check_fields=False)
+    @classmethod
+    def _loras_within_limits(cls, value: list[LoraChoice], info: ValidationInfo) -> list[LoraChoice]:
+        at_most(value, policy_of(info).limits.max_loras_per_request, "LoRAs", "max_loras_per_request")
+        names = [choice.name for choice in value]
+        if len(set(names)) != len(names):
+            raise PydanticCustomError("lora_repeated", "each LoRA at most once per request (give it one scale)")
+        return value
+
+    @field_validator("controlnets", check_fields=False)
+    @classmethod
+    def _controlnets_served(cls, value: list[ControlNetChoice], info: ValidationInfo) -> list[ControlNetChoice]:
+        policy = policy_of(info)
+        if value and not policy.rules.controlnets:
+            raise PydanticCustomError(
+                "controlnets_unavailable",
+                "ControlNets are served for SD 1.x/2.x and SDXL models; this is an {family} model",
+                {"family": policy.rules.family},
+            )
+        if value and info.data.get("mask") is not None:
+            raise PydanticCustomError(
+                "controlnets_with_mask",
+                "ControlNets are served with text-to-image and image-to-image, not inpainting (leave out mask)",
+            )
+        at_most(value, policy.limits.max_controlnets_per_request, "ControlNets", "max_controlnets_per_request")
+        return value
+
+
+class ImageRules(BaseModel):
+    """An input image, its mask and strength: read and checked, a mask of the image's size, a
+    strength that leaves a step."""
+
+    @field_validator("image", mode="before", check_fields=False)
+    @classmethod
+    def _read_image(cls, value: Any, info: ValidationInfo) -> Image | None:
+        return None if value is None else as_rgb(read_image(value, policy_of(info).limits.max_input_pixels))
+
+    @field_validator("mask", mode="before", check_fields=False)
+    @classmethod
+    def _read_mask(cls, value: Any, info: ValidationInfo) -> Image | None:
+        if value is None or "image" not in info.data:  # no mask, or the image already failed
+            return None
+        image = info.data["image"]
+        if image is None:
+            raise PydanticCustomError("needs_image", "a mask needs an image to inpaint (the image field)")
+        mask = read_image(value, policy_of(info).limits.max_input_pixels)
+        if mask.size != image.size:
+            raise PydanticCustomError(
+                "mask_size",
+                "the mask is {mask}, the image {image}: they must be the same size",
+                {"mask": "x".join(map(str, mask.size)), "image": "x".join(map(str, image.size))},
+            )
+        return as_mask(mask)
+
+    @field_validator("strength", check_fields=False)
+    @classmethod
+    def _strength_needs_an_image_and_a_step(cls, value: float | None, info: ValidationInfo) -> float | None:
+        if value is None or "image" not in info.data:
+            return value
+        if info.data["image"] is None:
+            raise PydanticCustomError("needs_image", "strength applies to an input image (the image field)")
+        steps = info.data.get("num_inference_steps")
+        if isinstance(steps, int) and policy_of(info).rules.image_steps(steps, value) < 1:
+            raise PydanticCustomError(
+                "no_steps",
+                "strength {strength} of {steps} steps leaves no denoising step (the image-to-image pipeline of "
+                "{family} models rounds {steps} x {strength} down to 0): raise strength or num_inference_steps",
+                {"strength": value, "steps": steps, "family": policy_of(info).rules.family},
+            )
+        return value

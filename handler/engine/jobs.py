@@ -1,0 +1,112 @@
+"""A job of the step engine: what it generates (``JobSpec``) and its state between steps
+(``DenoiseJob``: what diffusers' ``__call__`` holds in its locals), with what an inpainting job
+puts back after each step (``Inpainting``)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from PIL.Image import Image
+
+from handler.adapters.controlnets import Control, ControlSpec
+from handler.adapters.loras import Adapters
+from handler.config import SchedulerName
+from handler.families import Conditioning, Family, Scheduler
+
+
+@dataclass(frozen=True)
+class JobSpec:
+    """What a job generates: one prompt, ``len(seeds)`` images (image k from its own CPU
+    generator seeded ``seeds[k]``), at one size, steps, scheduler and guidance scale."""
+
+    prompt: str
+    negative_prompt: str | None
+    seeds: tuple[int, ...]
+    width: int
+    height: int
+    num_inference_steps: int
+    scheduler: SchedulerName
+    guidance_scale: float
+    image: Image | None = None  # image-to-image from this picture (resized to width x height)
+    mask: Image | None = None  # inpainting: white where the image is repainted (with ``image``)
+    strength: float = 1.0  # how much of the schedule an input image goes through
+    adapters: Adapters = ()  # LoRA adapters (ids of the engine's library) and scales, active in its forwards
+    controls: tuple[ControlSpec, ...] = ()  # ControlNets (ids of the engine's library) with their images
+
+    @property
+    def images(self) -> int:
+        return len(self.seeds)
+
+    @property
+    def guided(self) -> bool:
+        """Classifier-free guidance, as the pipeline decides it."""
+        return self.guidance_scale > 1
+
+    @property
+    def rows(self) -> int:
+        """Rows of every denoiser forward of this job: its images, twice with guidance."""
+        return self.images * (2 if self.guided else 1)
+
+
+@dataclass(frozen=True)
+class Inpainting:
+    """What an inpainting job puts back after each step: the image's latents, the noise they are
+    noised with, and the latent-size mask (1 where the image is repainted)."""
+
+    image_latents: torch.Tensor
+    noise: torch.Tensor
+    mask: torch.Tensor
+
+    def blend(
+        self, family: Family, scheduler: Scheduler, latents: torch.Tensor, next_timestep: torch.Tensor | None
+    ) -> torch.Tensor:
+        """The inpaint pipeline's step end for a 4- or 16-channel denoiser: outside the mask, the
+        image at the next noise level."""
+        proper = self.image_latents
+        if next_timestep is not None:
+            proper = family.add_noise(scheduler, proper, self.noise, torch.tensor([next_timestep]))
+        return (1 - self.mask) * proper + self.mask * latents
+
+
+@dataclass
+class DenoiseJob:
+    """One job's state between steps: what ``__call__`` holds in its locals."""
+
+    spec: JobSpec
+    scheduler: Scheduler
+    timesteps: torch.Tensor
+    latents: torch.Tensor
+    conditioning: Conditioning
+    step_kwargs: dict = field(default_factory=dict)
+    step: int = 0
+    inpainting: Inpainting | None = None
+    controls: tuple[Control, ...] = ()
+
+    def acting(self) -> list[Control]:
+        """The ControlNets that act in its next step."""
+        return [control for control in self.controls if control.spec.acts(self.step, self.total_steps)]
+
+    @property
+    def guided(self) -> bool:
+        return self.spec.guided
+
+    @property
+    def total_steps(self) -> int:
+        return len(self.timesteps)
+
+    @property
+    def done(self) -> bool:
+        return self.step >= self.total_steps
+
+    @property
+    def images(self) -> int:
+        return self.latents.shape[0]
+
+    @property
+    def latent_shape(self) -> tuple[int, ...]:
+        return tuple(self.latents.shape[1:])
+
+    @property
+    def rows(self) -> int:
+        return self.spec.rows

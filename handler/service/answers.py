@@ -1,0 +1,83 @@
+"""What every request gets: parts of its answer, then exactly one final one; the latency of the
+requests answered is recorded once their answers leave the worker."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import replace
+from typing import Any
+
+from handler.api.protocol import Response, internal_error
+from handler.families import Decoded
+from handler.metrics import DiffusionMetrics
+from handler.service.flights import Flight, Flights
+
+logger = logging.getLogger(__name__)
+
+
+class Answers:
+    """Answers the requests in ``flights``: a success or a failure ends a request's flight."""
+
+    def __init__(self, flights: Flights, metrics: DiffusionMetrics, clock: Callable[[], float]):
+        self.flights = flights
+        self.metrics = metrics
+        self.clock = clock
+        # (arrived, encode seconds; None for a failure) of the requests answered since the last delivery
+        self._answered: list[tuple[float, float | None]] = []
+
+    def succeed(self, rid: str, decoded: Decoded, decode_seconds: float) -> Response:
+        """A request's images encoded in its API's answer, with the metadata it reports."""
+        flight = self.flights[rid]
+        metadata: dict[str, Any] = {
+            "seed": flight.request.seed,
+            "parameters": flight.request.parameters(),
+            "nsfw_content_detected": decoded.nsfw_content_detected,
+            "batch": {"requests": flight.admitted_with, "max_step_images": flight.max_step_images},
+            "timings": {
+                "admission_s": round(flight.admitted - flight.arrived, 6),
+                "denoise_s": round(flight.denoised - flight.admitted, 6),
+                "vae_decode_s": round(decode_seconds, 6),
+            },
+        }
+        try:
+            response = flight.api.success(flight.request, decoded.images, metadata)
+        except Exception as error:
+            logger.exception("request %s could not be encoded", rid)
+            return self.fail(rid, internal_error("encoding", error))
+        del self.flights[rid]
+        self._answered.append((flight.arrived, metadata["timings"]["encode_s"]))
+        return self.part(flight, response.body, final=True, response=response)
+
+    def fail(self, rid: str, response: Response) -> Response:
+        """A request's error answer in its API's shape (in a stream: as its last line)."""
+        flight = self.flights.pop(rid)
+        self._answered.append((flight.arrived, None))
+        response = flight.api.error(response)
+        body = flight.api.stream_error(response, flight.parts_sent == 0) if flight.request.stream else response.body
+        return self.part(flight, body, final=True, response=response)
+
+    def part(self, flight: Flight, body: bytes, final: bool, response: Response | None = None) -> Response:
+        """A part of a request's answer. Its first part carries the status, content type and
+        headers: those of ``response`` when it ends the request, else 200 and the type of the
+        request's answer (TorchServe has sent them when a later part fails)."""
+        first = flight.parts_sent == 0
+        flight.parts_sent += 1
+        if first and response is not None:
+            return replace(response, body=body, final=final, first=True)
+        api, request = flight.api, flight.request
+        return Response(200, body, api.content_type(request), api.headers(request) if first else {}, final, first)
+
+    def delivered(self) -> None:
+        """Record the latency of the requests answered since the last call, now that their
+        answers leave the worker (with dynamic batching, with their whole batch)."""
+        now = self.clock()
+        for arrived, encode_seconds in self._answered:
+            self.metrics.request_completed(now - arrived, encode_seconds)
+        self._answered.clear()
+        self.metrics.queue(self.flights.gauges())
+
+
+def joined(earlier: Response, later: Response) -> Response:
+    """Two parts of one request's answer from one call as one: the first's status and headers."""
+    return replace(earlier, body=earlier.body + later.body, final=later.final)

@@ -1,0 +1,227 @@
+"""One service for both TorchServe batching modes: admit, step, finish, answer.
+
+Requests become jobs of the step engine at admission (``handler.service.admission``). Then
+iterations: jobs that would pass their time limit are cancelled, ONE denoiser forward steps the
+chosen jobs of one latent shape whatever their steps, scheduler and guidance
+(``handler.service.stepping``), and finished jobs are decoded together and answered
+(``handler.service.finishing``). TorchServe's two modes are two loops over the same iteration:
+
+- dynamic batching (``run_batch``): a batch is admitted, then iterated until every job is done;
+- continuous batching (``iterate``): one iteration per call; requests join and leave between
+  steps, and streamed requests get a progress line per step.
+
+Every request gets exactly one final ``Response`` (``handler.service.answers``); a bad or failing
+request never fails the others.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from handler.api.policy import RequestPolicy
+from handler.api.protocol import IncomingRequest, Response
+from handler.config import HandlerSettings, WarmupShape
+from handler.engine.jobs import JobSpec
+from handler.engine.loading import load_engine
+from handler.engine.scheduling import StepProfile
+from handler.engine.step_engine import StepEngine
+from handler.metrics import DiffusionMetrics, MetricSink
+from handler.service.admission import Admission
+from handler.service.answers import Answers, joined
+from handler.service.finishing import Finishing
+from handler.service.flights import Flights
+from handler.service.stepping import Stepping
+
+logger = logging.getLogger(__name__)
+
+
+class DiffusionService:
+    """Serves text-to-image requests with one step engine, in either batching mode."""
+
+    def __init__(
+        self,
+        engine: StepEngine,
+        policy: RequestPolicy,
+        profile: StepProfile,
+        metrics: DiffusionMetrics,
+        latency_sla_seconds: float,
+        log_prompts: bool = False,
+        iteration_budget_seconds: float = 0.0,
+        synchronize_steps: bool = True,
+        request_timeout_seconds: float = math.inf,
+        batch_size: int | None = None,
+        clock: Callable[[], float] = time.perf_counter,
+        drain_left: Callable[[], float | None] = lambda: None,
+    ):
+        self.engine = engine
+        self.policy = policy
+        self.profile = profile
+        self.metrics = metrics
+        self.iteration_budget = iteration_budget_seconds
+        self.batch_size = batch_size  # TorchServe's: with continuous batching, the most requests in flight
+        self.clock = clock
+        self.flights = Flights()
+        self.answers = Answers(self.flights, metrics, clock)
+        # drain_left: while the server is stopping, the seconds left to answer every request (None otherwise)
+        self.admission = Admission(
+            engine,
+            policy,
+            profile,
+            metrics,
+            self.flights,
+            clock,
+            latency_sla_seconds,
+            request_timeout_seconds,
+            log_prompts,
+            drain_left,
+        )
+        self.stepping = Stepping(
+            engine,
+            profile,
+            metrics,
+            self.flights,
+            self.answers,
+            clock,
+            synchronize_steps,
+            request_timeout_seconds,
+            drain_left,
+        )
+        self.finishing = Finishing(engine, metrics, self.flights, self.answers)
+
+    # The two loops TorchServe's modes run.
+
+    def run_batch(self, requests: dict[str, IncomingRequest]) -> dict[str, Response]:
+        """Dynamic batching: admit the batch and iterate until every job is done."""
+        try:
+            responses = self.admission.admit(requests)
+            while self.flights:
+                responses.update(self._iteration())
+        finally:  # an unexpected error fails this batch (TorchServe answers it); the next starts clean
+            self.flights.clear()
+            self.flights.waiting = 0
+            self.answers.delivered()
+        return responses
+
+    def iterate(self, requests: dict[str, IncomingRequest]) -> dict[str, Response]:
+        """Continuous batching: iterations for the requests TorchServe has in flight (by id), ids
+        not seen before admitted first, until ``_call_done``. One ``Response`` per id: an empty
+        body while a request that is not streamed is still denoising. A flight whose id is
+        missing lost its client."""
+        for gone in set(self.flights) - set(requests):
+            logger.info("request %s left before it finished (client gone); dropping it", gone)
+            del self.flights[gone]
+            self.metrics.cancelled("client_gone")
+        started = self.clock()
+        responses = self.admission.admit(
+            {rid: incoming for rid, incoming in requests.items() if rid not in self.flights}
+        )
+        while True:
+            for rid, response in self._iteration().items():
+                responses[rid] = joined(responses[rid], response) if rid in responses else response
+            if self._call_done(started, responses):
+                break
+        for rid in requests:
+            if rid not in responses:
+                responses[rid] = self.answers.part(self.flights[rid], b"", final=False)
+        self.answers.delivered()
+        return responses
+
+    def _iteration(self) -> dict[str, Response]:
+        """1. Cancel what would pass its time limit; 2. step the chosen jobs in one forward;
+        3. decode and answer the finished ones."""
+        responses = self.stepping.cancel_expired()
+        responses.update(self.stepping.step_chosen())
+        responses.update(self.finishing.finish())
+        self.metrics.queue(self.flights.gauges())
+        return responses
+
+    def _call_done(self, started: float, responses: dict[str, Response]) -> bool:
+        """Whether a continuous-batching call returns now. Never while a gRPC request is unfinished:
+        TorchServe 0.12 ends a gRPC call with the first part of its answer, so that answer must
+        leave whole. Else when a request finished or none is left, or when the iteration budget is
+        spent and a new call helps someone: a request could join (fewer in flight than
+        TorchServe's batch size) or a streamed request awaits its progress lines. A full batch
+        without a stream keeps stepping: TorchServe would let no request join, so a return would
+        only cost a round trip."""
+        if any(flight.over_grpc for flight in self.flights.values()):
+            return False
+        if not self.flights or any(response.final for response in responses.values()):
+            return True
+        if self.clock() - started < self.iteration_budget:
+            return False
+        full = self.batch_size is not None and len(self.flights) >= self.batch_size
+        return not full or any(flight.request.stream for flight in self.flights.values())
+
+    def warm_up(self, shapes: tuple[WarmupShape, ...]) -> float:
+        """Profile each shape's step times, then run one job of it through start, steps and
+        decode, so that the first request pays no allocation or compilation (in a compiled
+        denoiser with LoRA slots, a second job compiles the graph with LoRA rows). Returns seconds."""
+        started = time.perf_counter()
+        for shape in shapes:
+            self.profile.measure(shape.width, shape.height)
+            if not self.profile.fits(self.engine.latent_shape(shape.width, shape.height), shape.batch_size):
+                logger.warning("warm-up shape %s does not fit in memory; skipped", shape.model_dump())
+                continue
+            self._warm_up_job(shape)
+            if self.engine.loras.slots is not None:
+                with self.engine.loras.slots.lora_graph():
+                    self._warm_up_job(shape)
+        return time.perf_counter() - started
+
+    def _warm_up_job(self, shape: WarmupShape) -> None:
+        defaults = self.policy.defaults
+        spec = JobSpec(
+            "warm-up",
+            None,
+            tuple(range(shape.batch_size)),
+            shape.width,
+            shape.height,
+            shape.num_inference_steps,
+            defaults.scheduler,
+            defaults.guidance_scale,
+        )
+        (job,) = self.engine.start([spec])
+        while not job.done:
+            self.engine.step([job])
+        self.engine.decode(job.latents, shape.width, shape.height)
+
+
+def build_service(
+    settings: HandlerSettings,
+    model_dir: str | Path,
+    sink: MetricSink,
+    gpu_id: int | None = None,
+    streaming: bool = False,
+    batch_size: int | None = None,
+    worker: str = "0",
+    model_name: str = "stable-diffusion",
+    drain_left: Callable[[], float | None] = lambda: None,
+) -> tuple[DiffusionService, HandlerSettings]:
+    """Load the pipeline and build the service exactly as a worker does (the handler, the
+    benchmarks and the tests share this); return it with the settings resolved for the model
+    (``HandlerSettings.for_model``). ``streaming``: continuous batching, which can stream progress;
+    ``batch_size``: TorchServe's; ``worker``: the label of this worker's gauges; ``model_name``: the name TorchServe
+    serves it under; ``drain_left``: while the server is stopping, the seconds left to answer every
+    request."""
+    engine = load_engine(settings, model_dir, gpu_id)
+    rules = engine.family.rules
+    settings = settings.for_model(*engine.family.native_size(), rules)
+    sla = settings.metrics.latency_sla_seconds
+    service = DiffusionService(
+        engine,
+        RequestPolicy(settings.limits, settings.defaults, streaming=streaming, model_name=model_name, rules=rules),
+        StepProfile(engine, settings.max_images_per_call, settings.defaults.scheduler, settings.step_time_cap),
+        DiffusionMetrics(sink, sla, worker),
+        sla,
+        settings.log_prompts,
+        settings.iteration_budget_ms / 1000,
+        settings.metrics.synchronize_steps,
+        settings.request_timeout_s or math.inf,
+        batch_size,
+        drain_left=drain_left,
+    )
+    return service, settings
