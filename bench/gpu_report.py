@@ -112,7 +112,7 @@ def _profile_lines(rows: list[dict]) -> list[str]:
         lines.append(
             f"the GPU ran kernels {profiled['device_busy_fraction']:.0%} of the call "
             f"({profiled['device_busy_s']:.3f} s); "
-            f"host synchronizations: {syncs} (one per step is the benchmark's own step clock)."
+            f"host synchronizations: {syncs} (the step clock adds one event wait per call: CUDA events)."
         )
     lines += [
         "",
@@ -131,8 +131,8 @@ def _workload_line(workload: dict) -> str:
         f"{workload['batch']}, guidance {workload['guidance_scale']}; median of {workload['repeats']} calls after a "
         "warm-up call; compile cold/warm: the first call's extra time with an empty and with a persisted inductor "
         "cache. "
-        "UNet it/s is timed with a synchronization after every step, as the service's per-step metrics are "
-        "(`metrics.synchronize_steps`); published figures are timed without."
+        "The step engine's steps are timed with CUDA events, without a synchronization in the step, as the "
+        "service's per-step metrics are (`handler/engine/timing.py`)."
     )
 
 

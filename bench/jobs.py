@@ -4,26 +4,24 @@ images or step times without a server."""
 
 from __future__ import annotations
 
-import time
-
 import torch
 
 from handler.engine.jobs import JobSpec
-from handler.engine.loading import synchronize
 from handler.engine.step_engine import StepEngine
+from handler.engine.timing import StepTimer
 from handler.families import Decoded
 
 
 def generate(engine: StepEngine, specs: list[JobSpec]) -> tuple[list[Decoded], list[float]]:
     """Decoded images per job (all of one size), and the seconds of each forward (device time on
-    CUDA). The jobs not done take one forward each step whatever their LoRA sets, as the service
-    steps them."""
+    CUDA, timed as the service times its steps: no synchronization in a step). The jobs not done
+    take one forward each step whatever their LoRA sets, as the service steps them."""
     jobs = engine.start(specs)
-    step_seconds = []
+    timer, step_seconds = StepTimer(engine.device), []
     while not all(job.done for job in jobs):
-        started = time.perf_counter()
+        started = timer.start()
         engine.step([job for job in jobs if not job.done])
-        synchronize(engine.device)
-        step_seconds.append(time.perf_counter() - started)
+        timer.stop(started, step_seconds.append)
+    timer.collect(wait=True)
     decoded = engine.decode(torch.cat([job.latents for job in jobs]), specs[0].width, specs[0].height)
     return decoded.split([job.images for job in jobs]), step_seconds

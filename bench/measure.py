@@ -191,9 +191,9 @@ def largest_batch(engine: StepEngine, workload: Workload) -> dict:
 
 def profile(engine: StepEngine, specs: list[JobSpec], latency_s: float, top: int = 8) -> dict:
     """Where one call's time goes (torch.profiler): on CUDA the kernels' share of the unprofiled
-    call's ``latency_s`` (the rest is launch gaps, host synchronization and the Python loop), the host
-    syncs (one per step is the benchmark's own clock), and the kernels taking the most time; on a CPU
-    the operators taking the most CPU time."""
+    call's ``latency_s`` (the rest is launch gaps, host synchronization and the Python loop), the
+    host syncs (the step clock adds one event wait at the end of the call), and the kernels taking
+    the most time; on a CPU the operators taking the most CPU time."""
     cuda = engine.device.type == "cuda"
     activities = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if cuda else [])
     with torch.profiler.profile(activities=activities) as profiler:

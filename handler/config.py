@@ -40,7 +40,7 @@ class FamilyRules:
     max_side: int | None = None  # the largest width or height the denoiser takes (None: any)
     controlnets: bool = True  # whether its pipelines take ControlNets (the UNet families')
     # The most denoising steps its schedulers take: a UNet's schedule samples the model's training
-    # timesteps (DDIM refuses more), None where it is continuous (flow matching).
+    # timesteps (fewer by 2: more break DDIM, PNDM or DPM++ 2M), None where it is continuous (flow matching).
     max_steps: int | None = None
 
     def image_steps(self, steps: int, strength: float) -> int:
@@ -225,9 +225,6 @@ class MetricsSettings(_Section):
     """What the handler's metrics are measured against."""
 
     latency_sla_seconds: float = Field(10.0, gt=0, description="request latency SLA, published as a gauge")
-    synchronize_steps: bool = Field(
-        True, description="on CUDA, synchronize at each denoising step so step times are device times"
-    )
 
 
 class FaultInjection(_Section):

@@ -259,12 +259,15 @@ class DiffusionMetrics:
     def cancelled(self, reason: CancelReason) -> None:
         self._record(CANCELLED, 1, reason)
 
-    def step(self, images: int, adapters: int, control_forwards: int, seconds: float) -> None:
+    def step(self, images: int, adapters: int, control_forwards: int) -> None:
         """One denoiser forward over ``images`` images with ``adapters`` distinct LoRA adapters, and
         ``control_forwards`` ControlNet forwards beside it."""
         self._record(ITERATION_BATCH_SIZE, images)
         self._record(ITERATION_LORA_ADAPTERS, adapters)
         self._record(ITERATION_CONTROLNET_FORWARDS, control_forwards)
+
+    def step_seconds(self, seconds: float) -> None:
+        """The time of one denoising step (on CUDA, read after the fact from the device's events)."""
         self._record(DENOISE_STEP, seconds)
 
     def decoded(self, images: int, seconds: float) -> None:

@@ -26,6 +26,7 @@ from PIL.Image import Image
 
 from handler.adapters.library import Entry, Kind, Library
 from handler.families import Conditioning, Family, Residuals
+from handler.families.transfer import to_device
 
 logger = logging.getLogger(__name__)
 
@@ -140,17 +141,17 @@ class ControlNetLibrary(Library):
         for net_id, parts in rows_of.items():
             index = torch.cat([part for part, _ in parts])
             images = torch.cat([control.image.expand(len(part), -1, -1, -1) for part, control in parts])
-            scales = torch.cat([torch.full((len(part),), control.spec.scale) for part, control in parts])
+            scales = [control.spec.scale for part, control in parts for _ in range(len(part))]
             net_down, net_mid = self.family.control_forward(
                 self._nets[net_id], latents[index], timesteps[index], _rows(conditioning, index), images
             )
-            scales = scales.to(latents.device).view(-1, 1, 1, 1)
+            row_scales = to_device(torch.tensor(scales), latents.device).view(-1, 1, 1, 1)
             if not down:
                 down = [_zero_rows(sample, offset) for sample in net_down]
                 mid = _zero_rows(net_mid, offset)
             for total, sample in zip(down, net_down, strict=True):
-                total.index_add_(0, index, (sample * scales).to(total.dtype))
-            mid.index_add_(0, index, (net_mid * scales).to(mid.dtype))
+                total.index_add_(0, index, (sample * row_scales).to(total.dtype))
+            mid.index_add_(0, index, (net_mid * row_scales).to(mid.dtype))
         return (down, mid), len(rows_of)
 
 

@@ -39,6 +39,8 @@ import torch
 import torch.nn.functional as F
 from peft.tuners.lora import LoraLayer
 
+from handler.families.transfer import to_device
+
 # One LoRA set: (adapter id, weight) pairs; () for none.
 Adapters = tuple[tuple[str, float], ...]
 Strategy = Literal["auto", "segments", "stacked"]
@@ -69,31 +71,35 @@ class RowPlan:
     @classmethod
     def of(cls, sets: Sequence[tuple[Adapters, int]], device: torch.device) -> RowPlan | None:
         """The plan of a forward whose consecutive row blocks hold ``(set, rows)``; None where no
-        row holds a LoRA."""
+        row holds a LoRA. Built from the sets' numbers on the host (no tensor value read), its
+        tensors copied to the device without blocking."""
         named = tuple(dict.fromkeys(adapter for adapter_set, _ in sets for adapter, _ in adapter_set))
-        column = {adapter: index for index, adapter in enumerate(named)}
         rows = sum(count for _, count in sets)
-        weights = torch.zeros(rows, len(named), dtype=torch.float64)
+        columns: dict[str, list[float]] = {adapter: [0.0] * rows for adapter in named}
         start = 0
         for adapter_set, count in sets:
             for adapter, weight in adapter_set:
-                weights[start : start + count, column[adapter]] += weight
+                column = columns[adapter]
+                for row in range(start, start + count):
+                    column[row] += weight
             start += count
-        acting = [index for index in range(len(named)) if bool(weights[:, index].any())]  # scale 0: no delta
-        if not acting:
+        adapters = tuple(adapter for adapter in named if any(columns[adapter]))  # scale 0: no delta
+        if not adapters:
             return None
-        adapters, weights = tuple(named[index] for index in acting), weights[:, acting]
         uniform, members = {}, {}
-        for adapter, values in zip(adapters, weights.T, strict=True):
-            if bool((values == values[0]).all()):
-                uniform[adapter] = float(values[0])
+        for adapter in adapters:
+            values = columns[adapter]
+            if all(value == values[0] for value in values):
+                uniform[adapter] = values[0]
                 continue
-            held = values.nonzero().flatten()
-            first, last = int(held[0]), int(held[-1])
+            held = [row for row, value in enumerate(values) if value]
+            first, last = held[0], held[-1]
             contiguous = last - first + 1 == len(held)  # one block of jobs: a view, no gather
-            rows_held = slice(first, last + 1) if contiguous else held.to(device)
-            members[adapter] = (rows_held, values[held].to(device, torch.float32))
-        return cls(adapters, weights.to(device, torch.float32), rows, uniform, members)
+            rows_held = slice(first, last + 1) if contiguous else to_device(torch.tensor(held), device)
+            weights_held = torch.tensor([values[row] for row in held], dtype=torch.float64)
+            members[adapter] = (rows_held, to_device(weights_held, device, torch.float32))
+        weights = torch.tensor([columns[adapter] for adapter in adapters], dtype=torch.float64).T
+        return cls(adapters, to_device(weights.contiguous(), device, torch.float32), rows, uniform, members)
 
     def held(self, adapter: str) -> int:
         """How many rows hold ``adapter``."""
@@ -106,7 +112,7 @@ class RowPlan:
         if key not in self._rank_weights:
             pairs = zip(adapters, ranks, strict=True)
             columns = [self.adapters.index(adapter) for adapter, rank in pairs for _ in range(rank)]
-            index = torch.tensor(columns, device=self.weights.device)
+            index = to_device(torch.tensor(columns), self.weights.device)
             self._rank_weights[key] = self.weights.index_select(1, index).to(dtype)
         return self._rank_weights[key]
 

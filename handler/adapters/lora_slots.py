@@ -28,6 +28,7 @@ from peft.tuners.lora import LoraLayer
 from torch._dynamo.utils import counters
 
 from handler.adapters.lora_rows import Adapters, base_scaling, beyond_plain_lora, weight
+from handler.families.transfer import to_device
 
 # Linear layers of transformer blocks (UNet and MMDiT alike) and the projections around them.
 TARGETS = re.compile(r"(^|\.)transformer_blocks\.\d+\.|(^|\.)proj_(in|out)$")
@@ -160,18 +161,18 @@ class SlotLoras:
     def weights(self, sets: Sequence[tuple[Adapters, int]], device: torch.device) -> torch.Tensor | None:
         """Rows x (slots x rank): each row's weight on the rank columns of its adapters' slots; None
         where no row holds a LoRA with a weight (the graph without LoRA)."""
-        rows = sum(count for _, count in sets)
-        weights = torch.zeros(rows, self.slots, dtype=torch.float64)
-        start = 0
+        rows: list[list[float]] = []
         for adapter_set, count in sets:
+            row = [0.0] * self.slots
             for adapter, scale in adapter_set:
                 if adapter in self._slot_of:
-                    weights[start : start + count, self._slot_of[adapter]] += scale
-            start += count
-        if not bool(weights.any()) and not self._lora_graph:
+                    row[self._slot_of[adapter]] += scale
+            rows.extend([row] * count)
+        if not any(any(row) for row in rows) and not self._lora_graph:
             return None
         dtype = next(iter(self.layers.values())).slot_a.dtype
-        return weights.repeat_interleave(self.rank, dim=1).to(device, dtype)
+        weights = torch.tensor(rows, dtype=torch.float64).repeat_interleave(self.rank, dim=1)
+        return to_device(weights, device, dtype)
 
     @contextmanager
     def lora_graph(self) -> Iterator[None]:

@@ -81,8 +81,8 @@ class LimitRules(BaseModel):
         if info.field_name == "num_inference_steps" and rules.max_steps is not None and value > rules.max_steps:
             raise PydanticCustomError(
                 "less_than_equal",
-                "Input should be less than or equal to {limit} (the training timesteps of this {family} model's "
-                "schedule), got {value}",
+                "Input should be less than or equal to {limit} (the most steps this {family} model's schedules "
+                "take), got {value}",
                 {"limit": rules.max_steps, "family": rules.family, "value": value},
             )
         return value

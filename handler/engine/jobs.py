@@ -12,7 +12,7 @@ from PIL.Image import Image
 from handler.adapters.controlnets import Control, ControlSpec
 from handler.adapters.loras import Adapters
 from handler.config import SchedulerName
-from handler.families import Conditioning, Family, Scheduler
+from handler.families import Conditioning, Family, Scheduler, schedules
 
 
 @dataclass(frozen=True)
@@ -57,15 +57,19 @@ class Inpainting:
     image_latents: torch.Tensor
     noise: torch.Tensor
     mask: torch.Tensor
+    sigmas: torch.Tensor | None = None  # a scheduler's that steps by index, on the device (schedules.step_sigmas)
 
     def blend(
         self, family: Family, scheduler: Scheduler, latents: torch.Tensor, next_timestep: torch.Tensor | None
     ) -> torch.Tensor:
         """The inpaint pipeline's step end for a 4- or 16-channel denoiser: outside the mask, the
-        image at the next noise level."""
+        image at the next noise level (``next_timestep``: a one-element device tensor, None after
+        the last step)."""
         proper = self.image_latents
-        if next_timestep is not None:
-            proper = family.add_noise(scheduler, proper, self.noise, torch.tensor([next_timestep]))
+        if next_timestep is not None and self.sigmas is not None:
+            proper = schedules.noised_at_step(scheduler, proper, self.noise, self.sigmas)
+        elif next_timestep is not None:
+            proper = family.add_noise(scheduler, proper, self.noise, next_timestep)
         return (1 - self.mask) * proper + self.mask * latents
 
 
@@ -82,6 +86,8 @@ class DenoiseJob:
     step: int = 0
     inpainting: Inpainting | None = None
     controls: tuple[Control, ...] = ()
+    host_timesteps: list[float] = field(default_factory=list)  # a CPU copy of ``timesteps``
+    step_noise: torch.Tensor | None = None  # each step's noise, for a scheduler that draws some
 
     def acting(self) -> list[Control]:
         """The ControlNets that act in its next step."""

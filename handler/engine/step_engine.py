@@ -14,13 +14,14 @@ own (4- or 16-channel) denoiser; a job with ControlNets mirrors ``StableDiffusio
   ``strength`` of them, ``get_timesteps``); 5. initial latents from one CPU generator per image
   (from an image: its VAE latents noised to the first timestep, ``prepare_latents``; with a mask
   also ``prepare_mask_latents``); 6. ``prepare_extra_step_kwargs`` (eta 0 and the generators,
-  where the family's pipeline passes them).
+  where the family's pipeline passes them; Euler ancestral's noise of every step drawn from them).
 - ``step``: one iteration of the denoising loop for any set of jobs of one latent shape, in ONE
   denoiser forward (UNet or transformer): each job's rows (doubled for classifier-free guidance
   when its guidance scale is above 1) at its own timestep, with the residuals of the ControlNets
   acting in its step (``handler.adapters.controlnets``: each ControlNet once over the rows that use it, zeros
   for the others), then per job the guidance and its own ``scheduler.step`` (and, inpainting, the
-  unmasked area put back at the next noise level).
+  unmasked area put back at the next noise level). A step reads no tensor value on the host
+  (``handler.families.schedules``): on a GPU, nothing in it waits for the device.
 - ``decode``: the end of ``__call__``: VAE decode, the safety checker (SD, where the model has one)
   or the watermark (SDXL), PIL images.
 
@@ -49,7 +50,7 @@ from handler.adapters.controlnets import Control, ControlNetLibrary
 from handler.adapters.loras import LoraLibrary
 from handler.config import FaultInjection
 from handler.engine.jobs import DenoiseJob, Inpainting, JobSpec
-from handler.families import Conditioning, Decoded, Family, Pipeline, Scheduler
+from handler.families import Conditioning, Decoded, Family, Pipeline, Scheduler, schedules
 
 
 @dataclass
@@ -85,17 +86,25 @@ class StepEngine:
         dtype = conditioning.hidden_states.dtype
         shape = (spec.images, *self.latent_shape(spec.width, spec.height))
         with torch.inference_mode():
-            scheduler = self.family.scheduler(spec.scheduler, spec.num_inference_steps, shape[1:])
+            scheduler, host_timesteps = self.family.scheduler(spec.scheduler, spec.num_inference_steps, shape[1:])
             generators = [torch.Generator("cpu").manual_seed(seed) for seed in spec.seeds]
             if spec.image is not None:
-                return self._start_from_image(spec, conditioning, scheduler, generators, shape)
+                return self._start_from_image(spec, conditioning, scheduler, host_timesteps, generators, shape)
             noise = randn_tensor(shape, generator=generators, device=self.device, dtype=dtype)
             latents = self.family.initial_latents(scheduler, noise)
-        self.family.prepare_scheduler(scheduler)
-        step_kwargs = self.family.step_kwargs(scheduler, generators)
-        return DenoiseJob(
-            spec, scheduler, scheduler.timesteps, latents, conditioning, step_kwargs, controls=self._controls(spec)
-        )
+            self.family.prepare_scheduler(scheduler)
+            step_kwargs = self.family.step_kwargs(scheduler, generators)
+            return DenoiseJob(
+                spec,
+                scheduler,
+                scheduler.timesteps,
+                latents,
+                conditioning,
+                step_kwargs,
+                controls=self._controls(spec),
+                host_timesteps=host_timesteps,
+                step_noise=schedules.draw_step_noise(scheduler, generators, latents, len(host_timesteps)),
+            )
 
     def _controls(self, spec: JobSpec) -> tuple[Control, ...]:
         """The ControlNet pipelines' ``prepare_image`` for each of a job's control images."""
@@ -109,6 +118,7 @@ class StepEngine:
         spec: JobSpec,
         conditioning: Conditioning,
         scheduler: Scheduler,
+        host_timesteps: list[float],
         generators: list[torch.Generator],
         shape: tuple[int, ...],
     ) -> DenoiseJob:
@@ -143,7 +153,7 @@ class StepEngine:
                 family.encode_image(pixels * (mask < 0.5), generators[:1], inpaint=True)
             latent_size = shape[-2:]
             mask = torch.nn.functional.interpolate(mask, size=latent_size).to(device=self.device, dtype=dtype)
-            inpainting = Inpainting(image_latents, noise, mask)
+            inpainting = Inpainting(image_latents, noise, mask, schedules.step_sigmas(scheduler, image_latents))
         return DenoiseJob(
             spec,
             scheduler,
@@ -153,6 +163,8 @@ class StepEngine:
             step_kwargs,
             inpainting=inpainting,
             controls=self._controls(spec),
+            host_timesteps=host_timesteps[start:],
+            step_noise=schedules.draw_step_noise(scheduler, generators, latents, len(timesteps)),
         )
 
     def step(self, jobs: list[DenoiseJob]) -> int:
@@ -186,13 +198,18 @@ class StepEngine:
                 if job.guided:
                     unconditional, conditional = job_noise.chunk(2)
                     job_noise = unconditional + job.spec.guidance_scale * (conditional - unconditional)
-                timestep = job.timesteps[job.step]
-                job.latents = job.scheduler.step(
-                    job_noise, timestep, job.latents, **job.step_kwargs, return_dict=False
-                )[0]
+                job.latents = schedules.step(
+                    job.scheduler,
+                    job_noise,
+                    job.timesteps[job.step],
+                    job.host_timesteps[job.step],
+                    job.latents,
+                    job.step_kwargs,
+                    job.step_noise,
+                )
                 job.step += 1
                 if job.inpainting is not None:
-                    next_timestep = job.timesteps[job.step] if not job.done else None
+                    next_timestep = job.timesteps[job.step : job.step + 1] if not job.done else None
                     job.latents = job.inpainting.blend(family, job.scheduler, job.latents, next_timestep)
         return control_forwards
 

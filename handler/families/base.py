@@ -61,7 +61,9 @@ class Scheduler(Protocol):
 
     def set_timesteps(self, num_inference_steps: int, device: torch.device, **kwargs: Any) -> None: ...
 
-    def step(self, model_output: torch.Tensor, timestep: torch.Tensor, sample: torch.Tensor, **kwargs: Any) -> Any: ...
+    def step(
+        self, model_output: torch.Tensor, timestep: torch.Tensor | int, sample: torch.Tensor, **kwargs: Any
+    ) -> Any: ...
 
 
 class PromptSpec(Protocol):
@@ -182,7 +184,8 @@ class Family(ABC):
         self.control_processor = VaeImageProcessor(
             vae_scale_factor=pipeline.vae_scale_factor, do_convert_rgb=True, do_normalize=False
         )
-        self._templates: OrderedDict[tuple, Scheduler] = OrderedDict()  # least recently used first
+        # Least recently used first: each with its timesteps' CPU copy.
+        self._templates: OrderedDict[tuple, tuple[Scheduler, list[float]]] = OrderedDict()
 
     @classmethod
     def refuse(cls, pipeline: Pipeline) -> str | None:
@@ -284,29 +287,36 @@ class Family(ABC):
 
     # The schedule.
 
-    def scheduler(self, name: SchedulerName, steps: int, latent_shape: tuple[int, ...]) -> Scheduler:
-        """A fresh scheduler with ``steps`` timesteps: a copy of one built and set once per
-        (scheduler, steps, timestep options), which costs a fifth of building it from the model's
-        config. At most ``TEMPLATES_KEPT`` templates are kept, the least recently used dropped."""
+    def scheduler(
+        self, name: SchedulerName, steps: int, latent_shape: tuple[int, ...]
+    ) -> tuple[Scheduler, list[float]]:
+        """A fresh scheduler with ``steps`` timesteps, and a CPU copy of them (what its steps read on
+        the host, ``handler.families.schedules``): a copy of one built and set once per (scheduler,
+        steps, timestep options), which costs a fifth of building it from the model's config. At
+        most ``TEMPLATES_KEPT`` templates are kept, the least recently used dropped."""
         options = self._timestep_options(latent_shape)
         key = (name, steps, tuple(sorted(options.items())))
-        template = self._templates.get(key)
-        if template is None:
+        if key not in self._templates:
             scheduler_class, overrides = self.schedulers[name]
             template = scheduler_class.from_config(self.pipeline.scheduler.config, **overrides)
             template.set_timesteps(steps, device=self.device, **options)
-            self._templates[key] = template
+            self._templates[key] = (template, template.timesteps.tolist())
             if len(self._templates) > TEMPLATES_KEPT:
                 self._templates.popitem(last=False)
         self._templates.move_to_end(key)
-        return copy.deepcopy(template)
+        template, host = self._templates[key]
+        return copy.deepcopy(template), host
 
     def _timestep_options(self, latent_shape: tuple[int, ...]) -> dict[str, float]:
         """What ``set_timesteps`` takes besides the steps (none: the schedule is the same at every size)."""
         return {}
 
-    def prepare_scheduler(self, scheduler: Scheduler) -> None:  # noqa: B027  # a hook, empty by default
-        """Anything the pipeline sets on its scheduler before a text-to-image loop (nothing here)."""
+    def prepare_scheduler(self, scheduler: Scheduler) -> None:
+        """A text-to-image job's scheduler starts at step 0 by index where it takes a begin index (as
+        SDXL's pipeline sets it; the others' look the first step up by timestep value, which reads
+        the timestep on the host: no schedule here repeats one, so it is the same step)."""
+        if hasattr(scheduler, "set_begin_index"):
+            scheduler.set_begin_index(0)
 
     def step_kwargs(self, scheduler: Scheduler, generators: list[torch.Generator]) -> dict[str, Any]:
         """``prepare_extra_step_kwargs`` with eta 0: what ``scheduler.step`` takes of eta and generator."""

@@ -3,10 +3,10 @@ the model's own 4-channel UNet.
 
 What differs from SD 1.x/2.x (``handler.families.sd``): two text encoders, the second's pooled
 embedding and the six size/crop time ids as the UNet's added conditioning, zeros for an absent
-negative prompt (``force_zeros_for_empty_prompt``); schedulers start at index 0
-(``set_begin_index``); the VAE in float32 where it asks for it (``force_upcast``) and its latents
-mean and std where it has them (the img2img pipeline's encode, every decode, not the inpaint
-pipeline's encode); the watermarker where one is installed, no safety checker.
+negative prompt (``force_zeros_for_empty_prompt``); the VAE in float32 where it asks for it
+(``force_upcast``) and its latents mean and std where it has them (the img2img pipeline's encode,
+every decode, not the inpaint pipeline's encode); the watermarker where one is installed, no safety
+checker.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from typing import ClassVar
 import torch
 from diffusers import StableDiffusionXLPipeline
 
-from handler.families.base import Conditioning, Decoded, Family, Pipeline, PromptSpec, Scheduler, TextEmbedding
+from handler.families.base import Conditioning, Decoded, Family, Pipeline, PromptSpec, TextEmbedding
 from handler.families.sd import StableDiffusionFamily
 
 
@@ -71,10 +71,6 @@ class StableDiffusionXLFamily(StableDiffusionFamily):
         return Conditioning(
             rows.hidden_states.to(self.device), {"text_embeds": pooled.to(self.device), "time_ids": time_ids}
         )
-
-    def prepare_scheduler(self, scheduler: Scheduler) -> None:
-        if hasattr(scheduler, "set_begin_index"):
-            scheduler.set_begin_index(0)
 
     def encode_image(self, pixels: torch.Tensor, generators: list[torch.Generator], inpaint: bool) -> torch.Tensor:
         """In the VAE's dtype (float32 where it asks for the upcast), back in the pipeline's dtype;

@@ -51,7 +51,6 @@ class DiffusionService:
         latency_sla_seconds: float,
         log_prompts: bool = False,
         iteration_budget_seconds: float = 0.0,
-        synchronize_steps: bool = True,
         request_timeout_seconds: float = math.inf,
         batch_size: int | None = None,
         clock: Callable[[], float] = time.perf_counter,
@@ -86,7 +85,6 @@ class DiffusionService:
             self.flights,
             self.answers,
             clock,
-            synchronize_steps,
             request_timeout_seconds,
             drain_left,
         )
@@ -136,6 +134,8 @@ class DiffusionService:
         responses = self.stepping.cancel_expired()
         responses.update(self.stepping.step_chosen())
         responses.update(self.finishing.finish())
+        if not self.flights:  # idle next: the last steps' times are read now
+            self.stepping.timer.collect(wait=True)
         self.metrics.queue(self.flights.gauges())
         return responses
 
@@ -219,7 +219,6 @@ def build_service(
         sla,
         settings.log_prompts,
         settings.iteration_budget_ms / 1000,
-        settings.metrics.synchronize_steps,
         settings.request_timeout_s or math.inf,
         batch_size,
         drain_left=drain_left,

@@ -7,15 +7,15 @@ alone fails."""
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import Callable
 
 import torch
 
 from handler.api.protocol import Preview, Response, deadline_exceeded, does_not_fit, internal_error, shutting_down
-from handler.engine.loading import release_cached_memory, synchronize
+from handler.engine.loading import release_cached_memory
 from handler.engine.scheduling import StepProfile, choose, slack
 from handler.engine.step_engine import StepEngine
+from handler.engine.timing import StepTimer
 from handler.metrics import DiffusionMetrics
 from handler.service.answers import Answers
 from handler.service.flights import Flights
@@ -34,7 +34,6 @@ class Stepping:
         flights: Flights,
         answers: Answers,
         clock: Callable[[], float],
-        synchronize_steps: bool,
         request_timeout_seconds: float,
         drain_left: Callable[[], float | None],
     ):
@@ -44,7 +43,7 @@ class Stepping:
         self.flights = flights
         self.answers = answers
         self.clock = clock
-        self.synchronize_steps = synchronize_steps
+        self.timer = StepTimer(engine.device)  # step times off the step's path: no wait for the device
         self.request_timeout = request_timeout_seconds
         self.drain_left = drain_left
 
@@ -100,18 +99,17 @@ class Stepping:
         jobs = [self.flights[rid].job for rid in chosen]
         steps_before = [job.step for job in jobs]
         rows = sum(job.rows for job in jobs)
-        started = time.perf_counter()
+        started = self.timer.start()
         try:
             control_forwards = self.engine.step(jobs)
-            if self.synchronize_steps:
-                synchronize(self.engine.device)
         except torch.OutOfMemoryError as error:
             out_of_memory = error
         except Exception as error:  # one failing step must not fail the requests that did not take it
             logger.exception("denoising step for requests %s failed", chosen)
             return {rid: self.answers.fail(rid, internal_error("denoising", error)) for rid in chosen}
         else:
-            return self._stepped(chosen, control_forwards, time.perf_counter() - started)
+            self.timer.stop(started, self.metrics.step_seconds)
+            return self._stepped(chosen, control_forwards)
         # Retried outside the except block, whose traceback would keep the failed forward's tensors alive.
         release_cached_memory()
         pending = [rid for rid, job, step in zip(chosen, jobs, steps_before, strict=True) if job.step == step]
@@ -125,11 +123,11 @@ class Stepping:
         halves = [half for half in (pending[:middle], pending[middle:]) if half]
         return {rid: response for half in halves for rid, response in self.step(half).items()}
 
-    def _stepped(self, chosen: list[str], control_forwards: int, seconds: float) -> dict[str, Response]:
+    def _stepped(self, chosen: list[str], control_forwards: int) -> dict[str, Response]:
         """Bookkeeping of a forward that went through: metrics, progress lines, finish times."""
         images = sum(self.flights[rid].job.images for rid in chosen)
         adapters = {adapter for rid in chosen for adapter, _ in self.flights[rid].job.spec.adapters}
-        self.metrics.step(images, len(adapters), control_forwards, seconds)
+        self.metrics.step(images, len(adapters), control_forwards)
         now, responses = self.clock(), {}
         for rid in chosen:
             flight = self.flights[rid]

@@ -16,7 +16,7 @@ from handler.engine.jobs import JobSpec
 from handler.engine.loading import load_engine
 from handler.engine.step_engine import StepEngine
 from handler.families import SCHEDULERS as ALL_SCHEDULERS
-from handler.families import UnsupportedPipeline
+from handler.families import UnsupportedPipeline, schedules
 from handler.families.sd import SCHEDULERS
 from model_making.make_tiny_model import write_lcm_model
 from server.paths import TINY_MODEL_DIRS
@@ -157,7 +157,7 @@ def test_the_request_rules_name_the_schedulers_the_families_build():
 
 def test_families_are_detected_from_the_loaded_pipeline(engines):
     assert [engines[family].family.name for family in FAMILIES] == ["SD 1.x", "SD 2.x", "SDXL"]
-    assert {engines[family].family.rules.max_steps for family in FAMILIES} == {1000}  # their training timesteps
+    assert {engines[family].family.rules.max_steps for family in FAMILIES} == {998}  # their training timesteps, less 2
     assert "family=SDXL pipeline=StableDiffusionXLPipeline" in engines["sdxl"].description
 
 
@@ -208,3 +208,26 @@ def test_an_unsupported_pipeline_is_refused_at_load_naming_it_and_the_supported_
         UnsupportedPipeline, match="LatentConsistencyModelPipeline is not supported.*StableDiffusionXLPipeline"
     ):
         load_engine(HandlerSettings(model_path=str(tmp_path / "lcm")), "/unused")
+
+
+def last_latents(family, scheduler: SchedulerName, steps: int) -> torch.Tensor:
+    """Latents through a whole schedule with random model outputs (no denoiser)."""
+    generator = torch.Generator().manual_seed(0)
+    stepper, host = family.scheduler(scheduler, steps, (4, 8, 8))
+    family.prepare_scheduler(stepper)
+    latents = torch.randn(1, 4, 8, 8, generator=generator)
+    noise = schedules.draw_step_noise(stepper, [generator], latents, len(host))
+    for index, timestep in enumerate(stepper.timesteps):
+        output = 0.1 * torch.randn(latents.shape, generator=generator)
+        latents = schedules.step(stepper, output, timestep, host[index], latents, {}, noise)
+    return latents
+
+
+@pytest.mark.parametrize("scheduler", sorted(SCHEDULERS))
+def test_every_scheduler_takes_the_most_steps_the_family_allows(engines, scheduler):
+    """At the family's ``max_steps`` each schedule steps to finite latents; one step more, DPM++
+    2M's do not (and at two more, DDIM and PNDM index past their table)."""
+    family = engines["sd1"].family
+    assert torch.isfinite(last_latents(family, scheduler, family.rules.max_steps)).all()
+    if scheduler == "dpmpp_2m":
+        assert not torch.isfinite(last_latents(family, scheduler, family.rules.max_steps + 1)).all()

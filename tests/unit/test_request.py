@@ -294,15 +294,13 @@ def test_the_familys_rules_name_what_it_allows():
 
 
 def test_more_steps_than_the_models_training_timesteps_are_refused_naming_the_field():
-    """A UNet's schedule samples its training timesteps (DDIM fails above them): with limits that
-    allow more, the family's rule refuses them as a 400, not a failed start."""
-    policy = replace(
-        POLICY, limits=RequestLimits(max_inference_steps=5000), rules=replace(POLICY.rules, max_steps=1000)
-    )
-    fields, message = errors_of({"prompt": "x", "num_inference_steps": 1001}, policy=policy)
+    """A UNet's schedule samples its training timesteps (DDIM fails from 1000 of them): with limits
+    that allow more, the family's rule refuses them as a 400, not a failed start."""
+    policy = replace(POLICY, limits=RequestLimits(max_inference_steps=5000), rules=replace(POLICY.rules, max_steps=998))
+    fields, message = errors_of({"prompt": "x", "num_inference_steps": 999}, policy=policy)
     assert fields == [("num_inference_steps", "less_than_equal")]
-    assert "1000 (the training timesteps of this SD 1.x model's schedule), got 1001" in message
-    assert decode_body({"prompt": "x", "num_inference_steps": 1000}, "application/json", policy).num_inference_steps
+    assert "998 (the most steps this SD 1.x model's schedules take), got 999" in message
+    assert decode_body({"prompt": "x", "num_inference_steps": 998}, "application/json", policy).num_inference_steps
     assert errors_of({"prompt": "x", "num_inference_steps": 31})[0] == [("num_inference_steps", "less_than_equal")]
 
 

@@ -1,0 +1,168 @@
+"""Scheduler steps that read no tensor value on the host, so that on a GPU nothing in a denoising
+step waits for the device.
+
+diffusers' schedulers (0.42.1) read values inside ``step`` in four ways, each a wait for the device
+where the value lives there (diffusers #9485, #9475):
+
+- DDIM and PNDM index their CPU ``alphas_cumprod`` with the timestep and compare it with 0: six
+  reads a step for DDIM, three for PNDM, when the timestep is the schedule's device tensor. Here
+  they take it as a host number, from the CPU copy of the schedule a job keeps (``Family.scheduler``);
+  their arithmetic is the same.
+- Euler, Euler ancestral, DPM++ and flow matching look their first step up by timestep value
+  (``index_for_timestep``: ``nonzero`` and ``item``) unless a begin index is set. Every job sets one
+  (``set_begin_index(0)``, or the first step of an image's schedule), as SDXL's pipeline does;
+  no schedule offered here repeats a timestep, so it is the same step.
+- Euler compares its sigma with ``s_tmin``/``s_tmax`` even without churn. ``euler_step`` is its
+  arithmetic without churn (the server passes none), so without the comparison.
+- Euler ancestral draws its noise on the CPU at every step and copies it to the device, which
+  blocks. ``draw_step_noise`` draws every step's noise at the job's start with the same calls, one
+  copy to the device, and ``euler_ancestral_step`` is its arithmetic with that noise.
+
+An inpainting job puts the image back at the next noise level after each step (``add_noise``, flow
+matching's ``scale_noise``); the schedulers that step by index copy their sigmas to the device for
+it at every call. ``step_sigmas`` copies them once, at the job's start, and ``noised_at_step`` is
+their arithmetic from that copy.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from diffusers import (
+    DPMSolverMultistepScheduler,
+    EulerAncestralDiscreteScheduler,
+    EulerDiscreteScheduler,
+    FlowMatchEulerDiscreteScheduler,
+)
+
+from handler.families.base import Scheduler
+from handler.families.transfer import to_device
+
+
+def timestep_argument(scheduler: Scheduler, timestep: torch.Tensor, host_timestep: float) -> torch.Tensor | int:
+    """What ``scheduler.step`` takes as the timestep without reading it: schedulers with a begin
+    index step by index and leave the device tensor unread; the others (DDIM, PNDM) get the host
+    number."""
+    return timestep if hasattr(scheduler, "set_begin_index") else int(host_timestep)
+
+
+def draw_step_noise(
+    scheduler: Scheduler, generators: list[torch.Generator], latents: torch.Tensor, steps: int
+) -> torch.Tensor | None:
+    """Euler ancestral's noise for each of ``steps`` steps, drawn as its ``step`` draws it
+    (``randn_tensor``: per image, from the image's CPU generator, in the latents' dtype), one copy to
+    the device; None for the other schedulers, which draw none."""
+    if type(scheduler) is not EulerAncestralDiscreteScheduler:
+        return None
+    shape = (1, *latents.shape[1:])
+    noise = torch.stack(
+        [
+            torch.cat([torch.randn(shape, generator=generator, dtype=latents.dtype) for generator in generators])
+            for _ in range(steps)
+        ]
+    )
+    return to_device(noise, latents.device)
+
+
+def step(
+    scheduler: Scheduler,
+    model_output: torch.Tensor,
+    timestep: torch.Tensor,
+    host_timestep: float,
+    sample: torch.Tensor,
+    step_kwargs: dict[str, Any],
+    step_noise: torch.Tensor | None,
+) -> torch.Tensor:
+    """One ``scheduler.step`` (the next latents) that reads no tensor value on the host."""
+    if type(scheduler) is EulerDiscreteScheduler:
+        return euler_step(scheduler, model_output, timestep, sample)
+    if type(scheduler) is EulerAncestralDiscreteScheduler:
+        assert step_noise is not None, "draw_step_noise at the job's start"
+        return euler_ancestral_step(scheduler, model_output, timestep, sample, step_noise)
+    argument = timestep_argument(scheduler, timestep, host_timestep)
+    return scheduler.step(model_output, argument, sample, **step_kwargs, return_dict=False)[0]
+
+
+def _step_index(scheduler: Any, timestep: torch.Tensor) -> int:
+    if scheduler.step_index is None:
+        scheduler._init_step_index(timestep)  # from the begin index every job sets: no lookup
+    return scheduler.step_index
+
+
+def _original_sample(
+    scheduler: Any, model_output: torch.Tensor, sample: torch.Tensor, sigma: torch.Tensor
+) -> torch.Tensor:
+    """The predicted original sample from sigma-scaled predicted noise (the Euler schedulers' step 1)."""
+    prediction = scheduler.config.prediction_type
+    if prediction == "epsilon":
+        return sample - sigma * model_output
+    if prediction == "v_prediction":
+        return model_output * (-sigma / (sigma**2 + 1) ** 0.5) + (sample / (sigma**2 + 1))
+    if prediction in ("sample", "original_sample") and type(scheduler) is EulerDiscreteScheduler:
+        return model_output
+    raise ValueError(f"{type(scheduler).__name__} does not take prediction_type {prediction!r}")
+
+
+def euler_step(
+    scheduler: Any, model_output: torch.Tensor, timestep: torch.Tensor, sample: torch.Tensor
+) -> torch.Tensor:
+    """``EulerDiscreteScheduler.step`` without churn (``s_churn`` 0: gamma 0, sigma_hat = sigma)."""
+    # Copied from diffusers.schedulers.scheduling_euler_discrete.EulerDiscreteScheduler.step (0.42.1),
+    # with s_churn 0 and without the s_tmin/s_tmax comparison it then does not need.
+    index = _step_index(scheduler, timestep)
+    sample = sample.to(torch.float32)
+    sigma = scheduler.sigmas[index]
+    pred_original_sample = _original_sample(scheduler, model_output, sample, sigma)
+    derivative = (sample - pred_original_sample) / sigma
+    dt = scheduler.sigmas[index + 1] - sigma
+    prev_sample = sample + derivative * dt
+    scheduler._step_index += 1
+    return prev_sample.to(model_output.dtype)
+
+
+def euler_ancestral_step(
+    scheduler: Any,
+    model_output: torch.Tensor,
+    timestep: torch.Tensor,
+    sample: torch.Tensor,
+    step_noise: torch.Tensor,
+) -> torch.Tensor:
+    """``EulerAncestralDiscreteScheduler.step`` with its noise drawn at the start (``draw_step_noise``)."""
+    # Copied from diffusers.schedulers.scheduling_euler_ancestral_discrete.EulerAncestralDiscreteScheduler.step
+    # (0.42.1), the noise taken from step_noise instead of drawn here.
+    index = _step_index(scheduler, timestep)
+    sigma = scheduler.sigmas[index]
+    sample = sample.to(torch.float32)
+    pred_original_sample = _original_sample(scheduler, model_output, sample, sigma)
+    sigma_from, sigma_to = scheduler.sigmas[index], scheduler.sigmas[index + 1]
+    sigma_up = (sigma_to**2 * (sigma_from**2 - sigma_to**2) / sigma_from**2) ** 0.5
+    sigma_down = (sigma_to**2 - sigma_up**2) ** 0.5
+    derivative = (sample - pred_original_sample) / sigma
+    dt = sigma_down - sigma
+    prev_sample = sample + derivative * dt
+    prev_sample = prev_sample + step_noise[index - scheduler.begin_index] * sigma_up
+    scheduler._step_index += 1
+    return prev_sample.to(model_output.dtype)
+
+
+def step_sigmas(scheduler: Any, like: torch.Tensor) -> torch.Tensor | None:
+    """The sigmas of a scheduler that steps by index, on ``like``'s device in its dtype (as its
+    ``add_noise`` takes them); None for the others (DDIM and PNDM keep their table on the device
+    after their first ``add_noise``)."""
+    if not hasattr(scheduler, "set_begin_index"):
+        return None
+    return scheduler.sigmas.to(device=like.device, dtype=like.dtype)
+
+
+def noised_at_step(scheduler: Any, original: torch.Tensor, noise: torch.Tensor, sigmas: torch.Tensor) -> torch.Tensor:
+    """``add_noise`` (flow matching: ``scale_noise``) at the scheduler's current step, from
+    ``step_sigmas``."""
+    # Copied from the schedulers' add_noise and scale_noise (diffusers 0.42.1), past their begin index.
+    sigma, kind = sigmas[scheduler.step_index], type(scheduler)
+    if kind is DPMSolverMultistepScheduler:
+        alpha_t, sigma_t = scheduler._sigma_to_alpha_sigma_t(sigma)
+        return alpha_t * original + sigma_t * noise
+    if kind is FlowMatchEulerDiscreteScheduler:
+        return sigma * noise + (1.0 - sigma) * original
+    return original + noise * sigma

@@ -1,0 +1,142 @@
+"""No denoising step reads a tensor's value on the host: on a GPU each such read waits for the device.
+
+Every family and scheduler the server offers, with LoRA rows, ControlNets (the UNet families), an
+image-to-image and an inpainting job in the same forwards. Counted per step after the first, under
+a ``TorchDispatchMode``: the operations that read a value (``aten._local_scalar_dense``,
+``is_nonzero``, ``nonzero``, ``item``). A dispatch mode does not see a CPU tensor indexed with a
+0-d CPU tensor, so the jobs' device timesteps are also marked: a step that indexes with one, or
+takes its value, is caught as well."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from handler.adapters.controlnets import ControlSpec
+from handler.config import HandlerSettings
+from handler.engine.loading import load_engine
+from handler.engine.step_engine import StepEngine
+from model_making.make_controlnet import write_controlnet
+from model_making.make_lora import write_lora
+from server.paths import TINY_MODEL_DIRS
+from tests.harness.engine_runs import hole, picture, spec
+
+READS = {torch.ops.aten._local_scalar_dense, torch.ops.aten.is_nonzero, torch.ops.aten.nonzero, torch.ops.aten.item}
+SIDE = 32
+STEPS = 4
+
+
+class HostReads(TorchDispatchMode):
+    """The value-reading operations dispatched while it is active."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.reads: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.overloadpacket in READS:
+            self.reads.append(str(func))
+        return func(*args, **(kwargs or {}))
+
+
+class DeviceTimesteps(torch.Tensor):
+    """A job's schedule as if on a device: indexing it gives marked timesteps, and any use of a
+    marked timestep as a number (an index of one element: a read; a gather by a 1-d one is not) is
+    recorded. Other results are plain tensors."""
+
+    reads: list[str] = []
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        name = getattr(func, "__name__", str(func))
+        marked_index = name == "__getitem__" and isinstance(args[1], DeviceTimesteps) and args[1].dim() == 0
+        if marked_index or name in {"__bool__", "__index__", "__int__", "__float__", "item", "tolist"}:
+            cls.reads.append(name)
+        with torch._C.DisableTorchFunctionSubclass():
+            result = func(*args, **kwargs)
+        if name == "__getitem__" and type(args[0]) is cls and isinstance(result, torch.Tensor):
+            return result.as_subclass(cls)
+        return result
+
+
+def engine_with_adapters(family: str, directory: Path, device: str = "auto") -> StepEngine:
+    """An engine over a tiny model with a LoRA and (UNet families) a ControlNet for it."""
+    model_dir = TINY_MODEL_DIRS[family]
+    write_lora(model_dir, directory / "loras" / "attention.safetensors", seed=1)
+    settings: dict = {"model_path": str(model_dir), "device": device, "loras": {"dir": str(directory / "loras")}}
+    if family != "sd3":
+        write_controlnet(model_dir, directory / "controlnets" / "edges", seed=1)
+        settings["controlnets"] = {"dir": str(directory / "controlnets")}
+    return load_engine(HandlerSettings.model_validate(settings), "/unused")
+
+
+@pytest.fixture(scope="module", params=["sd1", "sd2", "sdxl", "sd3"])
+def engine(request, tmp_path_factory) -> StepEngine:
+    return engine_with_adapters(request.param, tmp_path_factory.mktemp(request.param))
+
+
+def jobs_of_every_kind(engine: StepEngine, scheduler: str):
+    """A plain job, one with a LoRA, one with a LoRA and a ControlNet (where the family takes
+    them), an image-to-image and an inpainting job, all stepped together."""
+    lora = engine.loras.acquire([("attention", 0.8)], in_use=())
+    controls = ()
+    if engine.family.rules.controlnets:
+        (edges,) = engine.controlnets.acquire(["edges"], in_use=())
+        controls = (ControlSpec(edges, picture(SIDE, 3), 0.9),)
+    common = dict(side=SIDE, steps=STEPS, scheduler=scheduler)
+    return engine.start(
+        [
+            spec("plain", 1, images=2, **common),
+            spec("lora", 2, adapters=lora, **common),
+            spec("lora and control", 3, adapters=lora, controls=controls, **common),
+            spec("image", 4, image=picture(SIDE, 1), strength=0.8, guidance=1.0, **common),
+            spec("inpaint", 5, image=picture(SIDE, 2), mask=hole(SIDE), strength=0.9, **common),
+        ]
+    )
+
+
+def test_a_step_reads_no_value_on_the_host_for_every_scheduler(engine):
+    for scheduler in engine.family.rules.schedulers:
+        jobs = jobs_of_every_kind(engine, scheduler)
+        for job in jobs:
+            job.timesteps = job.timesteps.as_subclass(DeviceTimesteps)
+        engine.step(jobs)  # the first step may read (a job's first forward, compilation)
+        DeviceTimesteps.reads = []
+        with HostReads() as reads:
+            while not all(job.done for job in jobs):
+                engine.step([job for job in jobs if not job.done])
+        assert reads.reads == [], f"{engine.family.name}, {scheduler}: a step read values on the host: {reads.reads}"
+        assert DeviceTimesteps.reads == [], f"{engine.family.name}, {scheduler}: a step read a device timestep"
+
+
+def test_the_check_finds_a_read():
+    """The positive control: a scheduler step given the device timestep, as diffusers' loop does."""
+    engine = load_engine(HandlerSettings.model_validate({"model_path": str(TINY_MODEL_DIRS["sd1"])}), "/unused")
+    (job,) = engine.start([spec(side=SIDE, steps=STEPS, scheduler="ddim")])
+    timesteps = job.timesteps.as_subclass(DeviceTimesteps)
+    DeviceTimesteps.reads = []
+    with HostReads() as reads:
+        job.scheduler.step(torch.zeros_like(job.latents), timesteps[1], job.latents, return_dict=False)
+    assert DeviceTimesteps.reads and reads.reads
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("family", ["sd1", "sdxl", "sd3"])
+def test_on_a_gpu_a_step_never_synchronizes(family, tmp_path):
+    """What the dispatch count stands for, on the device itself: CUDA refuses any synchronization
+    (a value read, a blocking copy) in the steps after the first."""
+    engine = engine_with_adapters(family, tmp_path, device="cuda")
+    for scheduler in engine.family.rules.schedulers:
+        jobs = jobs_of_every_kind(engine, scheduler)
+        engine.step(jobs)
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            while not all(job.done for job in jobs):
+                engine.step([job for job in jobs if not job.done])
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
