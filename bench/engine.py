@@ -75,6 +75,12 @@ class Row:
     engine_s: float
     max_abs_diff: int
     diffusers_batch_diff: int  # diffusers' batched call against each request alone: the rounding floor
+    denoiser: str = "eager"  # the engine's denoiser: eager, or compile-<mode> (forwards padded to its graphs)
+
+    @property
+    def engine_it_s(self) -> float:
+        """Denoising steps per second through the step engine (decode included in its time)."""
+        return self.steps / self.engine_s
 
     @property
     def ratio(self) -> float:
@@ -89,7 +95,14 @@ def timed(call, device: torch.device) -> float:
 
 
 def compare(
-    family: str, reference: Reference, engine: StepEngine, batch: int, steps: int, repeats: int, side: int
+    family: str,
+    reference: Reference,
+    engine: StepEngine,
+    batch: int,
+    steps: int,
+    repeats: int,
+    side: int,
+    denoiser: str = "eager",
 ) -> Row:
     """Median seconds of the same ``batch`` one-image requests through both, alternating who goes
     first, with the model's own scheduler."""
@@ -126,6 +139,7 @@ def compare(
         statistics.median(engine_s),
         max_difference(ours, theirs),
         max_difference(theirs, alone),
+        denoiser,
     )
 
 
@@ -140,13 +154,14 @@ def max_difference(images: list, others: list) -> int:
 def table(rows: list[Row]) -> str:
     lines = [
         "| family | model | batch | size | steps | diffusers call (s) | step engine (s) | engine / diffusers "
-        "| max pixel diff, engine vs diffusers | max pixel diff, diffusers batched vs alone |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        "| max pixel diff, engine vs diffusers | max pixel diff, diffusers batched vs alone | engine's denoiser |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for row in rows:
         lines.append(
             f"| {row.family} | {row.model} | {row.batch} | {row.side}x{row.side} | {row.steps} | {row.diffusers_s:.4f} "
-            f"| {row.engine_s:.4f} | {row.ratio:.3f}x | {row.max_abs_diff} | {row.diffusers_batch_diff} |"
+            f"| {row.engine_s:.4f} | {row.ratio:.3f}x | {row.max_abs_diff} | {row.diffusers_batch_diff} "
+            f"| {row.denoiser} |"
         )
     return "\n".join(lines) + "\n"
 
@@ -164,18 +179,26 @@ def measure_model(
     repeats: int,
     side: int | None = None,
     shared: bool = False,
+    compile_mode: str | None = None,
 ) -> list[Row]:
     """The engine against diffusers' call on one model (``family`` "custom": detected), per batch,
     at ``side`` (None: the model's native size). ``shared``: diffusers calls the pipeline the engine
     loaded instead of loading its own (for a model too large to hold twice; the engine leaves it as
-    diffusers loads it but for the attention processors, which are diffusers' defaults)."""
-    engine = load_engine(HandlerSettings(model_path=str(Path(model_dir).resolve()), device=device), ".")
+    diffusers loads it but for the attention processors, which are diffusers' defaults).
+    ``compile_mode``: the engine's denoiser compiled in that mode (its forwards padded to the
+    graphs' row counts where it replays CUDA graphs), against diffusers' eager call."""
+    compiled = {"compile": {"enabled": True, "mode": compile_mode, "targets": ["unet"]}} if compile_mode else {}
+    settings = HandlerSettings.model_validate(
+        {"model_path": str(Path(model_dir).resolve()), "device": device, **compiled}
+    )
+    engine = load_engine(settings, ".")
+    denoiser = f"compile-{compile_mode}" if compile_mode else "eager"
     reference = Reference(model_dir, engine.device, engine.dtype, pipeline=engine.pipeline if shared else None)
     side = side or engine.family.native_size()[0]
     rows = []
     for batch in batches:
         name = engine.family.name if family == "custom" else family
-        row = compare(name, reference, engine, batch, steps, repeats, side)
+        row = compare(name, reference, engine, batch, steps, repeats, side, denoiser)
         logger.info(
             "%s batch %d: diffusers %.4f s, engine %.4f s, %.3fx, max pixel diff %d (diffusers batched vs alone %d)",
             row.family,

@@ -13,7 +13,9 @@ section file there (``bench.gpu_report``), so sections can run in separate calls
    an eager call (kernels against wall time, host syncs). ``--variants`` measures a subset (eager
    always) and merges it into the section's rows.
 2. ``scaling``: images/s at batch 1 to 16, eager and the fastest compile mode of ``variants``.
-3. ``engine``: the step engine against the diffusers call it mirrors, same requests, batch 1 and 8.
+3. ``engine``: the step engine against the diffusers call it mirrors, same requests, batch 1 and 8;
+   on CUDA also with its denoiser compiled in ``reduce-overhead`` mode (CUDA graphs, each step's
+   rows padded to the graphs' row counts: ``handler.compile.pad_rows``).
 4. ``served``: TorchServe on this GPU (one worker), dynamic and continuous batching, 25 steps, a
    closed loop at concurrency 1, 4, 8 and 16: images/s, p50, p95, against the in-process ceiling
    (the eager pipeline at the same batch, measured in the same run).
@@ -299,17 +301,21 @@ class GpuBench:
         return result
 
     def engine(self) -> dict:
-        rows = measure_model(
-            "sd1",
-            model_dir(self.plan.sd15_model),
-            self.device_setting,
-            list(self.plan.engine_batches),
-            self.plan.served_steps,
-            self.plan.engine_repeats,
-        )
-        gc.collect()  # the engine and diffusers' pipeline measured here leave the GPU to the next section
-        release_cached_memory()
-        return {"rows": [{**asdict(row), "ratio": row.ratio} for row in rows]}
+        """Eager, and on CUDA with CUDA graphs (the compiled denoiser, padded rows)."""
+        rows = []
+        for compile_mode in (None, "reduce-overhead") if self.device.type == "cuda" else (None,):
+            rows += measure_model(
+                "sd1",
+                model_dir(self.plan.sd15_model),
+                self.device_setting,
+                list(self.plan.engine_batches),
+                self.plan.served_steps,
+                self.plan.engine_repeats,
+                compile_mode=compile_mode,
+            )
+            gc.collect()  # the engine and diffusers' pipeline measured here leave the GPU to the next one
+            release_cached_memory()
+        return {"rows": [{**asdict(row), "ratio": row.ratio, "engine_it_s": row.engine_it_s} for row in rows]}
 
     def served(self) -> dict:
         """Closed-loop load through TorchServe in each batching mode, next to the in-process ceiling."""

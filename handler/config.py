@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PositiveInt, field_validator, model_validator
 
 # Every scheduler name a request may give; each family serves some of them (``FamilyRules``).
 SchedulerName = Literal["ddim", "euler", "euler_a", "dpmpp_2m", "pndm", "flow_match_euler"]
@@ -190,6 +190,17 @@ class CompileSettings(_Section):
     )
     fullgraph: bool = False
     dynamic: bool | None = None
+    pad_rows: Literal["auto", "on", "off"] = Field(
+        "auto",
+        description="pad each denoiser forward's rows to the least of graph_rows at or above them (the padding rows "
+        "dropped from the result), so the compiled denoiser keeps one CUDA graph per latent shape and count instead "
+        "of one per distinct row count; auto: where it replays CUDA graphs (modes reduce-overhead and max-autotune "
+        "on CUDA)",
+    )
+    graph_rows: tuple[PositiveInt, ...] = Field(
+        (1, 2, 4, 8, 16, 24, 32),
+        description="the row counts forwards are padded to (a forward above the largest runs unpadded)",
+    )
     cache_dir: str | None = Field(
         None,
         description="absolute directory for inductor's compiled-code cache (TORCHINDUCTOR_CACHE_DIR), kept across "
@@ -201,6 +212,15 @@ class CompileSettings(_Section):
     def denoiser(self) -> bool:
         """Whether the denoiser is compiled."""
         return self.enabled and bool(DENOISER_TARGETS & set(self.targets))
+
+    def cuda_graphs(self, device_type: str) -> bool:
+        """Whether the compiled denoiser replays CUDA graphs on this device."""
+        return self.denoiser and self.mode in ("reduce-overhead", "max-autotune") and device_type == "cuda"
+
+    def row_counts(self, device_type: str) -> tuple[int, ...]:
+        """The row counts forwards are padded to on this device (none: unpadded)."""
+        pad = self.pad_rows == "on" or self.pad_rows == "auto" and self.cuda_graphs(device_type)
+        return tuple(sorted(set(self.graph_rows))) if pad else ()
 
     @field_validator("cache_dir")
     @classmethod

@@ -220,6 +220,7 @@ def load_engine(settings: HandlerSettings, model_dir: str | Path, gpu_id: int | 
             slots.bytes() / 2**20,
         )
     _apply_compile(family, settings)
+    row_counts = settings.compile.row_counts(device.type)
     text_encoder_3 = (
         "" if not hasattr(pipeline, "text_encoder_3") else f" text_encoder_3={pipeline.text_encoder_3 is not None}"
     )
@@ -232,9 +233,21 @@ def load_engine(settings: HandlerSettings, model_dir: str | Path, gpu_id: int | 
         f"vae_slicing={settings.vae_slicing} vae_tiling={settings.vae_tiling} cpu_offload={settings.cpu_offload} "
         f"compile={settings.compile.mode if settings.compile.enabled else 'off'}"
         f"{'(' + ','.join(settings.compile.targets) + ')' if settings.compile.enabled else ''}"
+        f" pad_rows={','.join(map(str, row_counts)) or 'off'}"
     )
     loras = LoraLibrary(pipeline, family.denoiser, directory, settings.loras.max_loaded, off_because, slots)
     controlnets = ControlNetLibrary(
         family, settings.controlnets.directory(), settings.controlnets.max_loaded, device, dtype
     )
-    return StepEngine(pipeline, family, device, dtype, description, loras, controlnets, settings.fault_injection)
+    return StepEngine(
+        pipeline,
+        family,
+        device,
+        dtype,
+        description,
+        loras,
+        controlnets,
+        settings.fault_injection,
+        row_counts,
+        settings.compile.cuda_graphs(device.type),
+    )

@@ -65,6 +65,8 @@ class StepEngine:
     loras: LoraLibrary
     controlnets: ControlNetLibrary
     fault_injection: FaultInjection = field(default_factory=FaultInjection)
+    row_counts: tuple[int, ...] = ()  # what a forward's rows are padded to (ascending; none: unpadded)
+    cuda_graphs: bool = False  # the compiled denoiser replays CUDA graphs
 
     def latent_shape(self, width: int, height: int) -> tuple[int, int, int]:
         """Channels, height and width of one image's latents."""
@@ -169,8 +171,10 @@ class StepEngine:
 
     def step(self, jobs: list[DenoiseJob]) -> int:
         """Advance every job one step with ONE denoiser forward, each job's rows with its own LoRA set
-        and ControlNet residuals (each ControlNet run once over the rows acting with it). All jobs must
-        share a latent shape. Returns the ControlNet forwards run."""
+        and ControlNet residuals (each ControlNet run once over the rows acting with it), padded to
+        the least of ``row_counts`` at or above them (the compiled denoiser's CUDA graphs: copies of
+        the last row, without LoRA or ControlNet, dropped after). All jobs must share a latent shape.
+        Returns the ControlNet forwards run."""
         shapes = {job.latent_shape for job in jobs}
         if len(shapes) != 1:
             raise ValueError(f"one denoiser forward needs one latent shape, got {sorted(shapes)}")
@@ -184,16 +188,22 @@ class StepEngine:
             inputs, timesteps = [], []
             for job in jobs:
                 timestep = job.timesteps[job.step]
-                rows = torch.cat([job.latents] * 2) if job.guided else job.latents
-                inputs.append(family.model_input(job.scheduler, rows, timestep))
+                job_rows = torch.cat([job.latents] * 2) if job.guided else job.latents
+                inputs.append(family.model_input(job.scheduler, job_rows, timestep))
                 timesteps.append(timestep.float().expand(job.rows))
-            latents, timestep_rows = torch.cat(inputs), torch.cat(timesteps)
-            conditioning = Conditioning.concat([job.conditioning for job in jobs])
+            rows = sum(job.rows for job in jobs)
+            padding = padded_rows(rows, self.row_counts) - rows  # rows copying the last one, dropped after
+            latents, timestep_rows = _padded(torch.cat(inputs), padding), _padded(torch.cat(timesteps), padding)
+            conditioning = Conditioning.concat([job.conditioning for job in jobs]).padded(padding)
             residuals, control_forwards = self.controlnets.residuals(
-                [(job.acting(), job.rows) for job in jobs], latents, timestep_rows, conditioning
+                [(job.acting(), job.rows) for job in jobs] + [([], padding)], latents, timestep_rows, conditioning
             )
-            with self.loras.rows([(job.spec.adapters, job.rows) for job in jobs], self.device):
-                noise = family.forward(latents, timestep_rows, conditioning, residuals)
+            with self.loras.rows([(job.spec.adapters, job.rows) for job in jobs] + [((), padding)], self.device):
+                if self.cuda_graphs:  # each step a new run of the graphs: the last run's outputs are done with
+                    torch.compiler.cudagraph_mark_step_begin()
+                noise = family.forward(latents, timestep_rows, conditioning, residuals)[:rows]
+            if self.cuda_graphs:  # the graph's next replay overwrites its output, which a scheduler may keep
+                noise = noise.clone()
             for job, job_noise in zip(jobs, noise.split([job.rows for job in jobs]), strict=True):
                 if job.guided:
                     unconditional, conditional = job_noise.chunk(2)
@@ -230,3 +240,14 @@ class StepEngine:
             raise torch.OutOfMemoryError(
                 f"simulated out of memory: {pixels} pixels in one {stage}, fault_injection allows {limit}"
             )
+
+
+def padded_rows(rows: int, counts: Sequence[int]) -> int:
+    """The rows a forward of ``rows`` rows runs at: the least of ``counts`` (ascending) at or above
+    them; ``rows`` where none is."""
+    return next((count for count in counts if count >= rows), rows)
+
+
+def _padded(rows: torch.Tensor, padding: int) -> torch.Tensor:
+    """``rows`` and ``padding`` copies of its last row."""
+    return torch.cat([rows, rows[-1:].expand(padding, *rows.shape[1:])]) if padding else rows

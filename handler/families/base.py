@@ -107,6 +107,16 @@ class Conditioning:
         hidden = torch.cat([item.hidden_states for item in items])
         return Conditioning(hidden, {name: torch.cat([item.added[name] for item in items]) for name in items[0].added})
 
+    def padded(self, padding: int) -> Conditioning:
+        """These rows and ``padding`` copies of the last (rows that pad a forward to a captured count)."""
+        if not padding:
+            return self
+
+        def pad(rows: torch.Tensor) -> torch.Tensor:
+            return torch.cat([rows, rows[-1:].expand(padding, *rows.shape[1:])])
+
+        return Conditioning(pad(self.hidden_states), {name: pad(value) for name, value in self.added.items()})
+
 
 @dataclass(frozen=True)
 class TextEmbedding:

@@ -11,9 +11,15 @@ import numpy as np
 from PIL import Image
 
 from bench.reference import ControlNetCall, Reference
-from handler.engine.jobs import JobSpec
+from handler.adapters.controlnets import ControlSpec
+from handler.config import HandlerSettings
+from handler.engine.jobs import DenoiseJob, JobSpec
+from handler.engine.loading import load_engine
 from handler.engine.step_engine import StepEngine
 from handler.families import Decoded
+from model_making.make_controlnet import write_controlnet
+from model_making.make_lora import write_lora
+from server.paths import TINY_MODEL_DIRS
 
 # Jobs stepped together and alone differ by float rounding only; in 8 bits an image may differ by
 # this much per channel value (0-255).
@@ -112,3 +118,36 @@ def assert_same_images(actual: Decoded, reference) -> None:
         difference = np.abs(np.asarray(ours, dtype=np.int16) - np.asarray(theirs, dtype=np.int16))
         assert difference.max() <= TOLERANCE, f"images differ by up to {difference.max()}"
     assert actual.nsfw_content_detected == reference.nsfw_content_detected
+
+
+def engine_with_adapters(family: str, directory: Path, device: str = "auto", **more) -> StepEngine:
+    """An engine over a tiny model with a LoRA and (UNet families) a ControlNet for it (``more``:
+    other handler settings)."""
+    model_dir = TINY_MODEL_DIRS[family]
+    write_lora(model_dir, directory / "loras" / "attention.safetensors", seed=1)
+    settings: dict = {"model_path": str(model_dir), "device": device, "loras": {"dir": str(directory / "loras")}}
+    settings |= more
+    if family != "sd3":
+        write_controlnet(model_dir, directory / "controlnets" / "edges", seed=1)
+        settings["controlnets"] = {"dir": str(directory / "controlnets")}
+    return load_engine(HandlerSettings.model_validate(settings), "/unused")
+
+
+def jobs_of_every_kind(engine: StepEngine, scheduler: str, side: int = 32, steps: int = 4) -> list[DenoiseJob]:
+    """A plain job, one with a LoRA, one with a LoRA and a ControlNet (where the family takes
+    them), an image-to-image and an inpainting job, all stepped together."""
+    lora = engine.loras.acquire([("attention", 0.8)], in_use=())
+    controls = ()
+    if engine.family.rules.controlnets:
+        (edges,) = engine.controlnets.acquire(["edges"], in_use=())
+        controls = (ControlSpec(edges, picture(side, 3), 0.9),)
+    common = dict(side=side, steps=steps, scheduler=scheduler)
+    return engine.start(
+        [
+            spec("plain", 1, images=2, **common),
+            spec("lora", 2, adapters=lora, **common),
+            spec("lora and control", 3, adapters=lora, controls=controls, **common),
+            spec("image", 4, image=picture(side, 1), strength=0.8, guidance=1.0, **common),
+            spec("inpaint", 5, image=picture(side, 2), mask=hole(side), strength=0.9, **common),
+        ]
+    )

@@ -212,8 +212,8 @@ def test_engine_overhead_table_states_the_ratio_per_family_and_batch():
     table = engine_markdown(
         rows, {"device_name": "cpu", "torch": "2.13.0", "diffusers": "0.42.1", "date": "2026-11-23"}
     )
-    assert "| sd1 | shapes-sd | 1 | 64x64 | 25 | 0.2000 | 0.2100 | 1.050x | 0 | 0 |" in table
-    assert "| sdxl | tiny-sdxl | 8 | 64x64 | 25 | 0.4000 | 0.3800 | 0.950x | 1 | 2 |" in table
+    assert "| sd1 | shapes-sd | 1 | 64x64 | 25 | 0.2000 | 0.2100 | 1.050x | 0 | 0 | eager |" in table
+    assert "| sdxl | tiny-sdxl | 8 | 64x64 | 25 | 0.4000 | 0.3800 | 0.950x | 1 | 2 | eager |" in table
 
 
 def _overhead_result(client_ms: float, frontend_ms: float, worker_ms: float, local_ms: float) -> dict:

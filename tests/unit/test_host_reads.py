@@ -9,20 +9,15 @@ takes its value, is caught as well."""
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from handler.adapters.controlnets import ControlSpec
 from handler.config import HandlerSettings
 from handler.engine.loading import load_engine
 from handler.engine.step_engine import StepEngine
-from model_making.make_controlnet import write_controlnet
-from model_making.make_lora import write_lora
 from server.paths import TINY_MODEL_DIRS
-from tests.harness.engine_runs import hole, picture, spec
+from tests.harness.engine_runs import engine_with_adapters, jobs_of_every_kind, spec
 
 READS = {torch.ops.aten._local_scalar_dense, torch.ops.aten.is_nonzero, torch.ops.aten.nonzero, torch.ops.aten.item}
 SIDE = 32
@@ -63,40 +58,9 @@ class DeviceTimesteps(torch.Tensor):
         return result
 
 
-def engine_with_adapters(family: str, directory: Path, device: str = "auto") -> StepEngine:
-    """An engine over a tiny model with a LoRA and (UNet families) a ControlNet for it."""
-    model_dir = TINY_MODEL_DIRS[family]
-    write_lora(model_dir, directory / "loras" / "attention.safetensors", seed=1)
-    settings: dict = {"model_path": str(model_dir), "device": device, "loras": {"dir": str(directory / "loras")}}
-    if family != "sd3":
-        write_controlnet(model_dir, directory / "controlnets" / "edges", seed=1)
-        settings["controlnets"] = {"dir": str(directory / "controlnets")}
-    return load_engine(HandlerSettings.model_validate(settings), "/unused")
-
-
 @pytest.fixture(scope="module", params=["sd1", "sd2", "sdxl", "sd3"])
 def engine(request, tmp_path_factory) -> StepEngine:
     return engine_with_adapters(request.param, tmp_path_factory.mktemp(request.param))
-
-
-def jobs_of_every_kind(engine: StepEngine, scheduler: str):
-    """A plain job, one with a LoRA, one with a LoRA and a ControlNet (where the family takes
-    them), an image-to-image and an inpainting job, all stepped together."""
-    lora = engine.loras.acquire([("attention", 0.8)], in_use=())
-    controls = ()
-    if engine.family.rules.controlnets:
-        (edges,) = engine.controlnets.acquire(["edges"], in_use=())
-        controls = (ControlSpec(edges, picture(SIDE, 3), 0.9),)
-    common = dict(side=SIDE, steps=STEPS, scheduler=scheduler)
-    return engine.start(
-        [
-            spec("plain", 1, images=2, **common),
-            spec("lora", 2, adapters=lora, **common),
-            spec("lora and control", 3, adapters=lora, controls=controls, **common),
-            spec("image", 4, image=picture(SIDE, 1), strength=0.8, guidance=1.0, **common),
-            spec("inpaint", 5, image=picture(SIDE, 2), mask=hole(SIDE), strength=0.9, **common),
-        ]
-    )
 
 
 def test_a_step_reads_no_value_on_the_host_for_every_scheduler(engine):

@@ -1,0 +1,77 @@
+"""Forwards padded to a captured row count (``handler.compile.pad_rows``, for the compiled
+denoiser's CUDA graphs) give the same images as unpadded ones: every family, with LoRA rows,
+ControlNets, an image-to-image and an inpainting job in the forward; the padding rows are dropped."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from handler.config import CompileSettings
+from handler.engine.step_engine import padded_rows
+from tests.harness.engine_runs import assert_same_images, engine_with_adapters, jobs_of_every_kind
+
+
+def test_a_forward_is_padded_to_the_least_count_at_or_above_its_rows():
+    counts = (1, 2, 4, 8, 16, 24, 32)
+    assert [padded_rows(rows, counts) for rows in (1, 3, 8, 9, 17, 25, 32, 33)] == [1, 4, 8, 16, 24, 32, 32, 33]
+    assert padded_rows(5, ()) == 5
+
+
+def test_padding_is_on_where_the_compiled_denoiser_replays_cuda_graphs():
+    graphs = CompileSettings(enabled=True, mode="reduce-overhead")
+    assert graphs.row_counts("cuda") == (1, 2, 4, 8, 16, 24, 32)
+    assert graphs.row_counts("cpu") == () and CompileSettings(enabled=True).row_counts("cuda") == ()
+    assert CompileSettings(enabled=True, mode="max-autotune").row_counts("cuda")
+    assert CompileSettings(pad_rows="on", graph_rows=(8, 4)).row_counts("cpu") == (4, 8)
+    assert CompileSettings(enabled=True, mode="reduce-overhead", pad_rows="off").row_counts("cuda") == ()
+    assert graphs.cuda_graphs("cuda") and not graphs.cuda_graphs("cpu")
+    assert not CompileSettings(enabled=True, mode="max-autotune-no-cudagraphs").cuda_graphs("cuda")
+
+
+def decoded(engine, jobs):
+    """Step the jobs together to the end, counting the denoiser's rows per forward; each job decoded."""
+    rows = []
+
+    def count(module, args, kwargs) -> None:
+        rows.append((args[0] if args else kwargs["hidden_states"]).shape[0])
+
+    hook = engine.family.denoiser.register_forward_pre_hook(count, with_kwargs=True)
+    try:
+        while not all(job.done for job in jobs):
+            engine.step([job for job in jobs if not job.done])
+    finally:
+        hook.remove()
+    return [engine.decode(job.latents, job.spec.width, job.spec.height) for job in jobs], rows
+
+
+@pytest.mark.parametrize("family", ["sd1", "sdxl", "sd3"])
+def test_padded_forwards_give_the_unpadded_images(family, tmp_path):
+    engine = engine_with_adapters(family, tmp_path)
+    padded = dataclasses.replace(engine, row_counts=(4, 16))
+    scheduler = engine.family.rules.own_scheduler
+    plain, plain_rows = decoded(engine, jobs_of_every_kind(engine, scheduler))
+    ours, padded_rows_seen = decoded(padded, jobs_of_every_kind(padded, scheduler))
+    assert plain_rows[0] == 11  # then fewer where a job finishes first: all padded to 16
+    assert set(padded_rows_seen) == {16}
+    for theirs, mine in zip(plain, ours, strict=True):
+        assert_same_images(mine, theirs)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_on_a_gpu_cuda_graphs_give_the_eager_images(tmp_path):
+    """The compiled denoiser in reduce-overhead mode (its forwards padded, LoRA rows in its slots)
+    against the eager one, the same jobs of every kind."""
+    compiled = {"compile": {"enabled": True, "mode": "reduce-overhead", "targets": ["unet"]}}
+    eager = engine_with_adapters("sd1", tmp_path / "eager", device="cuda")
+    graphs = engine_with_adapters("sd1", tmp_path / "graphs", device="cuda", **compiled)
+    assert graphs.cuda_graphs and graphs.row_counts
+    scheduler = eager.family.rules.own_scheduler
+    theirs, _ = decoded(eager, jobs_of_every_kind(eager, scheduler))
+    decoded(graphs, jobs_of_every_kind(graphs, scheduler))  # captures the graphs
+    ours, rows = decoded(graphs, jobs_of_every_kind(graphs, scheduler))
+    assert set(rows) <= set(graphs.row_counts)
+    for mine, reference in zip(ours, theirs, strict=True):
+        assert_same_images(mine, reference)
