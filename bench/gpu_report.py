@@ -119,7 +119,9 @@ def _profile_lines(rows: list[dict]) -> list[str]:
         lines.append(
             f"the GPU ran kernels {profiled['device_busy_fraction']:.0%} of the call "
             f"({profiled['device_busy_s']:.3f} s); "
-            f"host synchronizations: {syncs} (the step clock adds one event wait per call: CUDA events)."
+            f"host synchronizations: {syncs} (the step clock adds one event wait per call: CUDA events); "
+            f"per denoising step {profiled.get('syncs_per_step', 0):.1f} synchronizations and "
+            f"{profiled.get('launches_per_step', 0):.0f} kernel launches."
         )
     lines += [
         "",

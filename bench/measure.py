@@ -189,6 +189,10 @@ def largest_batch(engine: StepEngine, workload: Workload) -> dict:
     return {"max_batch": fitting, "max_batch_bounded_by_limit": False}
 
 
+# The runtime and driver calls that launch a kernel (a CUDA graph's replay launches its kernels in one call).
+KERNEL_LAUNCHES = {"cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel", "cuLaunchKernelEx", "cudaGraphLaunch"}
+
+
 def profile(engine: StepEngine, specs: list[JobSpec], latency_s: float, top: int = 8) -> dict:
     """Where one call's time goes (torch.profiler): on CUDA the kernels' share of the unprofiled
     call's ``latency_s`` (the rest is launch gaps, host synchronization and the Python loop), the
@@ -221,7 +225,15 @@ def profile(engine: StepEngine, specs: list[JobSpec], latency_s: float, top: int
     if cuda:
         kernel_s = sum(seconds for _, seconds in timed) / 1e6
         syncs = {event.key: event.count for event in events if "Synchronize" in event.key}
-        result |= {"device_busy_s": kernel_s, "device_busy_fraction": kernel_s / latency_s, "host_syncs": syncs}
+        launches = sum(event.count for event in events if event.key in KERNEL_LAUNCHES)
+        steps = specs[0].num_inference_steps
+        result |= {
+            "device_busy_s": kernel_s,
+            "device_busy_fraction": kernel_s / latency_s,
+            "host_syncs": syncs,
+            "syncs_per_step": sum(syncs.values()) / steps,
+            "launches_per_step": launches / steps,
+        }
     return result
 
 

@@ -66,6 +66,8 @@ def _sections() -> dict:
                         "device_busy_s": 0.81,
                         "device_busy_fraction": 0.9,
                         "host_syncs": {"cudaDeviceSynchronize": 51},
+                        "syncs_per_step": 1.02,
+                        "launches_per_step": 412.0,
                         "top_operators": [{"name": "sm90_xmma_gemm", "calls": 900, "seconds": 0.3}],
                     },
                 ),
@@ -147,6 +149,7 @@ def test_markdown_renders_the_sections_present_with_their_environment():
     assert "Measured on a CPU" not in text
     assert "*NVIDIA H100 80GB HBM3, driver 580.159.04, CUDA 13.0, torch 2.11.0+cu130" in text
     assert "the GPU ran kernels 90% of the call (0.810 s); host synchronizations: cudaDeviceSynchronize 51" in text
+    assert "per denoising step 1.0 synchronizations and 412 kernel launches." in text
     assert "| `sm90_xmma_gemm` | 900 | 0.3000 |" in text
     assert "| compile-reduce-overhead | failed: RuntimeError: boom |" in text
     assert "| continuous | 4 | 24 | 1 | 4.80 | 0.80 | 1.10 | 6.00 | 80% | — |" in text
