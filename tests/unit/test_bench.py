@@ -288,3 +288,24 @@ def test_the_worker_profile_names_each_sample_by_the_first_part_its_stack_holds(
     assert shares["admission: validation, prompt encoding"] == 0.2 and shares["the handler, other"] == 0.05
     assert shares[overhead.WORKER_LOOP] == 0.1 and sum(shares.values()) == pytest.approx(1.0)
     assert overhead.profile_shares("") == {}
+
+
+def test_the_suite_time_is_summed_per_test_file_and_tabled(tmp_path):
+    from bench.suite_time import seconds_per_file, table
+
+    def report(path, cases):
+        rows = "".join(f'<testcase classname="{name}" name="t" time="{seconds}"/>' for name, seconds in cases)
+        path.write_text(f'<testsuites><testsuite name="pytest">{rows}</testsuite></testsuites>')
+        return path
+
+    before = seconds_per_file(
+        report(
+            tmp_path / "before.xml",
+            [("tests.unit.test_a", 1.5), ("tests.unit.test_a.TestGroup", 2.0), ("tests.integration.test_b", 9.0)],
+        )
+    )
+    after = seconds_per_file(report(tmp_path / "after.xml", [("tests.integration.test_b", 4.0)]))
+    assert before == {"unit/test_a.py": 3.5, "integration/test_b.py": 9.0}
+    text = table(before, after, top=1)
+    assert "| `integration/test_b.py` | 9 | 4 |" in text
+    assert "| the other 1 files | 4 | 0 |" in text and "| **all** | **12** | **4** |" in text
