@@ -121,7 +121,7 @@ def _profile_lines(rows: list[dict]) -> list[str]:
             f"({profiled['device_busy_s']:.3f} s); "
             f"host synchronizations: {syncs} (the step clock adds one event wait per call: CUDA events); "
             f"per denoising step {profiled.get('syncs_per_step', 0):.1f} synchronizations and "
-            f"{profiled.get('launches_per_step', 0):.0f} kernel launches."
+            f"{profiled.get('launches_per_step', 0):.0f} kernel launches (the call's, start and decode included)."
         )
     lines += [
         "",

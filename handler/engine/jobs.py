@@ -87,7 +87,6 @@ class DenoiseJob:
     inpainting: Inpainting | None = None
     controls: tuple[Control, ...] = ()
     host_timesteps: list[float] = field(default_factory=list)  # a CPU copy of ``timesteps``
-    step_noise: torch.Tensor | None = None  # each step's noise, for a scheduler that draws some
 
     def acting(self) -> list[Control]:
         """The ControlNets that act in its next step."""

@@ -76,6 +76,7 @@ class StepProfile:
         """Time the second of two steps of ``job`` into ``timings`` (by rows); False when out of memory."""
         try:
             self.engine.step([job])
+            synchronize(self.engine.device)  # the first step's device work is not the second's
             started = time.perf_counter()
             self.engine.step([job])
             synchronize(self.engine.device)

@@ -14,7 +14,7 @@ own (4- or 16-channel) denoiser; a job with ControlNets mirrors ``StableDiffusio
   ``strength`` of them, ``get_timesteps``); 5. initial latents from one CPU generator per image
   (from an image: its VAE latents noised to the first timestep, ``prepare_latents``; with a mask
   also ``prepare_mask_latents``); 6. ``prepare_extra_step_kwargs`` (eta 0 and the generators,
-  where the family's pipeline passes them; Euler ancestral's noise of every step drawn from them).
+  where the family's pipeline passes them).
 - ``step``: one iteration of the denoising loop for any set of jobs of one latent shape, in ONE
   denoiser forward (UNet or transformer): each job's rows (doubled for classifier-free guidance
   when its guidance scale is above 1) at its own timestep, with the residuals of the ControlNets
@@ -105,7 +105,6 @@ class StepEngine:
                 step_kwargs,
                 controls=self._controls(spec),
                 host_timesteps=host_timesteps,
-                step_noise=schedules.draw_step_noise(scheduler, generators, latents, len(host_timesteps)),
             )
 
     def _controls(self, spec: JobSpec) -> tuple[Control, ...]:
@@ -166,14 +165,14 @@ class StepEngine:
             inpainting=inpainting,
             controls=self._controls(spec),
             host_timesteps=host_timesteps[start:],
-            step_noise=schedules.draw_step_noise(scheduler, generators, latents, len(timesteps)),
         )
 
     def step(self, jobs: list[DenoiseJob]) -> int:
         """Advance every job one step with ONE denoiser forward, each job's rows with its own LoRA set
         and ControlNet residuals (each ControlNet run once over the rows acting with it), padded to
         the least of ``row_counts`` at or above them (the compiled denoiser's CUDA graphs: copies of
-        the last row, without LoRA or ControlNet, dropped after). All jobs must share a latent shape.
+        the last row with its LoRA set, without ControlNet, dropped after). All jobs must share a
+        latent shape.
         Returns the ControlNet forwards run."""
         shapes = {job.latent_shape for job in jobs}
         if len(shapes) != 1:
@@ -198,7 +197,9 @@ class StepEngine:
             residuals, control_forwards = self.controlnets.residuals(
                 [(job.acting(), job.rows) for job in jobs] + [([], padding)], latents, timestep_rows, conditioning
             )
-            with self.loras.rows([(job.spec.adapters, job.rows) for job in jobs] + [((), padding)], self.device):
+            # The padding rows take the last job's LoRA set: a set every row shares stays one scalar weight.
+            sets = [(job.spec.adapters, job.rows) for job in jobs] + [(jobs[-1].spec.adapters, padding)]
+            with self.loras.rows(sets, self.device):
                 if self.cuda_graphs:  # each step a new run of the graphs: the last run's outputs are done with
                     torch.compiler.cudagraph_mark_step_begin()
                 noise = family.forward(latents, timestep_rows, conditioning, residuals)[:rows]
@@ -215,7 +216,6 @@ class StepEngine:
                     job.host_timesteps[job.step],
                     job.latents,
                     job.step_kwargs,
-                    job.step_noise,
                 )
                 job.step += 1
                 if job.inpainting is not None:

@@ -38,11 +38,11 @@ class StepTimer:
         """Hand over the times of the steps the device has finished (``wait``: of all of them)."""
         while self._pending:
             started, ended, done = self._pending[0]
-            if not ended.query():
-                if not wait:
-                    return
+            if not wait and not ended.query():
+                return
+            self._pending.popleft()  # before reading it: a device error is raised once
+            if wait:
                 ended.synchronize()
-            self._pending.popleft()
             done(started.elapsed_time(ended) / 1000)
 
     def _event(self) -> Any:

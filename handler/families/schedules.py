@@ -15,8 +15,8 @@ where the value lives there (diffusers #9485, #9475):
 - Euler compares its sigma with ``s_tmin``/``s_tmax`` even without churn. ``euler_step`` is its
   arithmetic without churn (the server passes none), so without the comparison.
 - Euler ancestral draws its noise on the CPU at every step and copies it to the device, which
-  blocks. ``draw_step_noise`` draws every step's noise at the job's start with the same calls, one
-  copy to the device, and ``euler_ancestral_step`` is its arithmetic with that noise.
+  blocks. ``euler_ancestral_step`` is its arithmetic with the noise drawn the same way and copied
+  from pinned memory without blocking.
 
 An inpainting job puts the image back at the next noise level after each step (``add_noise``, flow
 matching's ``scale_noise``); the schedulers that step by index copy their sigmas to the device for
@@ -47,24 +47,6 @@ def timestep_argument(scheduler: Scheduler, timestep: torch.Tensor, host_timeste
     return timestep if hasattr(scheduler, "set_begin_index") else int(host_timestep)
 
 
-def draw_step_noise(
-    scheduler: Scheduler, generators: list[torch.Generator], latents: torch.Tensor, steps: int
-) -> torch.Tensor | None:
-    """Euler ancestral's noise for each of ``steps`` steps, drawn as its ``step`` draws it
-    (``randn_tensor``: per image, from the image's CPU generator, in the latents' dtype), one copy to
-    the device; None for the other schedulers, which draw none."""
-    if type(scheduler) is not EulerAncestralDiscreteScheduler:
-        return None
-    shape = (1, *latents.shape[1:])
-    noise = torch.stack(
-        [
-            torch.cat([torch.randn(shape, generator=generator, dtype=latents.dtype) for generator in generators])
-            for _ in range(steps)
-        ]
-    )
-    return to_device(noise, latents.device)
-
-
 def step(
     scheduler: Scheduler,
     model_output: torch.Tensor,
@@ -72,14 +54,12 @@ def step(
     host_timestep: float,
     sample: torch.Tensor,
     step_kwargs: dict[str, Any],
-    step_noise: torch.Tensor | None,
 ) -> torch.Tensor:
     """One ``scheduler.step`` (the next latents) that reads no tensor value on the host."""
     if type(scheduler) is EulerDiscreteScheduler:
         return euler_step(scheduler, model_output, timestep, sample)
     if type(scheduler) is EulerAncestralDiscreteScheduler:
-        assert step_noise is not None, "draw_step_noise at the job's start"
-        return euler_ancestral_step(scheduler, model_output, timestep, sample, step_noise)
+        return euler_ancestral_step(scheduler, model_output, timestep, sample, step_kwargs["generator"])
     argument = timestep_argument(scheduler, timestep, host_timestep)
     return scheduler.step(model_output, argument, sample, **step_kwargs, return_dict=False)[0]
 
@@ -126,11 +106,12 @@ def euler_ancestral_step(
     model_output: torch.Tensor,
     timestep: torch.Tensor,
     sample: torch.Tensor,
-    step_noise: torch.Tensor,
+    generators: list[torch.Generator],
 ) -> torch.Tensor:
-    """``EulerAncestralDiscreteScheduler.step`` with its noise drawn at the start (``draw_step_noise``)."""
+    """``EulerAncestralDiscreteScheduler.step``, its noise copied to the device without blocking."""
     # Copied from diffusers.schedulers.scheduling_euler_ancestral_discrete.EulerAncestralDiscreteScheduler.step
-    # (0.42.1), the noise taken from step_noise instead of drawn here.
+    # (0.42.1), the noise drawn as its randn_tensor draws it (per image, from the image's CPU generator,
+    # in the model output's dtype) and copied to the device from pinned memory.
     index = _step_index(scheduler, timestep)
     sigma = scheduler.sigmas[index]
     sample = sample.to(torch.float32)
@@ -141,7 +122,10 @@ def euler_ancestral_step(
     derivative = (sample - pred_original_sample) / sigma
     dt = sigma_down - sigma
     prev_sample = sample + derivative * dt
-    prev_sample = prev_sample + step_noise[index - scheduler.begin_index] * sigma_up
+    shape = (1, *model_output.shape[1:])
+    drawn = [torch.randn(shape, generator=generator, dtype=model_output.dtype) for generator in generators]
+    noise = to_device(torch.cat(drawn), model_output.device)
+    prev_sample = prev_sample + noise * sigma_up
     scheduler._step_index += 1
     return prev_sample.to(model_output.dtype)
 

@@ -102,13 +102,13 @@ class Stepping:
         started = self.timer.start()
         try:
             control_forwards = self.engine.step(jobs)
+            self.timer.stop(started, self.metrics.step_seconds)
         except torch.OutOfMemoryError as error:
             out_of_memory = error
         except Exception as error:  # one failing step must not fail the requests that did not take it
             logger.exception("denoising step for requests %s failed", chosen)
             return {rid: self.answers.fail(rid, internal_error("denoising", error)) for rid in chosen}
         else:
-            self.timer.stop(started, self.metrics.step_seconds)
             return self._stepped(chosen, control_forwards)
         # Retried outside the except block, whose traceback would keep the failed forward's tensors alive.
         release_cached_memory()
