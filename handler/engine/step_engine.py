@@ -51,6 +51,7 @@ from handler.adapters.loras import LoraLibrary
 from handler.config import FaultInjection
 from handler.engine.jobs import DenoiseJob, Inpainting, JobSpec
 from handler.families import Conditioning, Decoded, Family, Pipeline, Scheduler, schedules
+from handler.families.base import padded_rows, steps_by_index
 
 
 @dataclass
@@ -130,7 +131,7 @@ class StepEngine:
         family, dtype, steps = self.family, conditioning.hidden_states.dtype, spec.num_inference_steps
         start = (steps - family.rules.image_steps(steps, spec.strength)) * scheduler.order
         timesteps = scheduler.timesteps[start:]
-        if hasattr(scheduler, "set_begin_index"):
+        if steps_by_index(scheduler):
             scheduler.set_begin_index(start)
         first_timestep = timesteps[:1].repeat(spec.images)
         pixels = family.preprocess(spec.image, spec.width, spec.height, dtype)
@@ -172,8 +173,7 @@ class StepEngine:
         and ControlNet residuals (each ControlNet run once over the rows acting with it), padded to
         the least of ``row_counts`` at or above them (the compiled denoiser's CUDA graphs: copies of
         the last row with its LoRA set, without ControlNet, dropped after). All jobs must share a
-        latent shape.
-        Returns the ControlNet forwards run."""
+        latent shape. Returns the ControlNet forwards run."""
         shapes = {job.latent_shape for job in jobs}
         if len(shapes) != 1:
             raise ValueError(f"one denoiser forward needs one latent shape, got {sorted(shapes)}")
@@ -191,8 +191,9 @@ class StepEngine:
                 inputs.append(family.model_input(job.scheduler, job_rows, timestep))
                 timesteps.append(timestep.float().expand(job.rows))
             rows = sum(job.rows for job in jobs)
-            padding = padded_rows(rows, self.row_counts) - rows  # rows copying the last one, dropped after
-            latents, timestep_rows = _padded(torch.cat(inputs), padding), _padded(torch.cat(timesteps), padding)
+            padding = padded_count(rows, self.row_counts) - rows  # rows copying the last one, dropped after
+            latents = padded_rows(torch.cat(inputs), padding)
+            timestep_rows = padded_rows(torch.cat(timesteps), padding)
             conditioning = Conditioning.concat([job.conditioning for job in jobs]).padded(padding)
             residuals, control_forwards = self.controlnets.residuals(
                 [(job.acting(), job.rows) for job in jobs] + [([], padding)], latents, timestep_rows, conditioning
@@ -242,12 +243,7 @@ class StepEngine:
             )
 
 
-def padded_rows(rows: int, counts: Sequence[int]) -> int:
+def padded_count(rows: int, counts: Sequence[int]) -> int:
     """The rows a forward of ``rows`` rows runs at: the least of ``counts`` (ascending) at or above
     them; ``rows`` where none is."""
     return next((count for count in counts if count >= rows), rows)
-
-
-def _padded(rows: torch.Tensor, padding: int) -> torch.Tensor:
-    """``rows`` and ``padding`` copies of its last row."""
-    return torch.cat([rows, rows[-1:].expand(padding, *rows.shape[1:])]) if padding else rows

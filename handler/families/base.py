@@ -30,7 +30,7 @@ from abc import ABC, abstractmethod
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, Literal, Protocol
+from typing import Any, ClassVar, Literal, Protocol, TypeGuard
 
 import torch
 from diffusers.image_processor import VaeImageProcessor
@@ -64,6 +64,20 @@ class Scheduler(Protocol):
     def step(
         self, model_output: torch.Tensor, timestep: torch.Tensor | int, sample: torch.Tensor, **kwargs: Any
     ) -> Any: ...
+
+
+class IndexedScheduler(Scheduler, Protocol):
+    """A scheduler that steps by index from a begin index (Euler, Euler ancestral, DPM++, flow
+    matching), not by looking its step up by timestep value (DDIM, PNDM)."""
+
+    sigmas: torch.Tensor
+
+    def set_begin_index(self, begin_index: int = 0) -> None: ...
+
+
+def steps_by_index(scheduler: Any) -> TypeGuard[IndexedScheduler]:
+    """Whether ``scheduler`` is an ``IndexedScheduler``."""
+    return hasattr(scheduler, "set_begin_index")
 
 
 class PromptSpec(Protocol):
@@ -111,11 +125,13 @@ class Conditioning:
         """These rows and ``padding`` copies of the last (rows that pad a forward to a captured count)."""
         if not padding:
             return self
+        added = {name: padded_rows(value, padding) for name, value in self.added.items()}
+        return Conditioning(padded_rows(self.hidden_states, padding), added)
 
-        def pad(rows: torch.Tensor) -> torch.Tensor:
-            return torch.cat([rows, rows[-1:].expand(padding, *rows.shape[1:])])
 
-        return Conditioning(pad(self.hidden_states), {name: pad(value) for name, value in self.added.items()})
+def padded_rows(rows: torch.Tensor, padding: int) -> torch.Tensor:
+    """``rows`` and ``padding`` copies of its last row."""
+    return torch.cat([rows, rows[-1:].expand(padding, *rows.shape[1:])]) if padding else rows
 
 
 @dataclass(frozen=True)
@@ -325,7 +341,7 @@ class Family(ABC):
         """A text-to-image job's scheduler starts at step 0 by index where it takes a begin index (as
         SDXL's pipeline sets it; the others' look the first step up by timestep value, which reads
         the timestep on the host: no schedule here repeats one, so it is the same step)."""
-        if hasattr(scheduler, "set_begin_index"):
+        if steps_by_index(scheduler):
             scheduler.set_begin_index(0)
 
     def step_kwargs(self, scheduler: Scheduler, generators: list[torch.Generator]) -> dict[str, Any]:

@@ -36,7 +36,7 @@ from diffusers import (
     FlowMatchEulerDiscreteScheduler,
 )
 
-from handler.families.base import Scheduler
+from handler.families.base import Scheduler, steps_by_index
 from handler.families.transfer import to_device
 
 
@@ -44,7 +44,7 @@ def timestep_argument(scheduler: Scheduler, timestep: torch.Tensor, host_timeste
     """What ``scheduler.step`` takes as the timestep without reading it: schedulers with a begin
     index step by index and leave the device tensor unread; the others (DDIM, PNDM) get the host
     number."""
-    return timestep if hasattr(scheduler, "set_begin_index") else int(host_timestep)
+    return timestep if steps_by_index(scheduler) else int(host_timestep)
 
 
 def step(
@@ -134,7 +134,7 @@ def step_sigmas(scheduler: Any, like: torch.Tensor) -> torch.Tensor | None:
     """The sigmas of a scheduler that steps by index, on ``like``'s device in its dtype (as its
     ``add_noise`` takes them); None for the others (DDIM and PNDM keep their table on the device
     after their first ``add_noise``)."""
-    if not hasattr(scheduler, "set_begin_index"):
+    if not steps_by_index(scheduler):
         return None
     return scheduler.sigmas.to(device=like.device, dtype=like.dtype)
 

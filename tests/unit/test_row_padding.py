@@ -10,14 +10,14 @@ import pytest
 import torch
 
 from handler.config import CompileSettings
-from handler.engine.step_engine import padded_rows
+from handler.engine.step_engine import padded_count
 from tests.harness.engine_runs import assert_same_images, engine_with_adapters, jobs_of_every_kind
 
 
 def test_a_forward_is_padded_to_the_least_count_at_or_above_its_rows():
     counts = (1, 2, 4, 8, 16, 24, 32)
-    assert [padded_rows(rows, counts) for rows in (1, 3, 8, 9, 17, 25, 32, 33)] == [1, 4, 8, 16, 24, 32, 32, 33]
-    assert padded_rows(5, ()) == 5
+    assert [padded_count(rows, counts) for rows in (1, 3, 8, 9, 17, 25, 32, 33)] == [1, 4, 8, 16, 24, 32, 32, 33]
+    assert padded_count(5, ()) == 5
 
 
 def test_padding_is_on_where_the_compiled_denoiser_replays_cuda_graphs():
