@@ -320,6 +320,13 @@ class HandlerSettings(_Section):
         "milliseconds have passed (at least one step, and never past a finished request), so TorchServe's per-call "
         "cost is shared by several short steps; new requests join between calls. 0: one step per call",
     )
+    encode_threads: int = Field(
+        4,
+        ge=1,
+        le=64,
+        description="threads that encode finished requests' images (PNG, JPEG, WebP, base64) side by side; on a "
+        "GPU the next denoiser forward runs meanwhile, and the answers are collected after it is queued",
+    )
     request_timeout_s: float | None = Field(
         None,
         gt=0,

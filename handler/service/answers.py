@@ -3,9 +3,11 @@ requests answered is recorded once their answers leave the worker."""
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Callable
-from dataclasses import replace
+from concurrent.futures import Future
+from dataclasses import dataclass, replace
 from typing import Any
 
 from handler.api.protocol import Response, internal_error
@@ -14,6 +16,14 @@ from handler.metrics import DiffusionMetrics
 from handler.service.flights import Flight, Flights
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Encoding:
+    """A request's answer to encode (``run``) and the metadata it reports (``run`` adds ``encode_s``)."""
+
+    run: Callable[[], Response]
+    metadata: dict[str, Any]
 
 
 class Answers:
@@ -26,8 +36,9 @@ class Answers:
         # (arrived, encode seconds; None for a failure) of the requests answered since the last delivery
         self._answered: list[tuple[float, float | None]] = []
 
-    def succeed(self, rid: str, decoded: Decoded, decode_seconds: float) -> Response:
-        """A request's images encoded in its API's answer, with the metadata it reports."""
+    def encoding(self, rid: str, decoded: Decoded, decode_seconds: float) -> Encoding:
+        """The encoding of a request's images in its API's answer, with the metadata it reports:
+        ``Encoding.run`` touches nothing shared, so an encoder thread runs it."""
         flight = self.flights[rid]
         metadata: dict[str, Any] = {
             "seed": flight.request.seed,
@@ -40,13 +51,18 @@ class Answers:
                 "vae_decode_s": round(decode_seconds, 6),
             },
         }
+        return Encoding(functools.partial(flight.api.success, flight.request, decoded.images, metadata), metadata)
+
+    def succeed(self, rid: str, encoding: Encoding, encoded: Future[Response]) -> Response:
+        """A request's answer from its finished encoding (a failed one: a 500 naming the encoding)."""
+        flight = self.flights[rid]
         try:
-            response = flight.api.success(flight.request, decoded.images, metadata)
+            response = encoded.result()
         except Exception as error:
-            logger.exception("request %s could not be encoded", rid)
+            logger.exception("request %s could not be encoded", rid, exc_info=error)
             return self.fail(rid, internal_error("encoding", error))
         del self.flights[rid]
-        self._answered.append((flight.arrived, metadata["timings"]["encode_s"]))
+        self._answered.append((flight.arrived, encoding.metadata["timings"]["encode_s"]))
         return self.part(flight, response.body, final=True, response=response)
 
     def fail(self, rid: str, response: Response) -> Response:

@@ -1,10 +1,16 @@
 """Finishing: the jobs that are done are decoded together, one VAE call per latent shape (out of
-memory: image by image, then in tiles), and answered."""
+memory: image by image, then in tiles), their images encoded on encoder threads, and answered.
+
+On a GPU (``overlap``) the service has queued the next denoiser forward before it calls
+``finish``, and an encoding still running is collected at a later call: the GPU steps the
+requests in flight while the finished ones are encoded, so no request waits for another's picture.
+"""
 
 from __future__ import annotations
 
 import logging
 import time
+from concurrent.futures import Executor, Future
 
 import torch
 
@@ -14,26 +20,52 @@ from handler.engine.loading import release_cached_memory
 from handler.engine.step_engine import StepEngine
 from handler.families import Decoded
 from handler.metrics import DiffusionMetrics
-from handler.service.answers import Answers
+from handler.service.answers import Answers, Encoding
 from handler.service.flights import Flights
 
 logger = logging.getLogger(__name__)
 
 
 class Finishing:
-    """Decodes and answers finished jobs of ``flights``."""
+    """Decodes, encodes and answers the finished jobs of ``flights``."""
 
-    def __init__(self, engine: StepEngine, metrics: DiffusionMetrics, flights: Flights, answers: Answers):
+    def __init__(
+        self,
+        engine: StepEngine,
+        metrics: DiffusionMetrics,
+        flights: Flights,
+        answers: Answers,
+        encoder: Executor,
+        overlap: bool,
+    ):
         self.engine = engine
         self.metrics = metrics
         self.flights = flights
         self.answers = answers
+        self.encoder = encoder
+        self.overlap = overlap  # an encoding still running is collected at a later call
+        self._encodings: dict[str, tuple[Encoding, Future[Response]]] = {}
 
     def finish(self) -> dict[str, Response]:
-        """Decode the finished jobs, one VAE call per latent shape, and answer them."""
+        """1. Decode the newly finished jobs and hand their encoding to the encoder threads;
+        2. answer the requests whose encoding is done. Every encoding is waited for without
+        ``overlap``, and with it where no job is left to step (nothing would run meanwhile)."""
+        responses = self._decode_finished()
+        for gone in self._encodings.keys() - self.flights.keys():  # dropped: the client left, or the batch failed
+            del self._encodings[gone]
+        wait = not self.overlap or all(flight.job.done for flight in self.flights.values())
+        for rid, (encoding, encoded) in list(self._encodings.items()):
+            if wait or encoded.done():
+                del self._encodings[rid]
+                responses[rid] = self.answers.succeed(rid, encoding, encoded)
+        return responses
+
+    def _decode_finished(self) -> dict[str, Response]:
+        """Decode the finished jobs not decoded yet, one VAE call per latent shape, and submit their
+        encodings; the failures' answers."""
         by_shape: dict[tuple, list[str]] = {}
         for rid, flight in self.flights.items():
-            if flight.job.done:
+            if flight.job.done and rid not in self._encodings:
                 by_shape.setdefault(flight.job.latent_shape, []).append(rid)
         responses = {}
         for rids in by_shape.values():
@@ -44,11 +76,11 @@ class Finishing:
             if images:
                 self.metrics.decoded(images, seconds)
             for rid, result in decoded.items():
-                responses[rid] = (
-                    self.answers.succeed(rid, result, seconds)
-                    if isinstance(result, Decoded)
-                    else self.answers.fail(rid, result)
-                )
+                if isinstance(result, Decoded):
+                    encoding = self.answers.encoding(rid, result, seconds)
+                    self._encodings[rid] = (encoding, self.encoder.submit(encoding.run))
+                else:
+                    responses[rid] = self.answers.fail(rid, result)
         return responses
 
     def _decode(self, rids: list[str]) -> dict[str, Decoded | Response]:

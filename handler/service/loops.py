@@ -3,8 +3,9 @@
 Requests become jobs of the step engine at admission (``handler.service.admission``). Then
 iterations: jobs that would pass their time limit are cancelled, ONE denoiser forward steps the
 chosen jobs of one latent shape whatever their steps, scheduler and guidance
-(``handler.service.stepping``), and finished jobs are decoded together and answered
-(``handler.service.finishing``). TorchServe's two modes are two loops over the same iteration:
+(``handler.service.stepping``), and finished jobs are decoded together, encoded on encoder
+threads and answered (``handler.service.finishing``; on a GPU while the next forward runs).
+TorchServe's two modes are two loops over the same iteration:
 
 - dynamic batching (``run_batch``): a batch is admitted, then iterated until every job is done;
 - continuous batching (``iterate``): one iteration per call; requests join and leave between
@@ -20,6 +21,7 @@ import logging
 import math
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from handler.api.policy import RequestPolicy
@@ -55,6 +57,8 @@ class DiffusionService:
         batch_size: int | None = None,
         clock: Callable[[], float] = time.perf_counter,
         drain_left: Callable[[], float | None] = lambda: None,
+        encode_threads: int = 4,
+        overlap_encoding: bool | None = None,
     ):
         self.engine = engine
         self.policy = policy
@@ -88,7 +92,10 @@ class DiffusionService:
             request_timeout_seconds,
             drain_left,
         )
-        self.finishing = Finishing(engine, metrics, self.flights, self.answers)
+        # overlap_encoding, None: on CUDA, where the forward queued before the encodings runs meanwhile
+        overlap = engine.device.type == "cuda" if overlap_encoding is None else overlap_encoding
+        encoder = ThreadPoolExecutor(encode_threads, thread_name_prefix="sd-encode")
+        self.finishing = Finishing(engine, metrics, self.flights, self.answers, encoder, overlap)
 
     # The two loops TorchServe's modes run.
 
@@ -129,8 +136,9 @@ class DiffusionService:
         return responses
 
     def _iteration(self) -> dict[str, Response]:
-        """1. Cancel what would pass its time limit; 2. step the chosen jobs in one forward;
-        3. decode and answer the finished ones."""
+        """1. Cancel what would pass its time limit; 2. step the chosen jobs in one forward (queued
+        on a GPU, not waited for); 3. decode the finished ones, encode them on the encoder threads
+        and answer those encoded."""
         responses = self.stepping.cancel_expired()
         responses.update(self.stepping.step_chosen())
         responses.update(self.finishing.finish())
@@ -222,5 +230,6 @@ def build_service(
         settings.request_timeout_s or math.inf,
         batch_size,
         drain_left=drain_left,
+        encode_threads=settings.encode_threads,
     )
     return service, settings

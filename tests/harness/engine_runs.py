@@ -112,11 +112,11 @@ def run_counting_text_encodings(engine: StepEngine, jobs: list[JobSpec], monkeyp
     return run(engine, [(0, job) for job in jobs]), len(calls)
 
 
-def assert_same_images(actual: Decoded, reference) -> None:
+def assert_same_images(actual: Decoded, reference, tolerance: int = TOLERANCE) -> None:
     assert len(actual.images) == len(reference.images)
     for ours, theirs in zip(actual.images, reference.images, strict=True):
         difference = np.abs(np.asarray(ours, dtype=np.int16) - np.asarray(theirs, dtype=np.int16))
-        assert difference.max() <= TOLERANCE, f"images differ by up to {difference.max()}"
+        assert difference.max() <= tolerance, f"images differ by up to {difference.max()}"
     assert actual.nsfw_content_detected == reference.nsfw_content_detected
 
 

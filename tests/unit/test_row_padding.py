@@ -13,6 +13,11 @@ from handler.config import CompileSettings
 from handler.engine.step_engine import padded_count
 from tests.harness.engine_runs import assert_same_images, engine_with_adapters, jobs_of_every_kind
 
+# Inductor's fused float16 kernels round otherwise than eager's: on an H200 (2026-11-27) this test's
+# images moved by 2 levels, as SD 1.5's compiled pipeline did at 512x512 (docs/performance.md); a
+# lost LoRA row or a misplaced padding row moves them by tens.
+COMPILED_TOLERANCE = 3
+
 
 def test_a_forward_is_padded_to_the_least_count_at_or_above_its_rows():
     counts = (1, 2, 4, 8, 16, 24, 32)
@@ -75,4 +80,4 @@ def test_on_a_gpu_cuda_graphs_give_the_eager_images(tmp_path):
     ours, rows = decoded(graphs, jobs_of_every_kind(graphs, scheduler))
     assert set(rows) <= set(graphs.row_counts)
     for mine, reference in zip(ours, theirs, strict=True):
-        assert_same_images(mine, reference)
+        assert_same_images(mine, reference, COMPILED_TOLERANCE)

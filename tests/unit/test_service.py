@@ -9,6 +9,7 @@ import base64
 import io
 import json
 import logging
+import threading
 
 import pytest
 import torch
@@ -566,3 +567,88 @@ def test_requests_in_flight_finish_during_the_drain_and_what_would_outlast_it_ge
     assert short.status == 200 and grey(short.body) == 2
     assert [labels for name, _, labels in sink.records if name == "sd_cancelled_requests_total"] == [("shutdown",)]
     assert service.flights == {}
+
+
+# Encoding on encoder threads; on a GPU (overlap) collected after the next forward is queued.
+
+STAGGERED = {
+    0: {"a": body(seed=1, num_inference_steps=6)},
+    1: {"b": body(seed=2, num_inference_steps=2, response_format="json", num_images_per_prompt=2)},
+    2: {"c": body(seed=3, num_inference_steps=3, width=128, stream=True)},
+}
+
+
+def finals(parts: dict[str, list]) -> dict[str, tuple[int, bytes]]:
+    return {rid: (rid_parts[-1].status, b"".join(part.body for part in rid_parts)) for rid, rid_parts in parts.items()}
+
+
+def without_timings(data: bytes) -> list:
+    """A JSON answer's lines without their times (which differ from run to run)."""
+    lines = [json.loads(line) for line in data.decode().splitlines()]
+    return [{key: value for key, value in line.items() if key not in ("timings", "elapsed_s")} for line in lines]
+
+
+def test_encoding_collected_after_the_next_forward_gives_the_same_answers_in_both_loops():
+    overlapped = finals(run(make_service(overlap_encoding=True), STAGGERED))
+    waited = finals(run(make_service(overlap_encoding=False), STAGGERED))
+    assert overlapped.keys() == waited.keys() == {"a", "b", "c"}
+    assert overlapped["a"] == waited["a"] and grey(overlapped["a"][1]) == 1
+    for rid in "bc":
+        assert overlapped[rid][0] == waited[rid][0] == 200
+        assert without_timings(overlapped[rid][1]) == without_timings(waited[rid][1])
+    requests = (body(seed=4), body(seed=5, num_inference_steps=5), body(seed=6, width=128))
+    dynamic = [batch(make_service(streaming=False, overlap_encoding=overlap), *requests) for overlap in (True, False)]
+    assert [(r.status, grey(r.body)) for r in dynamic[0]] == [(r.status, grey(r.body)) for r in dynamic[1]]
+    assert [grey(r.body) for r in dynamic[0]] == [4, 5, 6]
+
+
+def test_a_finished_request_is_encoded_while_the_next_forward_steps_the_others(monkeypatch):
+    """With overlap, the encoding of a finished request waits for the next forward (of a request
+    still denoising), which comes before the service collects the answer: no deadlock, no wait."""
+    import handler.api.protocol
+
+    engine = SolidColorEngine()
+    stepped = threading.Event()
+    real_step, real_encode = engine.step, handler.api.protocol.encode_images
+
+    def step(jobs):
+        stepped.set()
+        return real_step(jobs)
+
+    def encode_after_a_forward(request, images, metadata):
+        if request.seed == 1:  # the request that finishes first
+            stepped.clear()
+            metadata["stepped_meanwhile"] = stepped.wait(timeout=10)
+        return real_encode(request, images, metadata)
+
+    monkeypatch.setattr(engine, "step", step)
+    monkeypatch.setattr(handler.api.protocol, "encode_images", encode_after_a_forward)
+    responses = batch(
+        make_service(engine, streaming=False, overlap_encoding=True),
+        body(seed=1, num_inference_steps=2, response_format="json"),
+        body(seed=2, num_inference_steps=6),
+    )
+    assert [response.status for response in responses] == [200, 200]
+    assert json.loads(responses[0].body)["stepped_meanwhile"] is True
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+def test_an_encoding_that_fails_fails_only_its_request(monkeypatch, overlap):
+    import handler.api.protocol
+
+    real = handler.api.protocol.encode_image
+
+    def buggy(image, output_format, flag, compression):
+        if image.getpixel((0, 0))[0] == 9:
+            raise ValueError("encoder broke")
+        return real(image, output_format, flag, compression)
+
+    monkeypatch.setattr(handler.api.protocol, "encode_image", buggy)
+    responses = batch(
+        make_service(streaming=False, overlap_encoding=overlap),
+        body(seed=9),
+        body(seed=8, num_inference_steps=5),
+    )
+    assert [response.status for response in responses] == [500, 200]
+    assert "encoding failed: ValueError: encoder broke" in json.loads(responses[0].body)["message"]
+    assert grey(responses[1].body) == 8
