@@ -97,12 +97,15 @@ class Reference:
         strength: float = 1.0,
         loras: Sequence[tuple[Path, float]] = (),
         controlnets: Sequence[ControlNetCall] = (),
+        deep_cache: tuple[int, int] | None = None,
     ) -> ReferenceOutput:
         """One request: ``num_images_per_prompt`` images of one prompt, image k from ``seed + k``
         (wrapping past the largest seed, as requests do); from ``image`` (of the request's size)
         with ``strength``, repainting where ``mask`` is white; with LoRA files and scales loaded
         (``load_lora_weights``, ``set_adapters``) for this call only; with ControlNets (the
-        ControlNet pipelines, several as ``MultiControlNetModel``); ``scheduler`` None: the model's own."""
+        ControlNet pipelines, several as ``MultiControlNetModel``); with ``deep_cache`` (interval,
+        branch), the ``DeepCache`` package's ``DeepCacheSDHelper`` on the pipeline called (uniform
+        mode); ``scheduler`` None: the model's own."""
         seeds = [(seed + index) % (MAX_SEED + 1) for index in range(num_images_per_prompt)]
         inputs: dict = {"width": width, "height": height}
         pipeline = self.pipeline
@@ -123,6 +126,13 @@ class Reference:
             self.pipeline.load_lora_weights(str(path), adapter_name=name)
         if loras:
             self.pipeline.set_adapters(names, [scale for _, scale in loras])
+        helper = None
+        if deep_cache is not None:
+            from DeepCache import DeepCacheSDHelper  # the reference of tests and make bench-cache only
+
+            helper = DeepCacheSDHelper(pipe=pipeline)
+            helper.set_params(cache_interval=deep_cache[0], cache_branch_id=deep_cache[1])
+            helper.enable()
         try:
             if isinstance(pipeline, StableDiffusion3Img2ImgPipeline) and len(seeds) > 1:
                 alone = [
@@ -152,6 +162,8 @@ class Reference:
                 pipeline,
             )
         finally:
+            if helper is not None:
+                helper.disable()
             if loras:
                 self.pipeline.delete_adapters(names)
 

@@ -42,6 +42,7 @@ class FamilyRules:
     # The most denoising steps its schedulers take: a UNet's schedule samples the model's training
     # timesteps (fewer by 2: more break DDIM, PNDM or DPM++ 2M), None where it is continuous (flow matching).
     max_steps: int | None = None
+    cache_branches: int = 0  # DeepCache branches its denoiser serves (0: no step cache; an eager UNet: 3 a down block)
 
     def image_steps(self, steps: int, strength: float) -> int:
         """Of ``steps`` denoising steps, how many an input image at ``strength`` runs (``get_timesteps``)."""
@@ -232,6 +233,38 @@ class CompileSettings(_Section):
         )
 
 
+class StepCache(_Section):
+    """A request's step cache (its ``cache`` field), and the server's default: DeepCache
+    (Ma et al., 2023) runs the whole UNet every ``interval`` steps and, at the steps between, only
+    its shallow branch, reusing the deep blocks' outputs from the last full step; per request, so
+    cached and uncached requests share each forward."""
+
+    mode: Literal["off", "deep"] = Field(
+        "off", description="deep: DeepCache (SD 1.x/2.x and SDXL, an eager UNet); off: every step runs the whole UNet"
+    )
+    interval: int = Field(3, ge=1, description="deep: steps from one full UNet forward to the next (1: every step)")
+    branch: int = Field(
+        0, ge=0, description="deep: the skip branch that runs at the cached steps, 3 per down block (0: the shallowest)"
+    )
+
+
+class CacheSettings(_Section):
+    """Step caching: the default of a request that sends no ``cache``, and the limits of one that does."""
+
+    default: StepCache = Field(
+        StepCache(), description="the cache of a request without one (off where the model serves no such cache)"
+    )
+    max_interval: int = Field(10, ge=1, description="the longest interval a request may ask for")
+
+    @model_validator(mode="after")
+    def _default_within_limits(self) -> CacheSettings:
+        if self.default.interval > self.max_interval:
+            raise ValueError(
+                f"cache.default.interval {self.default.interval} is above cache.max_interval {self.max_interval}"
+            )
+        return self
+
+
 class WarmupShape(_Section):
     """One shape generated at worker start so the first user request pays no compilation."""
 
@@ -292,6 +325,7 @@ class HandlerSettings(_Section):
     vae_tiling: bool = False
     cpu_offload: Literal["none", "model", "sequential"] = "none"
     compile: CompileSettings = CompileSettings()
+    cache: CacheSettings = CacheSettings()
     loras: LoraSettings = LoraSettings()
     controlnets: ControlNetSettings = ControlNetSettings()
     safety_checker: bool = Field(

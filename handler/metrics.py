@@ -112,6 +112,12 @@ CANCEL_REASONS: tuple[CancelReason, ...] = ("client_gone", "deadline", "shutdown
 ITERATION_BATCH_SIZE = MetricSpec(
     "sd_iteration_batch_size", "histogram", "images", "images stepped by one denoiser forward (UNet or transformer)"
 )
+ITERATION_CACHED_IMAGES = MetricSpec(
+    "sd_iteration_cached_images",
+    "histogram",
+    "images",
+    "images of a denoising step at a DeepCache cached step (their deep blocks reused, not run; 0: none)",
+)
 ITERATION_LORA_ADAPTERS = MetricSpec(
     "sd_iteration_lora_adapters",
     "histogram",
@@ -176,6 +182,7 @@ METRICS = (
     WAITING,
     CANCELLED,
     ITERATION_BATCH_SIZE,
+    ITERATION_CACHED_IMAGES,
     ITERATION_LORA_ADAPTERS,
     DEADLINE_MISSES,
     LORA_REQUESTS,
@@ -259,10 +266,12 @@ class DiffusionMetrics:
     def cancelled(self, reason: CancelReason) -> None:
         self._record(CANCELLED, 1, reason)
 
-    def step(self, images: int, adapters: int, control_forwards: int) -> None:
-        """One denoiser forward over ``images`` images with ``adapters`` distinct LoRA adapters, and
-        ``control_forwards`` ControlNet forwards beside it."""
+    def step(self, images: int, adapters: int, control_forwards: int, cached_images: int = 0) -> None:
+        """One denoiser forward over ``images`` images with ``adapters`` distinct LoRA adapters,
+        ``control_forwards`` ControlNet forwards beside it, and ``cached_images`` of the images at a
+        DeepCache cached step."""
         self._record(ITERATION_BATCH_SIZE, images)
+        self._record(ITERATION_CACHED_IMAGES, cached_images)
         self._record(ITERATION_LORA_ADAPTERS, adapters)
         self._record(ITERATION_CONTROLNET_FORWARDS, control_forwards)
 

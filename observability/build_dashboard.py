@@ -101,12 +101,17 @@ def panels() -> list[list[timeseries.Panel | stat.Panel]]:
             "Batch size",
             "Mean requests admitted together (a TorchServe batch, or the requests joining one "
             "continuous-batching iteration), mean images per denoiser forward (jobs of one latent shape share a "
-            "forward whatever their steps and LoRA sets; the step-time profile caps it), and mean distinct LoRA "
-            "adapters per forward (each row gets its own request's set).",
+            "forward whatever their steps and LoRA sets; the step-time profile caps it), of them those at a DeepCache "
+            "cached step (their deep blocks reused), and mean distinct LoRA adapters per forward (each row gets its "
+            "own request's set).",
             "short",
             [
                 query(f"model_name:sd_batch_size:mean5m{{{MODEL}}}", "requests per batch {{model_name}}"),
                 query(f"model_name:sd_iteration_batch_size:mean5m{{{MODEL}}}", "images per forward {{model_name}}"),
+                query(
+                    f"model_name:sd_iteration_cached_images:mean5m{{{MODEL}}}",
+                    "of them at a cached step {{model_name}}",
+                ),
                 query(
                     f"model_name:sd_iteration_lora_adapters:mean5m{{{MODEL}}}",
                     "LoRA adapters per forward {{model_name}}",

@@ -1,6 +1,7 @@
 """Bodies and forms as TorchServe hands them over, turned into request fields: JSON objects, a
 ``text/plain`` prompt, a body without a Content-Type, form and query fields (text, with file parts).
-A form's list fields (``loras``, ``controlnets``) arrive as JSON text and are parsed here, once."""
+A form's list and object fields (``loras``, ``controlnets``, ``cache``) arrive as JSON text and
+are parsed here, once."""
 
 from __future__ import annotations
 
@@ -101,13 +102,13 @@ def _json_or_prompt(raw: bytes | bytearray) -> tuple[Any, bool]:
 
 # Form fields that carry files, not text.
 FILE_FIELDS = frozenset({"image", "mask"})
-# Form fields that carry lists, as JSON text.
-LIST_FIELDS = ("loras", "controlnets")
+# Form fields that carry lists or objects, as JSON text.
+JSON_FIELDS = ("loras", "controlnets", "cache")
 
 
 def form_text(fields: dict[str, Any]) -> dict[str, Any]:
     """Form or query fields, which arrive as text or bytes per field, as text (files as bytes); the
-    list fields parsed from their JSON text, the one place a form's JSON is read (text that is no
+    list and object fields parsed from their JSON text, the one place a form's JSON is read (text that is no
     JSON stays, for the field's own error); the control images' file parts
     (``controlnets.<index>.image``) in their ControlNet entries."""
     files = {name: value for name, value in fields.items() if CONTROL_FILE.fullmatch(name)}
@@ -116,7 +117,7 @@ def form_text(fields: dict[str, Any]) -> dict[str, Any]:
         for name, value in fields.items()
         if name not in files
     }
-    for name in LIST_FIELDS:
+    for name in JSON_FIELDS:
         if isinstance(text.get(name), str):
             text[name] = _json_or_text(text[name])
     return _with_control_files(text, files) if files else text

@@ -57,6 +57,7 @@ SD_PARAMETERS = (
     "scheduler",
     "loras",
     "controlnets",
+    "cache",
 )
 # The OpenAI parameter that sets a native field, to name it in errors.
 PARAMETER_OF = {"num_images_per_prompt": "n", "width": "size", "height": "size"}
@@ -99,6 +100,7 @@ class ImageGenerationParams(BaseModel):
     scheduler: Any = None
     loras: Any = None
     controlnets: Any = None
+    cache: Any = None
 
     @field_validator("response_format")
     @classmethod

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from pydantic import ValidationInfo
 from pydantic_core import PydanticCustomError
 
-from handler.config import FamilyRules, RequestDefaults, RequestLimits
+from handler.config import CacheSettings, FamilyRules, RequestDefaults, RequestLimits, StepCache
 
 
 @dataclass(frozen=True)
@@ -21,6 +21,12 @@ class RequestPolicy:
     over_grpc: bool = False  # the request came over gRPC, whose answers TorchServe 0.12 ends with their first part
     model_name: str = "stable-diffusion"  # the name TorchServe serves this model under
     rules: FamilyRules = FamilyRules()  # what the served model's family allows
+    cache: CacheSettings = CacheSettings()  # the step cache's default and limits
+
+    @property
+    def default_cache(self) -> StepCache:
+        """The cache of a request without one: the configured default, off where the model serves none."""
+        return self.cache.default if self.cache.default.branch < self.rules.cache_branches else StepCache()
 
     @property
     def max_side(self) -> int:

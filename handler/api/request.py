@@ -19,8 +19,8 @@ from handler.api.choices import ControlNetChoice, LoraChoice
 from handler.api.errors import RequestError, field_errors
 from handler.api.input_image import fit, peek_size
 from handler.api.policy import RequestPolicy, policy_of
-from handler.api.rules import AdapterRules, ImageRules, LimitRules, SizeRules, StreamRules, TextRules
-from handler.config import MAX_SEED, OutputFormat, ResponseFormat, SchedulerName
+from handler.api.rules import AdapterRules, CacheRules, ImageRules, LimitRules, SizeRules, StreamRules, TextRules
+from handler.config import MAX_SEED, OutputFormat, ResponseFormat, SchedulerName, StepCache
 
 # Most previews a streamed request may ask for (as the OpenAI Images API allows).
 MAX_PARTIAL_IMAGES = 3
@@ -28,7 +28,7 @@ MAX_PARTIAL_IMAGES = 3
 Model = TypeVar("Model", bound=BaseModel)
 
 
-class GenerationRequest(TextRules, LimitRules, SizeRules, StreamRules, AdapterRules, ImageRules):
+class GenerationRequest(TextRules, LimitRules, SizeRules, StreamRules, AdapterRules, ImageRules, CacheRules):
     """One text-to-image request, in diffusers' parameter names."""
 
     model_config = ConfigDict(extra="forbid", frozen=True, arbitrary_types_allowed=True)
@@ -69,6 +69,10 @@ class GenerationRequest(TextRules, LimitRules, SizeRules, StreamRules, AdapterRu
     controlnets: list[ControlNetChoice] = Field(
         [], description="ControlNets from the server's ControlNet directory, each with its control image"
     )
+    cache: StepCache = Field(
+        description='step caching: {"mode": "deep", "interval": 3, "branch": 0} (DeepCache: the whole UNet every '
+        'interval steps, its shallow branch between), or {"mode": "off"}; left out, the server\'s default'
+    )
 
     @model_validator(mode="before")
     @classmethod
@@ -78,7 +82,7 @@ class GenerationRequest(TextRules, LimitRules, SizeRules, StreamRules, AdapterRu
         if not isinstance(data, dict):
             return data
         policy = policy_of(info)
-        defaults = policy.defaults.model_dump()
+        defaults = {**policy.defaults.model_dump(), "cache": policy.default_cache}
         if data.get("image") is None:
             defaults.pop("strength")
         source = data.get("image") if data.get("image") is not None else _first_control_image(data.get("controlnets"))
@@ -116,6 +120,7 @@ class GenerationRequest(TextRules, LimitRules, SizeRules, StreamRules, AdapterRu
         excluded = {"output_format", "output_compression", "response_format", "stream", "partial_images", "mask"}
         excluded |= {"image"} if self.image is not None else {"image", "strength"}
         excluded |= {"controlnets"} if self.loras else {"controlnets", "loras"}
+        excluded |= {"cache"} if self.cache.mode == "off" else set()
         parameters = self.model_dump(exclude=excluded)
         if self.controlnets:  # their settings, not their images
             parameters["controlnets"] = [choice.model_dump(exclude={"image"}) for choice in self.controlnets]

@@ -1,6 +1,6 @@
 """The rules of a ``GenerationRequest``, by concern: each class holds the validators of one group of
 fields (the text, the operator's limits, the size, streaming, LoRAs and ControlNets, an input
-image), and the request model takes them all. A rule reads the deployment's ``RequestPolicy``
+image, the step cache), and the request model takes them all. A rule reads the deployment's ``RequestPolicy``
 (``handler.api.policy``) and fields validated before its own (``info.data``, in field order)."""
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ from pydantic_core import PydanticCustomError
 from handler.api.choices import ControlNetChoice, LoraChoice
 from handler.api.input_image import as_mask, as_rgb, read_image
 from handler.api.policy import above_limit, at_most, policy_of
+from handler.config import StepCache
 
 # What a list field looks like, for its error (in a form or query: that list as JSON text).
 LIST_EXAMPLES = {
@@ -259,5 +260,44 @@ class ImageRules(BaseModel):
                 "strength {strength} of {steps} steps leaves no denoising step (the image-to-image pipeline of "
                 "{family} models rounds {steps} x {strength} down to 0): raise strength or num_inference_steps",
                 {"strength": value, "steps": steps, "family": policy_of(info).rules.family},
+            )
+        return value
+
+
+class CacheRules(BaseModel):
+    """The step cache: a mode the model serves, within the configured limits (a form's JSON text is
+    parsed before)."""
+
+    @field_validator("cache", mode="before", check_fields=False)
+    @classmethod
+    def _an_object_not_text(cls, value: Any) -> Any:
+        if isinstance(value, str):
+            raise PydanticCustomError(
+                "json",
+                'cache is an object such as {"mode": "deep", "interval": 3}; in a form, that object as JSON text',
+            )
+        return value
+
+    @field_validator("cache", check_fields=False)
+    @classmethod
+    def _cache_served(cls, value: StepCache, info: ValidationInfo) -> StepCache:
+        if value.mode == "off":
+            return value
+        policy = policy_of(info)
+        branches = policy.rules.cache_branches
+        if not branches:
+            raise PydanticCustomError(
+                "cache_unavailable",
+                "step caching (deep) is served for SD 1.x/2.x and SDXL models with an eager UNet (handler.compile "
+                "off); this {family} model serves none: leave out cache, or send mode off",
+                {"family": policy.rules.family},
+            )
+        if value.interval > policy.cache.max_interval:
+            raise above_limit(value.interval, policy.cache.max_interval, "cache.max_interval")
+        if value.branch >= branches:
+            raise PydanticCustomError(
+                "cache_branch",
+                "cache.branch must be 0..{last} for this model's UNet (3 per down block), got {branch}",
+                {"last": branches - 1, "branch": value.branch},
             )
         return value

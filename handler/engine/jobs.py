@@ -11,8 +11,9 @@ from PIL.Image import Image
 
 from handler.adapters.controlnets import Control, ControlSpec
 from handler.adapters.loras import Adapters
-from handler.config import SchedulerName
+from handler.config import SchedulerName, StepCache
 from handler.families import Conditioning, Family, Scheduler, schedules
+from handler.families.deep_cache import RowCache
 
 
 @dataclass(frozen=True)
@@ -33,6 +34,7 @@ class JobSpec:
     strength: float = 1.0  # how much of the schedule an input image goes through
     adapters: Adapters = ()  # LoRA adapters (ids of the engine's library) and scales, active in its forwards
     controls: tuple[ControlSpec, ...] = ()  # ControlNets (ids of the engine's library) with their images
+    cache: StepCache | None = None  # its step cache (None: every step runs the whole denoiser)
 
     @property
     def images(self) -> int:
@@ -87,6 +89,7 @@ class DenoiseJob:
     inpainting: Inpainting | None = None
     controls: tuple[Control, ...] = ()
     host_timesteps: list[float] = field(default_factory=list)  # a CPU copy of ``timesteps``
+    cache: RowCache | None = None  # its DeepCache: features kept from its last full step
 
     def acting(self) -> list[Control]:
         """The ControlNets that act in its next step."""
@@ -95,6 +98,11 @@ class DenoiseJob:
     @property
     def guided(self) -> bool:
         return self.spec.guided
+
+    @property
+    def cached_step(self) -> bool:
+        """Whether its next step is a DeepCache cached step (its deep blocks reused)."""
+        return self.cache is not None and not self.cache.full_step(self.step)
 
     @property
     def total_steps(self) -> int:

@@ -23,6 +23,7 @@ from handler.adapters.loras import LoraLibrary
 from handler.config import HandlerSettings
 from handler.engine.step_engine import StepEngine
 from handler.families import Family, Pipeline, StableDiffusion3Family, family_of
+from handler.families.deep_cache import DeepCacheHooks, is_unet
 
 logger = logging.getLogger(__name__)
 
@@ -219,6 +220,8 @@ def load_engine(settings: HandlerSettings, model_dir: str | Path, gpu_id: int | 
             len(slots.layers),
             slots.bytes() / 2**20,
         )
+    # DeepCache per row wraps the UNet's blocks (an eager one: a compiled graph would not see its rows' caches).
+    deep_cache = None if settings.compile.denoiser or not is_unet(family.denoiser) else DeepCacheHooks(family.denoiser)
     _apply_compile(family, settings)
     row_counts = settings.compile.row_counts(device.type)
     text_encoder_3 = (
@@ -233,7 +236,7 @@ def load_engine(settings: HandlerSettings, model_dir: str | Path, gpu_id: int | 
         f"vae_slicing={settings.vae_slicing} vae_tiling={settings.vae_tiling} cpu_offload={settings.cpu_offload} "
         f"compile={settings.compile.mode if settings.compile.enabled else 'off'}"
         f"{'(' + ','.join(settings.compile.targets) + ')' if settings.compile.enabled else ''}"
-        f" pad_rows={','.join(map(str, row_counts)) or 'off'}"
+        f" pad_rows={','.join(map(str, row_counts)) or 'off'} deep_cache={'on' if deep_cache else 'off'}"
     )
     loras = LoraLibrary(pipeline, family.denoiser, directory, settings.loras.max_loaded, off_because, slots)
     controlnets = ControlNetLibrary(
@@ -250,4 +253,5 @@ def load_engine(settings: HandlerSettings, model_dir: str | Path, gpu_id: int | 
         settings.fault_injection,
         row_counts,
         settings.compile.cuda_graphs(device.type),
+        deep_cache,
     )

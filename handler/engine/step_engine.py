@@ -20,7 +20,9 @@ own (4- or 16-channel) denoiser; a job with ControlNets mirrors ``StableDiffusio
   when its guidance scale is above 1) at its own timestep, with the residuals of the ControlNets
   acting in its step (``handler.adapters.controlnets``: each ControlNet once over the rows that use it, zeros
   for the others), then per job the guidance and its own ``scheduler.step`` (and, inpainting, the
-  unmasked area put back at the next noise level). A step reads no tensor value on the host
+  unmasked area put back at the next noise level). A job with a DeepCache (``JobSpec.cache``) at a
+  cached step runs its shallow branch in a forward of its own per branch
+  (``handler.families.deep_cache``). A step reads no tensor value on the host
   (``handler.families.schedules``): on a GPU, nothing in it waits for the device.
 - ``decode``: the end of ``__call__``: VAE decode, the safety checker (SD, where the model has one)
   or the watermark (SDXL), PIL images.
@@ -40,6 +42,8 @@ shift factor (``handler.families.sd3``).
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -48,10 +52,11 @@ from diffusers.utils.torch_utils import randn_tensor
 
 from handler.adapters.controlnets import Control, ControlNetLibrary
 from handler.adapters.loras import LoraLibrary
-from handler.config import FaultInjection
+from handler.config import FamilyRules, FaultInjection
 from handler.engine.jobs import DenoiseJob, Inpainting, JobSpec
 from handler.families import Conditioning, Decoded, Family, Pipeline, Scheduler, schedules
 from handler.families.base import padded_rows, steps_by_index
+from handler.families.deep_cache import Branch, DeepCacheHooks, RowCache, branches
 
 
 @dataclass
@@ -68,6 +73,13 @@ class StepEngine:
     fault_injection: FaultInjection = field(default_factory=FaultInjection)
     row_counts: tuple[int, ...] = ()  # what a forward's rows are padded to (ascending; none: unpadded)
     cuda_graphs: bool = False  # the compiled denoiser replays CUDA graphs
+    deep_cache: DeepCacheHooks | None = None  # DeepCache per row (an eager UNet); None: not served
+
+    @property
+    def rules(self) -> FamilyRules:
+        """The family's request rules, with the DeepCache branches this engine serves."""
+        served = branches(self.family.denoiser) if self.deep_cache is not None else 0
+        return dataclasses.replace(self.family.rules, cache_branches=served)
 
     def latent_shape(self, width: int, height: int) -> tuple[int, int, int]:
         """Channels, height and width of one image's latents."""
@@ -82,7 +94,18 @@ class StepEngine:
             group = [index for index, spec in enumerate(specs) if spec.adapters == adapters]
             self.loras.activate(adapters)
             conditionings.update(zip(group, self.family.encode([specs[index] for index in group]), strict=True))
-        return [self._start(spec, conditionings[index]) for index, spec in enumerate(specs)]
+        jobs = [self._start(spec, conditionings[index]) for index, spec in enumerate(specs)]
+        for job in jobs:
+            job.cache = self._row_cache(job.spec)
+        return jobs
+
+    def _row_cache(self, spec: JobSpec) -> RowCache | None:
+        """A job's own DeepCache, where its spec asks for one."""
+        if spec.cache is None or spec.cache.mode == "off":
+            return None
+        if self.deep_cache is None or spec.cache.branch >= self.rules.cache_branches:
+            raise ValueError(f"step cache {spec.cache.model_dump()} is not served by this engine")
+        return RowCache(spec.cache.interval, Branch.of(spec.cache.branch))
 
     def _start(self, spec: JobSpec, conditioning: Conditioning) -> DenoiseJob:
         """Steps 4 to 6 for one job with its encoded prompt."""
@@ -172,8 +195,9 @@ class StepEngine:
         """Advance every job one step with ONE denoiser forward, each job's rows with its own LoRA set
         and ControlNet residuals (each ControlNet run once over the rows acting with it), padded to
         the least of ``row_counts`` at or above them (the compiled denoiser's CUDA graphs: copies of
-        the last row with its LoRA set, without ControlNet, dropped after). All jobs must share a
-        latent shape. Returns the ControlNet forwards run."""
+        the last row with its LoRA set, without ControlNet, dropped after). Jobs at a DeepCache
+        cached step take a forward of their own per branch (``handler.families.deep_cache``). All
+        jobs must share a latent shape. Returns the ControlNet forwards run."""
         shapes = {job.latent_shape for job in jobs}
         if len(shapes) != 1:
             raise ValueError(f"one denoiser forward needs one latent shape, got {sorted(shapes)}")
@@ -182,47 +206,71 @@ class StepEngine:
             sum(job.images for job in jobs) * jobs[0].spec.width * jobs[0].spec.height,
             self.fault_injection.out_of_memory_above_pixels,
         )
-        family = self.family
         with torch.inference_mode():
-            inputs, timesteps = [], []
+            noise: dict[int, torch.Tensor] = {}
+            control_forwards = 0
+            for group, replay in _passes(jobs):
+                group_noise, forwards = self._forward(group, replay)
+                control_forwards += forwards
+                noise.update(zip(map(id, group), group_noise.split([job.rows for job in group]), strict=True))
             for job in jobs:
-                timestep = job.timesteps[job.step]
-                job_rows = torch.cat([job.latents] * 2) if job.guided else job.latents
-                inputs.append(family.model_input(job.scheduler, job_rows, timestep))
-                timesteps.append(timestep.float().expand(job.rows))
-            rows = sum(job.rows for job in jobs)
-            padding = padded_count(rows, self.row_counts) - rows  # rows copying the last one, dropped after
-            latents = padded_rows(torch.cat(inputs), padding)
-            timestep_rows = padded_rows(torch.cat(timesteps), padding)
-            conditioning = Conditioning.concat([job.conditioning for job in jobs]).padded(padding)
-            residuals, control_forwards = self.controlnets.residuals(
-                [(job.acting(), job.rows) for job in jobs] + [([], padding)], latents, timestep_rows, conditioning
-            )
-            # The padding rows take the last job's LoRA set: a set every row shares stays one scalar weight.
-            sets = [(job.spec.adapters, job.rows) for job in jobs] + [(jobs[-1].spec.adapters, padding)]
-            with self.loras.rows(sets, self.device):
-                if self.cuda_graphs:  # each step a new run of the graphs: the last run's outputs are done with
-                    torch.compiler.cudagraph_mark_step_begin()
-                noise = family.forward(latents, timestep_rows, conditioning, residuals)[:rows]
-            if self.cuda_graphs:  # the graph's next replay overwrites its output, which a scheduler may keep
-                noise = noise.clone()
-            for job, job_noise in zip(jobs, noise.split([job.rows for job in jobs]), strict=True):
-                if job.guided:
-                    unconditional, conditional = job_noise.chunk(2)
-                    job_noise = unconditional + job.spec.guidance_scale * (conditional - unconditional)
-                job.latents = schedules.step(
-                    job.scheduler,
-                    job_noise,
-                    job.timesteps[job.step],
-                    job.host_timesteps[job.step],
-                    job.latents,
-                    job.step_kwargs,
-                )
-                job.step += 1
-                if job.inpainting is not None:
-                    next_timestep = job.timesteps[job.step : job.step + 1] if not job.done else None
-                    job.latents = job.inpainting.blend(family, job.scheduler, job.latents, next_timestep)
+                self._advance(job, noise[id(job)])
         return control_forwards
+
+    def _forward(self, jobs: list[DenoiseJob], replay: Branch | None) -> tuple[torch.Tensor, int]:
+        """One denoiser forward over the jobs' rows (padded), each at its own timestep: the noise
+        prediction of their rows, and the ControlNet forwards it ran."""
+        family = self.family
+        inputs, timesteps = [], []
+        for job in jobs:
+            timestep = job.timesteps[job.step]
+            job_rows = torch.cat([job.latents] * 2) if job.guided else job.latents
+            inputs.append(family.model_input(job.scheduler, job_rows, timestep))
+            timesteps.append(timestep.float().expand(job.rows))
+        rows = sum(job.rows for job in jobs)
+        padding = padded_count(rows, self.row_counts) - rows  # rows copying the last one, dropped after
+        latents = padded_rows(torch.cat(inputs), padding)
+        timestep_rows = padded_rows(torch.cat(timesteps), padding)
+        conditioning = Conditioning.concat([job.conditioning for job in jobs]).padded(padding)
+        residuals, control_forwards = self.controlnets.residuals(
+            [(job.acting(), job.rows) for job in jobs] + [([], padding)], latents, timestep_rows, conditioning
+        )
+        # The padding rows take the last job's LoRA set: a set every row shares stays one scalar weight.
+        sets = [(job.spec.adapters, job.rows) for job in jobs] + [(jobs[-1].spec.adapters, padding)]
+        with self.loras.rows(sets, self.device), self._deep_cache(jobs, padding, replay):
+            if self.cuda_graphs:  # each step a new run of the graphs: the last run's outputs are done with
+                torch.compiler.cudagraph_mark_step_begin()
+            noise = family.forward(latents, timestep_rows, conditioning, residuals)[:rows]
+        if self.cuda_graphs:  # the graph's next replay overwrites its output, which a scheduler may keep
+            noise = noise.clone()
+        return noise, control_forwards
+
+    def _deep_cache(
+        self, jobs: list[DenoiseJob], padding: int, replay: Branch | None
+    ) -> contextlib.AbstractContextManager[None]:
+        """DeepCache over a forward's rows, where a job in it has a cache."""
+        if self.deep_cache is None or all(job.cache is None for job in jobs):
+            return contextlib.nullcontext()
+        return self.deep_cache.forward([(job.cache, job.rows) for job in jobs], padding, replay)
+
+    def _advance(self, job: DenoiseJob, noise: torch.Tensor) -> None:
+        """A job's guidance and ``scheduler.step`` on its rows' noise prediction (and, inpainting,
+        the unmasked area put back at the next noise level)."""
+        if job.guided:
+            unconditional, conditional = noise.chunk(2)
+            noise = unconditional + job.spec.guidance_scale * (conditional - unconditional)
+        job.latents = schedules.step(
+            job.scheduler,
+            noise,
+            job.timesteps[job.step],
+            job.host_timesteps[job.step],
+            job.latents,
+            job.step_kwargs,
+        )
+        job.step += 1
+        if job.inpainting is not None:
+            next_timestep = job.timesteps[job.step : job.step + 1] if not job.done else None
+            job.latents = job.inpainting.blend(self.family, job.scheduler, job.latents, next_timestep)
 
     def decode(self, latents: torch.Tensor, width: int, height: int, tiled: bool = False) -> Decoded:
         """The end of ``__call__`` for finished latents of one shape (``tiled``: the VAE decodes in
@@ -247,3 +295,14 @@ def padded_count(rows: int, counts: Sequence[int]) -> int:
     """The rows a forward of ``rows`` rows runs at: the least of ``counts`` (ascending) at or above
     them; ``rows`` where none is."""
     return next((count for count in counts if count >= rows), rows)
+
+
+def _passes(jobs: list[DenoiseJob]) -> list[tuple[list[DenoiseJob], Branch | None]]:
+    """The forwards of one step: the rows at a full step (and those without a cache) together, then
+    the rows at a DeepCache cached step, one forward per branch (None: a full forward)."""
+    cached = [job for job in jobs if job.cached_step]
+    full = [job for job in jobs if not job.cached_step]
+    passes: list[tuple[list[DenoiseJob], Branch | None]] = [(full, None)] if full else []
+    for branch in dict.fromkeys(job.cache.branch for job in cached if job.cache is not None):
+        passes.append(([job for job in cached if job.cache is not None and job.cache.branch == branch], branch))
+    return passes

@@ -34,6 +34,7 @@ def job_spec(request: GenerationRequest, adapters: Adapters = (), nets: tuple[st
             ControlSpec(net, choice.image, choice.scale, choice.start, choice.end)
             for net, choice in zip(nets, request.controlnets, strict=True)
         ),
+        None if request.cache.mode == "off" else request.cache,
     )
 
 

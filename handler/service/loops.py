@@ -216,12 +216,25 @@ def build_service(
     serves it under; ``drain_left``: while the server is stopping, the seconds left to answer every
     request."""
     engine = load_engine(settings, model_dir, gpu_id)
-    rules = engine.family.rules
+    rules = engine.rules
     settings = settings.for_model(*engine.family.native_size(), rules)
+    if settings.cache.default.mode != "off" and settings.cache.default.branch >= rules.cache_branches:
+        logger.warning(
+            "handler.cache.default %s is not served by this model (%s); requests without a cache get none",
+            settings.cache.default.model_dump(),
+            f"DeepCache branches 0..{rules.cache_branches - 1}" if rules.cache_branches else "no DeepCache",
+        )
     sla = settings.metrics.latency_sla_seconds
     service = DiffusionService(
         engine,
-        RequestPolicy(settings.limits, settings.defaults, streaming=streaming, model_name=model_name, rules=rules),
+        RequestPolicy(
+            settings.limits,
+            settings.defaults,
+            streaming=streaming,
+            model_name=model_name,
+            rules=rules,
+            cache=settings.cache,
+        ),
         StepProfile(engine, settings.max_images_per_call, settings.defaults.scheduler, settings.step_time_cap),
         DiffusionMetrics(sink, sla, worker),
         sla,

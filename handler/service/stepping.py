@@ -99,6 +99,7 @@ class Stepping:
         jobs = [self.flights[rid].job for rid in chosen]
         steps_before = [job.step for job in jobs]
         rows = sum(job.rows for job in jobs)
+        cached_images = sum(job.images for job in jobs if job.cached_step)
         started = self.timer.start()
         try:
             control_forwards = self.engine.step(jobs)
@@ -109,7 +110,7 @@ class Stepping:
             logger.exception("denoising step for requests %s failed", chosen)
             return {rid: self.answers.fail(rid, internal_error("denoising", error)) for rid in chosen}
         else:
-            return self._stepped(chosen, control_forwards)
+            return self._stepped(chosen, control_forwards, cached_images)
         # Retried outside the except block, whose traceback would keep the failed forward's tensors alive.
         release_cached_memory()
         pending = [rid for rid, job, step in zip(chosen, jobs, steps_before, strict=True) if job.step == step]
@@ -123,11 +124,11 @@ class Stepping:
         halves = [half for half in (pending[:middle], pending[middle:]) if half]
         return {rid: response for half in halves for rid, response in self.step(half).items()}
 
-    def _stepped(self, chosen: list[str], control_forwards: int) -> dict[str, Response]:
+    def _stepped(self, chosen: list[str], control_forwards: int, cached_images: int) -> dict[str, Response]:
         """Bookkeeping of a forward that went through: metrics, progress lines, finish times."""
         images = sum(self.flights[rid].job.images for rid in chosen)
         adapters = {adapter for rid in chosen for adapter, _ in self.flights[rid].job.spec.adapters}
-        self.metrics.step(images, len(adapters), control_forwards)
+        self.metrics.step(images, len(adapters), control_forwards, cached_images)
         now, responses = self.clock(), {}
         for rid in chosen:
             flight = self.flights[rid]

@@ -153,6 +153,21 @@ def boundary_values(limits: RequestLimits) -> dict[str, list[Any]]:
             "shapes-mask",
             None,
         ],
+        "cache": [
+            {"mode": "off"},
+            {"mode": "deep"},
+            {"mode": "deep", "interval": 1, "branch": 0},
+            {"mode": "deep", "interval": 10},
+            {"mode": "deep", "interval": 11},
+            {"mode": "deep", "interval": 0},
+            {"mode": "deep", "branch": 99},
+            {"mode": "deep", "branch": -1},
+            {"mode": "deep", "interval": 2.5},
+            {"mode": "first_block", "threshold": 0.1},
+            {"mode": "deep", "extra": 1},
+            "deep",
+            None,
+        ],
     }
 
 

@@ -12,7 +12,7 @@ from PIL import Image
 
 from bench.reference import ControlNetCall, Reference
 from handler.adapters.controlnets import ControlSpec
-from handler.config import HandlerSettings
+from handler.config import HandlerSettings, StepCache
 from handler.engine.jobs import DenoiseJob, JobSpec
 from handler.engine.loading import load_engine
 from handler.engine.step_engine import StepEngine
@@ -40,11 +40,26 @@ def spec(
     strength=1.0,
     adapters=(),
     controls=(),
+    cache=None,
 ) -> JobSpec:
-    """A job of ``images`` images (seeds ``seed``, ``seed + 1``, ...) at ``side`` x ``side``."""
+    """A job of ``images`` images (seeds ``seed``, ``seed + 1``, ...) at ``side`` x ``side``
+    (``cache``: a ``StepCache``)."""
     seeds = tuple(range(seed, seed + images))
     return JobSpec(
-        prompt, negative, seeds, side, side, steps, scheduler, guidance, image, mask, strength, adapters, controls
+        prompt,
+        negative,
+        seeds,
+        side,
+        side,
+        steps,
+        scheduler,
+        guidance,
+        image,
+        mask,
+        strength,
+        adapters,
+        controls,
+        cache,
     )
 
 
@@ -83,6 +98,7 @@ def expected(
         strength=job.strength,
         loras=loras,
         controlnets=controlnets,
+        deep_cache=None if job.cache is None else (job.cache.interval, job.cache.branch),
     )
 
 
@@ -133,15 +149,19 @@ def engine_with_adapters(family: str, directory: Path, device: str = "auto", **m
     return load_engine(HandlerSettings.model_validate(settings), "/unused")
 
 
-def jobs_of_every_kind(engine: StepEngine, scheduler: str, side: int = 32, steps: int = 4) -> list[DenoiseJob]:
+def jobs_of_every_kind(
+    engine: StepEngine, scheduler: str, side: int = 32, steps: int = 4, cached: bool = False
+) -> list[DenoiseJob]:
     """A plain job, one with a LoRA, one with a LoRA and a ControlNet (where the family takes
-    them), an image-to-image and an inpainting job, all stepped together."""
+    them), an image-to-image and an inpainting job, all stepped together; ``cached``: and, where
+    the engine serves DeepCache, a cached job with the LoRA and the ControlNet."""
     lora = engine.loras.acquire([("attention", 0.8)], in_use=())
     controls = ()
     if engine.family.rules.controlnets:
         (edges,) = engine.controlnets.acquire(["edges"], in_use=())
         controls = (ControlSpec(edges, picture(side, 3), 0.9),)
     common = dict(side=side, steps=steps, scheduler=scheduler)
+    cache = StepCache(mode="deep", interval=2)
     return engine.start(
         [
             spec("plain", 1, images=2, **common),
@@ -149,5 +169,10 @@ def jobs_of_every_kind(engine: StepEngine, scheduler: str, side: int = 32, steps
             spec("lora and control", 3, adapters=lora, controls=controls, **common),
             spec("image", 4, image=picture(side, 1), strength=0.8, guidance=1.0, **common),
             spec("inpaint", 5, image=picture(side, 2), mask=hole(side), strength=0.9, **common),
+            *(
+                [spec("cached", 6, adapters=lora, controls=controls, cache=cache, **common)]
+                if cached and engine.deep_cache is not None
+                else []
+            ),
         ]
     )

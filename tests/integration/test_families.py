@@ -4,7 +4,8 @@ defaults. A seeded request gets diffusers' own image; requests with mixed steps,
 guidance share denoiser forwards, alone or joining a running one;
 edits (the OpenAI SDK's, with and without a mask, and the native API's base64 images) get the
 img2img and inpaint pipelines' images, sharing forwards with text-to-image requests; a
-bad request mid-flight fails alone; the safety checker flags as diffusers does and says so; the
+bad request mid-flight fails alone; cached (DeepCache) and uncached requests share forwards, each
+equal to the DeepCache package's helper on diffusers' call; the safety checker flags as diffusers does and says so; the
 metrics move by what was sent, the same in both modes. An unsupported pipeline is refused at
 worker load, fast, naming itself."""
 
@@ -37,7 +38,7 @@ from server import write_model_config as model_config
 from server.paths import TINY_MODEL_DIRS
 from tests.harness.images import decode_png
 from tests.harness.readme import run_example
-from tests.harness.serving import Client, serving, value, wait_until_denoising
+from tests.harness.serving import Client, eventually, serving, value, wait_until_denoising
 
 MODES = ("dynamic", "continuous")
 FAMILIES = {"sd1-safety": 64, "sd2": 96, "sdxl": 64, "sd3": 64}  # native sides
@@ -142,6 +143,7 @@ def reference(references: dict[str, Reference], served: Served, body: dict):
             )
             for control in body.get("controlnets", [])
         ],
+        deep_cache=(body["cache"]["interval"], body["cache"]["branch"]) if "cache" in body else None,
     )
 
 
@@ -365,6 +367,33 @@ def test_requests_with_other_controlnets_share_forwards_and_each_gets_diffusers_
     )
 
 
+def test_cached_and_uncached_requests_share_forwards_and_each_gets_the_deepcache_helpers_images(served, references):
+    """DeepCache per request: two intervals and branches (one with a LoRA) and an uncached request
+    behind a long one, each equal to diffusers' call under the DeepCache package's helper (or
+    without it); an SD 3 server refuses a cache naming the field."""
+    base = {"prompt": "a red circle", "num_inference_steps": 7, "response_format": "json"}
+    if served.family == "sd3":
+        response = served.client.predict({**base, "seed": 1, "cache": {"mode": "deep"}})
+        assert response.status_code == 400
+        assert [(e["field"], e["rule"]) for e in response.json()["errors"]] == [("cache", "cache_unavailable")]
+        return
+    bodies = [
+        {**base, "seed": 5, "num_images_per_prompt": 2, "cache": {"mode": "deep", "interval": 3, "branch": 0}},
+        {
+            **base,
+            "seed": 6,
+            "cache": {"mode": "deep", "interval": 2, "branch": 1},
+            "loras": [{"name": LORA, "scale": 0.7}],
+        },
+        {**base, "seed": 7},
+    ]
+    _, followers = behind_long(served.client, bodies)
+    for body, (response, _) in zip(bodies, followers, strict=True):
+        assert_diffusers_images(references, served, body, response)
+        assert response.json()["parameters"].get("cache") == body.get("cache")
+        assert response.json()["batch"]["max_step_images"] >= 4, "cached and uncached requests in one step"
+
+
 def test_hostile_controlnets_are_refused_naming_the_field_and_a_batchmate_is_unharmed(served):
     if served.family == "sd3":
         pytest.skip("an SD 3 server refuses every ControlNet (the test above)")
@@ -487,16 +516,32 @@ def test_metrics_move_by_what_was_sent_in_both_modes(served):
         {"prompt": "b", "seed": 2, "num_inference_steps": 3, "num_images_per_prompt": 2},
         {"prompt": "c", "num_inference_steps": 0},
     ]
+    cached = served.family != "sd3"  # b's step 1 of 0..2 reuses its deep blocks
+    if cached:
+        bodies[1]["cache"] = {"mode": "deep", "interval": 2}
     with ThreadPoolExecutor(3) as pool:
         statuses = [response.status_code for response in pool.map(served.client.predict, bodies)]
     assert statuses == [200, 200, 400]
-    after = served.server.metric_samples()
+    scraped: dict = {}
 
     def delta(name: str, **labels) -> float:
-        return value(after, name, **labels) - value(before, name, **labels)
+        return value(scraped["after"], name, **labels) - value(before, name, **labels)
+
+    def settled() -> bool:
+        """The frontend reads the worker's metric lines apart from its answers: the requests'
+        latencies are the last lines recorded for them."""
+        scraped["after"] = served.server.metric_samples()
+        return delta("sd_request_latency_seconds_count") == 2 and delta("sd_pipeline_calls_total") == delta(
+            "sd_vae_decode_seconds_count"
+        )
+
+    eventually(settled, "the metrics of the requests sent", timeout=30)
+    after = scraped["after"]
 
     assert delta("sd_iteration_batch_size_sum") == 5 * 1 + 3 * 2  # image-steps, however they were batched
     assert delta("sd_iteration_batch_size_count") == delta("sd_denoise_step_seconds_count") >= 5
+    assert delta("sd_iteration_cached_images_sum") == (2 if cached else 0)
+    assert delta("sd_iteration_cached_images_count") == delta("sd_iteration_batch_size_count")
     assert delta("sd_batch_size_sum") == 3 and delta("sd_batch_size_count") >= 1
     assert delta("sd_images_total") == 3
     assert delta("sd_pipeline_calls_total") == delta("sd_vae_decode_seconds_count") >= 1

@@ -16,6 +16,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import hypothesis.strategies as st
+import numpy as np
 import openai
 import pytest
 import requests
@@ -59,6 +60,16 @@ def test_generations_n_size_and_seed_match_the_native_api(server):
     assert_same_image(images[1], native)
 
 
+def test_a_step_cache_through_extra_body_matches_the_native_api(server):
+    cache = {"mode": "deep", "interval": 2, "branch": 0}
+    result = sdk(server).images.generate(prompt="a red circle", extra_body={"seed": 4, "cache": cache, **FAST})
+    assert result.data is not None
+    native = Client(server).image(prompt="a red circle", seed=4, cache=cache)
+    assert_same_image(image_of(result.data[0].b64_json), native)
+    uncached = Client(server).image(prompt="a red circle", seed=4)
+    assert not np.array_equal(native, uncached), "the cache changed nothing"
+
+
 @pytest.mark.parametrize(("output_format", "kind"), [("jpeg", "JPEG"), ("webp", "WEBP"), ("png", "PNG")])
 def test_output_formats_and_compression(server, output_format, kind):
     result = sdk(server).images.generate(
@@ -99,6 +110,7 @@ def test_parameters_without_meaning_here_are_accepted_and_ignored(server):
         ({"extra_body": {"num_inference_steps": 10_000}}, "num_inference_steps"),
         ({"extra_body": {"scheduler": "magic"}}, "scheduler"),
         ({"extra_body": {"width": 64}}, "width"),
+        ({"extra_body": {"cache": {"mode": "deep", "interval": 99}}}, "cache"),
         ({"partial_images": 2}, "partial_images"),
     ],
 )

@@ -1,7 +1,8 @@
 """No denoising step reads a tensor's value on the host: on a GPU each such read waits for the device.
 
 Every family and scheduler the server offers, with LoRA rows, ControlNets (the UNet families), an
-image-to-image and an inpainting job in the same forwards. Counted per step after the first, under
+image-to-image and an inpainting job and a DeepCache job (the UNet families) in the same forwards.
+Counted per step after the first, under
 a ``TorchDispatchMode``: the operations that read a value (``aten._local_scalar_dense``,
 ``is_nonzero``, ``nonzero``, ``item``). A dispatch mode does not see a CPU tensor indexed with a
 0-d CPU tensor, so the jobs' device timesteps are also marked: a step that indexes with one, or
@@ -73,11 +74,11 @@ def test_a_step_reads_no_value_on_the_host_for_every_scheduler(engine):
     """Every step of every job, its first included: a second set of jobs joins the first after one
     step, as requests join a running batch (starting a job may read: admission is not a step)."""
     for scheduler in engine.family.rules.schedulers:
-        first = marked(jobs_of_every_kind(engine, scheduler))
+        first = marked(jobs_of_every_kind(engine, scheduler, cached=True))
         DeviceTimesteps.reads = []
         with HostReads() as reads:
             engine.step(first)
-        second = marked(jobs_of_every_kind(engine, scheduler))
+        second = marked(jobs_of_every_kind(engine, scheduler, cached=True))
         with reads:
             while not all(job.done for job in first + second):
                 engine.step([job for job in first + second if not job.done])
@@ -103,9 +104,9 @@ def test_on_a_gpu_a_step_never_synchronizes(family, tmp_path):
     value read, a blocking copy) in any step, a joining job's first included."""
     engine = engine_with_adapters(family, tmp_path, device="cuda")
     for scheduler in engine.family.rules.schedulers:
-        first = jobs_of_every_kind(engine, scheduler)
+        first = jobs_of_every_kind(engine, scheduler, cached=True)
         engine.step(first)  # the engine's first forwards: cuDNN and cuBLAS set up their handles
-        second = jobs_of_every_kind(engine, scheduler)
+        second = jobs_of_every_kind(engine, scheduler, cached=True)
         torch.cuda.synchronize()
         torch.cuda.set_sync_debug_mode("error")
         try:

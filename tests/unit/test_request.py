@@ -11,7 +11,7 @@ from handler.api.errors import RequestError
 from handler.api.policy import RequestPolicy
 from handler.api.protocol import IncomingRequest, decode
 from handler.api.request import FIELD_LABELS, GenerationRequest
-from handler.config import MAX_SEED, FamilyRules, RequestDefaults, RequestLimits
+from handler.config import MAX_SEED, FamilyRules, RequestDefaults, RequestLimits, StepCache
 
 POLICY = RequestPolicy(
     RequestLimits(
@@ -53,6 +53,7 @@ def test_every_field_is_taken_as_sent():
     }
     request = decode_body(body, "application/json", replace(POLICY, streaming=True))
     unset = {"image": None, "mask": None, "strength": None, "loras": [], "controlnets": []}
+    unset["cache"] = StepCache().model_dump()
     assert request.model_dump() == {**body, "guidance_scale": 1.0, **unset}
 
 

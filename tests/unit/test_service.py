@@ -401,6 +401,7 @@ def test_both_loops_record_the_same_metrics():
             "sd_in_flight_images",
             "sd_waiting_requests",
             "sd_iteration_batch_size",
+            "sd_iteration_cached_images",
             "sd_iteration_lora_adapters",
             "sd_iteration_controlnet_forwards",
             "sd_denoise_step_seconds",
@@ -416,6 +417,7 @@ def test_both_loops_record_the_same_metrics():
         assert sink.values("sd_batch_size") == [3]
         assert sum(sink.values("sd_iteration_batch_size")) == 3 + 2 * 2  # image-steps, however batched
         assert set(sink.values("sd_iteration_lora_adapters")) == {0}  # no LoRA in any forward
+        assert set(sink.values("sd_iteration_cached_images")) == {0}  # no step cache
         assert sum(sink.values("sd_images_total")) == 3
         assert len(sink.values("sd_request_latency_seconds")) == 2
 
@@ -441,9 +443,9 @@ def test_a_lone_request_records_each_value_once_and_the_worker_start_the_constan
     for gauge in ("sd_in_flight_requests", "sd_in_flight_images", "sd_waiting_requests"):
         values = sink.values(gauge)
         assert all(before != after for before, after in zip(values, values[1:], strict=False)), (gauge, values)
-    # per step 4 (forward size, adapters, ControlNet forwards, time); once 11: its batch, 2 gauges up and
-    # 2 down, the decode's 3, latency, its SLA ratio and encode
-    assert names.count("sd_denoise_step_seconds") == 4 and len(lone) == 4 * 4 + 11, names
+    # per step 5 (forward size, cached images, adapters, ControlNet forwards, time); once 11: its batch, 2
+    # gauges up and 2 down, the decode's 3, latency, its SLA ratio and encode
+    assert names.count("sd_denoise_step_seconds") == 4 and len(lone) == 4 * 5 + 11, names
 
 
 def test_a_call_steps_while_the_iteration_budget_lasts_and_returns_when_a_request_finishes():

@@ -1,0 +1,236 @@
+"""DeepCache per row for the UNet families: each job keeps its own cached features and step count,
+so cached and uncached rows, and rows at different intervals, share the step engine's forwards.
+
+DeepCache (Ma et al., 2023; the ``DeepCache`` package's ``DeepCacheSDHelper``) runs the whole UNet
+every ``interval`` steps and caches the outputs of its blocks; at the steps between, the deep blocks
+return their cached outputs and only the shallow branch (``branch``: which skip connection it
+keeps) computes. The helper decides for the whole batch, from one step counter. Here each job
+decides for its own rows:
+
+- rows at a full step (and rows without a cache) run every block in one forward, and each cached
+  job keeps the outputs its cached steps will read (``record``);
+- rows at a cached step run in a forward of their own per branch, where the deep blocks return the
+  rows' cached outputs without computing (``replay``): the deep blocks run only on the rows at a
+  full step.
+
+Which block skips at a cached step, and how blocks are numbered, is the helper's
+(``DeepCacheSDHelper.is_skip_step`` and ``wrap_modules``, ``DeepCache`` 0.1.1), so a job alone
+equals the helper's images in its ``uniform`` mode. Where the helper counts steps by looking the
+timestep up in the schedule (its first index: PNDM's schedule repeats one), a job counts its own.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from handler.families.base import padded_rows
+
+# A wrapped module: (block type "down", "mid" or "up", its kind, block number, layer number), as the helper keys it.
+Key = tuple[str, str, int, int]
+LAYER_KINDS = ("attentions", "resnet", "downsampler", "upsampler")
+
+
+@dataclass(frozen=True)
+class Branch:
+    """A DeepCache branch: the skip connection kept at cached steps (``branch`` = 3 x block + layer)."""
+
+    block: int
+    layer: int
+
+    @classmethod
+    def of(cls, branch: int) -> Branch:
+        return cls(branch // 3, branch % 3)
+
+    def skips(self, key: Key) -> bool:
+        """Whether the module ``key`` returns its cached output at a cached step
+        (``DeepCacheSDHelper.is_skip_step`` without its step test)."""
+        block_type, _, block, layer = key
+        if block > self.block or block_type == "mid":
+            return True
+        if block < self.block:
+            return False
+        return layer >= self.layer if block_type == "down" else layer > self.layer
+
+    def keeps(self, key: Key) -> bool:
+        """Whether a cached step calls ``key`` and takes its kept output: it skips, and its block
+        does not (an inner layer of a skipped block is never called at a cached step)."""
+        block_type, kind, block, _ = key
+        return self.skips(key) and not (kind in LAYER_KINDS and self.skips((block_type, "block", block, 0)))
+
+    def reused(self, unet: Any) -> Key:
+        """The one kept output a cached step's running modules read: the hidden state entering the
+        first running layer of up block ``block`` (the output of its last skipped layer, else of
+        the up block before it, else of the mid block). Every other kept output flows only into
+        modules that skip (the skip connections a running up layer reads come from down layers
+        that run: up layer ``k + 1`` of a block reads down layer ``k``), so only its shape matters."""
+        up_blocks = unet.up_blocks
+        block = up_blocks[len(up_blocks) - 1 - self.block]
+        if self.layer + 1 < len(block.resnets):
+            kind = "attentions" if getattr(block, "attentions", None) else "resnet"
+            return ("up", kind, self.block, self.layer + 1)
+        if self.block + 1 < len(up_blocks):
+            return ("up", "block", self.block + 1, 0)
+        return ("mid", "mid_block", 0, 0)
+
+
+@dataclass(frozen=True)
+class Shape:
+    """What stands for a kept output no running module reads: its shape per row and its dtype
+    (replayed as zeros expanded over the rows, which take no memory)."""
+
+    row: torch.Size
+    dtype: torch.dtype
+    device: torch.device
+
+    def over(self, rows: int) -> torch.Tensor:
+        return torch.zeros((), dtype=self.dtype, device=self.device).expand(rows, *self.row)
+
+
+@dataclass
+class RowCache:
+    """One job's DeepCache: its interval and branch, and from its last full step the output its
+    cached steps read (its rows' own copy) and the shapes of the others."""
+
+    interval: int
+    branch: Branch
+    outputs: dict[Key, Any] = field(default_factory=dict)
+
+    def full_step(self, step: int) -> bool:
+        """Whether the job's ``step`` (counted from its first) runs every block."""
+        return step % self.interval == 0
+
+
+@dataclass(frozen=True)
+class _Pass:
+    """One forward's rows: each job's cache (None: none) and row count, then padding rows."""
+
+    jobs: Sequence[tuple[RowCache | None, int]]
+    padding: int
+    replay: Branch | None  # None: every row runs every block (record); else the branch its rows replay
+
+
+class DeepCacheHooks:
+    """The helper's module wrappers on a UNet, acting per row inside ``forward``; outside it
+    (and for jobs without a cache) every module runs as it is."""
+
+    def __init__(self, unet: torch.nn.Module):
+        self._pass: _Pass | None = None
+        self._reused = {Branch.of(branch): Branch.of(branch).reused(unet) for branch in range(branches(unet))}
+        for key, module in _modules(unet):
+            module.forward = self._wrapped(key, module.forward)
+
+    @contextlib.contextmanager
+    def forward(
+        self, jobs: Sequence[tuple[RowCache | None, int]], padding: int, replay: Branch | None
+    ) -> Iterator[None]:
+        """Within it, the UNet's forward over these rows records (``replay`` None) or replays ``replay``."""
+        self._pass = _Pass(jobs, padding, replay)
+        try:
+            yield
+        finally:
+            self._pass = None
+
+    def _wrapped(self, key: Key, forward: Callable[..., Any]) -> Callable[..., Any]:
+        def wrapped(*args: Any, **kwargs: Any) -> Any:
+            current = self._pass
+            if current is None:
+                return forward(*args, **kwargs)
+            if current.replay is not None and current.replay.skips(key):
+                kept = [cache.outputs[key] for cache, _ in current.jobs if cache is not None]
+                rows = sum(rows for _, rows in current.jobs) + current.padding
+                return (
+                    _padded(_concat(kept), current.padding)
+                    if key == self._reused[current.replay]
+                    else _over(kept[0], rows)
+                )
+            output = forward(*args, **kwargs)
+            if current.replay is None:
+                self._keep(key, output, current)
+            return output
+
+        return wrapped
+
+    def _keep(self, key: Key, output: Any, current: _Pass) -> None:
+        offset = 0
+        for cache, rows in current.jobs:
+            if cache is not None and cache.branch.keeps(key):
+                reused = key == self._reused[cache.branch]
+                cache.outputs[key] = _rows(output, offset, rows) if reused else _shape(output)
+            offset += rows
+
+
+def _modules(unet: Any) -> Iterator[tuple[Key, torch.nn.Module]]:
+    """The modules the helper wraps, with its keys (``DeepCacheSDHelper.wrap_modules``)."""
+    for block_i, block in enumerate(unet.down_blocks):
+        for layer_i, attention in enumerate(getattr(block, "attentions", None) or []):
+            yield ("down", "attentions", block_i, layer_i), attention
+        resnets = getattr(block, "resnets", None) or []
+        for layer_i, resnet in enumerate(resnets):
+            yield ("down", "resnet", block_i, layer_i), resnet
+        for downsampler in getattr(block, "downsamplers", None) or []:
+            yield ("down", "downsampler", block_i, len(resnets)), downsampler
+        yield ("down", "block", block_i, 0), block
+    yield ("mid", "mid_block", 0, 0), unet.mid_block
+    blocks = len(unet.up_blocks)
+    for index, block in enumerate(unet.up_blocks):
+        block_i = blocks - index - 1
+        layers = len(getattr(block, "resnets", None) or [])
+        for layer_i, attention in enumerate(getattr(block, "attentions", None) or []):
+            yield ("up", "attentions", block_i, layers - layer_i - 1), attention
+        for layer_i, resnet in enumerate(getattr(block, "resnets", None) or []):
+            yield ("up", "resnet", block_i, layers - layer_i - 1), resnet
+        for upsampler in getattr(block, "upsamplers", None) or []:
+            yield ("up", "upsampler", block_i, 0), upsampler
+        yield ("up", "block", block_i, 0), block
+
+
+def _rows(output: Any, start: int, rows: int) -> Any:
+    """Rows ``start`` to ``start + rows`` of a module's output (a tensor or nested tuples), copied."""
+    if isinstance(output, torch.Tensor):
+        return output[start : start + rows].clone()
+    if isinstance(output, tuple):
+        return tuple(_rows(part, start, rows) for part in output)
+    raise TypeError(f"a DeepCache module returned {type(output).__name__}; tensors and tuples are kept")
+
+
+def _shape(output: Any) -> Any:
+    """The shapes of a module's output (a tensor or nested tuples)."""
+    if isinstance(output, torch.Tensor):
+        return Shape(output.shape[1:], output.dtype, output.device)
+    if isinstance(output, tuple):
+        return tuple(_shape(part) for part in output)
+    raise TypeError(f"a DeepCache module returned {type(output).__name__}; tensors and tuples are kept")
+
+
+def _over(shape: Any, rows: int) -> Any:
+    """Zeros of a kept output's shapes over ``rows`` rows, taking no memory."""
+    return shape.over(rows) if isinstance(shape, Shape) else tuple(_over(part, rows) for part in shape)
+
+
+def _concat(outputs: Sequence[Any]) -> Any:
+    """The jobs' kept outputs as one output over their rows."""
+    first = outputs[0]
+    if isinstance(first, torch.Tensor):
+        return torch.cat(list(outputs))
+    return tuple(_concat(parts) for parts in zip(*outputs, strict=True))
+
+
+def _padded(output: Any, padding: int) -> Any:
+    if isinstance(output, torch.Tensor):
+        return padded_rows(output, padding)
+    return tuple(_padded(part, padding) for part in output)
+
+
+def branches(unet: Any) -> int:
+    """How many branches a UNet offers: three per down block."""
+    return 3 * len(unet.down_blocks)
+
+
+def is_unet(denoiser: Any) -> bool:
+    """Whether a denoiser has the UNet blocks DeepCache wraps (SD 3's transformer has none)."""
+    return all(hasattr(denoiser, name) for name in ("down_blocks", "mid_block", "up_blocks"))
