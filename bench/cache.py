@@ -39,7 +39,7 @@ import numpy as np  # noqa: E402
 from bench import sd15  # noqa: E402
 from bench.jobs import generate  # noqa: E402
 from bench.pipeline import environment, image_distance  # noqa: E402
-from bench.report import publish  # noqa: E402
+from bench.report import number_text, publish  # noqa: E402
 from handler.config import HandlerSettings, StepCache  # noqa: E402
 from handler.engine.jobs import JobSpec  # noqa: E402
 from handler.engine.loading import load_engine, synchronize  # noqa: E402
@@ -186,7 +186,7 @@ def quality_table(result: dict) -> str:
         "| --- | --- | --- | --- |",
     ]
     for row in result["rows"]:
-        psnr = "—" if row["psnr_db"] is None else f"{row['psnr_db']:.1f}"
+        psnr = number_text(row["psnr_db"], 1)
         lines.append(f"| {row['setting']} | {100 * row['colour']:.0f}% | {100 * row['shape']:.0f}% | {psnr} |")
     return "\n".join(lines) + "\n"
 
@@ -220,7 +220,7 @@ def table(results: list[dict]) -> str:
             "| --- | --- | --- | --- |",
         ]
         for row in result["rows"]:
-            psnr = "—" if row["psnr_db"] is None else f"{row['psnr_db']:.1f}"
+            psnr = number_text(row["psnr_db"], 1)
             lines.append(f"| {row['workload']} | {row['images_per_s']:.3g} | {row['ratio']:.2f}x | {psnr} |")
     return "\n".join(lines) + "\n"
 

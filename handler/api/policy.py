@@ -26,7 +26,8 @@ class RequestPolicy:
     @property
     def default_cache(self) -> StepCache:
         """The cache of a request without one: the configured default, off where the model serves none."""
-        return self.cache.default if self.cache.default.branch < self.rules.cache_branches else StepCache()
+        default = self.cache.default
+        return default if default.mode == "off" or default.branch < self.rules.cache_branches else StepCache()
 
     @property
     def max_side(self) -> int:

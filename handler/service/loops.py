@@ -218,7 +218,15 @@ def build_service(
     engine = load_engine(settings, model_dir, gpu_id)
     rules = engine.rules
     settings = settings.for_model(*engine.family.native_size(), rules)
-    if settings.cache.default.mode != "off" and settings.cache.default.branch >= rules.cache_branches:
+    policy = RequestPolicy(
+        settings.limits,
+        settings.defaults,
+        streaming=streaming,
+        model_name=model_name,
+        rules=rules,
+        cache=settings.cache,
+    )
+    if policy.default_cache != settings.cache.default:
         logger.warning(
             "handler.cache.default %s is not served by this model (%s); requests without a cache get none",
             settings.cache.default.model_dump(),
@@ -227,14 +235,7 @@ def build_service(
     sla = settings.metrics.latency_sla_seconds
     service = DiffusionService(
         engine,
-        RequestPolicy(
-            settings.limits,
-            settings.defaults,
-            streaming=streaming,
-            model_name=model_name,
-            rules=rules,
-            cache=settings.cache,
-        ),
+        policy,
         StepProfile(engine, settings.max_images_per_call, settings.defaults.scheduler, settings.step_time_cap),
         DiffusionMetrics(sink, sla, worker),
         sla,
