@@ -49,7 +49,7 @@ help:
 	@echo "make bench-engine   the step engine against the diffusers call it mirrors, per family, batch 1 and 8; reports/engine/"
 	@echo "make bench-lora     LoRA sets in one forward, per design, default model and SD 1.5's architecture; reports/lora/"
 	@echo "make bench-controlnet ControlNets in the shared UNet forward against grouped, default model and SD 1.5's architecture; reports/controlnet/"
-	@echo "make bench-cache    DeepCache per request (all, half, mixed intervals) against no cache, default model and SD 1.5's architecture; reports/cache/"
+	@echo "make bench-cache    step caching per request (all, half, mixed) against no cache: DeepCache on the default model and SD 1.5's architecture, first-block on a tiny SD 3.5; reports/cache/"
 	@echo "make bench-gpu      SD 1.5, SDXL and SD 3.5 Medium at real sizes on the GPU: variants, batch scaling, engine, served, SDXL, SD 3.5, LoRA; reports/gpu/"
 	@echo "                    BENCH_ARGS='--quick' for the CPU check CI runs; PY=python3 where there is no venv (the lent GPU)"
 	@echo "make dashboard      rebuild docker/grafana/dashboards/stable-diffusion.json"
@@ -181,7 +181,7 @@ bench-lora: venv
 bench-controlnet: venv
 	$(PY) -m bench.controlnets $(BENCH_ARGS)
 
-bench-cache: venv
+bench-cache: venv models/tiny-sd35/model_index.json
 	$(PY) -m bench.cache $(BENCH_ARGS)
 
 # Without a venv (the lent GPU machine: no package registry), PY=python3 with the carried wheels on

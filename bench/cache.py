@@ -1,13 +1,21 @@
-"""`make bench-cache`: what DeepCache per request buys the step engine, side by side.
+"""`make bench-cache`: what step caching per request buys the step engine, side by side.
 
-8 one-image requests (guidance 7.5: 16 rows per forward) generated whole on the step engine, on the
-default model (64x64) and on SD 1.5's architecture (``bench.sd15``, random weights, 256x256), the
-same seeds in every workload:
+8 one-image requests (guidance 7.5: 16 rows per forward) generated whole on the step engine, the
+same seeds in every workload. DeepCache on the default model (64x64) and on SD 1.5's architecture
+(``bench.sd15``, random weights, 256x256):
 
 - no cache;
 - all 8 at interval 3 (branch 0);
 - half cached: 4 at interval 3, 4 without;
 - mixed intervals: 2, 3, 4 and 5, two requests each.
+
+First-block caching on the tiny SD 3.5-shaped model (``models/tiny-sd35``: MMDiT-X blocks, random
+weights, 64x64, flow matching), with the share of the cached requests' steps that skipped:
+
+- no cache;
+- all 8 at threshold 0.3;
+- half cached: 4 at threshold 0.3, 4 without;
+- mixed thresholds: 0.1, 0.2, 0.3 and 0.4, two requests each.
 
 Each workload's images/s is timed right after no cache's (paired: the ratio is the median of the
 rounds' ratios, so a drift of the machine's speed cancels), with the decode. Beside it, how far
@@ -27,7 +35,7 @@ import argparse
 import logging
 import statistics
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import matplotlib
@@ -37,15 +45,15 @@ import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 
 from bench import sd15  # noqa: E402
-from bench.jobs import generate  # noqa: E402
+from bench.jobs import finish, generate  # noqa: E402
 from bench.pipeline import environment, image_distance  # noqa: E402
 from bench.report import number_text, publish  # noqa: E402
-from handler.config import HandlerSettings, StepCache  # noqa: E402
+from handler.config import HandlerSettings, SchedulerName, StepCache  # noqa: E402
 from handler.engine.jobs import JobSpec  # noqa: E402
 from handler.engine.loading import load_engine, synchronize  # noqa: E402
 from handler.engine.step_engine import StepEngine  # noqa: E402
 from model_making.shapes import COLOURS, SHAPES, Judgement, accuracy, dominant_colour, shape_of  # noqa: E402
-from server.paths import DEFAULT_MODEL_DIR, REPORTS  # noqa: E402
+from server.paths import DEFAULT_MODEL_DIR, REPORTS, TINY_MODEL_DIRS  # noqa: E402
 
 logger = logging.getLogger("bench-cache")
 
@@ -55,67 +63,105 @@ REQUESTS = 8
 GOALS = {"all 8 at interval 3": 2.0, "half cached": 1.35}
 
 
+def deep(interval: int) -> StepCache:
+    return StepCache(mode="deep", interval=interval, branch=0)
+
+
+def first_block(threshold: float) -> StepCache:
+    return StepCache(mode="first_block", threshold=threshold)
+
+
+Workloads = dict[str, list[StepCache | None]]
+WORKLOADS: Workloads = {
+    NONE: [None] * REQUESTS,
+    "all 8 at interval 3": [deep(3)] * REQUESTS,
+    "half cached": [deep(3)] * 4 + [None] * 4,
+    "mixed intervals": [deep(interval) for interval in (2, 3, 4, 5) for _ in range(2)],
+}
+FIRST_BLOCK_WORKLOADS: Workloads = {
+    NONE: [None] * REQUESTS,
+    "all 8 at threshold 0.3": [first_block(0.3)] * REQUESTS,
+    "half cached": [first_block(0.3)] * 4 + [None] * 4,
+    "mixed thresholds": [first_block(threshold) for threshold in (0.1, 0.2, 0.3, 0.4) for _ in range(2)],
+}
+
+
 @dataclass(frozen=True)
 class Model:
     name: str
     model_dir: Path | None  # None: SD 1.5's architecture, written once
     side: int
     steps: int
+    scheduler: SchedulerName = "ddim"
+    workloads: Workloads = field(default_factory=lambda: WORKLOADS)
 
 
-MODELS = {"default": Model("default", DEFAULT_MODEL_DIR, 64, 25), "sd15": Model("sd15", None, 256, 10)}
-
-
-def deep(interval: int) -> StepCache:
-    return StepCache(mode="deep", interval=interval, branch=0)
-
-
-WORKLOADS: dict[str, list[StepCache | None]] = {
-    NONE: [None] * REQUESTS,
-    "all 8 at interval 3": [deep(3)] * REQUESTS,
-    "half cached": [deep(3)] * 4 + [None] * 4,
-    "mixed intervals": [deep(interval) for interval in (2, 3, 4, 5) for _ in range(2)],
+MODELS = {
+    "default": Model("default", DEFAULT_MODEL_DIR, 64, 25),
+    "sd15": Model("sd15", None, 256, 10),
+    "sd35-tiny": Model("sd35-tiny", TINY_MODEL_DIRS["sd35"], 64, 25, "flow_match_euler", FIRST_BLOCK_WORKLOADS),
 }
 
 
 def specs(model: Model, steps: int, caches: list[StepCache | None]) -> list[JobSpec]:
     return [
-        JobSpec(f"a red circle {i}", None, (i,), model.side, model.side, steps, "ddim", 7.5, cache=cache)
+        JobSpec(f"a red circle {i}", None, (i,), model.side, model.side, steps, model.scheduler, 7.5, cache=cache)
         for i, cache in enumerate(caches)
     ]
 
 
-def timed(engine: StepEngine, jobs: list[JobSpec]) -> tuple[float, list[np.ndarray]]:
-    """Seconds to generate ``jobs`` whole (start, every step, decode), and their images."""
+@dataclass(frozen=True)
+class Timed:
+    seconds: float  # to generate the jobs whole: start, every step, decode
+    images: list[np.ndarray]
+    cached_steps: int  # steps of the cached jobs that reused their cache
+    steps: int  # steps of the cached jobs
+
+
+def timed(engine: StepEngine, specs: list[JobSpec]) -> Timed:
     started = time.perf_counter()
-    decoded, _ = generate(engine, jobs)
+    jobs = engine.start(specs)
+    decoded, _ = finish(engine, jobs)
     synchronize(engine.device)
     seconds = time.perf_counter() - started
-    return seconds, [np.asarray(result.images[0]) for result in decoded]
+    cached = [job for job in jobs if job.cache is not None]
+    return Timed(
+        seconds,
+        [np.asarray(result.images[0]) for result in decoded],
+        sum(job.cached_steps for job in cached),
+        sum(job.total_steps for job in cached),
+    )
 
 
 def measure(model: Model, steps: int, repeats: int) -> dict:
     """Images/s per workload, paired with no cache's, on one model."""
     model_dir = model.model_dir or sd15.ensure_model()
     engine = load_engine(HandlerSettings(model_path=str(model_dir)), "/unused")
-    seconds: dict[str, list[float]] = {name: [] for name in WORKLOADS}
-    ratios: dict[str, list[float]] = {name: [] for name in WORKLOADS if name != NONE}
-    images: dict[str, list[np.ndarray]] = {}
+    seconds: dict[str, list[float]] = {name: [] for name in model.workloads}
+    ratios: dict[str, list[float]] = {name: [] for name in model.workloads if name != NONE}
+    runs: dict[str, Timed] = {}
     for round_ in range(repeats + 1):  # the first round warms up
-        for name, caches in WORKLOADS.items():
+        for name, caches in model.workloads.items():
             if name == NONE:
                 continue
-            before, images[NONE] = timed(engine, specs(model, steps, WORKLOADS[NONE]))
-            after, images[name] = timed(engine, specs(model, steps, caches))
+            runs[NONE] = timed(engine, specs(model, steps, model.workloads[NONE]))
+            runs[name] = timed(engine, specs(model, steps, caches))
             if round_:
-                seconds[NONE].append(before)
-                seconds[name].append(after)
-                ratios[name].append(before / after)
-            logger.info("%s round %d of %d: %s %.2fx", model.name, round_, repeats, name, before / after)
+                seconds[NONE].append(runs[NONE].seconds)
+                seconds[name].append(runs[name].seconds)
+                ratios[name].append(runs[NONE].seconds / runs[name].seconds)
+            logger.info(
+                "%s round %d of %d: %s %.2fx",
+                model.name,
+                round_,
+                repeats,
+                name,
+                runs[NONE].seconds / runs[name].seconds,
+            )
     rows = []
-    for name, caches in WORKLOADS.items():
+    for name, caches in model.workloads.items():
         cached = [index for index, cache in enumerate(caches) if cache is not None]
-        psnrs = [image_distance(images[name][index], images[NONE][index])["psnr_db"] for index in cached]
+        psnrs = [image_distance(runs[name].images[index], runs[NONE].images[index])["psnr_db"] for index in cached]
         rows.append(
             {
                 "workload": name,
@@ -123,12 +169,14 @@ def measure(model: Model, steps: int, repeats: int) -> dict:
                 "images_per_s": REQUESTS / statistics.median(seconds[name]),
                 "ratio": 1.0 if name == NONE else statistics.median(ratios[name]),
                 "psnr_db": statistics.mean(p for p in psnrs if p is not None) if any(psnrs) else None,
+                "cached_share": runs[name].cached_steps / runs[name].steps if cached else None,
             }
         )
     return {
         "model": model.name,
         "side": model.side,
         "steps": steps,
+        "scheduler": model.scheduler,
         "repeats": repeats,
         "environment": environment(engine.device),
         "rows": rows,
@@ -214,14 +262,17 @@ def table(results: list[dict]) -> str:
     lines = []
     for result in results:
         lines += [
-            f"\n{result['model']} ({result['side']}x{result['side']}, {result['steps']} DDIM steps, guidance 7.5, "
-            f"{REQUESTS} one-image requests generated whole; median of {result['repeats']} paired rounds):\n",
-            "| workload | images/s | against no cache | PSNR of the cached images against no cache (dB) |",
-            "| --- | --- | --- | --- |",
+            f"\n{result['model']} ({result['side']}x{result['side']}, {result['steps']} {result['scheduler']} steps, "
+            f"guidance 7.5, {REQUESTS} one-image requests generated whole; median of {result['repeats']} paired "
+            "rounds):\n",
+            "| workload | images/s | against no cache | cached requests' steps that reused the cache "
+            "| PSNR of the cached images against no cache (dB) |",
+            "| --- | --- | --- | --- | --- |",
         ]
         for row in result["rows"]:
-            psnr = number_text(row["psnr_db"], 1)
-            lines.append(f"| {row['workload']} | {row['images_per_s']:.3g} | {row['ratio']:.2f}x | {psnr} |")
+            psnr, share = number_text(row["psnr_db"], 1), row["cached_share"]
+            reused = "" if share is None else f"{100 * share:.0f}%"
+            lines.append(f"| {row['workload']} | {row['images_per_s']:.3g} | {row['ratio']:.2f}x | {reused} | {psnr} |")
     return "\n".join(lines) + "\n"
 
 
@@ -251,7 +302,9 @@ def plot(results: list[dict], path: Path) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", nargs="+", choices=list(MODELS), default=list(MODELS))
-    parser.add_argument("--steps", type=int, default=None, help="denoising steps per request (default 25, SD 1.5: 10)")
+    parser.add_argument(
+        "--steps", type=int, default=None, help="denoising steps per request (default 25, SD 1.5: 10, SD 3.5 tiny: 25)"
+    )
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--output", type=Path, default=REPORTS / "cache")
     parser.add_argument("--no-quality", action="store_true", help="leave out the default model's quality check")

@@ -19,7 +19,8 @@ decoded as ``StableDiffusion3Pipeline`` decodes them, which is what the engine s
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import contextlib
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -36,7 +37,7 @@ from diffusers import (
 )
 from PIL.Image import Image
 
-from handler.config import MAX_SEED
+from handler.config import MAX_SEED, StepCache
 from handler.families import SCHEDULERS
 
 
@@ -98,6 +99,7 @@ class Reference:
         loras: Sequence[tuple[Path, float]] = (),
         controlnets: Sequence[ControlNetCall] = (),
         deep_cache: tuple[int, int] | None = None,
+        first_block: float | None = None,
     ) -> ReferenceOutput:
         """One request: ``num_images_per_prompt`` images of one prompt, image k from ``seed + k``
         (wrapping past the largest seed, as requests do); from ``image`` (of the request's size)
@@ -105,7 +107,8 @@ class Reference:
         (``load_lora_weights``, ``set_adapters``) for this call only; with ControlNets (the
         ControlNet pipelines, several as ``MultiControlNetModel``); with ``deep_cache`` (interval,
         branch), the ``DeepCache`` package's ``DeepCacheSDHelper`` on the pipeline called (uniform
-        mode); ``scheduler`` None: the model's own."""
+        mode); with ``first_block`` (a threshold), diffusers' First Block Cache on SD 3's transformer
+        (``first_block_cache``); ``scheduler`` None: the model's own."""
         seeds = [(seed + index) % (MAX_SEED + 1) for index in range(num_images_per_prompt)]
         inputs: dict = {"width": width, "height": height}
         pipeline = self.pipeline
@@ -146,6 +149,7 @@ class Reference:
                         guidance_scale,
                         inputs,
                         pipeline,
+                        first_block,
                     )
                     for one in seeds
                 ]
@@ -160,6 +164,7 @@ class Reference:
                 guidance_scale,
                 inputs,
                 pipeline,
+                first_block,
             )
         finally:
             if helper is not None:
@@ -216,25 +221,68 @@ class Reference:
         guidance_scale: float,
         inputs: dict,
         pipeline: Any = None,  # diffusers pipelines declare neither their components nor __call__ to a type checker
+        first_block: float | None = None,
     ) -> ReferenceOutput:
         pipeline = pipeline or self.pipeline
         scheduler_class, overrides = SCHEDULERS[scheduler] if scheduler else (self.own_scheduler, {})
         pipeline.scheduler = scheduler_class.from_config(self.scheduler_config, **overrides)
         pipeline.set_progress_bar_config(disable=True)
         sd3_inpaint = isinstance(pipeline, StableDiffusion3InpaintPipeline)
-        output = pipeline(
-            prompt=prompt,
-            negative_prompt=negative_prompt,
-            num_images_per_prompt=images_per_prompt,
-            num_inference_steps=num_inference_steps,
-            guidance_scale=guidance_scale,
-            generator=[torch.Generator("cpu").manual_seed(seed) for seed in seeds],
-            output_type="latent" if sd3_inpaint else "pil",
-            **inputs,
+        caching = (
+            contextlib.nullcontext() if first_block is None else first_block_cache(pipeline.transformer, first_block)
         )
+        with caching:
+            output = pipeline(
+                prompt=prompt,
+                negative_prompt=negative_prompt,
+                num_images_per_prompt=images_per_prompt,
+                num_inference_steps=num_inference_steps,
+                guidance_scale=guidance_scale,
+                generator=[torch.Generator("cpu").manual_seed(seed) for seed in seeds],
+                output_type="latent" if sd3_inpaint else "pil",
+                **inputs,
+            )
         if sd3_inpaint:
             return ReferenceOutput(_sd3_decode(pipeline, output.images), None)
         return ReferenceOutput(output.images, getattr(output, "nsfw_content_detected", None))
+
+
+def cache_options(cache: StepCache | None) -> dict[str, Any]:
+    """A request's step cache as ``Reference.__call__``'s options: ``deep_cache`` or ``first_block``."""
+    if cache is None or cache.mode == "off":
+        return {}
+    if cache.mode == "deep":
+        return {"deep_cache": (cache.interval, cache.branch)}
+    return {"first_block": cache.threshold}
+
+
+@contextlib.contextmanager
+def first_block_cache(transformer: Any, threshold: float) -> Iterator[None]:
+    """diffusers' First Block Cache (``apply_first_block_cache``) on an SD 3 transformer for one
+    pipeline call, in the one cache context ``StableDiffusion3Pipeline`` (no ``CacheMixin``) does not
+    set. Its tail hook subtracts the last block's encoder hidden states, which SD 3's last block
+    (``context_pre_only``) returns as None: that block returns its encoder input instead, which the
+    model discards after it."""
+    from diffusers.hooks import FirstBlockCacheConfig, HookRegistry, apply_first_block_cache
+    from diffusers.hooks.hooks import CacheContext, _set_cache_context
+
+    last = transformer.transformer_blocks[-1]
+    own = last.forward
+
+    def forward(**kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        encoder, hidden = own(**kwargs)
+        return (kwargs["encoder_hidden_states"] if encoder is None else encoder), hidden
+
+    last.forward = forward
+    apply_first_block_cache(transformer, FirstBlockCacheConfig(threshold=threshold))
+    _set_cache_context(transformer, CacheContext("cond_uncond"))
+    try:
+        yield
+    finally:
+        registry = HookRegistry.check_if_exists_or_initialize(transformer)
+        registry.remove_hook("fbc_leader_block_hook", recurse=True)
+        registry.remove_hook("fbc_block_hook", recurse=True)
+        del last.forward
 
 
 def _sd3_decode(pipeline: Any, latents: torch.Tensor) -> list[Image]:

@@ -7,7 +7,16 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, PositiveInt, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    PositiveInt,
+    SerializerFunctionWrapHandler,
+    field_validator,
+    model_serializer,
+    model_validator,
+)
 
 # Every scheduler name a request may give; each family serves some of them (``FamilyRules``).
 SchedulerName = Literal["ddim", "euler", "euler_a", "dpmpp_2m", "pndm", "flow_match_euler"]
@@ -42,7 +51,20 @@ class FamilyRules:
     # The most denoising steps its schedulers take: a UNet's schedule samples the model's training
     # timesteps (fewer by 2: more break DDIM, PNDM or DPM++ 2M), None where it is continuous (flow matching).
     max_steps: int | None = None
-    cache_branches: int = 0  # DeepCache branches its denoiser serves (0: no step cache; an eager UNet: 3 a down block)
+    cache_branches: int = 0  # DeepCache branches its denoiser serves (0: none; an eager UNet: 3 a down block)
+    first_block_cache: bool = False  # whether its denoiser serves first-block caching (an eager SD 3.x transformer)
+
+    def serves(self, cache: StepCache) -> bool:
+        """Whether the denoiser serves a step cache (off always)."""
+        if cache.mode == "deep":
+            return cache.branch < self.cache_branches
+        return cache.mode == "off" or self.first_block_cache
+
+    def served_caches(self) -> str:
+        """The step caches its denoiser serves, in words."""
+        if self.cache_branches:
+            return f"DeepCache branches 0..{self.cache_branches - 1}"
+        return "first-block caching" if self.first_block_cache else "no step cache"
 
     def image_steps(self, steps: int, strength: float) -> int:
         """Of ``steps`` denoising steps, how many an input image at ``strength`` runs (``get_timesteps``)."""
@@ -234,18 +256,39 @@ class CompileSettings(_Section):
 
 
 class StepCache(_Section):
-    """A request's step cache (its ``cache`` field), and the server's default: DeepCache
-    (Ma et al., 2023) runs the whole UNet every ``interval`` steps and, at the steps between, only
-    its shallow branch, reusing the deep blocks' outputs from the last full step; per request, so
-    cached and uncached requests share each forward."""
+    """A request's step cache (its ``cache`` field), and the server's default; per request, so cached
+    and uncached requests share each forward.
 
-    mode: Literal["off", "deep"] = Field(
-        "off", description="deep: DeepCache (SD 1.x/2.x and SDXL, an eager UNet); off: every step runs the whole UNet"
+    - deep: DeepCache (Ma et al., 2023) runs the whole UNet every ``interval`` steps and, at the
+      steps between, only its shallow branch, reusing the deep blocks' outputs from the last full step;
+    - first_block: First Block Cache runs the first transformer block at every step and skips the
+      others where its residual changed by at most ``threshold`` (relative mean absolute change)
+      since the last full step, reusing their residual from it.
+    """
+
+    mode: Literal["off", "deep", "first_block"] = Field(
+        "off",
+        description="deep: DeepCache (SD 1.x/2.x and SDXL, an eager UNet); first_block: First Block Cache "
+        "(SD 3.x, an eager transformer); off: every step runs the whole denoiser",
     )
     interval: int = Field(3, ge=1, description="deep: steps from one full UNet forward to the next (1: every step)")
     branch: int = Field(
         0, ge=0, description="deep: the skip branch that runs at the cached steps, 3 per down block (0: the shallowest)"
     )
+    threshold: float = Field(
+        0.1,
+        ge=0,
+        allow_inf_nan=False,
+        description="first_block: the largest relative change of the first block's residual that skips the "
+        "other blocks (0: none is skipped)",
+    )
+
+    @model_serializer(mode="wrap")
+    def _fields_of_its_mode(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        """Its mode's settings only (what a response reports back)."""
+        fields = handler(self)
+        kept = {"off": ("mode",), "deep": ("mode", "interval", "branch"), "first_block": ("mode", "threshold")}
+        return {name: value for name, value in fields.items() if name in kept[self.mode]}
 
 
 class CacheSettings(_Section):
@@ -254,13 +297,20 @@ class CacheSettings(_Section):
     default: StepCache = Field(
         StepCache(), description="the cache of a request without one (off where the model serves no such cache)"
     )
-    max_interval: int = Field(10, ge=1, description="the longest interval a request may ask for")
+    max_interval: int = Field(10, ge=1, description="deep: the longest interval a request may ask for")
+    max_threshold: float = Field(
+        0.5, ge=0, allow_inf_nan=False, description="first_block: the largest threshold a request may ask for"
+    )
 
     @model_validator(mode="after")
     def _default_within_limits(self) -> CacheSettings:
         if self.default.interval > self.max_interval:
             raise ValueError(
                 f"cache.default.interval {self.default.interval} is above cache.max_interval {self.max_interval}"
+            )
+        if self.default.threshold > self.max_threshold:
+            raise ValueError(
+                f"cache.default.threshold {self.default.threshold} is above cache.max_threshold {self.max_threshold}"
             )
         return self
 

@@ -116,7 +116,8 @@ ITERATION_CACHED_IMAGES = MetricSpec(
     "sd_iteration_cached_images",
     "histogram",
     "images",
-    "images of a denoising step at a DeepCache cached step (their deep blocks reused, not run; 0: none)",
+    "images of a denoising step that reused their step cache (DeepCache: deep blocks, first-block: the blocks "
+    "after the first, not run; 0: none)",
 )
 ITERATION_LORA_ADAPTERS = MetricSpec(
     "sd_iteration_lora_adapters",
@@ -268,8 +269,8 @@ class DiffusionMetrics:
 
     def step(self, images: int, adapters: int, control_forwards: int, cached_images: int = 0) -> None:
         """One denoiser forward over ``images`` images with ``adapters`` distinct LoRA adapters,
-        ``control_forwards`` ControlNet forwards beside it, and ``cached_images`` of the images at a
-        DeepCache cached step."""
+        ``control_forwards`` ControlNet forwards beside it, and ``cached_images`` of the images that
+        reused their step cache."""
         self._record(ITERATION_BATCH_SIZE, images)
         self._record(ITERATION_CACHED_IMAGES, cached_images)
         self._record(ITERATION_LORA_ADAPTERS, adapters)

@@ -101,8 +101,9 @@ def panels() -> list[list[timeseries.Panel | stat.Panel]]:
             "Batch size",
             "Mean requests admitted together (a TorchServe batch, or the requests joining one "
             "continuous-batching iteration), mean images per denoiser forward (jobs of one latent shape share a "
-            "forward whatever their steps and LoRA sets; the step-time profile caps it), of them those at a DeepCache "
-            "cached step (their deep blocks reused), and mean distinct LoRA adapters per forward (each row gets its "
+            "forward whatever their steps and LoRA sets; the step-time profile caps it), of them those that reused "
+            "their step cache (DeepCache's deep blocks or the blocks after the first not run), and mean distinct LoRA "
+            "adapters per forward (each row gets its "
             "own request's set).",
             "short",
             [

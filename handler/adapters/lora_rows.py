@@ -319,12 +319,12 @@ class RowLoras:
     @contextmanager
     def rows(self, sets: Sequence[tuple[Adapters, int]], device: torch.device) -> Iterator[RowPlan | None]:
         """During the block, the denoiser's forwards give each consecutive block of ``rows`` rows
-        its LoRA ``set``."""
-        self._plan = RowPlan.of(sets, device)
+        its LoRA ``set`` (nested: a sub-batch of the forward; the forward's plan is back after it)."""
+        outer, self._plan = self._plan, RowPlan.of(sets, device)
         try:
             yield self._plan
         finally:
-            self._plan = None
+            self._plan = outer
 
     def _hook_for(self, kind: LayerRows):
         def hook(layer: LoraLayer, args: tuple, result: torch.Tensor) -> torch.Tensor | None:

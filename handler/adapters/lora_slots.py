@@ -186,9 +186,10 @@ class SlotLoras:
 
     @contextmanager
     def rows(self, sets: Sequence[tuple[Adapters, int]], device: torch.device) -> Iterator[torch.Tensor | None]:
-        """During the block, the denoiser's forwards give each consecutive block of rows its set."""
-        self.state.weights = self.weights(sets, device)
+        """During the block, the denoiser's forwards give each consecutive block of rows its set
+        (nested: a sub-batch of the forward; the forward's weights are back after it)."""
+        outer, self.state.weights = self.state.weights, self.weights(sets, device)
         try:
             yield self.state.weights
         finally:
-            self.state.weights = None
+            self.state.weights = outer

@@ -149,7 +149,7 @@ class LoraLibrary(Library):
     @contextmanager
     def rows(self, sets: Sequence[tuple[Adapters, int]], device: torch.device) -> Iterator[None]:
         """During the block, the denoiser's forwards give each consecutive block of rows its set:
-        ``sets`` holds (set, rows) pairs in row order."""
+        ``sets`` holds (set, rows) pairs in row order (nested: a sub-batch of the forward)."""
         if self._active is None:  # after a load or a failure: every component's LoRA layers off first
             self.activate(())
         with self.row_loras.rows(sets, device) if self.slots is None else self.slots.rows(sets, device):

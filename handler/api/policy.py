@@ -27,7 +27,7 @@ class RequestPolicy:
     def default_cache(self) -> StepCache:
         """The cache of a request without one: the configured default, off where the model serves none."""
         default = self.cache.default
-        return default if default.mode == "off" or default.branch < self.rules.cache_branches else StepCache()
+        return default if self.rules.serves(default) else StepCache()
 
     @property
     def max_side(self) -> int:

@@ -70,8 +70,10 @@ class GenerationRequest(TextRules, LimitRules, SizeRules, StreamRules, AdapterRu
         [], description="ControlNets from the server's ControlNet directory, each with its control image"
     )
     cache: StepCache = Field(
-        description='step caching: {"mode": "deep", "interval": 3, "branch": 0} (DeepCache: the whole UNet every '
-        'interval steps, its shallow branch between), or {"mode": "off"}; left out, the server\'s default'
+        description='step caching: {"mode": "deep", "interval": 3, "branch": 0} (DeepCache, UNet families: the whole '
+        'UNet every interval steps, its shallow branch between), {"mode": "first_block", "threshold": 0.1} (SD 3.x: '
+        "the blocks after the first skipped while its residual changes by at most threshold), or "
+        '{"mode": "off"}; left out, the server\'s default'
     )
 
     @model_validator(mode="before")

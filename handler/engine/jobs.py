@@ -14,6 +14,7 @@ from handler.adapters.loras import Adapters
 from handler.config import SchedulerName, StepCache
 from handler.families import Conditioning, Family, Scheduler, schedules
 from handler.families.deep_cache import RowCache
+from handler.families.first_block_cache import FirstBlockCache
 
 
 @dataclass(frozen=True)
@@ -89,7 +90,7 @@ class DenoiseJob:
     inpainting: Inpainting | None = None
     controls: tuple[Control, ...] = ()
     host_timesteps: list[float] = field(default_factory=list)  # a CPU copy of ``timesteps``
-    cache: RowCache | None = None  # its DeepCache: features kept from its last full step
+    cache: RowCache | FirstBlockCache | None = None  # its step cache: what it keeps from its last full step
 
     def acting(self) -> list[Control]:
         """The ControlNets that act in its next step."""
@@ -101,8 +102,14 @@ class DenoiseJob:
 
     @property
     def cached_step(self) -> bool:
-        """Whether its next step is a DeepCache cached step (its deep blocks reused)."""
-        return self.cache is not None and not self.cache.full_step(self.step)
+        """Whether its next step is a DeepCache cached step (its deep blocks reused); a first-block
+        cache decides in the step's forward."""
+        return isinstance(self.cache, RowCache) and not self.cache.full_step(self.step)
+
+    @property
+    def cached_steps(self) -> int:
+        """The steps it ran with its cache's reused features."""
+        return 0 if self.cache is None else self.cache.cached_steps
 
     @property
     def total_steps(self) -> int:

@@ -24,6 +24,7 @@ from handler.config import HandlerSettings
 from handler.engine.step_engine import StepEngine
 from handler.families import Family, Pipeline, StableDiffusion3Family, family_of
 from handler.families.deep_cache import DeepCacheHooks, is_unet
+from handler.families.first_block_cache import FirstBlockHooks, is_transformer
 
 logger = logging.getLogger(__name__)
 
@@ -220,8 +221,10 @@ def load_engine(settings: HandlerSettings, model_dir: str | Path, gpu_id: int | 
             len(slots.layers),
             slots.bytes() / 2**20,
         )
-    # DeepCache per row wraps the UNet's blocks (an eager one: a compiled graph would not see its rows' caches).
-    deep_cache = None if settings.compile.denoiser or not is_unet(family.denoiser) else DeepCacheHooks(family.denoiser)
+    # Step caching per row wraps the denoiser's blocks (an eager one: a compiled graph would not see its rows' caches).
+    eager = not settings.compile.denoiser
+    deep_cache = DeepCacheHooks(family.denoiser) if eager and is_unet(family.denoiser) else None
+    first_block = FirstBlockHooks(family.denoiser) if eager and is_transformer(family.denoiser) else None
     _apply_compile(family, settings)
     row_counts = settings.compile.row_counts(device.type)
     text_encoder_3 = (
@@ -236,7 +239,8 @@ def load_engine(settings: HandlerSettings, model_dir: str | Path, gpu_id: int | 
         f"vae_slicing={settings.vae_slicing} vae_tiling={settings.vae_tiling} cpu_offload={settings.cpu_offload} "
         f"compile={settings.compile.mode if settings.compile.enabled else 'off'}"
         f"{'(' + ','.join(settings.compile.targets) + ')' if settings.compile.enabled else ''}"
-        f" pad_rows={','.join(map(str, row_counts)) or 'off'} deep_cache={'on' if deep_cache else 'off'}"
+        f" pad_rows={','.join(map(str, row_counts)) or 'off'}"
+        f" step_cache={'deep' if deep_cache else 'first_block' if first_block else 'off'}"
     )
     loras = LoraLibrary(pipeline, family.denoiser, directory, settings.loras.max_loaded, off_because, slots)
     controlnets = ControlNetLibrary(
@@ -254,4 +258,5 @@ def load_engine(settings: HandlerSettings, model_dir: str | Path, gpu_id: int | 
         row_counts,
         settings.compile.cuda_graphs(device.type),
         deep_cache,
+        first_block,
     )

@@ -22,8 +22,11 @@ own (4- or 16-channel) denoiser; a job with ControlNets mirrors ``StableDiffusio
   for the others), then per job the guidance and its own ``scheduler.step`` (and, inpainting, the
   unmasked area put back at the next noise level). A job with a DeepCache (``JobSpec.cache``) at a
   cached step runs its shallow branch in a forward of its own per branch
-  (``handler.families.deep_cache``). A step reads no tensor value on the host
-  (``handler.families.schedules``): on a GPU, nothing in it waits for the device.
+  (``handler.families.deep_cache``); a job with a first-block cache (SD 3.x) runs the first
+  transformer block in the step's forward and the other blocks only where its first block's residual
+  changed by more than its threshold (``handler.families.first_block_cache``). A step reads no
+  tensor value on the host (``handler.families.schedules``): on a GPU, nothing in it waits for the
+  device; first-block caching's decision is the one exception, a step with such jobs reads one vector.
 - ``decode``: the end of ``__call__``: VAE decode, the safety checker (SD, where the model has one)
   or the watermark (SDXL), PIL images.
 
@@ -57,6 +60,7 @@ from handler.engine.jobs import DenoiseJob, Inpainting, JobSpec
 from handler.families import Conditioning, Decoded, Family, Pipeline, Scheduler, schedules
 from handler.families.base import padded_rows, steps_by_index
 from handler.families.deep_cache import Branch, DeepCacheHooks, RowCache, branches
+from handler.families.first_block_cache import FirstBlockCache, FirstBlockHooks
 
 
 @dataclass
@@ -74,12 +78,15 @@ class StepEngine:
     row_counts: tuple[int, ...] = ()  # what a forward's rows are padded to (ascending; none: unpadded)
     cuda_graphs: bool = False  # the compiled denoiser replays CUDA graphs
     deep_cache: DeepCacheHooks | None = None  # DeepCache per row (an eager UNet); None: not served
+    first_block: FirstBlockHooks | None = None  # first-block caching per row (an eager transformer); None: not served
 
     @property
     def rules(self) -> FamilyRules:
-        """The family's request rules, with the DeepCache branches this engine serves."""
+        """The family's request rules, with the step caches this engine serves."""
         served = branches(self.family.denoiser) if self.deep_cache is not None else 0
-        return dataclasses.replace(self.family.rules, cache_branches=served)
+        return dataclasses.replace(
+            self.family.rules, cache_branches=served, first_block_cache=self.first_block is not None
+        )
 
     def latent_shape(self, width: int, height: int) -> tuple[int, int, int]:
         """Channels, height and width of one image's latents."""
@@ -99,12 +106,14 @@ class StepEngine:
             job.cache = self._row_cache(job.spec)
         return jobs
 
-    def _row_cache(self, spec: JobSpec) -> RowCache | None:
-        """A job's own DeepCache, where its spec asks for one."""
+    def _row_cache(self, spec: JobSpec) -> RowCache | FirstBlockCache | None:
+        """A job's own step cache, where its spec asks for one."""
         if spec.cache is None or spec.cache.mode == "off":
             return None
-        if self.deep_cache is None or spec.cache.branch >= self.rules.cache_branches:
+        if not self.rules.serves(spec.cache):
             raise ValueError(f"step cache {spec.cache.model_dump()} is not served by this engine")
+        if spec.cache.mode == "first_block":
+            return FirstBlockCache(spec.cache.threshold)
         return RowCache(spec.cache.interval, Branch.of(spec.cache.branch))
 
     def _start(self, spec: JobSpec, conditioning: Conditioning) -> DenoiseJob:
@@ -196,8 +205,9 @@ class StepEngine:
         and ControlNet residuals (each ControlNet run once over the rows acting with it), padded to
         the least of ``row_counts`` at or above them (the compiled denoiser's CUDA graphs: copies of
         the last row with its LoRA set, without ControlNet, dropped after). Jobs at a DeepCache
-        cached step take a forward of their own per branch (``handler.families.deep_cache``). All
-        jobs must share a latent shape. Returns the ControlNet forwards run."""
+        cached step take a forward of their own per branch (``handler.families.deep_cache``); jobs
+        with a first-block cache decide inside the forward (``handler.families.first_block_cache``).
+        All jobs must share a latent shape. Returns the ControlNet forwards run."""
         shapes = {job.latent_shape for job in jobs}
         if len(shapes) != 1:
             raise ValueError(f"one denoiser forward needs one latent shape, got {sorted(shapes)}")
@@ -237,21 +247,37 @@ class StepEngine:
         )
         # The padding rows take the last job's LoRA set: a set every row shares stays one scalar weight.
         sets = [(job.spec.adapters, job.rows) for job in jobs] + [(jobs[-1].spec.adapters, padding)]
-        with self.loras.rows(sets, self.device), self._deep_cache(jobs, padding, replay):
+        with self.loras.rows(sets, self.device), self._step_cache(jobs, padding, replay):
             if self.cuda_graphs:  # each step a new run of the graphs: the last run's outputs are done with
                 torch.compiler.cudagraph_mark_step_begin()
             noise = family.forward(latents, timestep_rows, conditioning, residuals)[:rows]
         if self.cuda_graphs:  # the graph's next replay overwrites its output, which a scheduler may keep
             noise = noise.clone()
+        for job in jobs if replay is not None else ():
+            assert isinstance(job.cache, RowCache)
+            job.cache.cached_steps += 1
         return noise, control_forwards
 
-    def _deep_cache(
+    def _step_cache(
         self, jobs: list[DenoiseJob], padding: int, replay: Branch | None
     ) -> contextlib.AbstractContextManager[None]:
-        """DeepCache over a forward's rows, where a job in it has a cache."""
-        if self.deep_cache is None or all(job.cache is None for job in jobs):
+        """The step cache over a forward's rows, where a job in it has one: DeepCache recording or
+        replaying ``replay``, or first-block caching, whose sub-batch takes its jobs' LoRA sets."""
+        if all(job.cache is None for job in jobs):
             return contextlib.nullcontext()
-        return self.deep_cache.forward([(job.cache, job.rows) for job in jobs], padding, replay)
+        if self.first_block is not None:
+            caches = [(job.cache if isinstance(job.cache, FirstBlockCache) else None, job.rows) for job in jobs]
+
+            def sub_batch_rows(running: list[int]) -> contextlib.AbstractContextManager[None]:
+                return self.loras.rows(
+                    [(jobs[index].spec.adapters, jobs[index].rows) for index in running], self.device
+                )
+
+            return self.first_block.forward(caches, padding, sub_batch_rows)
+        assert self.deep_cache is not None
+        return self.deep_cache.forward(
+            [(job.cache if isinstance(job.cache, RowCache) else None, job.rows) for job in jobs], padding, replay
+        )
 
     def _advance(self, job: DenoiseJob, noise: torch.Tensor) -> None:
         """A job's guidance and ``scheduler.step`` on its rows' noise prediction (and, inpainting,
@@ -303,6 +329,8 @@ def _passes(jobs: list[DenoiseJob]) -> list[tuple[list[DenoiseJob], Branch | Non
     cached = [job for job in jobs if job.cached_step]
     full = [job for job in jobs if not job.cached_step]
     passes: list[tuple[list[DenoiseJob], Branch | None]] = [(full, None)] if full else []
-    for branch in dict.fromkeys(job.cache.branch for job in cached if job.cache is not None):
-        passes.append(([job for job in cached if job.cache is not None and job.cache.branch == branch], branch))
+    for branch in dict.fromkeys(job.cache.branch for job in cached if isinstance(job.cache, RowCache)):
+        passes.append(
+            ([job for job in cached if isinstance(job.cache, RowCache) and job.cache.branch == branch], branch)
+        )
     return passes

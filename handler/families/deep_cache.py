@@ -99,6 +99,7 @@ class RowCache:
     interval: int
     branch: Branch
     outputs: dict[Key, Any] = field(default_factory=dict)
+    cached_steps: int = 0  # steps that ran the shallow branch only
 
     def full_step(self, step: int) -> bool:
         """Whether the job's ``step`` (counted from its first) runs every block."""

@@ -230,7 +230,7 @@ def build_service(
         logger.warning(
             "handler.cache.default %s is not served by this model (%s); requests without a cache get none",
             settings.cache.default.model_dump(),
-            f"DeepCache branches 0..{rules.cache_branches - 1}" if rules.cache_branches else "no DeepCache",
+            rules.served_caches(),
         )
     sla = settings.metrics.latency_sla_seconds
     service = DiffusionService(

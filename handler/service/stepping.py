@@ -99,7 +99,7 @@ class Stepping:
         jobs = [self.flights[rid].job for rid in chosen]
         steps_before = [job.step for job in jobs]
         rows = sum(job.rows for job in jobs)
-        cached_images = sum(job.images for job in jobs if job.cached_step)
+        cached_before = [job.cached_steps for job in jobs]
         started = self.timer.start()
         try:
             control_forwards = self.engine.step(jobs)
@@ -110,7 +110,10 @@ class Stepping:
             logger.exception("denoising step for requests %s failed", chosen)
             return {rid: self.answers.fail(rid, internal_error("denoising", error)) for rid in chosen}
         else:
-            return self._stepped(chosen, control_forwards, cached_images)
+            cached = zip(jobs, cached_before, strict=True)
+            return self._stepped(
+                chosen, control_forwards, sum(job.images for job, before in cached if job.cached_steps > before)
+            )
         # Retried outside the except block, whose traceback would keep the failed forward's tensors alive.
         release_cached_memory()
         pending = [rid for rid, job, step in zip(chosen, jobs, steps_before, strict=True) if job.step == step]

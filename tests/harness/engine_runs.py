@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 from PIL import Image
 
-from bench.reference import ControlNetCall, Reference
+from bench.reference import ControlNetCall, Reference, cache_options
 from handler.adapters.controlnets import ControlSpec
 from handler.config import HandlerSettings, StepCache
 from handler.engine.jobs import DenoiseJob, JobSpec
@@ -98,7 +98,7 @@ def expected(
         strength=job.strength,
         loras=loras,
         controlnets=controlnets,
-        deep_cache=None if job.cache is None else (job.cache.interval, job.cache.branch),
+        **cache_options(job.cache),
     )
 
 
@@ -150,18 +150,23 @@ def engine_with_adapters(family: str, directory: Path, device: str = "auto", **m
 
 
 def jobs_of_every_kind(
-    engine: StepEngine, scheduler: str, side: int = 32, steps: int = 4, cached: bool = False
+    engine: StepEngine, scheduler: str, side: int = 32, steps: int = 4, cached: bool = False, first_block: bool = False
 ) -> list[DenoiseJob]:
     """A plain job, one with a LoRA, one with a LoRA and a ControlNet (where the family takes
     them), an image-to-image and an inpainting job, all stepped together; ``cached``: and, where
-    the engine serves DeepCache, a cached job with the LoRA and the ControlNet."""
+    the engine serves DeepCache, a cached job with the LoRA and the ControlNet; ``first_block``:
+    and, where it serves first-block caching, a job with it and the LoRA (its threshold skips
+    every step after the first on the tiny models)."""
     lora = engine.loras.acquire([("attention", 0.8)], in_use=())
     controls = ()
     if engine.family.rules.controlnets:
         (edges,) = engine.controlnets.acquire(["edges"], in_use=())
         controls = (ControlSpec(edges, picture(side, 3), 0.9),)
     common = dict(side=side, steps=steps, scheduler=scheduler)
-    cache = StepCache(mode="deep", interval=2)
+    caches = {
+        "deep": (cached and engine.deep_cache is not None, StepCache(mode="deep", interval=2)),
+        "first_block": (first_block and engine.first_block is not None, StepCache(mode="first_block", threshold=0.5)),
+    }
     return engine.start(
         [
             spec("plain", 1, images=2, **common),
@@ -169,10 +174,10 @@ def jobs_of_every_kind(
             spec("lora and control", 3, adapters=lora, controls=controls, **common),
             spec("image", 4, image=picture(side, 1), strength=0.8, guidance=1.0, **common),
             spec("inpaint", 5, image=picture(side, 2), mask=hole(side), strength=0.9, **common),
-            *(
-                [spec("cached", 6, adapters=lora, controls=controls, cache=cache, **common)]
-                if cached and engine.deep_cache is not None
-                else []
-            ),
+            *[
+                spec(f"cached {mode}", 6, adapters=lora, controls=controls, cache=cache, **common)
+                for mode, (wanted, cache) in caches.items()
+                if wanted
+            ],
         ]
     )

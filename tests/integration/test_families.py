@@ -4,8 +4,9 @@ defaults. A seeded request gets diffusers' own image; requests with mixed steps,
 guidance share denoiser forwards, alone or joining a running one;
 edits (the OpenAI SDK's, with and without a mask, and the native API's base64 images) get the
 img2img and inpaint pipelines' images, sharing forwards with text-to-image requests; a
-bad request mid-flight fails alone; cached (DeepCache) and uncached requests share forwards, each
-equal to the DeepCache package's helper on diffusers' call; the safety checker flags as diffusers does and says so; the
+bad request mid-flight fails alone; cached (DeepCache; SD 3: first-block caching) and uncached
+requests share forwards, each equal to the DeepCache package's helper or diffusers' First Block
+Cache on diffusers' call; the safety checker flags as diffusers does and says so; the
 metrics move by what was sent, the same in both modes. An unsupported pipeline is refused at
 worker load, fast, naming itself."""
 
@@ -27,9 +28,10 @@ import torch
 from openai import BadRequestError, OpenAI
 from PIL import Image, ImageOps
 
-from bench.reference import ControlNetCall, Reference
+from bench.reference import ControlNetCall, Reference, cache_options
 from handler.api.encode import EXIF_IMAGE_DESCRIPTION
 from handler.api.protocol import NSFW_HEADER
+from handler.config import StepCache
 from model_making.make_controlnet import write_controlnet
 from model_making.make_lora import write_lora
 from model_making.make_tiny_model import CALIBRATION, CALIBRATION_FILE, build_pipeline, write_lcm_model
@@ -148,7 +150,7 @@ def reference(references: dict[str, Reference], served: Served, body: dict):
             )
             for control in body.get("controlnets", [])
         ],
-        deep_cache=(body["cache"]["interval"], body["cache"]["branch"]) if "cache" in body else None,
+        **cache_options(StepCache(**body["cache"]) if "cache" in body else None),
     )
 
 
@@ -376,24 +378,23 @@ def test_requests_with_other_controlnets_share_forwards_and_each_gets_diffusers_
     )
 
 
-def test_cached_and_uncached_requests_share_forwards_and_each_gets_the_deepcache_helpers_images(served, references):
-    """DeepCache per request: two intervals and branches (one with a LoRA) and an uncached request
-    behind a long one, each equal to diffusers' call under the DeepCache package's helper (or
-    without it); an SD 3 server refuses a cache naming the field."""
+def test_cached_and_uncached_requests_share_forwards_and_each_gets_the_reference_caches_images(served, references):
+    """Step caching per request: DeepCache (UNet families) at two intervals and branches, or
+    first-block caching (SD 3) at two thresholds, one of them with a LoRA, and an uncached request
+    behind a long one, each equal to diffusers' call under the DeepCache package's helper or
+    diffusers' First Block Cache (or without); the other family's mode is refused naming the field."""
     base = {"prompt": "a red circle", "num_inference_steps": 7, "response_format": "json"}
-    if served.family == "sd3":
-        response = served.client.predict({**base, "seed": 1, "cache": {"mode": "deep"}})
-        assert response.status_code == 400
-        assert [(e["field"], e["rule"]) for e in response.json()["errors"]] == [("cache", "cache_unavailable")]
-        return
+    if served.family == "sd3":  # at 0.5 the tiny model skips 6 of 7 steps, at 0.3 4
+        refused, caches = "deep", [{"mode": "first_block", "threshold": 0.5}, {"mode": "first_block", "threshold": 0.3}]
+    else:
+        refused = "first_block"
+        caches = [{"mode": "deep", "interval": 3, "branch": 0}, {"mode": "deep", "interval": 2, "branch": 1}]
+    response = served.client.predict({**base, "seed": 1, "cache": {"mode": refused}})
+    assert response.status_code == 400
+    assert [(e["field"], e["rule"]) for e in response.json()["errors"]] == [("cache", "cache_unavailable")]
     bodies = [
-        {**base, "seed": 5, "num_images_per_prompt": 2, "cache": {"mode": "deep", "interval": 3, "branch": 0}},
-        {
-            **base,
-            "seed": 6,
-            "cache": {"mode": "deep", "interval": 2, "branch": 1},
-            "loras": [{"name": LORA, "scale": 0.7}],
-        },
+        {**base, "seed": 5, "num_images_per_prompt": 2, "cache": caches[0]},
+        {**base, "seed": 6, "cache": caches[1], "loras": [{"name": LORA, "scale": 0.7}]},
         {**base, "seed": 7},
     ]
     _, followers = behind_long(served.client, bodies)
@@ -525,9 +526,9 @@ def test_metrics_move_by_what_was_sent_in_both_modes(served):
         {"prompt": "b", "seed": 2, "num_inference_steps": 3, "num_images_per_prompt": 2},
         {"prompt": "c", "num_inference_steps": 0},
     ]
-    cached = served.family != "sd3"  # b's step 1 of 0..2 reuses its deep blocks
-    if cached:
-        bodies[1]["cache"] = {"mode": "deep", "interval": 2}
+    # b's step 1 of 0..2 reuses its deep blocks; on SD 3 (measured in-process) steps 1 and 2 skip
+    sd3 = served.family == "sd3"
+    bodies[1]["cache"] = {"mode": "first_block", "threshold": 0.5} if sd3 else {"mode": "deep", "interval": 2}
     with ThreadPoolExecutor(3) as pool:
         statuses = [response.status_code for response in pool.map(served.client.predict, bodies)]
     assert statuses == [200, 200, 400]
@@ -549,7 +550,7 @@ def test_metrics_move_by_what_was_sent_in_both_modes(served):
 
     assert delta("sd_iteration_batch_size_sum") == 5 * 1 + 3 * 2  # image-steps, however they were batched
     assert delta("sd_iteration_batch_size_count") == delta("sd_denoise_step_seconds_count") >= 5
-    assert delta("sd_iteration_cached_images_sum") == (2 if cached else 0)
+    assert delta("sd_iteration_cached_images_sum") == (4 if sd3 else 2)
     assert delta("sd_iteration_cached_images_count") == delta("sd_iteration_batch_size_count")
     assert delta("sd_batch_size_sum") == 3 and delta("sd_batch_size_count") >= 1
     assert delta("sd_images_total") == 3

@@ -187,7 +187,8 @@ def test_a_cache_outside_the_limits_or_not_served_is_a_400_naming_it():
     assert "cache.max_interval" in refusal(cache={"mode": "deep", "interval": 11}).message
     assert "0..5" in refusal(cache={"mode": "deep", "branch": 6}).message
     assert refusal(cache={"mode": "deep", "interval": 0}).field == "cache.interval"
-    assert refusal(cache={"mode": "first_block"}).field == "cache.mode"
+    assert refusal(cache={"mode": "cached"}).field == "cache.mode"
+    assert "serves none" in refusal(RequestPolicy(), cache={"mode": "first_block"}).message
     assert refusal(cache={"mode": "deep", "depth": 2}).field == "cache.depth"
     assert refusal(cache="deep").field == "cache"
     sd3 = RequestPolicy(rules=FamilyRules(family="SD 3"))
@@ -209,9 +210,16 @@ def test_bench_cache_times_every_workload_against_no_cache_and_plots_it(tmp_path
     assert rows[bench_cache.NONE]["ratio"] == 1.0 and rows[bench_cache.NONE]["psnr_db"] is None
     assert all(row["images_per_s"] > 0 and row["ratio"] > 0 for row in rows.values())
     assert all(rows[name]["psnr_db"] is not None for name in rows if name != bench_cache.NONE), "no image moved"
-    bench_cache.plot([result], tmp_path / "cache.png")
+    assert rows[bench_cache.NONE]["cached_share"] is None and 0 < rows["half cached"]["cached_share"] < 1
+    tiny_sd35 = bench_cache.MODELS["sd35-tiny"]
+    first_block = bench_cache.measure(tiny_sd35, steps=4, repeats=1)
+    shares = {row["workload"]: row["cached_share"] for row in first_block["rows"]}
+    assert list(shares) == list(bench_cache.FIRST_BLOCK_WORKLOADS)
+    assert shares["all 8 at threshold 0.3"] > 0, "no step skipped"
+    bench_cache.plot([result, first_block], tmp_path / "cache.png")
     assert (tmp_path / "cache.png").stat().st_size > 0
     assert "| all 8 at interval 3 |" in bench_cache.table([result])
+    assert "| all 8 at threshold 0.3 |" in bench_cache.table([first_block])
     settings = (("no cache", 0), ("interval 2", 9))
     pictures = {name: [np.full((8, 8, 3), level, np.uint8)] * 48 for name, level in settings}
     bench_cache.grid(pictures, tmp_path / "grid.png")

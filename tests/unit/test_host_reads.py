@@ -12,30 +12,16 @@ from __future__ import annotations
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from handler.config import HandlerSettings
 from handler.engine.loading import load_engine
 from handler.engine.step_engine import StepEngine
 from server.paths import TINY_MODEL_DIRS
 from tests.harness.engine_runs import engine_with_adapters, jobs_of_every_kind, spec
+from tests.harness.host_reads import HostReads
 
-READS = {torch.ops.aten._local_scalar_dense, torch.ops.aten.is_nonzero, torch.ops.aten.nonzero, torch.ops.aten.item}
 SIDE = 32
 STEPS = 4
-
-
-class HostReads(TorchDispatchMode):
-    """The value-reading operations dispatched while it is active."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.reads: list[str] = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func.overloadpacket in READS:
-            self.reads.append(str(func))
-        return func(*args, **(kwargs or {}))
 
 
 class DeviceTimesteps(torch.Tensor):

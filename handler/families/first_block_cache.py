@@ -1,0 +1,201 @@
+"""First-block caching per row for SD 3.x: each job compares its rows' first-block residual with its
+own from its last full step, and skips the other transformer blocks where it barely changed.
+
+First Block Cache (ParaAttention; diffusers' ``apply_first_block_cache``, its ``FBCHeadBlockHook``
+and ``FBCBlockHook``, 0.42.1) runs the first transformer block at every step. Where the mean
+absolute change of that block's residual (its output's hidden states less its input's), relative
+to the mean absolute residual kept from the last full step, is at most ``threshold``, it returns the
+first block's output plus the residual of the other blocks kept from that step; otherwise every
+block runs, and both residuals are kept. diffusers decides for the whole batch (one ``.item()``);
+here each job decides for its own rows, inside the step's one forward:
+
+- every row runs the first block;
+- the rows of the jobs that compute (no cache, nothing kept yet, or a change above their
+  threshold) run the other blocks as a sub-batch, with their own LoRA sets; each cached one keeps
+  its residuals;
+- the rows of the others take the first block's output plus their kept residual.
+
+The decision is the one value a step with first-block-cached rows reads on the host: their changes,
+as one vector (diffusers reads one a forward too); steps without such rows read none. Threshold 0
+skips nothing (a change of exactly 0 aside), so it equals no cache.
+
+diffusers' hook keeps the encoder hidden states' residual of the last block too, which fails on SD 3
+(its last block is ``context_pre_only``: it returns no encoder hidden states); the model discards
+them after that block, so only the hidden states' residual is kept here.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import AbstractContextManager
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+# The LoRA rows of a sub-batch: the jobs (by index in the forward) whose rows run the other blocks.
+SubBatchRows = Callable[[list[int]], AbstractContextManager[Any]]
+
+
+@dataclass
+class FirstBlockCache:
+    """One job's first-block cache: its threshold and, from its last full step, its rows' residuals."""
+
+    threshold: float
+    head: torch.Tensor | None = None  # the first block's residual: its hidden states out less in
+    tail: torch.Tensor | None = None  # the other blocks': the last one's hidden states less the first's
+    cached_steps: int = 0  # steps that skipped the other blocks
+
+    def change(self, head: torch.Tensor) -> torch.Tensor:
+        """The relative mean absolute change of a first-block residual from the kept one
+        (``FBCHeadBlockHook._should_compute_remaining_blocks``)."""
+        assert self.head is not None
+        return (head - self.head).abs().mean() / self.head.abs().mean()
+
+
+@dataclass
+class _Pass:
+    """One forward's rows: each job's cache (None: none) and row count, then padding rows."""
+
+    jobs: Sequence[tuple[FirstBlockCache | None, int]]
+    padding: int
+    sub_batch_rows: SubBatchRows
+    done: bool = False  # the first block ran the others: the transformer's own calls pass through
+
+    def spans(self) -> list[slice]:
+        """Each job's rows."""
+        stops = list(itertools.accumulate(rows for _, rows in self.jobs))
+        return [slice(stop - rows, stop) for (_, rows), stop in zip(self.jobs, stops, strict=True)]
+
+
+class FirstBlockHooks:
+    """Wrappers on an SD 3 transformer's blocks, acting per row inside ``forward``; outside it every
+    block runs as it is."""
+
+    def __init__(self, transformer: torch.nn.Module):
+        blocks = list(transformer.transformer_blocks)  # type: ignore[arg-type]  # a ModuleList
+        self._pass: _Pass | None = None
+        self._others = blocks[1:]
+        blocks[0].forward = self._first(blocks[0].forward)
+        for block in self._others:
+            block.forward = self._passing(block.forward)
+
+    @contextlib.contextmanager
+    def forward(
+        self, jobs: Sequence[tuple[FirstBlockCache | None, int]], padding: int, sub_batch_rows: SubBatchRows
+    ) -> Iterator[None]:
+        """Within it, the transformer's forward over these rows caches per job."""
+        self._pass = _Pass(jobs, padding, sub_batch_rows)
+        try:
+            yield
+        finally:
+            self._pass = None
+
+    def _first(self, forward: Callable[..., Any]) -> Callable[..., Any]:
+        def first(**kwargs: Any) -> Any:
+            current = self._pass
+            if current is None:
+                return forward(**kwargs)
+            encoder, hidden = forward(**kwargs)
+            hidden = self._others_or_kept(current, kwargs, encoder, hidden)
+            current.done = True
+            return encoder, hidden
+
+        return first
+
+    def _passing(self, forward: Callable[..., Any]) -> Callable[..., Any]:
+        def passing(**kwargs: Any) -> Any:
+            current = self._pass
+            if current is not None and current.done:  # FBCBlockHook's skip: its inputs unchanged
+                return kwargs["encoder_hidden_states"], kwargs["hidden_states"]
+            return forward(**kwargs)
+
+        return passing
+
+    def _others_or_kept(self, current: _Pass, kwargs: dict[str, Any], encoder: torch.Tensor, first: torch.Tensor):
+        """The last block's hidden states: the other blocks' for the jobs that compute, the first
+        block's plus the kept residual for the others; and what each cached job keeps."""
+        spans = current.spans()
+        residual = first - kwargs["hidden_states"]
+        computes = _decide(current.jobs, residual, spans)
+        if all(computes):
+            last = self._others_on(first, encoder, kwargs)
+        else:
+            last = self._sub_batch(current, spans, computes, first, encoder, kwargs)
+        for (cache, _), computed, span in zip(current.jobs, computes, spans, strict=True):
+            if cache is not None and computed:
+                cache.head, cache.tail = residual[span].clone(), last[span] - first[span]
+            elif cache is not None:
+                cache.cached_steps += 1
+        return last
+
+    def _sub_batch(
+        self,
+        current: _Pass,
+        spans: list[slice],
+        computes: list[bool],
+        first: torch.Tensor,
+        encoder: torch.Tensor,
+        kwargs: dict[str, Any],
+    ) -> torch.Tensor:
+        """The other blocks over the rows of the jobs that compute (with their LoRA sets); the
+        others' rows, and padding rows, from the first block's output."""
+        running = [index for index, computed in enumerate(computes) if computed]
+        ran: Iterator[torch.Tensor] = iter(())
+        if running:
+
+            def rows(tensor: torch.Tensor) -> torch.Tensor:
+                return torch.cat([tensor[spans[index]] for index in running])
+
+            with current.sub_batch_rows(running):
+                hidden = self._others_on(rows(first), rows(encoder), {**kwargs, "temb": rows(kwargs["temb"])})
+            ran = iter(hidden.split([current.jobs[index][1] for index in running]))
+        pieces = [
+            next(ran) if computed else first[span] + _tail(cache)
+            for (cache, _), computed, span in zip(current.jobs, computes, spans, strict=True)
+        ]
+        return torch.cat([*pieces, first[spans[-1].stop :]])
+
+    def _others_on(self, hidden: torch.Tensor, encoder: torch.Tensor, kwargs: dict[str, Any]) -> torch.Tensor:
+        """The other blocks over these rows: the last one's hidden states."""
+        attention = kwargs.get("joint_attention_kwargs")
+        for block in self._others:
+            encoder, hidden = block(
+                hidden_states=hidden,
+                encoder_hidden_states=encoder,
+                temb=kwargs["temb"],
+                joint_attention_kwargs=attention,
+            )
+        return hidden
+
+
+def _decide(
+    jobs: Sequence[tuple[FirstBlockCache | None, int]], residual: torch.Tensor, spans: list[slice]
+) -> list[bool]:
+    """Per job, whether its rows run the other blocks: no cache, nothing kept yet, or a change above
+    its threshold (read on the host, all jobs' at once)."""
+    compared = [index for index, (cache, _) in enumerate(jobs) if cache is not None and cache.head is not None]
+    computes = [True] * len(jobs)
+    if compared:
+        changes = torch.stack([_cache(jobs, index).change(residual[spans[index]]) for index in compared]).tolist()
+        for index, change in zip(compared, changes, strict=True):
+            computes[index] = change > _cache(jobs, index).threshold
+    return computes
+
+
+def _cache(jobs: Sequence[tuple[FirstBlockCache | None, int]], index: int) -> FirstBlockCache:
+    cache = jobs[index][0]
+    assert cache is not None
+    return cache
+
+
+def _tail(cache: FirstBlockCache | None) -> torch.Tensor:
+    assert cache is not None and cache.tail is not None  # a job skips only with residuals kept
+    return cache.tail
+
+
+def is_transformer(denoiser: Any) -> bool:
+    """Whether a denoiser has the transformer blocks first-block caching wraps (two at least)."""
+    return len(getattr(denoiser, "transformer_blocks", ())) >= 2
