@@ -90,6 +90,17 @@ class ControlNetLibrary(Library):
         changed since) after making room, then evicting least recently used ones ``in_use`` does not hold."""
         return self._acquire(names, in_use)
 
+    def run(
+        self,
+        net_id: str,
+        latents: torch.Tensor,
+        timesteps: torch.Tensor,
+        conditioning: Conditioning,
+        images: torch.Tensor,
+    ) -> Residuals:
+        """One loaded ControlNet over rows (scale 1)."""
+        return self.family.control_forward(self._nets[net_id], latents, timesteps, conditioning, images)
+
     def _load(self, entry: Entry, keep: set[str]) -> str:
         weights = [path for path in entry.path.iterdir() if path.name.endswith(WEIGHTS_SUFFIX)]
         try:
@@ -142,9 +153,7 @@ class ControlNetLibrary(Library):
             index = torch.cat([part for part, _ in parts])
             images = torch.cat([control.image.expand(len(part), -1, -1, -1) for part, control in parts])
             scales = [control.spec.scale for part, control in parts for _ in range(len(part))]
-            net_down, net_mid = self.family.control_forward(
-                self._nets[net_id], latents[index], timesteps[index], _rows(conditioning, index), images
-            )
+            net_down, net_mid = self.run(net_id, latents[index], timesteps[index], conditioning.rows(index), images)
             row_scales = to_device(torch.tensor(scales), latents.device).view(-1, 1, 1, 1)
             if not down:
                 down = [_zero_rows(sample, offset) for sample in net_down]
@@ -158,10 +167,3 @@ class ControlNetLibrary(Library):
 def _zero_rows(like: torch.Tensor, rows: int) -> torch.Tensor:
     """Zeros for ``rows`` rows of a residual like ``like``."""
     return torch.zeros((rows, *like.shape[1:]), dtype=like.dtype, device=like.device)
-
-
-def _rows(conditioning: Conditioning, index: torch.Tensor) -> Conditioning:
-    """The conditioning of some rows of a forward."""
-    return Conditioning(
-        conditioning.hidden_states[index], {name: value[index] for name, value in conditioning.added.items()}
-    )

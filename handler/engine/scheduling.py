@@ -1,13 +1,14 @@
 """Which jobs take the next denoiser forward: the step-time profile and deadline slack.
 
 Sizes are counted in denoiser rows, what a forward's time and memory grow with: an image is two rows
-with classifier-free guidance, one without. ``StepProfile`` measures, per latent shape, the seconds
-of one step at 1, 2, 4, ... guided images and derives the batch cap: the fewest rows whose per-row
-step time is within ``PROFILE_GAIN`` of the best (beyond it a larger batch only adds latency). It
-also remembers what did not fit in memory, so a job known to be too large alone is refused at
-admission. ``choose`` picks the latent shape of the job with the least slack (time to its deadline
-minus the estimated time of its remaining steps) and, within it, the least-slack jobs that fit
-the cap.
+with classifier-free guidance, one without, and a row costs more with ControlNets acting and less at
+a DeepCache cached step (``handler.engine.costs``: caps and limits are in plain rows). ``StepProfile``
+measures, per latent shape, the seconds of one step at 1, 2, 4, ... guided images and derives the
+batch cap: the fewest rows whose per-row step time is within ``PROFILE_GAIN`` of the best (beyond it
+a larger batch only adds latency). It also remembers what did not fit in memory, so a job known to
+be too large alone is refused at admission. ``choose`` picks the latent shape of the job with the
+least slack (time to its deadline minus the estimated time of its remaining steps) and, within it,
+the least-slack jobs that fit the cap.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from collections.abc import Callable
 import torch
 
 from handler.config import SchedulerName
+from handler.engine.costs import RowCosts
 from handler.engine.jobs import DenoiseJob, JobSpec
 from handler.engine.loading import release_cached_memory, synchronize
 from handler.engine.step_engine import StepEngine
@@ -40,8 +42,9 @@ class StepProfile:
         self.max_rows = 2 * max_images  # guided images
         self.scheduler = scheduler  # what the profile's jobs step with (one the model's family serves)
         self.seconds: dict[Shape, dict[int, float]] = {}
-        self.memory_caps: dict[Shape, int] = {}
-        self.too_large: dict[Shape, int] = {}
+        self.memory_caps: dict[Shape, float] = {}  # in plain rows (costs)
+        self.too_large: dict[Shape, float] = {}
+        self.costs = RowCosts(engine)
 
     def sizes(self) -> list[int]:
         """Guided images measured: 1, 2, 4, ... up to the most images a forward steps."""
@@ -59,13 +62,14 @@ class StepProfile:
         for size in self.sizes():
             spec = JobSpec("profile", None, tuple(range(size)), width, height, 2, self.scheduler, 7.5)
             (job,) = self.engine.start([spec])
+            self.costs.count(job)
             if not self._timed_steps(job, timings):
                 release_cached_memory()  # outside the except block: the failed forward's tensors are gone
                 self.ran_out_of_memory(shape, job.rows, alone=True)
                 break
         self.seconds[shape] = timings
         logger.info(
-            "step-time profile %s: %s; cap %d rows",
+            "step-time profile %s: %s; cap %g rows",
             shape,
             {k: round(v, 4) for k, v in timings.items()},
             self.cap(shape),
@@ -88,8 +92,8 @@ class StepProfile:
     def measured(self, shape: Shape) -> bool:
         return shape in self.seconds
 
-    def cap(self, shape: Shape) -> int:
-        """The most rows one forward of this shape steps."""
+    def cap(self, shape: Shape) -> float:
+        """The most rows (plain rows: costs) one forward of this shape steps."""
         timings = self.seconds.get(shape)
         if not timings or not self.time_cap:
             return min(self.max_rows, self.memory_caps.get(shape, self.max_rows))
@@ -97,23 +101,27 @@ class StepProfile:
         fastest = min(rows for rows, seconds in timings.items() if seconds / rows <= best * (1 + PROFILE_GAIN))
         return max(1, min(fastest, self.memory_caps.get(shape, fastest)))
 
-    def ran_out_of_memory(self, shape: Shape, rows: int, alone: bool) -> None:
-        """``rows`` rows of this shape did not fit in one forward: never step more than half as
-        many again; ``alone``: a single job of that many cannot be stepped at all."""
-        half = max(1, rows // 2)
+    def cost(self, job: DenoiseJob) -> float:
+        """What the job's rows cost in its next step, in plain rows."""
+        return self.costs.of(job)
+
+    def ran_out_of_memory(self, shape: Shape, rows: float, alone: bool) -> None:
+        """``rows`` rows (plain rows: costs) of this shape did not fit in one forward: never step
+        more than half as many again; ``alone``: a single job of that cost cannot be stepped at all."""
+        half = max(1.0, rows / 2)
         self.memory_caps[shape] = min(half, self.memory_caps.get(shape, half))
         if alone:
             self.too_large[shape] = min(rows, self.too_large.get(shape, rows))
 
-    def fits(self, shape: Shape, rows: int) -> bool:
-        """False when a job of this many rows of this shape already ran out of memory alone."""
+    def fits(self, shape: Shape, rows: float) -> bool:
+        """False when a job of this cost (plain rows) of this shape already ran out of memory alone."""
         return rows < self.too_large.get(shape, rows + 1)
 
     def forward_seconds(self, shape: Shape) -> float:
         """Estimated seconds of one forward of this shape at its cap (what a job's step may take)."""
         return self.step_seconds(shape, self.cap(shape))
 
-    def step_seconds(self, shape: Shape, rows: int) -> float:
+    def step_seconds(self, shape: Shape, rows: float) -> float:
         """Estimated seconds of one step of ``rows`` rows (nearest measured size at or above)."""
         timings = self.seconds.get(shape)
         if not timings:
@@ -127,20 +135,25 @@ def slack(job: DenoiseJob, deadline: float, now: float, profile: StepProfile) ->
     return deadline - now - (job.total_steps - job.step) * profile.forward_seconds(job.latent_shape)
 
 
-def choose(waiting: dict[str, DenoiseJob], slacks: dict[str, float], cap: Callable[[Shape], int]) -> list[str]:
+def choose(
+    waiting: dict[str, DenoiseJob],
+    slacks: dict[str, float],
+    cap: Callable[[Shape], float],
+    cost: Callable[[DenoiseJob], float] = lambda job: job.rows,
+) -> list[str]:
     """The jobs (by id) that take the next forward: the latent shape of the least-slack job, then in
-    slack order every job of that shape (whatever its LoRA set) whose rows still fit the shape's cap
-    (the least-slack job goes even when it alone is larger than the cap)."""
+    slack order every job of that shape (whatever its LoRA set) whose rows (``cost``) still fit the
+    shape's cap (the least-slack job goes even when it alone is larger than the cap)."""
     if not waiting:
         return []
     order = sorted(waiting, key=lambda name: slacks[name])
     shape = waiting[order[0]].latent_shape
-    limit, rows = cap(shape), 0
+    limit, rows = cap(shape), 0.0
     chosen: list[str] = []
     for name in order:
         job = waiting[name]
-        if job.latent_shape != shape or chosen and rows + job.rows > limit:
+        if job.latent_shape != shape or chosen and rows + cost(job) > limit:
             continue
         chosen.append(name)
-        rows += job.rows
+        rows += cost(job)
     return chosen

@@ -121,6 +121,10 @@ class Conditioning:
         hidden = torch.cat([item.hidden_states for item in items])
         return Conditioning(hidden, {name: torch.cat([item.added[name] for item in items]) for name in items[0].added})
 
+    def rows(self, index: slice | torch.Tensor) -> Conditioning:
+        """Some of these rows (a slice, or row numbers)."""
+        return Conditioning(self.hidden_states[index], {name: value[index] for name, value in self.added.items()})
+
     def padded(self, padding: int) -> Conditioning:
         """These rows and ``padding`` copies of the last (rows that pad a forward to a captured count)."""
         if not padding:

@@ -227,6 +227,16 @@ def _padded(output: Any, padding: int) -> Any:
     return tuple(_padded(part, padding) for part in output)
 
 
+def shallow_share(unet: torch.nn.Module, flops: dict[str, float], branch: Branch) -> float:
+    """The share of a full forward's operations a cached step of ``branch`` runs: all but those of
+    the outermost modules that skip (``flops``: per module, as ``FlopCounterMode`` names them, the
+    root by its class)."""
+    root = type(unet).__name__
+    names = {id(module): f"{root}.{name}" for name, module in unet.named_modules() if name}
+    skipped = sum(flops.get(names[id(module)], 0.0) for key, module in _modules(unet) if branch.keeps(key))
+    return max(0.0, 1.0 - skipped / flops[root]) if flops.get(root) else 1.0
+
+
 def branches(unet: Any) -> int:
     """How many branches a UNet offers: three per down block."""
     return 3 * len(unet.down_blocks)

@@ -224,11 +224,11 @@ class Admission:
             count_loaded()
 
     def _fits(self, spec: JobSpec) -> bool:
-        """False when a job of its shape and rows already ran out of memory alone."""
+        """False when a job of its shape and cost (rows, with its ControlNets) already ran out of memory alone."""
         shape = self.engine.latent_shape(spec.width, spec.height)
         if not self.profile.measured(shape):
             self.profile.measure(spec.width, spec.height)
-        return self.profile.fits(shape, spec.rows)
+        return self.profile.fits(shape, self.profile.costs.at_start(spec, shape))
 
     def _start_together(self, specs: dict[str, JobSpec]) -> dict[str, DenoiseJob | Response]:
         """Start jobs together (one text-encoder call); when that fails, each alone, so that a

@@ -1,0 +1,70 @@
+"""Row costs (``handler.engine.costs``): a ControlNet row costs more than a plain one and a row at a
+DeepCache cached step less, by the operations counted on fake tensors; the step-time profile's caps
+and memory limits count them, so a ControlNet's out-of-memory does not shrink plain traffic's limit
+by its row count."""
+
+from __future__ import annotations
+
+import pytest
+
+from handler.adapters.controlnets import ControlSpec
+from handler.config import StepCache
+from handler.engine.costs import RowCosts
+from handler.engine.scheduling import StepProfile, choose
+from tests.harness.engine_runs import engine_with_adapters, picture, spec
+
+SIDE = 64
+
+
+@pytest.fixture(scope="module")
+def engine(tmp_path_factory):
+    return engine_with_adapters("sd1", tmp_path_factory.mktemp("sd1"))
+
+
+def test_a_controlnet_row_costs_more_and_a_cached_step_less(engine):
+    (edges,) = engine.controlnets.acquire(["edges"], in_use=())
+    control = (ControlSpec(edges, picture(SIDE, 3), 0.9),)
+    plain, controlled, shallow, deeper = engine.start(
+        [
+            spec(side=SIDE, steps=4),
+            spec(side=SIDE, steps=4, controls=control),
+            spec(side=SIDE, steps=4, cache=StepCache(mode="deep", interval=3, branch=0)),
+            spec(side=SIDE, steps=4, cache=StepCache(mode="deep", interval=3, branch=5)),
+        ]
+    )
+    costs = RowCosts(engine)
+    assert costs.of(controlled) == controlled.rows, "a shape not counted yet costs its rows"
+    costs.count(plain)
+    assert costs.of(plain) == plain.rows == 2
+    assert 2 < costs.of(controlled) < 4  # the tiny ControlNet: about half of its UNet per row
+    assert costs.at_start(controlled.spec, controlled.latent_shape) == costs.of(controlled)
+    assert costs.of(shallow) == costs.of(deeper) == 2, "a full step costs every block"
+    engine.step([plain, controlled, shallow, deeper])  # their step 1 reuses the deep blocks
+    assert 0 < costs.of(shallow) < costs.of(deeper) < 2
+
+
+def test_a_first_block_row_and_an_sd3_row_cost_their_rows(tmp_path):
+    engine = engine_with_adapters("sd3", tmp_path)
+    (job,) = engine.start([spec(side=SIDE, steps=3, scheduler="flow_match_euler", cache=StepCache(mode="first_block"))])
+    costs = RowCosts(engine)
+    costs.count(job)
+    engine.step([job])
+    assert costs.of(job) == job.rows
+
+
+def test_a_controlnets_out_of_memory_limits_by_its_cost_not_its_rows(engine):
+    """One ControlNet job too large alone: another like it is refused, a plain job of as many rows is not."""
+    (edges,) = engine.controlnets.acquire(["edges"], in_use=())
+    controlled_spec = spec(side=SIDE, steps=4, images=2, controls=(ControlSpec(edges, picture(SIDE, 3), 0.9),))
+    plain, controlled = engine.start([spec(side=SIDE, steps=4, images=2), controlled_spec])
+    profile = StepProfile(engine, max_images=16)
+    profile.costs.count(plain)
+    shape = plain.latent_shape
+    profile.ran_out_of_memory(shape, profile.cost(controlled), alone=True)
+    assert not profile.fits(shape, profile.costs.at_start(controlled_spec, shape))
+    assert profile.fits(shape, profile.costs.at_start(plain.spec, shape))
+    assert profile.cap(shape) == pytest.approx(profile.cost(controlled) / 2)
+    # a cap of 9 plain rows: 4 + 4 rows would fit, 4 + the ControlNet job's cost (about 6.3) do not
+    waiting, slacks = {"plain": plain, "controlled": controlled}, {"plain": 0.0, "controlled": 1.0}
+    assert choose(waiting, slacks, lambda _: 9.0) == ["plain", "controlled"]
+    assert choose(waiting, slacks, lambda _: 9.0, profile.cost) == ["plain"]
