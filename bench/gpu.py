@@ -1,7 +1,7 @@
 """`make bench-gpu`: Stable Diffusion at real sizes on the GPU it finds, in-process and served.
 
 Random-weight pipelines of the published architectures (``bench.sd15``, ``bench.sdxl``,
-``bench.sd35``: nothing downloaded) through the code a worker runs, in eight sections. Each writes
+``bench.sd35``: nothing downloaded) through the code a worker runs, in ten sections. Each writes
 ``<output>/<section>.json`` when it ends, and ``gpu.md`` and ``gpu.png`` are rendered from every
 section file there (``bench.gpu_report``), so sections can run in separate calls:
 
@@ -30,6 +30,10 @@ section file there (``bench.gpu_report``), so sections can run in separate calls
 9. ``controlnet``: SD 1.5, 512x512, two random ControlNets: one request with a ControlNet against
    none, and 8 requests with one ControlNet on all, on half, two on four each, in the shared UNet
    forward against a forward per ControlNet set (``bench.controlnets``).
+10. ``cache``: step caching per request (``bench.cache``): 8 requests with no cache, all cached,
+    half cached and mixed settings, DeepCache on SD 1.5 (512x512, 25 DDIM steps) and first-block
+    caching on SD 3.5 Medium (512x512, 28 flow-matching steps): images/s against no cache, the share
+    of the cached requests' steps that reused their cache, PSNR against no cache.
 
 ``--quick`` runs the same code on the CPU at tiny sizes (the random tiny models, 64x64, one step,
 concurrency 1 and 2, scaling at batch 1): what CI runs, so that a GPU run has nothing left to debug
@@ -51,6 +55,7 @@ from pathlib import Path
 
 import numpy as np
 
+from bench import cache as bench_cache
 from bench import controlnets, loras, sd15, sd35, sdxl
 from bench.engine import measure_model
 from bench.gpu_report import SECTION_RENDERERS, percent_text, render
@@ -66,7 +71,7 @@ from server.paths import BUILD, REPORTS, ROOT, TINY_MODEL_DIRS
 
 logger = logging.getLogger("bench-gpu")
 
-SECTIONS = tuple(SECTION_RENDERERS)  # variants, scaling, engine, served, sdxl, sd35, sd35_served, lora
+SECTIONS = tuple(SECTION_RENDERERS)  # variants, scaling, ..., lora, controlnet, cache
 EAGER = "eager"
 SECTION_VARIANTS = (
     EAGER,
@@ -110,6 +115,11 @@ class Plan:
     max_batch_limit: int
     controlnet_side: int  # SD 1.5 with ControlNets (bench.controlnets): side, steps timed per round
     controlnet_steps: int
+    cache_side: int  # step caching (bench.cache): SD 1.5's side and steps, SD 3.5's, paired rounds
+    cache_steps: int
+    cache_sd35_side: int
+    cache_sd35_steps: int
+    cache_repeats: int
 
 
 FULL = Plan(
@@ -136,6 +146,11 @@ FULL = Plan(
     max_batch_limit=128,
     controlnet_side=sd15.NATIVE_SIDE,
     controlnet_steps=5,
+    cache_side=sd15.NATIVE_SIDE,
+    cache_steps=25,
+    cache_sd35_side=512,
+    cache_sd35_steps=28,
+    cache_repeats=1,
 )
 # Scaling at batch 1 only: a CPU compiles each new batch's graph cold (98 s of the quick run's
 # 474 s, 2026-11-26), and batch 1's is the one the variants section left warm.
@@ -163,6 +178,11 @@ QUICK = Plan(
     max_batch_limit=0,
     controlnet_side=64,
     controlnet_steps=1,
+    cache_side=64,
+    cache_steps=2,
+    cache_sd35_side=64,
+    cache_sd35_steps=4,  # the tiny model's first block changes by more than 0.3 at its second step
+    cache_repeats=1,
 )
 
 
@@ -469,6 +489,28 @@ class GpuBench:
         plan = self.plan
         model = controlnets.Model("sd15", model_dir(plan.sd15_model), plan.controlnet_side, None)
         return controlnets.measure(model, plan.controlnet_steps, plan.repeats)
+
+    def cache(self) -> dict:
+        """Step caching per request against no cache (``bench.cache``): DeepCache on SD 1.5,
+        first-block caching on SD 3.5 Medium."""
+        plan = self.plan
+        models = [
+            bench_cache.Model("sd15", model_dir(plan.sd15_model), plan.cache_side, plan.cache_steps),
+            bench_cache.Model(
+                "sd35",
+                model_dir(plan.sd35_model),
+                plan.cache_sd35_side,
+                plan.cache_sd35_steps,
+                FLOW,
+                bench_cache.FIRST_BLOCK_WORKLOADS,
+            ),
+        ]
+        result: dict = {"results": []}
+        for model in models:
+            result["results"].append(bench_cache.measure(model, model.steps, plan.cache_repeats))
+            self.save("cache", result)
+            release_cached_memory()
+        return result
 
     def run(self, section: str, variant_names: list[str] | None) -> bool:
         """One section, its file saved and the report rendered whatever happens; False when it failed."""

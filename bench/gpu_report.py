@@ -12,6 +12,8 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
 from bench import sd35  # noqa: E402
+from bench.cache import plot as cache_plot  # noqa: E402
+from bench.cache import table as cache_table  # noqa: E402
 from bench.controlnets import table as controlnet_table  # noqa: E402
 from bench.engine import GOAL as ENGINE_GOAL  # noqa: E402
 from bench.engine import Row, table  # noqa: E402
@@ -302,6 +304,10 @@ def _controlnet(section: dict) -> list[str]:
     return controlnet_table([section]).strip().splitlines()
 
 
+def _cache(section: dict) -> list[str]:
+    return [*cache_table(section["results"]).strip().splitlines(), "", "![step caching](gpu-cache.png)"]
+
+
 # section name: (heading, the key its measurements are under, how they are rendered)
 SECTION_RENDERERS = {
     "variants": ("1. SD 1.5 variants", "variants", _variants),
@@ -313,6 +319,7 @@ SECTION_RENDERERS = {
     "sd35_served": ("7. SD 3.5 Medium served through TorchServe (continuous batching, closed loop)", "points", _served),
     "lora": ("8. LoRA sets in one SD 1.5 forward, per design", "rows", _lora),
     "controlnet": ("9. ControlNets in one SD 1.5 forward, against a forward per ControlNet set", "rows", _controlnet),
+    "cache": ("10. Step caching per request: DeepCache on SD 1.5, first-block on SD 3.5 Medium", "results", _cache),
 }
 
 
@@ -394,4 +401,7 @@ def render(directory: Path) -> list[Path]:
     paths = [directory / "gpu.md", directory / "gpu.png"]
     paths[0].write_text(markdown(sections))
     plot(sections, paths[1])
+    if sections.get("cache", {}).get("results"):
+        paths.append(directory / "gpu-cache.png")
+        cache_plot(sections["cache"]["results"], paths[-1])
     return paths

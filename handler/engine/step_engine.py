@@ -21,8 +21,8 @@ own (4- or 16-channel) denoiser; a job with ControlNets mirrors ``StableDiffusio
   acting in its step (``handler.adapters.controlnets``: each ControlNet once over the rows that use it, zeros
   for the others), then per job the guidance and its own ``scheduler.step`` (and, inpainting, the
   unmasked area put back at the next noise level). A job with a DeepCache (``JobSpec.cache``) at a
-  cached step runs its shallow branch in a forward of its own per branch
-  (``handler.families.deep_cache``); a job with a first-block cache (SD 3.x) runs the first
+  cached step runs only the shallow branch in that forward, the deep blocks running as a sub-batch of
+  the other rows (``handler.families.deep_cache``); a job with a first-block cache (SD 3.x) runs the first
   transformer block in the step's forward and the other blocks only where its first block's residual
   changed by more than its threshold (``handler.families.first_block_cache``). A step reads no
   tensor value on the host (``handler.families.schedules``): on a GPU, nothing in it waits for the
@@ -47,6 +47,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -54,12 +55,12 @@ import torch
 from diffusers.utils.torch_utils import randn_tensor
 
 from handler.adapters.controlnets import Control, ControlNetLibrary
-from handler.adapters.loras import LoraLibrary
+from handler.adapters.loras import Adapters, LoraLibrary
 from handler.config import FamilyRules, FaultInjection
 from handler.engine.jobs import DenoiseJob, Inpainting, JobSpec
 from handler.families import Conditioning, Decoded, Family, Pipeline, Scheduler, schedules
 from handler.families.base import padded_rows, steps_by_index
-from handler.families.deep_cache import Branch, DeepCacheHooks, RowCache, branches
+from handler.families.deep_cache import Branch, CacheRows, DeepCacheHooks, RowCache, branches
 from handler.families.first_block_cache import FirstBlockCache, FirstBlockHooks
 
 
@@ -205,8 +206,8 @@ class StepEngine:
         and ControlNet residuals (each ControlNet run once over the rows acting with it), padded to
         the least of ``row_counts`` at or above them (the compiled denoiser's CUDA graphs: copies of
         the last row with its LoRA set, without ControlNet, dropped after). Jobs at a DeepCache
-        cached step take a forward of their own per branch (``handler.families.deep_cache``); jobs
-        with a first-block cache decide inside the forward (``handler.families.first_block_cache``).
+        cached step skip the deep blocks (``handler.families.deep_cache``); jobs with a first-block
+        cache decide inside the forward (``handler.families.first_block_cache``).
         All jobs must share a latent shape. Returns the ControlNet forwards run."""
         shapes = {job.latent_shape for job in jobs}
         if len(shapes) != 1:
@@ -217,17 +218,16 @@ class StepEngine:
             self.fault_injection.out_of_memory_above_pixels,
         )
         with torch.inference_mode():
-            noise: dict[int, torch.Tensor] = {}
-            control_forwards = 0
-            for group, replay in _passes(jobs):
-                group_noise, forwards = self._forward(group, replay)
-                control_forwards += forwards
-                noise.update(zip(map(id, group), group_noise.split([job.rows for job in group]), strict=True))
-            for job in jobs:
-                self._advance(job, noise[id(job)])
+            ordered = sorted(jobs, key=_row_order, reverse=True)
+            noise, control_forwards = self._forward(ordered)
+            for job, job_noise in zip(ordered, noise.split([job.rows for job in ordered]), strict=True):
+                if job.cached_step:
+                    assert job.cache is not None
+                    job.cache.cached_steps += 1
+                self._advance(job, job_noise)
         return control_forwards
 
-    def _forward(self, jobs: list[DenoiseJob], replay: Branch | None) -> tuple[torch.Tensor, int]:
+    def _forward(self, jobs: list[DenoiseJob]) -> tuple[torch.Tensor, int]:
         """One denoiser forward over the jobs' rows (padded), each at its own timestep: the noise
         prediction of their rows, and the ControlNet forwards it ran."""
         family = self.family
@@ -247,37 +247,33 @@ class StepEngine:
         )
         # The padding rows take the last job's LoRA set: a set every row shares stays one scalar weight.
         sets = [(job.spec.adapters, job.rows) for job in jobs] + [(jobs[-1].spec.adapters, padding)]
-        with self.loras.rows(sets, self.device), self._step_cache(jobs, padding, replay):
+        with self.loras.rows(sets, self.device), self._step_cache(jobs, padding, sets):
             if self.cuda_graphs:  # each step a new run of the graphs: the last run's outputs are done with
                 torch.compiler.cudagraph_mark_step_begin()
             noise = family.forward(latents, timestep_rows, conditioning, residuals)[:rows]
         if self.cuda_graphs:  # the graph's next replay overwrites its output, which a scheduler may keep
             noise = noise.clone()
-        for job in jobs if replay is not None else ():
-            assert isinstance(job.cache, RowCache)
-            job.cache.cached_steps += 1
         return noise, control_forwards
 
     def _step_cache(
-        self, jobs: list[DenoiseJob], padding: int, replay: Branch | None
+        self, jobs: list[DenoiseJob], padding: int, sets: list[tuple[Adapters, int]]
     ) -> contextlib.AbstractContextManager[None]:
-        """The step cache over a forward's rows, where a job in it has one: DeepCache recording or
-        replaying ``replay``, or first-block caching, whose sub-batch takes its jobs' LoRA sets."""
+        """The step cache over a forward's rows, where a job in it has one (DeepCache or first-block
+        caching); a sub-batch of its jobs (by index, padding last) takes their LoRA sets (``sets``)."""
         if all(job.cache is None for job in jobs):
             return contextlib.nullcontext()
+
+        def sub_batch_rows(running: list[int]) -> contextlib.AbstractContextManager[None]:
+            return self.loras.rows([sets[index] for index in running], self.device)
+
         if self.first_block is not None:
             caches = [(job.cache if isinstance(job.cache, FirstBlockCache) else None, job.rows) for job in jobs]
-
-            def sub_batch_rows(running: list[int]) -> contextlib.AbstractContextManager[None]:
-                return self.loras.rows(
-                    [(jobs[index].spec.adapters, jobs[index].rows) for index in running], self.device
-                )
-
             return self.first_block.forward(caches, padding, sub_batch_rows)
         assert self.deep_cache is not None
-        return self.deep_cache.forward(
-            [(job.cache if isinstance(job.cache, RowCache) else None, job.rows) for job in jobs], padding, replay
-        )
+        rows = [
+            CacheRows(job.cache if isinstance(job.cache, RowCache) else None, job.rows, job.cached_step) for job in jobs
+        ]
+        return self.deep_cache.forward(rows, padding, sub_batch_rows)
 
     def _advance(self, job: DenoiseJob, noise: torch.Tensor) -> None:
         """A job's guidance and ``scheduler.step`` on its rows' noise prediction (and, inpainting,
@@ -323,14 +319,8 @@ def padded_count(rows: int, counts: Sequence[int]) -> int:
     return next((count for count in counts if count >= rows), rows)
 
 
-def _passes(jobs: list[DenoiseJob]) -> list[tuple[list[DenoiseJob], Branch | None]]:
-    """The forwards of one step: the rows at a full step (and those without a cache) together, then
-    the rows at a DeepCache cached step, one forward per branch (None: a full forward)."""
-    cached = [job for job in jobs if job.cached_step]
-    full = [job for job in jobs if not job.cached_step]
-    passes: list[tuple[list[DenoiseJob], Branch | None]] = [(full, None)] if full else []
-    for branch in dict.fromkeys(job.cache.branch for job in cached if isinstance(job.cache, RowCache)):
-        passes.append(
-            ([job for job in cached if isinstance(job.cache, RowCache) and job.cache.branch == branch], branch)
-        )
-    return passes
+def _row_order(job: DenoiseJob) -> float:
+    """A forward's rows in descending order of this: rows at a full step first, then those at a
+    DeepCache cached step, deeper branches (which skip less) first, so that the rows a module runs
+    are one block, a view of its input."""
+    return job.cache.branch.number if job.cached_step and isinstance(job.cache, RowCache) else math.inf

@@ -5,13 +5,13 @@ DeepCache (Ma et al., 2023; the ``DeepCache`` package's ``DeepCacheSDHelper``) r
 every ``interval`` steps and caches the outputs of its blocks; at the steps between, the deep blocks
 return their cached outputs and only the shallow branch (``branch``: which skip connection it
 keeps) computes. The helper decides for the whole batch, from one step counter. Here each job
-decides for its own rows:
+decides for its own rows, inside the step's one forward:
 
-- rows at a full step (and rows without a cache) run every block in one forward, and each cached
-  job keeps the outputs its cached steps will read (``record``);
-- rows at a cached step run in a forward of their own per branch, where the deep blocks return the
-  rows' cached outputs without computing (``replay``): the deep blocks run only on the rows at a
-  full step.
+- rows at a full step (and rows without a cache) run every block, and each cached job keeps the
+  outputs its cached steps will read (``record``);
+- a module that skips for the rows at a cached step runs on the other rows only, as a sub-batch
+  (with their LoRA sets), and returns for the cached rows their kept output: the deep blocks run
+  only on the rows at a full step, the shallow branch on every row.
 
 Which block skips at a cached step, and how blocks are numbered, is the helper's
 (``DeepCacheSDHelper.is_skip_step`` and ``wrap_modules``, ``DeepCache`` 0.1.1), so a job alone
@@ -22,13 +22,14 @@ timestep up in the schedule (its first index: PNDM's schedule repeats one), a jo
 from __future__ import annotations
 
 import contextlib
+import itertools
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from handler.families.base import padded_rows
+from handler.families.first_block_cache import SubBatchRows
 
 # A wrapped module: (block type "down", "mid" or "up", its kind, block number, layer number), as the helper keys it.
 Key = tuple[str, str, int, int]
@@ -45,6 +46,10 @@ class Branch:
     @classmethod
     def of(cls, branch: int) -> Branch:
         return cls(branch // 3, branch % 3)
+
+    @property
+    def number(self) -> int:
+        return 3 * self.block + self.layer
 
     def skips(self, key: Key) -> bool:
         """Whether the module ``key`` returns its cached output at a cached step
@@ -107,12 +112,27 @@ class RowCache:
 
 
 @dataclass(frozen=True)
-class _Pass:
-    """One forward's rows: each job's cache (None: none) and row count, then padding rows."""
+class CacheRows:
+    """One job's rows in a forward: its cache (None: none) and row count, and whether this step is
+    one of its cached steps."""
 
-    jobs: Sequence[tuple[RowCache | None, int]]
-    padding: int
-    replay: Branch | None  # None: every row runs every block (record); else the branch its rows replay
+    cache: RowCache | None
+    rows: int
+    cached_step: bool = False
+
+    def replays(self, key: Key) -> bool:
+        """Whether its rows take their kept output of ``key`` instead of running it."""
+        return self.cached_step and self.cache is not None and self.cache.branch.skips(key)
+
+
+@dataclass
+class _Pass:
+    """One forward's rows (the jobs', then padding rows that run every block), and the rows of the
+    module call in progress (indices into ``groups``)."""
+
+    groups: list[CacheRows]
+    sub_batch_rows: SubBatchRows
+    present: list[int]
 
 
 class DeepCacheHooks:
@@ -126,11 +146,12 @@ class DeepCacheHooks:
             module.forward = self._wrapped(key, module.forward)
 
     @contextlib.contextmanager
-    def forward(
-        self, jobs: Sequence[tuple[RowCache | None, int]], padding: int, replay: Branch | None
-    ) -> Iterator[None]:
-        """Within it, the UNet's forward over these rows records (``replay`` None) or replays ``replay``."""
-        self._pass = _Pass(jobs, padding, replay)
+    def forward(self, jobs: Sequence[CacheRows], padding: int, sub_batch_rows: SubBatchRows) -> Iterator[None]:
+        """Within it, the UNet's forward over these rows (then ``padding`` rows) records what the
+        cached jobs at a full step keep and replays it for those at a cached step;
+        ``sub_batch_rows`` gives a sub-batch of the jobs (by index; padding: the last) its LoRA rows."""
+        groups = [*jobs, *([CacheRows(None, padding)] if padding else [])]
+        self._pass = _Pass(groups, sub_batch_rows, list(range(len(groups))))
         try:
             yield
         finally:
@@ -141,28 +162,75 @@ class DeepCacheHooks:
             current = self._pass
             if current is None:
                 return forward(*args, **kwargs)
-            if current.replay is not None and current.replay.skips(key):
-                kept = [cache.outputs[key] for cache, _ in current.jobs if cache is not None]
-                rows = sum(rows for _, rows in current.jobs) + current.padding
-                return (
-                    _padded(_concat(kept), current.padding)
-                    if key == self._reused[current.replay]
-                    else _over(kept[0], rows)
-                )
-            output = forward(*args, **kwargs)
-            if current.replay is None:
+            present = current.present
+            running = [index for index in present if not current.groups[index].replays(key)]
+            if len(running) == len(present):
+                output = forward(*args, **kwargs)
                 self._keep(key, output, current)
-            return output
+                return output
+            ran = None
+            if running:
+                rows = _RowSlices(current.groups, present, running)
+                current.present = running
+                try:
+                    with current.sub_batch_rows(running):
+                        ran = forward(*rows.taken(args), **rows.taken(kwargs))
+                finally:
+                    current.present = present
+                self._keep(key, ran, current, running)
+            return self._joined(key, current, present, running, ran)
 
         return wrapped
 
-    def _keep(self, key: Key, output: Any, current: _Pass) -> None:
+    def _keep(self, key: Key, output: Any, current: _Pass, indices: list[int] | None = None) -> None:
+        """What the cached jobs at a full step among the module's rows keep of its output."""
         offset = 0
-        for cache, rows in current.jobs:
-            if cache is not None and cache.branch.keeps(key):
+        for index in current.present if indices is None else indices:
+            group = current.groups[index]
+            cache = group.cache
+            if cache is not None and not group.cached_step and cache.branch.keeps(key):
                 reused = key == self._reused[cache.branch]
-                cache.outputs[key] = _rows(output, offset, rows) if reused else _shape(output)
-            offset += rows
+                cache.outputs[key] = _rows(output, offset, group.rows) if reused else _shape(output)
+            offset += group.rows
+
+    def _joined(self, key: Key, current: _Pass, present: list[int], running: list[int], ran: Any) -> Any:
+        """The module's output over its rows: the running rows' from ``ran``, the others' kept (the
+        hidden state their running modules read) or zeros of its shape (what only skipped modules read)."""
+        parts, offset = [], 0
+        for index in present:
+            group = current.groups[index]
+            if index in running:
+                parts.append(_rows(ran, offset, group.rows, copy=False))
+                offset += group.rows
+            else:
+                assert group.cache is not None
+                kept = group.cache.outputs[key]
+                parts.append(kept if key == self._reused[group.cache.branch] else _over(kept, group.rows))
+        return _concat(parts)
+
+
+class _RowSlices:
+    """The rows of a module call's running jobs, taken from its arguments (tensors and tuples of them
+    with one row per present row; others as they are)."""
+
+    def __init__(self, groups: list[CacheRows], present: list[int], running: list[int]):
+        starts, offset = {}, 0
+        for index in present:
+            starts[index] = offset
+            offset += groups[index].rows
+        self.rows = offset
+        self.spans = [(starts[index], starts[index] + groups[index].rows) for index in running if groups[index].rows]
+
+    def taken(self, value: Any) -> Any:
+        if isinstance(value, torch.Tensor) and value.dim() and value.shape[0] == self.rows:
+            if all(stop == start for (_, stop), (start, _) in itertools.pairwise(self.spans)):
+                return value[self.spans[0][0] : self.spans[-1][1]]  # one block of rows: a view
+            return torch.cat([value[start:stop] for start, stop in self.spans])
+        if isinstance(value, tuple | list):
+            return type(value)(self.taken(part) for part in value)
+        if isinstance(value, dict):
+            return {name: self.taken(part) for name, part in value.items()}
+        return value
 
 
 def _modules(unet: Any) -> Iterator[tuple[Key, torch.nn.Module]]:
@@ -190,12 +258,14 @@ def _modules(unet: Any) -> Iterator[tuple[Key, torch.nn.Module]]:
         yield ("up", "block", block_i, 0), block
 
 
-def _rows(output: Any, start: int, rows: int) -> Any:
-    """Rows ``start`` to ``start + rows`` of a module's output (a tensor or nested tuples), copied."""
+def _rows(output: Any, start: int, rows: int, copy: bool = True) -> Any:
+    """Rows ``start`` to ``start + rows`` of a module's output (a tensor or nested tuples), copied
+    (``copy`` False: views)."""
     if isinstance(output, torch.Tensor):
-        return output[start : start + rows].clone()
+        taken = output[start : start + rows]
+        return taken.clone() if copy else taken
     if isinstance(output, tuple):
-        return tuple(_rows(part, start, rows) for part in output)
+        return tuple(_rows(part, start, rows, copy) for part in output)
     raise TypeError(f"a DeepCache module returned {type(output).__name__}; tensors and tuples are kept")
 
 
@@ -214,17 +284,13 @@ def _over(shape: Any, rows: int) -> Any:
 
 
 def _concat(outputs: Sequence[Any]) -> Any:
-    """The jobs' kept outputs as one output over their rows."""
+    """Outputs of consecutive rows as one output over them (one: itself)."""
     first = outputs[0]
+    if len(outputs) == 1:
+        return first
     if isinstance(first, torch.Tensor):
         return torch.cat(list(outputs))
     return tuple(_concat(parts) for parts in zip(*outputs, strict=True))
-
-
-def _padded(output: Any, padding: int) -> Any:
-    if isinstance(output, torch.Tensor):
-        return padded_rows(output, padding)
-    return tuple(_padded(part, padding) for part in output)
 
 
 def shallow_share(unet: torch.nn.Module, flops: dict[str, float], branch: Branch) -> float:

@@ -33,6 +33,8 @@ def report(tmp_path_factory, bench_scratch) -> dict:
     )
     with Image.open(output / "gpu.png") as plot:
         assert plot.format == "PNG" and plot.width > 1000
+    with Image.open(output / "gpu-cache.png") as plot:
+        assert plot.format == "PNG"
     return {
         "markdown": (output / "gpu.md").read_text(),
         **{section: json.loads((output / f"{section}.json").read_text()) for section in SECTIONS},
@@ -159,3 +161,19 @@ def test_controlnet_times_the_shared_forward_against_grouped_with_the_forwards_e
     assert forwards[("4 with one, 4 with another", "grouped")] == (2, 2)
     assert all(row["ratio"] > 0 and row["median_s"] > 0 for row in section["rows"])
     assert "## 9. ControlNets in one SD 1.5 forward" in report["markdown"]
+
+
+def test_cache_times_deepcache_on_sd15_and_first_block_on_sd35_against_no_cache(report):
+    section = report["cache"]
+    assert section["status"] == "ok"
+    (deep, first_block) = section["results"]
+    assert (deep["side"], deep["steps"], first_block["side"]) == (
+        QUICK.cache_side,
+        QUICK.cache_steps,
+        QUICK.cache_sd35_side,
+    )
+    assert [row["workload"] for row in first_block["rows"]][1] == "all 8 at threshold 0.3"
+    for result in (deep, first_block):
+        assert all(row["images_per_s"] > 0 and row["ratio"] > 0 for row in result["rows"])
+        assert result["rows"][1]["cached_share"] > 0, f"{result['model']}: no step reused its cache"
+    assert "## 10. Step caching per request" in report["markdown"] and "| all 8 at interval 3 |" in report["markdown"]

@@ -109,15 +109,19 @@ def _decoded(engine, jobs):
     return [engine.decode(job.latents, job.spec.width, job.spec.height) for job in jobs]
 
 
-def test_the_deep_blocks_run_only_on_the_rows_at_a_full_step(engines):
+def test_the_deep_blocks_run_only_on_the_rows_at_a_full_step_in_the_steps_one_forward(engines):
     engine = engines["sd1"]
     rows = deep_rows(engine)
+    shallow: list[int] = []
+    engine.family.denoiser.conv_in.register_forward_pre_hook(lambda module, args: shallow.append(args[0].shape[0]))
     try:
         run(engine, [(0, spec(seed=1, steps=4, cache=deep(2))), (0, spec(seed=2, steps=4))])
     finally:
         engine.family.denoiser.mid_block.resnets[0]._forward_pre_hooks.clear()
+        engine.family.denoiser.conv_in._forward_pre_hooks.clear()
     # 2 rows each (guidance): both at steps 0 and 2, the uncached one alone at steps 1 and 3
     assert rows == [4, 2, 4, 2]
+    assert shallow == [4, 4, 4, 4], "the shallow layers ran in more than one forward a step"
 
 
 @pytest.mark.parametrize("branch", [0, 2, 5])
