@@ -13,7 +13,7 @@ from pydantic_core import PydanticCustomError
 
 from handler.api.choices import ControlNetChoice, LoraChoice
 from handler.api.input_image import as_mask, as_rgb, read_image
-from handler.api.policy import RequestPolicy, above_limit, at_most, policy_of
+from handler.api.policy import above_limit, at_most, policy_of
 from handler.config import StepCache
 
 # What a list field looks like, for its error (in a form or query: that list as JSON text).
@@ -264,6 +264,12 @@ class ImageRules(BaseModel):
         return value
 
 
+CACHES_SERVED_BY = {
+    "deep": "DeepCache (deep) is served for SD 1.x/2.x and SDXL models with an eager UNet",
+    "first_block": "first-block caching is served for SD 3.x models with an eager transformer",
+}
+
+
 class CacheRules(BaseModel):
     """The step cache: a mode the model serves, within the configured limits (a form's JSON text is
     parsed before)."""
@@ -284,36 +290,24 @@ class CacheRules(BaseModel):
         if value.mode == "off":
             return value
         policy = policy_of(info)
-        if value.mode == "deep":
-            return _deep_cache_served(value, policy)
-        if not policy.rules.first_block_cache:
+        rules = policy.rules
+        if not (rules.cache_branches if value.mode == "deep" else rules.first_block_cache):
+            served = "deep" if rules.cache_branches else "first_block" if rules.first_block_cache else "none"
             raise PydanticCustomError(
                 "cache_unavailable",
-                "first-block caching is served for SD 3.x models with an eager transformer (handler.compile off); "
-                "this {family} model serves {served}: leave out cache, or send mode off",
-                {"family": policy.rules.family, "served": "deep" if policy.rules.cache_branches else "none"},
+                "{what} (handler.compile off); this {family} model serves {served}: leave out cache, or send mode off",
+                {"what": CACHES_SERVED_BY[value.mode], "family": rules.family, "served": served},
             )
-        if value.threshold > policy.cache.max_threshold:
-            raise above_limit(value.threshold, policy.cache.max_threshold, "cache.max_threshold")
+        if value.mode == "first_block":
+            if value.threshold > policy.cache.max_threshold:
+                raise above_limit(value.threshold, policy.cache.max_threshold, "cache.max_threshold")
+            return value
+        if value.interval > policy.cache.max_interval:
+            raise above_limit(value.interval, policy.cache.max_interval, "cache.max_interval")
+        if value.branch >= rules.cache_branches:
+            raise PydanticCustomError(
+                "cache_branch",
+                "cache.branch must be 0..{last} for this model's UNet (3 per down block), got {branch}",
+                {"last": rules.cache_branches - 1, "branch": value.branch},
+            )
         return value
-
-
-def _deep_cache_served(value: StepCache, policy: RequestPolicy) -> StepCache:
-    """A DeepCache: a UNet that serves it, an interval and a branch within the limits."""
-    branches = policy.rules.cache_branches
-    if not branches:
-        raise PydanticCustomError(
-            "cache_unavailable",
-            "DeepCache (deep) is served for SD 1.x/2.x and SDXL models with an eager UNet (handler.compile off); "
-            "this {family} model serves {served}: leave out cache, or send mode off",
-            {"family": policy.rules.family, "served": "first_block" if policy.rules.first_block_cache else "none"},
-        )
-    if value.interval > policy.cache.max_interval:
-        raise above_limit(value.interval, policy.cache.max_interval, "cache.max_interval")
-    if value.branch >= branches:
-        raise PydanticCustomError(
-            "cache_branch",
-            "cache.branch must be 0..{last} for this model's UNet (3 per down block), got {branch}",
-            {"last": branches - 1, "branch": value.branch},
-        )
-    return value

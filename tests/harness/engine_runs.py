@@ -149,6 +149,20 @@ def engine_with_adapters(family: str, directory: Path, device: str = "auto", **m
     return load_engine(HandlerSettings.model_validate(settings), "/unused")
 
 
+def assert_each_alone_equals_reference(engine: StepEngine, reference: Reference, jobs: Sequence[JobSpec]) -> None:
+    """Each job run alone gives the reference's images for it."""
+    for job in jobs:
+        (decoded,) = run(engine, [(0, job)])
+        assert_same_images(decoded, expected(reference, job))
+
+
+def stepped_together(engine: StepEngine, jobs: list[DenoiseJob]) -> list[Decoded]:
+    """Step started jobs together to the end; each job decoded."""
+    while not all(job.done for job in jobs):
+        engine.step([job for job in jobs if not job.done])
+    return [engine.decode(job.latents, job.spec.width, job.spec.height) for job in jobs]
+
+
 def jobs_of_every_kind(
     engine: StepEngine, scheduler: str, side: int = 32, steps: int = 4, cached: bool = False, first_block: bool = False
 ) -> list[DenoiseJob]:

@@ -13,14 +13,14 @@ import torch
 
 from bench.reference import Reference
 from handler.api.bodies import form_text
-from handler.api.errors import RequestError
 from handler.api.policy import RequestPolicy
-from handler.api.protocol import IncomingRequest, decode
 from handler.config import CacheSettings, FamilyRules, HandlerSettings, RequestDefaults, StepCache
 from handler.engine.loading import load_engine
 from handler.families.deep_cache import Branch
 from server.paths import TINY_MODEL_DIRS
+from tests.harness.decoding import decoded, refusal
 from tests.harness.engine_runs import (
+    assert_each_alone_equals_reference,
     assert_same_images,
     engine_with_adapters,
     expected,
@@ -29,6 +29,7 @@ from tests.harness.engine_runs import (
     picture,
     run,
     spec,
+    stepped_together,
 )
 
 FAMILIES = ("sd1", "sd2", "sdxl")
@@ -58,13 +59,11 @@ def test_a_cached_job_alone_equals_the_deepcache_helper_and_differs_from_no_cach
 
 
 def test_image_to_image_and_inpainting_with_a_cache_equal_the_helper(engines):
-    reference = Reference(TINY_MODEL_DIRS["sd1"])
-    for job in (
+    jobs = (
         spec(steps=8, image=picture(64), strength=0.7, cache=deep(3)),
         spec(steps=6, image=picture(64), mask=hole(64), strength=1.0, cache=deep(2)),
-    ):
-        (decoded,) = run(engines["sd1"], [(0, job)])
-        assert_same_images(decoded, expected(reference, job))
+    )
+    assert_each_alone_equals_reference(engines["sd1"], Reference(TINY_MODEL_DIRS["sd1"]), jobs)
 
 
 def deep_rows(engine) -> list[int]:
@@ -96,17 +95,11 @@ def test_padded_forwards_with_cached_rows_give_the_same_images(engines, tmp_path
     copy its last row, kept outputs included."""
     padded = engine_with_adapters("sd1", tmp_path, compile={"pad_rows": "on", "graph_rows": [4, 8, 16]})
     plain = engine_with_adapters("sd1", tmp_path / "plain")
-    theirs = _decoded(plain, jobs_of_every_kind(plain, "ddim", cached=True))
-    mine = _decoded(padded, jobs_of_every_kind(padded, "ddim", cached=True))
+    theirs = stepped_together(plain, jobs_of_every_kind(plain, "ddim", cached=True))
+    mine = stepped_together(padded, jobs_of_every_kind(padded, "ddim", cached=True))
     assert len(mine) == 6
     for ours, reference in zip(mine, theirs, strict=True):
         assert_same_images(ours, reference)
-
-
-def _decoded(engine, jobs):
-    while not all(job.done for job in jobs):
-        engine.step([job for job in jobs if not job.done])
-    return [engine.decode(job.latents, job.spec.width, job.spec.height) for job in jobs]
 
 
 def test_the_deep_blocks_run_only_on_the_rows_at_a_full_step_in_the_steps_one_forward(engines):
@@ -165,44 +158,33 @@ UNET = FamilyRules(cache_branches=6)
 POLICY = RequestPolicy(defaults=RequestDefaults(width=64, height=64), rules=UNET)
 
 
-def request(policy: RequestPolicy = POLICY, **fields):
-    return decode(IncomingRequest({"prompt": "p", **fields}, "application/json"), policy)
-
-
-def refusal(policy: RequestPolicy = POLICY, **fields):
-    with pytest.raises(RequestError) as raised:
-        request(policy, **fields)
-    (error,) = raised.value.errors
-    return error
-
-
 def test_a_request_without_a_cache_gets_the_servers_default_where_the_model_serves_it():
-    assert request().cache == StepCache()
+    assert decoded(POLICY).cache == StepCache()
     cached = RequestPolicy(rules=UNET, cache=CacheSettings(default=deep(4)))
-    assert request(cached).cache == deep(4)
-    assert request(cached, cache={"mode": "off"}).cache.mode == "off"
+    assert decoded(cached).cache == deep(4)
+    assert decoded(cached, cache={"mode": "off"}).cache.mode == "off"
     transformer = RequestPolicy(rules=FamilyRules(family="SD 3"), cache=CacheSettings(default=deep(4)))
-    assert request(transformer).cache == StepCache()
-    assert request(cached).parameters()["cache"] == {"mode": "deep", "interval": 4, "branch": 0}
+    assert decoded(transformer).cache == StepCache()
+    assert decoded(cached).parameters()["cache"] == {"mode": "deep", "interval": 4, "branch": 0}
 
 
 def test_a_cache_outside_the_limits_or_not_served_is_a_400_naming_it():
-    assert refusal(cache={"mode": "deep", "interval": 11}).field == "cache"
-    assert "cache.max_interval" in refusal(cache={"mode": "deep", "interval": 11}).message
-    assert "0..5" in refusal(cache={"mode": "deep", "branch": 6}).message
-    assert refusal(cache={"mode": "deep", "interval": 0}).field == "cache.interval"
-    assert refusal(cache={"mode": "cached"}).field == "cache.mode"
+    assert refusal(POLICY, cache={"mode": "deep", "interval": 11}).field == "cache"
+    assert "cache.max_interval" in refusal(POLICY, cache={"mode": "deep", "interval": 11}).message
+    assert "0..5" in refusal(POLICY, cache={"mode": "deep", "branch": 6}).message
+    assert refusal(POLICY, cache={"mode": "deep", "interval": 0}).field == "cache.interval"
+    assert refusal(POLICY, cache={"mode": "cached"}).field == "cache.mode"
     assert "serves none" in refusal(RequestPolicy(), cache={"mode": "first_block"}).message
-    assert refusal(cache={"mode": "deep", "depth": 2}).field == "cache.depth"
-    assert refusal(cache="deep").field == "cache"
+    assert refusal(POLICY, cache={"mode": "deep", "depth": 2}).field == "cache.depth"
+    assert refusal(POLICY, cache="deep").field == "cache"
     sd3 = RequestPolicy(rules=FamilyRules(family="SD 3"))
     assert "SD 3 model serves none" in refusal(sd3, cache={"mode": "deep"}).message
 
 
 def test_a_forms_cache_is_json_text():
     fields = form_text({"prompt": b"p", "cache": json.dumps({"mode": "deep", "interval": 2}).encode()})
-    assert request(**fields).cache == deep(2)
-    assert refusal(**form_text({"prompt": b"p", "cache": b"{deep"})).field == "cache"
+    assert decoded(POLICY, **fields).cache == deep(2)
+    assert refusal(POLICY, **form_text({"prompt": b"p", "cache": b"{deep"})).field == "cache"
 
 
 def test_bench_cache_times_every_workload_against_no_cache_and_plots_it(tmp_path):

@@ -9,13 +9,13 @@ import pytest
 import torch
 
 from bench.reference import Reference
-from handler.api.errors import RequestError
 from handler.api.policy import RequestPolicy
-from handler.api.protocol import IncomingRequest, decode
 from handler.config import CacheSettings, FamilyRules, HandlerSettings, RequestDefaults, StepCache
 from handler.engine.loading import load_engine
 from server.paths import TINY_MODEL_DIRS
+from tests.harness.decoding import decoded, refusal
 from tests.harness.engine_runs import (
+    assert_each_alone_equals_reference,
     assert_same_images,
     engine_with_adapters,
     expected,
@@ -24,6 +24,7 @@ from tests.harness.engine_runs import (
     picture,
     run,
     spec,
+    stepped_together,
 )
 from tests.harness.host_reads import HostReads, ValueReads
 
@@ -59,13 +60,11 @@ def test_a_cached_job_alone_equals_diffusers_first_block_cache_and_threshold_0_e
 
 
 def test_image_to_image_and_inpainting_with_a_cache_equal_diffusers(engines):
-    reference = Reference(TINY_MODEL_DIRS["sd3"])
-    for cached in (
+    jobs = (
         job(steps=8, image=picture(64), strength=0.7, cache=first_block(0.5)),
         job(steps=6, image=picture(64), mask=hole(64), strength=0.9, cache=first_block(0.5)),
-    ):
-        (decoded,) = run(engines["sd3"], [(0, cached)])
-        assert_same_images(decoded, expected(reference, cached))
+    )
+    assert_each_alone_equals_reference(engines["sd3"], Reference(TINY_MODEL_DIRS["sd3"]), jobs)
 
 
 def other_rows(engine) -> list[int]:
@@ -138,17 +137,11 @@ def test_padded_forwards_with_cached_rows_give_the_same_images(tmp_path):
     block's output, cached rows their own residuals."""
     padded = engine_with_adapters("sd3", tmp_path, compile={"pad_rows": "on", "graph_rows": [4, 8, 16]})
     plain = engine_with_adapters("sd3", tmp_path / "plain")
-    theirs = _decoded(plain, jobs_of_every_kind(plain, FLOW, first_block=True))
-    mine = _decoded(padded, jobs_of_every_kind(padded, FLOW, first_block=True))
+    theirs = stepped_together(plain, jobs_of_every_kind(plain, FLOW, first_block=True))
+    mine = stepped_together(padded, jobs_of_every_kind(padded, FLOW, first_block=True))
     assert len(mine) == 6
     for ours, reference in zip(mine, theirs, strict=True):
         assert_same_images(ours, reference)
-
-
-def _decoded(engine, jobs):
-    while not all(one.done for one in jobs):
-        engine.step([one for one in jobs if not one.done])
-    return [engine.decode(one.latents, one.spec.width, one.spec.height) for one in jobs]
 
 
 def test_a_lora_sub_batch_restores_the_forwards_rows(tmp_path):
@@ -168,32 +161,24 @@ SD3 = FamilyRules(family="SD 3.x", first_block_cache=True)
 POLICY = RequestPolicy(defaults=RequestDefaults(width=64, height=64), rules=SD3)
 
 
-def request(policy: RequestPolicy = POLICY, **fields):
-    return decode(IncomingRequest({"prompt": "p", **fields}, "application/json"), policy)
-
-
-def refusal(policy: RequestPolicy = POLICY, **fields):
-    with pytest.raises(RequestError) as raised:
-        request(policy, **fields)
-    (error,) = raised.value.errors
-    return error
-
-
 def test_a_first_block_cache_is_taken_and_reported_with_its_threshold():
-    assert request(cache={"mode": "first_block", "threshold": 0.2}).cache == first_block(0.2)
-    assert request(cache={"mode": "first_block"}).parameters()["cache"] == {"mode": "first_block", "threshold": 0.1}
+    assert decoded(POLICY, cache={"mode": "first_block", "threshold": 0.2}).cache == first_block(0.2)
+    assert decoded(POLICY, cache={"mode": "first_block"}).parameters()["cache"] == {
+        "mode": "first_block",
+        "threshold": 0.1,
+    }
     cached = RequestPolicy(rules=SD3, cache=CacheSettings(default=first_block(0.25)))
-    assert request(cached).cache == first_block(0.25)
+    assert decoded(cached).cache == first_block(0.25)
     unet = RequestPolicy(rules=FamilyRules(cache_branches=6), cache=CacheSettings(default=first_block(0.25)))
-    assert request(unet).cache == StepCache()
+    assert decoded(unet).cache == StepCache()
 
 
 def test_a_first_block_cache_outside_the_limits_or_not_served_is_a_400_naming_it():
-    above = refusal(cache={"mode": "first_block", "threshold": 0.6})
+    above = refusal(POLICY, cache={"mode": "first_block", "threshold": 0.6})
     assert above.field == "cache" and "cache.max_threshold" in above.message
-    assert refusal(cache={"mode": "first_block", "threshold": -0.1}).field == "cache.threshold"
-    assert refusal(cache={"mode": "first_block", "threshold": "nan"}).field == "cache.threshold"
-    deep = refusal(cache={"mode": "deep"})
+    assert refusal(POLICY, cache={"mode": "first_block", "threshold": -0.1}).field == "cache.threshold"
+    assert refusal(POLICY, cache={"mode": "first_block", "threshold": "nan"}).field == "cache.threshold"
+    deep = refusal(POLICY, cache={"mode": "deep"})
     assert deep.field == "cache" and "serves first_block" in deep.message
     unet = RequestPolicy(rules=FamilyRules(cache_branches=6))
     served = refusal(unet, cache={"mode": "first_block", "threshold": 0.1})

@@ -11,7 +11,7 @@ import torch
 
 from handler.config import CompileSettings
 from handler.engine.step_engine import padded_count
-from tests.harness.engine_runs import assert_same_images, engine_with_adapters, jobs_of_every_kind
+from tests.harness.engine_runs import assert_same_images, engine_with_adapters, jobs_of_every_kind, stepped_together
 
 # Inductor's fused float16 kernels round otherwise than eager's: on an H200 (2026-11-27) this test's
 # images moved by 2 levels, as SD 1.5's compiled pipeline did at 512x512 (docs/performance.md); a
@@ -46,11 +46,9 @@ def decoded(engine, jobs):
 
     engine.family.forward = counted
     try:
-        while not all(job.done for job in jobs):
-            engine.step([job for job in jobs if not job.done])
+        return stepped_together(engine, jobs), rows
     finally:
         del engine.family.forward
-    return [engine.decode(job.latents, job.spec.width, job.spec.height) for job in jobs], rows
 
 
 @pytest.mark.parametrize("family", ["sd1", "sdxl", "sd3"])
