@@ -304,13 +304,14 @@ class CacheSettings(_Section):
 
     @model_validator(mode="after")
     def _default_within_limits(self) -> CacheSettings:
-        if self.default.interval > self.max_interval:
+        default = self.default
+        if default.mode == "deep" and default.interval > self.max_interval:
             raise ValueError(
-                f"cache.default.interval {self.default.interval} is above cache.max_interval {self.max_interval}"
+                f"cache.default.interval {default.interval} is above cache.max_interval {self.max_interval}"
             )
-        if self.default.threshold > self.max_threshold:
+        if default.mode == "first_block" and default.threshold > self.max_threshold:
             raise ValueError(
-                f"cache.default.threshold {self.default.threshold} is above cache.max_threshold {self.max_threshold}"
+                f"cache.default.threshold {default.threshold} is above cache.max_threshold {self.max_threshold}"
             )
         return self
 

@@ -187,7 +187,7 @@ class SlotLoras:
     @contextmanager
     def rows(self, sets: Sequence[tuple[Adapters, int]], device: torch.device) -> Iterator[torch.Tensor | None]:
         """During the block, the denoiser's forwards give each consecutive block of rows its set
-        (nested: a sub-batch of the forward; the forward's weights are back after it)."""
+        (the weights before it are back after it)."""
         outer, self.state.weights = self.state.weights, self.weights(sets, device)
         try:
             yield self.state.weights

@@ -1,13 +1,21 @@
-"""What a job's rows cost in one denoiser forward, in plain rows of its latent shape: the unit of the
+"""What a job's rows cost in one denoiser forward, in plain rows of its latent shape: the units of the
 step-time profile's cap and of the memory limits it learns (``handler.engine.scheduling``).
 
-A plain row costs 1. Each ControlNet acting on a row adds its share; a row at a DeepCache cached step
-costs its shallow branch's share instead of 1; a first-block row costs 1 (it decides inside the
-forward whether it runs the blocks after the first). A share is floating-point operations per row
-against the denoiser's, counted once per latent shape (and ControlNet) by ``FlopCounterMode`` on fake
-tensors: nothing is computed or allocated. A forward's time and its activations both grow with
-them, so ControlNet traffic is not over-admitted, and a forward that ran out of memory with
-ControlNets lowers the shape's limit by what it cost, not by its row count.
+Time: a plain row costs 1. Each ControlNet acting on a row adds its share; a row at a DeepCache
+cached step costs its shallow branch's share instead of 1; a first-block row costs 1 (it decides
+inside the forward whether it runs the blocks after the first). A share is floating-point
+operations per row against the denoiser's, counted once per latent shape (and ControlNet) by
+``FlopCounterMode`` on fake tensors (attention by its math path, so CPU and GPU count alike):
+nothing is computed or allocated.
+
+Memory: the time cost, but never less than the rows. A ControlNet's activations come on top of the
+UNet's, as its operations do; a cached step's shallow branch runs at full resolution, where most
+activations are, so its memory does not shrink with its operations. So ControlNet traffic is not
+over-admitted, a forward with ControlNets that runs out of memory lowers the shape's limit by what
+it cost, and cached rows never pack more rows into a forward than memory has held.
+
+Where the operations cannot be counted (a denoiser under accelerate's CPU offload, whose hooks
+would move fake weights; or a counting failure), rows cost their count and a ControlNet a row.
 """
 
 from __future__ import annotations
@@ -15,10 +23,11 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 
 from handler.engine.jobs import DenoiseJob, JobSpec
@@ -28,6 +37,18 @@ from handler.families.deep_cache import Branch, RowCache, shallow_share
 
 logger = logging.getLogger(__name__)
 Shape = tuple[int, ...]
+UNCOUNTED_CONTROLNET = 1.0  # a ControlNet whose operations could not be counted: as much as the denoiser
+
+
+class Cost(NamedTuple):
+    """A job's next step, or a shape's limits, in plain rows."""
+
+    time: float
+    memory: float
+
+    @classmethod
+    def rows(cls, rows: float) -> Cost:
+        return cls(rows, rows)
 
 
 @dataclass
@@ -54,28 +75,34 @@ class RowCosts:
     def count(self, job: DenoiseJob) -> None:
         """Count the denoiser's operations per row of the job's latent shape, from its first row
         (once per shape; the UNet families only: only they take ControlNets or DeepCache)."""
-        shape = job.latent_shape
-        if shape in self._shapes or not self.engine.family.rules.controlnets:
+        shape, family = job.latent_shape, self.engine.family
+        if shape in self._shapes or not family.rules.controlnets or hasattr(family.denoiser, "_hf_hook"):
             return
         latents, timestep = job.latents[:1], job.timesteps[:1].float()
         conditioning = job.conditioning.rows(slice(0, 1))
-        family = self.engine.family
-        flops, by_module = _flops(lambda: family.forward(latents, timestep, conditioning, None))
-        self._shapes[shape] = _ShapeCosts(
-            latents, timestep, conditioning, (job.spec.height, job.spec.width), flops, by_module
-        )
+        try:
+            flops, by_module = _flops(lambda: family.forward(latents, timestep, conditioning, None))
+        except Exception:  # noqa: BLE001 - the shape's rows then cost their count
+            logger.exception(
+                "row costs %s: the denoiser's operations could not be counted; rows cost their count", shape
+            )
+            return
+        side = (job.spec.height, job.spec.width)
+        self._shapes[shape] = _ShapeCosts(latents, timestep, conditioning, side, flops, by_module)
         logger.info("row costs %s: %.3g GFLOP per denoiser row", shape, flops / 1e9)
 
-    def of(self, job: DenoiseJob) -> float:
+    def of(self, job: DenoiseJob) -> Cost:
         """What the job's rows cost in its next step."""
         costs = self._shapes.get(job.latent_shape)
         if costs is None:
-            return float(job.rows)
+            return Cost.rows(job.rows)
         base = self._shallow(costs, job.cache.branch) if job.cached_step and isinstance(job.cache, RowCache) else 1.0
-        return job.rows * (base + sum(self._controlnet(costs, control.spec.net) for control in job.acting()))
+        time = job.rows * (base + sum(self._controlnet(costs, control.spec.net) for control in job.acting()))
+        return Cost(time, max(time, job.rows))
 
     def at_start(self, spec: JobSpec, shape: Shape) -> float:
-        """What a job of ``spec`` costs in its first step (every ControlNet it names acting)."""
+        """What a job of ``spec`` costs in its first step (every ControlNet it names acting; time
+        and memory alike)."""
         costs = self._shapes.get(shape)
         if costs is None:
             return float(spec.rows)
@@ -95,17 +122,23 @@ class RowCosts:
                 image = torch.zeros((1, 3, height, width), dtype=latents.dtype, device=latents.device)
                 return controlnets.run(net_id, latents, costs.timestep, costs.conditioning, image)
 
-            flops, _ = _flops(call)
-            costs.controlnets[net_id] = flops / costs.flops
-            logger.info("row costs: ControlNet %s adds %.2f of a denoiser row", net_id, costs.controlnets[net_id])
+            try:
+                share = _flops(call)[0] / costs.flops
+            except Exception:  # noqa: BLE001 - counted as a whole row instead
+                logger.exception("row costs: ControlNet %s's operations could not be counted; it costs a row", net_id)
+                share = UNCOUNTED_CONTROLNET
+            costs.controlnets[net_id] = share
+            logger.info("row costs: ControlNet %s adds %.2f of a denoiser row", net_id, share)
         return costs.controlnets[net_id]
 
 
 def _flops(call: Callable[[], Any]) -> tuple[float, dict[str, float]]:
     """The operations of ``call`` on fake tensors (its real inputs and weights stand in as fakes), in
-    all and per module; a compiled module runs its eager code."""
+    all and per module; a compiled module runs its eager code, attention its math path (the fused
+    kernels of the CPU count none)."""
     with (
         torch.compiler.set_stance("force_eager"),
+        sdpa_kernel(SDPBackend.MATH),
         torch.inference_mode(),
         FakeTensorMode(allow_non_fake_inputs=True),
         FlopCounterMode(display=False) as counter,

@@ -20,7 +20,7 @@ from collections.abc import Callable
 import torch
 
 from handler.config import SchedulerName
-from handler.engine.costs import RowCosts
+from handler.engine.costs import Cost, RowCosts
 from handler.engine.jobs import DenoiseJob, JobSpec
 from handler.engine.loading import release_cached_memory, synchronize
 from handler.engine.step_engine import StepEngine
@@ -101,9 +101,18 @@ class StepProfile:
         fastest = min(rows for rows, seconds in timings.items() if seconds / rows <= best * (1 + PROFILE_GAIN))
         return max(1, min(fastest, self.memory_caps.get(shape, fastest)))
 
-    def cost(self, job: DenoiseJob) -> float:
+    def cost(self, job: DenoiseJob) -> Cost:
         """What the job's rows cost in its next step, in plain rows."""
         return self.costs.of(job)
+
+    def limits(self, shape: Shape) -> Cost:
+        """What one forward of this shape may cost: the cap in time, what memory has held."""
+        return Cost(self.cap(shape), self.memory_caps.get(shape, self.max_rows))
+
+    def fits_job(self, spec: JobSpec) -> bool:
+        """False when a job like ``spec`` (its rows, with its ControlNets) already ran out of memory alone."""
+        shape = self.engine.latent_shape(spec.width, spec.height)
+        return self.fits(shape, self.costs.at_start(spec, shape))
 
     def ran_out_of_memory(self, shape: Shape, rows: float, alone: bool) -> None:
         """``rows`` rows (plain rows: costs) of this shape did not fit in one forward: never step
@@ -138,22 +147,24 @@ def slack(job: DenoiseJob, deadline: float, now: float, profile: StepProfile) ->
 def choose(
     waiting: dict[str, DenoiseJob],
     slacks: dict[str, float],
-    cap: Callable[[Shape], float],
-    cost: Callable[[DenoiseJob], float] = lambda job: job.rows,
+    limits: Callable[[Shape], Cost],
+    cost: Callable[[DenoiseJob], Cost] = lambda job: Cost.rows(job.rows),
 ) -> list[str]:
     """The jobs (by id) that take the next forward: the latent shape of the least-slack job, then in
-    slack order every job of that shape (whatever its LoRA set) whose rows (``cost``) still fit the
-    shape's cap (the least-slack job goes even when it alone is larger than the cap)."""
+    slack order every job of that shape (whatever its LoRA set) whose cost still fits the shape's
+    limits in time and memory (the least-slack job goes even when it alone is over them)."""
     if not waiting:
         return []
     order = sorted(waiting, key=lambda name: slacks[name])
     shape = waiting[order[0]].latent_shape
-    limit, rows = cap(shape), 0.0
+    limit, time, memory = limits(shape), 0.0, 0.0
     chosen: list[str] = []
     for name in order:
-        job = waiting[name]
-        if job.latent_shape != shape or chosen and rows + cost(job) > limit:
+        job, job_cost = waiting[name], cost(waiting[name])
+        if job.latent_shape != shape:
+            continue
+        if chosen and (time + job_cost.time > limit.time or memory + job_cost.memory > limit.memory):
             continue
         chosen.append(name)
-        rows += cost(job)
+        time, memory = time + job_cost.time, memory + job_cost.memory
     return chosen

@@ -268,7 +268,7 @@ class StepEngine:
 
         if self.first_block is not None:
             caches = [(job.cache if isinstance(job.cache, FirstBlockCache) else None, job.rows) for job in jobs]
-            return self.first_block.forward(caches, padding, sub_batch_rows)
+            return self.first_block.forward(caches, sub_batch_rows)
         assert self.deep_cache is not None
         rows = [
             CacheRows(job.cache if isinstance(job.cache, RowCache) else None, job.rows, job.cached_step) for job in jobs

@@ -28,7 +28,8 @@ import functools
 import inspect
 from abc import ABC, abstractmethod
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Literal, Protocol, TypeGuard
 
@@ -131,6 +132,11 @@ class Conditioning:
             return self
         added = {name: padded_rows(value, padding) for name, value in self.added.items()}
         return Conditioning(padded_rows(self.hidden_states, padding), added)
+
+
+# The LoRA rows of a sub-batch of a forward's jobs (by index; padding rows: the last), for the step
+# caches whose blocks run on some rows only.
+SubBatchRows = Callable[[list[int]], AbstractContextManager[Any]]
 
 
 def padded_rows(rows: torch.Tensor, padding: int) -> torch.Tensor:

@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from handler.families.first_block_cache import SubBatchRows
+from handler.families.base import SubBatchRows
 
 # A wrapped module: (block type "down", "mid" or "up", its kind, block number, layer number), as the helper keys it.
 Key = tuple[str, str, int, int]

@@ -29,14 +29,12 @@ from __future__ import annotations
 import contextlib
 import itertools
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import AbstractContextManager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-# The LoRA rows of a sub-batch: the jobs (by index in the forward) whose rows run the other blocks.
-SubBatchRows = Callable[[list[int]], AbstractContextManager[Any]]
+from handler.families.base import SubBatchRows
 
 
 @dataclass
@@ -57,12 +55,22 @@ class FirstBlockCache:
 
 @dataclass
 class _Pass:
-    """One forward's rows: each job's cache (None: none) and row count, then padding rows."""
+    """One forward's rows: each job's cache (None: none) and row count (padding rows after them),
+    and what the cached jobs keep once the forward went through."""
 
     jobs: Sequence[tuple[FirstBlockCache | None, int]]
-    padding: int
     sub_batch_rows: SubBatchRows
     done: bool = False  # the first block ran the others: the transformer's own calls pass through
+    # (cache, first-block residual, other blocks' residual) of a job that computed; residuals None: it skipped
+    kept: list[tuple[FirstBlockCache, torch.Tensor | None, torch.Tensor | None]] = field(default_factory=list)
+
+    def keep(self) -> None:
+        """The residuals of the jobs that computed, and the steps of those that skipped."""
+        for cache, head, tail in self.kept:
+            if head is None:
+                cache.cached_steps += 1
+            else:
+                cache.head, cache.tail = head, tail
 
     def spans(self) -> list[slice]:
         """Each job's rows."""
@@ -84,12 +92,15 @@ class FirstBlockHooks:
 
     @contextlib.contextmanager
     def forward(
-        self, jobs: Sequence[tuple[FirstBlockCache | None, int]], padding: int, sub_batch_rows: SubBatchRows
+        self, jobs: Sequence[tuple[FirstBlockCache | None, int]], sub_batch_rows: SubBatchRows
     ) -> Iterator[None]:
-        """Within it, the transformer's forward over these rows caches per job."""
-        self._pass = _Pass(jobs, padding, sub_batch_rows)
+        """Within it, the transformer's forward over these rows (and padding rows after them) caches
+        per job; ``sub_batch_rows`` gives a sub-batch of the jobs (by index) its LoRA rows. The jobs
+        keep their residuals when the forward went through (a retried one decides afresh)."""
+        self._pass = current = _Pass(jobs, sub_batch_rows)
         try:
             yield
+            current.keep()
         finally:
             self._pass = None
 
@@ -114,7 +125,9 @@ class FirstBlockHooks:
 
         return passing
 
-    def _others_or_kept(self, current: _Pass, kwargs: dict[str, Any], encoder: torch.Tensor, first: torch.Tensor):
+    def _others_or_kept(
+        self, current: _Pass, kwargs: dict[str, Any], encoder: torch.Tensor, first: torch.Tensor
+    ) -> torch.Tensor:
         """The last block's hidden states: the other blocks' for the jobs that compute, the first
         block's plus the kept residual for the others; and what each cached job keeps."""
         spans = current.spans()
@@ -125,10 +138,9 @@ class FirstBlockHooks:
         else:
             last = self._sub_batch(current, spans, computes, first, encoder, kwargs)
         for (cache, _), computed, span in zip(current.jobs, computes, spans, strict=True):
-            if cache is not None and computed:
-                cache.head, cache.tail = residual[span].clone(), last[span] - first[span]
-            elif cache is not None:
-                cache.cached_steps += 1
+            if cache is not None:
+                kept = (residual[span].clone(), last[span] - first[span]) if computed else (None, None)
+                current.kept.append((cache, *kept))
         return last
 
     def _sub_batch(

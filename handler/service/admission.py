@@ -228,7 +228,7 @@ class Admission:
         shape = self.engine.latent_shape(spec.width, spec.height)
         if not self.profile.measured(shape):
             self.profile.measure(spec.width, spec.height)
-        return self.profile.fits(shape, self.profile.costs.at_start(spec, shape))
+        return self.profile.fits_job(spec)
 
     def _start_together(self, specs: dict[str, JobSpec]) -> dict[str, DenoiseJob | Response]:
         """Start jobs together (one text-encoder call); when that fails, each alone, so that a

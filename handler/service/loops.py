@@ -171,18 +171,19 @@ class DiffusionService:
         started = time.perf_counter()
         for shape in shapes:
             self.profile.measure(shape.width, shape.height)
-            if not self.profile.fits(self.engine.latent_shape(shape.width, shape.height), shape.batch_size):
+            spec = self._warm_up_spec(shape)
+            if not self.profile.fits_job(spec):
                 logger.warning("warm-up shape %s does not fit in memory; skipped", shape.model_dump())
                 continue
-            self._warm_up_job(shape)
+            self._warm_up_job(spec)
             if self.engine.loras.slots is not None:
                 with self.engine.loras.slots.lora_graph():
-                    self._warm_up_job(shape)
+                    self._warm_up_job(spec)
         return time.perf_counter() - started
 
-    def _warm_up_job(self, shape: WarmupShape) -> None:
+    def _warm_up_spec(self, shape: WarmupShape) -> JobSpec:
         defaults = self.policy.defaults
-        spec = JobSpec(
+        return JobSpec(
             "warm-up",
             None,
             tuple(range(shape.batch_size)),
@@ -192,10 +193,12 @@ class DiffusionService:
             defaults.scheduler,
             defaults.guidance_scale,
         )
+
+    def _warm_up_job(self, spec: JobSpec) -> None:
         (job,) = self.engine.start([spec])
         while not job.done:
             self.engine.step([job])
-        self.engine.decode(job.latents, shape.width, shape.height)
+        self.engine.decode(job.latents, spec.width, spec.height)
 
 
 def build_service(

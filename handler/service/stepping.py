@@ -87,7 +87,7 @@ class Stepping:
         if waiting:
             now = self.clock()
             slacks = {rid: slack(job, self.flights[rid].deadline, now, self.profile) for rid, job in waiting.items()}
-            chosen = choose(waiting, slacks, self.profile.cap, self.profile.cost)
+            chosen = choose(waiting, slacks, self.profile.limits, self.profile.cost)
             responses = self.step(chosen)
         self.flights.waiting = len(waiting) - len(chosen)
         return responses
@@ -98,7 +98,7 @@ class Stepping:
         Returns failures and progress lines by id."""
         jobs = [self.flights[rid].job for rid in chosen]
         steps_before = [job.step for job in jobs]
-        rows = sum(self.profile.cost(job) for job in jobs)  # in plain rows: what a ControlNet or a cache changes
+        rows = sum(self.profile.cost(job).memory for job in jobs)  # plain rows: a ControlNet's count more
         cached_before = [job.cached_steps for job in jobs]
         started = self.timer.start()
         try:

@@ -168,7 +168,8 @@ def jobs_of_every_kind(
 ) -> list[DenoiseJob]:
     """A plain job, one with a LoRA, one with a LoRA and a ControlNet (where the family takes
     them), an image-to-image and an inpainting job, all stepped together; ``cached``: and, where
-    the engine serves DeepCache, a cached job with the LoRA and the ControlNet; ``first_block``:
+    the engine serves DeepCache, a cached job with the LoRA and the ControlNet and one of a branch
+    in another block (their cached steps differ); ``first_block``:
     and, where it serves first-block caching, a job with it and the LoRA (its threshold skips
     every step after the first on the tiny models)."""
     lora = engine.loras.acquire([("attention", 0.8)], in_use=())
@@ -177,10 +178,22 @@ def jobs_of_every_kind(
         (edges,) = engine.controlnets.acquire(["edges"], in_use=())
         controls = (ControlSpec(edges, picture(side, 3), 0.9),)
     common = dict(side=side, steps=steps, scheduler=scheduler)
-    caches = {
-        "deep": (cached and engine.deep_cache is not None, StepCache(mode="deep", interval=2)),
-        "first_block": (first_block and engine.first_block is not None, StepCache(mode="first_block", threshold=0.5)),
-    }
+    deep = cached and engine.deep_cache is not None
+    cached_specs = [
+        *(
+            [
+                spec("cached", 6, adapters=lora, controls=controls, cache=StepCache(mode="deep", interval=2), **common),
+                spec("cached deeper", 7, cache=StepCache(mode="deep", interval=3, branch=4), **common),
+            ]
+            if deep
+            else []
+        ),
+        *(
+            [spec("cached first block", 6, adapters=lora, cache=StepCache(mode="first_block", threshold=0.5), **common)]
+            if first_block and engine.first_block is not None
+            else []
+        ),
+    ]
     return engine.start(
         [
             spec("plain", 1, images=2, **common),
@@ -188,10 +201,6 @@ def jobs_of_every_kind(
             spec("lora and control", 3, adapters=lora, controls=controls, **common),
             spec("image", 4, image=picture(side, 1), strength=0.8, guidance=1.0, **common),
             spec("inpaint", 5, image=picture(side, 2), mask=hole(side), strength=0.9, **common),
-            *[
-                spec(f"cached {mode}", 6, adapters=lora, controls=controls, cache=cache, **common)
-                for mode, (wanted, cache) in caches.items()
-                if wanted
-            ],
+            *cached_specs,
         ]
     )

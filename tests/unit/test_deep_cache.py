@@ -91,13 +91,14 @@ def test_cached_and_uncached_jobs_share_forwards_each_equal_to_itself_alone(engi
 
 
 def test_padded_forwards_with_cached_rows_give_the_same_images(engines, tmp_path):
-    """Rows padded to graph counts (``compile.pad_rows`` on, eager): a cached forward's padding rows
-    copy its last row, kept outputs included."""
+    """Rows padded to graph counts (``compile.pad_rows`` on, eager): the padding rows run every
+    block beside the cached rows (of two branches in different blocks, one with a LoRA and a
+    ControlNet), and are dropped."""
     padded = engine_with_adapters("sd1", tmp_path, compile={"pad_rows": "on", "graph_rows": [4, 8, 16]})
     plain = engine_with_adapters("sd1", tmp_path / "plain")
     theirs = stepped_together(plain, jobs_of_every_kind(plain, "ddim", cached=True))
     mine = stepped_together(padded, jobs_of_every_kind(padded, "ddim", cached=True))
-    assert len(mine) == 6
+    assert len(mine) == 7
     for ours, reference in zip(mine, theirs, strict=True):
         assert_same_images(ours, reference)
 

@@ -59,12 +59,13 @@ def test_a_cached_job_alone_equals_diffusers_first_block_cache_and_threshold_0_e
     assert [image.tobytes() for image in none_skipped.images] == [image.tobytes() for image in uncached.images]
 
 
-def test_image_to_image_and_inpainting_with_a_cache_equal_diffusers(engines):
+@pytest.mark.parametrize("family", FAMILIES)
+def test_image_to_image_and_inpainting_with_a_cache_equal_diffusers(engines, family):
     jobs = (
         job(steps=8, image=picture(64), strength=0.7, cache=first_block(0.5)),
         job(steps=6, image=picture(64), mask=hole(64), strength=0.9, cache=first_block(0.5)),
     )
-    assert_each_alone_equals_reference(engines["sd3"], Reference(TINY_MODEL_DIRS["sd3"]), jobs)
+    assert_each_alone_equals_reference(engines[family], Reference(TINY_MODEL_DIRS[family]), jobs)
 
 
 def other_rows(engine) -> list[int]:

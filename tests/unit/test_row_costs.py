@@ -9,7 +9,7 @@ import pytest
 
 from handler.adapters.controlnets import ControlSpec
 from handler.config import StepCache
-from handler.engine.costs import RowCosts
+from handler.engine.costs import Cost, RowCosts
 from handler.engine.scheduling import StepProfile, choose
 from tests.harness.engine_runs import engine_with_adapters, picture, spec
 
@@ -33,14 +33,16 @@ def test_a_controlnet_row_costs_more_and_a_cached_step_less(engine):
         ]
     )
     costs = RowCosts(engine)
-    assert costs.of(controlled) == controlled.rows, "a shape not counted yet costs its rows"
+    assert costs.of(controlled) == Cost.rows(controlled.rows), "a shape not counted yet costs its rows"
     costs.count(plain)
-    assert costs.of(plain) == plain.rows == 2
-    assert 2 < costs.of(controlled) < 4  # the tiny ControlNet: about half of its UNet per row
-    assert costs.at_start(controlled.spec, controlled.latent_shape) == costs.of(controlled)
-    assert costs.of(shallow) == costs.of(deeper) == 2, "a full step costs every block"
+    assert costs.of(plain) == Cost.rows(plain.rows) == Cost.rows(2)
+    controlled_cost = costs.of(controlled)
+    assert 2 < controlled_cost.time == controlled_cost.memory < 4  # the tiny ControlNet: about half its UNet
+    assert costs.at_start(controlled.spec, controlled.latent_shape) == controlled_cost.time
+    assert costs.of(shallow) == costs.of(deeper) == Cost.rows(2), "a full step costs every block"
     engine.step([plain, controlled, shallow, deeper])  # their step 1 reuses the deep blocks
-    assert 0 < costs.of(shallow) < costs.of(deeper) < 2
+    assert 0 < costs.of(shallow).time < costs.of(deeper).time < 2
+    assert costs.of(shallow).memory == costs.of(deeper).memory == 2, "its memory does not shrink"
 
 
 def test_a_first_block_row_and_an_sd3_row_cost_their_rows(tmp_path):
@@ -49,7 +51,7 @@ def test_a_first_block_row_and_an_sd3_row_cost_their_rows(tmp_path):
     costs = RowCosts(engine)
     costs.count(job)
     engine.step([job])
-    assert costs.of(job) == job.rows
+    assert costs.of(job) == Cost.rows(job.rows)
 
 
 def test_a_controlnets_out_of_memory_limits_by_its_cost_not_its_rows(engine):
@@ -60,11 +62,11 @@ def test_a_controlnets_out_of_memory_limits_by_its_cost_not_its_rows(engine):
     profile = StepProfile(engine, max_images=16)
     profile.costs.count(plain)
     shape = plain.latent_shape
-    profile.ran_out_of_memory(shape, profile.cost(controlled), alone=True)
-    assert not profile.fits(shape, profile.costs.at_start(controlled_spec, shape))
-    assert profile.fits(shape, profile.costs.at_start(plain.spec, shape))
-    assert profile.cap(shape) == pytest.approx(profile.cost(controlled) / 2)
-    # a cap of 9 plain rows: 4 + 4 rows would fit, 4 + the ControlNet job's cost (about 6.3) do not
+    profile.ran_out_of_memory(shape, profile.cost(controlled).memory, alone=True)
+    assert not profile.fits_job(controlled_spec)
+    assert profile.fits_job(plain.spec)
+    assert profile.cap(shape) == pytest.approx(profile.cost(controlled).memory / 2)
+    # a limit of 9 plain rows: 4 + 4 rows would fit, 4 + the ControlNet job's cost (about 6.3) do not
     waiting, slacks = {"plain": plain, "controlled": controlled}, {"plain": 0.0, "controlled": 1.0}
-    assert choose(waiting, slacks, lambda _: 9.0) == ["plain", "controlled"]
-    assert choose(waiting, slacks, lambda _: 9.0, profile.cost) == ["plain"]
+    assert choose(waiting, slacks, lambda _: Cost.rows(9)) == ["plain", "controlled"]
+    assert choose(waiting, slacks, lambda _: Cost.rows(9), profile.cost) == ["plain"]

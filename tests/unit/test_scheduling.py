@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import torch
 
+from handler.engine.costs import Cost
 from handler.engine.jobs import DenoiseJob, JobSpec
 from handler.engine.scheduling import StepProfile, choose, slack
 from handler.families import Conditioning
@@ -71,10 +72,19 @@ def test_slack_is_time_to_the_deadline_minus_the_remaining_steps():
 def test_choose_takes_the_least_slack_shape_then_least_slack_jobs_that_fit_the_cap():
     waiting = {"a": job(2), "b": job(1, side=128), "c": job(1), "d": job(3), "e": job(1)}  # guided: 2 rows an image
     slacks = {"a": 3.0, "b": 0.5, "c": 1.0, "d": 2.0, "e": 4.0}
-    assert choose(waiting, slacks, lambda shape: 16) == ["b"]
+    assert choose(waiting, slacks, lambda shape: Cost.rows(16)) == ["b"]
     slacks["b"] = 9.0
-    assert choose(waiting, slacks, lambda shape: 8) == ["c", "d"]  # 2 + 6 rows; a and e would exceed
-    assert choose(waiting, slacks, lambda shape: 4) == ["c", "e"]  # d and a do not fit, e still does
-    assert choose(waiting, slacks, lambda shape: 1) == ["c"]
-    assert choose({"big": job(6)}, {"big": 0.0}, lambda shape: 2) == ["big"]  # larger than the cap: alone
-    assert choose({}, {}, lambda shape: 2) == []
+    assert choose(waiting, slacks, lambda shape: Cost.rows(8)) == ["c", "d"]  # 2 + 6 rows; a and e would exceed
+    assert choose(waiting, slacks, lambda shape: Cost.rows(4)) == ["c", "e"]  # d and a do not fit, e still does
+    assert choose(waiting, slacks, lambda shape: Cost.rows(1)) == ["c"]
+    assert choose({"big": job(6)}, {"big": 0.0}, lambda shape: Cost.rows(2)) == ["big"]  # larger than the cap: alone
+    assert choose({}, {}, lambda shape: Cost.rows(2)) == []
+
+
+def test_choose_keeps_a_forward_within_the_time_and_the_memory_limits():
+    """Cheap rows in time (a DeepCache cached step) still fill the memory limit by their count."""
+    waiting = {"a": job(2), "b": job(2), "c": job(2)}  # 4 rows each
+    slacks = {"a": 1.0, "b": 2.0, "c": 3.0}
+    cheap = lambda one: Cost(0.1 * one.rows, one.rows)  # noqa: E731
+    assert choose(waiting, slacks, lambda shape: Cost(4, 100), cheap) == ["a", "b", "c"]
+    assert choose(waiting, slacks, lambda shape: Cost(4, 8), cheap) == ["a", "b"]
