@@ -221,9 +221,6 @@ class StepEngine:
             ordered = sorted(jobs, key=_row_order, reverse=True)
             noise, control_forwards = self._forward(ordered)
             for job, job_noise in zip(ordered, noise.split([job.rows for job in ordered]), strict=True):
-                if job.cached_step:
-                    assert job.cache is not None
-                    job.cache.cached_steps += 1
                 self._advance(job, job_noise)
         return control_forwards
 

@@ -26,6 +26,7 @@ from __future__ import annotations
 import copy
 import functools
 import inspect
+import itertools
 from abc import ABC, abstractmethod
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
@@ -137,6 +138,23 @@ class Conditioning:
 # The LoRA rows of a sub-batch of a forward's jobs (by index; padding rows: the last), for the step
 # caches whose blocks run on some rows only.
 SubBatchRows = Callable[[list[int]], AbstractContextManager[Any]]
+
+
+class RowBlocks:
+    """A forward's rows as consecutive blocks, one per job (``counts``), and the rows of some of them:
+    what a step cache's sub-batch takes."""
+
+    def __init__(self, counts: Sequence[int]):
+        stops = list(itertools.accumulate(counts))
+        self.spans = [slice(stop - count, stop) for count, stop in zip(counts, stops, strict=True)]
+        self.rows = stops[-1] if stops else 0
+
+    def taken(self, tensor: torch.Tensor, blocks: Sequence[int]) -> torch.Tensor:
+        """The rows of ``blocks`` (ascending): a view where they are consecutive, else a copy."""
+        spans = [self.spans[block] for block in blocks]
+        if all(before.stop == after.start for before, after in itertools.pairwise(spans)):
+            return tensor[spans[0].start : spans[-1].stop]
+        return torch.cat([tensor[span] for span in spans])
 
 
 def padded_rows(rows: torch.Tensor, padding: int) -> torch.Tensor:

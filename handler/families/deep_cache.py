@@ -22,14 +22,13 @@ timestep up in the schedule (its first index: PNDM's schedule repeats one), a jo
 from __future__ import annotations
 
 import contextlib
-import itertools
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from handler.families.base import SubBatchRows
+from handler.families.base import RowBlocks, SubBatchRows
 
 # A wrapped module: (block type "down", "mid" or "up", its kind, block number, layer number), as the helper keys it.
 Key = tuple[str, str, int, int]
@@ -154,6 +153,9 @@ class DeepCacheHooks:
         self._pass = _Pass(groups, sub_batch_rows, list(range(len(groups))))
         try:
             yield
+            for group in groups:  # the forward went through: its cached jobs took a cached step
+                if group.cached_step and group.cache is not None:
+                    group.cache.cached_steps += 1
         finally:
             self._pass = None
 
@@ -170,11 +172,11 @@ class DeepCacheHooks:
                 return output
             ran = None
             if running:
-                rows = _RowSlices(current.groups, present, running)
+                taken = _Taken(RowBlocks([current.groups[index].rows for index in present]), present, running)
                 current.present = running
                 try:
                     with current.sub_batch_rows(running):
-                        ran = forward(*rows.taken(args), **rows.taken(kwargs))
+                        ran = forward(*taken(args), **taken(kwargs))
                 finally:
                     current.present = present
                 self._keep(key, ran, current, running)
@@ -209,27 +211,21 @@ class DeepCacheHooks:
         return _concat(parts)
 
 
-class _RowSlices:
-    """The rows of a module call's running jobs, taken from its arguments (tensors and tuples of them
-    with one row per present row; others as they are)."""
+class _Taken:
+    """The rows of a module call's running jobs, taken from its arguments (tensors, and tuples, lists
+    and dicts of them, with one row per present row; others as they are)."""
 
-    def __init__(self, groups: list[CacheRows], present: list[int], running: list[int]):
-        starts, offset = {}, 0
-        for index in present:
-            starts[index] = offset
-            offset += groups[index].rows
-        self.rows = offset
-        self.spans = [(starts[index], starts[index] + groups[index].rows) for index in running if groups[index].rows]
+    def __init__(self, blocks: RowBlocks, present: list[int], running: list[int]):
+        self.blocks = blocks
+        self.running = [present.index(index) for index in running]
 
-    def taken(self, value: Any) -> Any:
-        if isinstance(value, torch.Tensor) and value.dim() and value.shape[0] == self.rows:
-            if all(stop == start for (_, stop), (start, _) in itertools.pairwise(self.spans)):
-                return value[self.spans[0][0] : self.spans[-1][1]]  # one block of rows: a view
-            return torch.cat([value[start:stop] for start, stop in self.spans])
+    def __call__(self, value: Any) -> Any:
+        if isinstance(value, torch.Tensor) and value.dim() and value.shape[0] == self.blocks.rows:
+            return self.blocks.taken(value, self.running)
         if isinstance(value, tuple | list):
-            return type(value)(self.taken(part) for part in value)
+            return type(value)(self(part) for part in value)
         if isinstance(value, dict):
-            return {name: self.taken(part) for name, part in value.items()}
+            return {name: self(part) for name, part in value.items()}
         return value
 
 

@@ -27,14 +27,13 @@ them after that block, so only the hidden states' residual is kept here.
 from __future__ import annotations
 
 import contextlib
-import itertools
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from handler.families.base import SubBatchRows
+from handler.families.base import RowBlocks, SubBatchRows
 
 
 @dataclass
@@ -72,10 +71,9 @@ class _Pass:
             else:
                 cache.head, cache.tail = head, tail
 
-    def spans(self) -> list[slice]:
+    def blocks(self) -> RowBlocks:
         """Each job's rows."""
-        stops = list(itertools.accumulate(rows for _, rows in self.jobs))
-        return [slice(stop - rows, stop) for (_, rows), stop in zip(self.jobs, stops, strict=True)]
+        return RowBlocks([rows for _, rows in self.jobs])
 
 
 class FirstBlockHooks:
@@ -130,14 +128,14 @@ class FirstBlockHooks:
     ) -> torch.Tensor:
         """The last block's hidden states: the other blocks' for the jobs that compute, the first
         block's plus the kept residual for the others; and what each cached job keeps."""
-        spans = current.spans()
+        blocks = current.blocks()
         residual = first - kwargs["hidden_states"]
-        computes = _decide(current.jobs, residual, spans)
+        computes = _decide(current.jobs, residual, blocks.spans)
         if all(computes):
             last = self._others_on(first, encoder, kwargs)
         else:
-            last = self._sub_batch(current, spans, computes, first, encoder, kwargs)
-        for (cache, _), computed, span in zip(current.jobs, computes, spans, strict=True):
+            last = self._sub_batch(current, blocks, computes, first, encoder, kwargs)
+        for (cache, _), computed, span in zip(current.jobs, computes, blocks.spans, strict=True):
             if cache is not None:
                 kept = (residual[span].clone(), last[span] - first[span]) if computed else (None, None)
                 current.kept.append((cache, *kept))
@@ -146,7 +144,7 @@ class FirstBlockHooks:
     def _sub_batch(
         self,
         current: _Pass,
-        spans: list[slice],
+        blocks: RowBlocks,
         computes: list[bool],
         first: torch.Tensor,
         encoder: torch.Tensor,
@@ -157,18 +155,18 @@ class FirstBlockHooks:
         running = [index for index, computed in enumerate(computes) if computed]
         ran: Iterator[torch.Tensor] = iter(())
         if running:
-
-            def rows(tensor: torch.Tensor) -> torch.Tensor:
-                return torch.cat([tensor[spans[index]] for index in running])
-
             with current.sub_batch_rows(running):
-                hidden = self._others_on(rows(first), rows(encoder), {**kwargs, "temb": rows(kwargs["temb"])})
+                hidden = self._others_on(
+                    blocks.taken(first, running),
+                    blocks.taken(encoder, running),
+                    {**kwargs, "temb": blocks.taken(kwargs["temb"], running)},
+                )
             ran = iter(hidden.split([current.jobs[index][1] for index in running]))
         pieces = [
             next(ran) if computed else first[span] + _tail(cache)
-            for (cache, _), computed, span in zip(current.jobs, computes, spans, strict=True)
+            for (cache, _), computed, span in zip(current.jobs, computes, blocks.spans, strict=True)
         ]
-        return torch.cat([*pieces, first[spans[-1].stop :]])
+        return torch.cat([*pieces, first[blocks.rows :]])
 
     def _others_on(self, hidden: torch.Tensor, encoder: torch.Tensor, kwargs: dict[str, Any]) -> torch.Tensor:
         """The other blocks over these rows: the last one's hidden states."""
