@@ -136,17 +136,24 @@ def assert_same_images(actual: Decoded, reference, tolerance: int = TOLERANCE) -
     assert actual.nsfw_content_detected == reference.nsfw_content_detected
 
 
+def tiny_engine(family: str, **settings) -> StepEngine:
+    """An engine over a family's tiny model (``settings``: other handler settings)."""
+    return load_engine(
+        HandlerSettings.model_validate({"model_path": str(TINY_MODEL_DIRS[family]), **settings}), "/unused"
+    )
+
+
 def engine_with_adapters(family: str, directory: Path, device: str = "auto", **more) -> StepEngine:
     """An engine over a tiny model with a LoRA and (UNet families) a ControlNet for it (``more``:
     other handler settings)."""
     model_dir = TINY_MODEL_DIRS[family]
     write_lora(model_dir, directory / "loras" / "attention.safetensors", seed=1)
-    settings: dict = {"model_path": str(model_dir), "device": device, "loras": {"dir": str(directory / "loras")}}
+    settings: dict = {"device": device, "loras": {"dir": str(directory / "loras")}}
     settings |= more
     if family != "sd3":
         write_controlnet(model_dir, directory / "controlnets" / "edges", seed=1)
         settings["controlnets"] = {"dir": str(directory / "controlnets")}
-    return load_engine(HandlerSettings.model_validate(settings), "/unused")
+    return tiny_engine(family, **settings)
 
 
 def assert_each_alone_equals_reference(engine: StepEngine, reference: Reference, jobs: Sequence[JobSpec]) -> None:

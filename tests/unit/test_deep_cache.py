@@ -14,22 +14,19 @@ import torch
 from bench.reference import Reference
 from handler.api.bodies import form_text
 from handler.api.policy import RequestPolicy
-from handler.config import CacheSettings, FamilyRules, HandlerSettings, RequestDefaults, StepCache
-from handler.engine.loading import load_engine
+from handler.config import CacheSettings, FamilyRules, RequestDefaults, StepCache
 from handler.families.deep_cache import Branch
 from server.paths import TINY_MODEL_DIRS
 from tests.harness.decoding import decoded, refusal
 from tests.harness.engine_runs import (
     assert_each_alone_equals_reference,
     assert_same_images,
-    engine_with_adapters,
     expected,
     hole,
-    jobs_of_every_kind,
     picture,
     run,
     spec,
-    stepped_together,
+    tiny_engine,
 )
 
 FAMILIES = ("sd1", "sd2", "sdxl")
@@ -42,9 +39,7 @@ def deep(interval: int = 3, branch: int = 0) -> StepCache:
 
 @pytest.fixture(scope="module")
 def engines():
-    return {
-        family: load_engine(HandlerSettings(model_path=str(TINY_MODEL_DIRS[family])), "/unused") for family in FAMILIES
-    }
+    return {family: tiny_engine(family) for family in FAMILIES}
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -88,19 +83,6 @@ def test_cached_and_uncached_jobs_share_forwards_each_equal_to_itself_alone(engi
     together = run(engine, plan)
     for mine, reference in zip(together, alone, strict=True):
         assert_same_images(mine, reference)
-
-
-def test_padded_forwards_with_cached_rows_give_the_same_images(engines, tmp_path):
-    """Rows padded to graph counts (``compile.pad_rows`` on, eager): the padding rows run every
-    block beside the cached rows (of two branches in different blocks, one with a LoRA and a
-    ControlNet), and are dropped."""
-    padded = engine_with_adapters("sd1", tmp_path, compile={"pad_rows": "on", "graph_rows": [4, 8, 16]})
-    plain = engine_with_adapters("sd1", tmp_path / "plain")
-    theirs = stepped_together(plain, jobs_of_every_kind(plain, "ddim", cached=True))
-    mine = stepped_together(padded, jobs_of_every_kind(padded, "ddim", cached=True))
-    assert len(mine) == 7
-    for ours, reference in zip(mine, theirs, strict=True):
-        assert_same_images(ours, reference)
 
 
 def test_the_deep_blocks_run_only_on_the_rows_at_a_full_step_in_the_steps_one_forward(engines):

@@ -28,20 +28,15 @@ from tests.harness.engine_runs import (
     run,
     run_counting_text_encodings,
     spec,
+    tiny_engine,
 )
 
 FAMILIES = ("sd1", "sd2", "sdxl")
 
 
-def engine_for(family: str, **settings) -> StepEngine:
-    return load_engine(
-        HandlerSettings.model_validate({"model_path": str(TINY_MODEL_DIRS[family]), **settings}), "/unused"
-    )
-
-
 @pytest.fixture(scope="module")
 def engines() -> dict[str, StepEngine]:
-    return {family: engine_for(family) for family in (*FAMILIES, "sd1-safety")}
+    return {family: tiny_engine(family) for family in (*FAMILIES, "sd1-safety")}
 
 
 @pytest.fixture(scope="module")
@@ -175,7 +170,7 @@ def test_sdxl_without_negative_prompt_conditions_on_zeros_and_on_its_size(engine
 
 
 def test_sdxl_in_float16_decodes_in_float32_like_diffusers():
-    engine = engine_for("sdxl", dtype="float16")
+    engine = tiny_engine("sdxl", dtype="float16")
     assert engine.pipeline.unet.dtype == torch.float16 and engine.pipeline.vae.dtype == torch.float32
     job = spec(seed=3, steps=4)
     (decoded,) = run(engine, [(0, job)])
@@ -193,7 +188,7 @@ def test_the_safety_checker_flags_as_diffusers_does_and_blacks_the_image(engines
 
 
 def test_the_safety_checker_can_be_turned_off():
-    engine = engine_for("sd1-safety", safety_checker=False)
+    engine = tiny_engine("sd1-safety", safety_checker=False)
     assert "safety_checker=off" in engine.description
     (decoded,) = run(engine, [(0, spec("flag this picture", seed=0, steps=4))])
     assert decoded.nsfw_content_detected is None and np.asarray(decoded.images[0]).max() > 0

@@ -10,8 +10,7 @@ import torch
 
 from bench.reference import Reference
 from handler.api.policy import RequestPolicy
-from handler.config import CacheSettings, FamilyRules, HandlerSettings, RequestDefaults, StepCache
-from handler.engine.loading import load_engine
+from handler.config import CacheSettings, FamilyRules, RequestDefaults, StepCache
 from server.paths import TINY_MODEL_DIRS
 from tests.harness.decoding import decoded, refusal
 from tests.harness.engine_runs import (
@@ -24,7 +23,7 @@ from tests.harness.engine_runs import (
     picture,
     run,
     spec,
-    stepped_together,
+    tiny_engine,
 )
 from tests.harness.host_reads import HostReads, ValueReads
 
@@ -42,9 +41,7 @@ def job(prompt: str = "a red circle", seed: int = 0, **fields):
 
 @pytest.fixture(scope="module")
 def engines():
-    return {
-        family: load_engine(HandlerSettings(model_path=str(TINY_MODEL_DIRS[family])), "/unused") for family in FAMILIES
-    }
+    return {family: tiny_engine(family) for family in FAMILIES}
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -131,18 +128,6 @@ def test_a_step_with_cached_rows_reads_their_changes_once(tmp_path):
             engine.step(jobs)
         assert reads.reads == [] and values.reads == ["tolist"]
     assert jobs[-1].cached_steps == 3
-
-
-def test_padded_forwards_with_cached_rows_give_the_same_images(tmp_path):
-    """Rows padded to graph counts (``compile.pad_rows`` on, eager): padding rows take the first
-    block's output, cached rows their own residuals."""
-    padded = engine_with_adapters("sd3", tmp_path, compile={"pad_rows": "on", "graph_rows": [4, 8, 16]})
-    plain = engine_with_adapters("sd3", tmp_path / "plain")
-    theirs = stepped_together(plain, jobs_of_every_kind(plain, FLOW, first_block=True))
-    mine = stepped_together(padded, jobs_of_every_kind(padded, FLOW, first_block=True))
-    assert len(mine) == 6
-    for ours, reference in zip(mine, theirs, strict=True):
-        assert_same_images(ours, reference)
 
 
 def test_a_lora_sub_batch_restores_the_forwards_rows(tmp_path):
