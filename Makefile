@@ -19,7 +19,7 @@ MODEL_DIR ?= $(DEFAULT_MODEL_DIR)
 ARCHIVE_FORMAT ?= auto
 PYTEST_ARGS ?=
 
-.PHONY: help venv system-deps lint format model train-default-model train-lora train-controlnet model-grid prometheus-rule metrics-config mar image image-test serve stop scale scale-cycles test test-fast unit-test integration-test dashboard dashboard-png loadtest sweep bench-overhead bench-pipeline bench-continuous bench-engine bench-lora bench-controlnet bench-cache bench-gpu clean
+.PHONY: help venv system-deps lint format model train-default-model train-lora train-controlnet model-grid prometheus-rule metrics-config mar image image-test serve stop scale scale-cycles test test-fast unit-test integration-test dashboard dashboard-png loadtest sweep bench-overhead bench-pipeline bench-continuous bench-engine bench-lora bench-controlnet bench-cache bench-single-file bench-gpu clean
 
 help:
 	@echo "make serve   set up, build the archive and serve it on 127.0.0.1:8080 (MODEL_DIR=/path for a real model)"
@@ -50,6 +50,7 @@ help:
 	@echo "make bench-lora     LoRA sets in one forward, per design, default model and SD 1.5's architecture; reports/lora/"
 	@echo "make bench-controlnet ControlNets in the shared UNet forward against grouped, default model and SD 1.5's architecture; reports/controlnet/"
 	@echo "make bench-cache    step caching per request (all, half, mixed) against no cache: DeepCache on the default model and SD 1.5's architecture, first-block on a tiny SD 3.5; reports/cache/"
+	@echo "make bench-single-file a single-file SD 1.5-sized checkpoint against its directory: load time, same weights and image; reports/single-file/"
 	@echo "make bench-gpu      SD 1.5, SDXL and SD 3.5 Medium at real sizes on the GPU: variants, batch scaling, engine, served, SDXL, SD 3.5, LoRA; reports/gpu/"
 	@echo "                    BENCH_ARGS='--quick' for the CPU check CI runs; PY=python3 where there is no venv (the lent GPU)"
 	@echo "make dashboard      rebuild docker/grafana/dashboards/stable-diffusion.json"
@@ -183,6 +184,9 @@ bench-controlnet: venv
 
 bench-cache: venv models/tiny-sd35/model_index.json
 	$(PY) -m bench.cache $(BENCH_ARGS)
+
+bench-single-file: venv
+	$(PY) -m bench.single_file $(BENCH_ARGS)
 
 # Without a venv (the lent GPU machine: no package registry), PY=python3 with the carried wheels on
 # PYTHONPATH (docs/performance.md, "make bench-gpu").

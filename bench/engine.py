@@ -32,7 +32,7 @@ from bench.jobs import generate
 from bench.measure import PROMPTS
 from bench.pipeline import environment
 from bench.reference import Reference
-from bench.report import publish
+from bench.report import markdown_table, publish
 from handler.config import HandlerSettings
 from handler.engine.jobs import JobSpec
 from handler.engine.loading import load_engine, resolve_device, synchronize
@@ -152,18 +152,29 @@ def max_difference(images: list, others: list) -> int:
 
 
 def table(rows: list[Row]) -> str:
-    lines = [
-        "| family | model | batch | size | steps | diffusers call (s) | step engine (s) | engine / diffusers "
-        "| max pixel diff, engine vs diffusers | max pixel diff, diffusers batched vs alone | engine's denoiser |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
-    ]
-    for row in rows:
-        lines.append(
-            f"| {row.family} | {row.model} | {row.batch} | {row.side}x{row.side} | {row.steps} | {row.diffusers_s:.4f} "
-            f"| {row.engine_s:.4f} | {row.ratio:.3f}x | {row.max_abs_diff} | {row.diffusers_batch_diff} "
-            f"| {row.denoiser} |"
-        )
-    return "\n".join(lines) + "\n"
+    header = [
+        "family", "model", "batch", "size", "steps", "diffusers call (s)", "step engine (s)", "engine / diffusers",
+        "max pixel diff, engine vs diffusers", "max pixel diff, diffusers batched vs alone", "engine's denoiser",
+    ]  # fmt: skip
+    return markdown_table(
+        header,
+        [
+            [
+                row.family,
+                row.model,
+                str(row.batch),
+                f"{row.side}x{row.side}",
+                str(row.steps),
+                f"{row.diffusers_s:.4f}",
+                f"{row.engine_s:.4f}",
+                f"{row.ratio:.3f}x",
+                str(row.max_abs_diff),
+                str(row.diffusers_batch_diff),
+                row.denoiser,
+            ]  # fmt: skip
+            for row in rows
+        ],
+    )
 
 
 def markdown(rows: list[Row], env: dict) -> str:

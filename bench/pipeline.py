@@ -80,8 +80,10 @@ class Runner:
         caches: Path | None = None,
         max_batch_for: set[str] | None = None,
         reuse: bool = False,
+        quick: bool = False,
     ):
         self.workload = workload
+        self.quick = quick  # leaves out what a quick run skips (Variant.skip_reason)
         self.scratch = scratch
         self.timeout = timeout
         self.baseline = baseline
@@ -130,7 +132,7 @@ class Runner:
     def variant(self, variant: Variant, device: torch.device, warm: bool = True) -> dict:
         """One variant's measurements (cold, and for compiled variants with ``warm`` a second run
         on the inductor cache the first left), or why it was skipped."""
-        reason = variant.skip_reason(device)
+        reason = variant.skip_reason(device, self.quick)
         if reason:
             return {"status": "skipped", "reason": reason}
         reused = self._reused(variant, warm)
@@ -303,7 +305,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--attention-repeats", type=int, default=5)
     parser.add_argument("--timeout", type=float, default=3600, help="seconds one variant process may take")
     parser.add_argument(
-        "--quick", action="store_true", help="CI mode: the random tiny model on the CPU, 64x64, 1 step, 1 repeat"
+        "--quick",
+        action="store_true",
+        help="CI mode: the random tiny model on the CPU, 64x64, 1 step, 1 repeat, one compiled variant",
     )
     parser.add_argument("--output-dir", type=Path, default=REPORTS)
     parser.add_argument("--name", help="report file stem (default: pipeline-<model>-<device>)")
@@ -332,7 +336,8 @@ def main(argv: list[str] | None = None) -> None:
     logger.info("workload: %s on %s; %d variants", workload, device, len(variants))
     with contextlib.ExitStack() as stack:
         scratch = args.scratch or Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="bench-pipeline-")))
-        results = Runner(workload, scratch, args.timeout, reuse=args.scratch is not None).variants(variants, device)
+        runner = Runner(workload, scratch, args.timeout, reuse=args.scratch is not None, quick=args.quick)
+        results = runner.variants(variants, device)
         logger.info("attention micro-benchmark at SD 1.5 shapes")
         attention_path = scratch / "attention.json"
         _python_module(

@@ -32,6 +32,15 @@ def ensure_pipeline(directory: Path, recipe: dict, build: Callable[[], Diffusion
     return directory
 
 
+def without_vocabulary(config: dict) -> dict:
+    """A shipped CLIP text config without what ``text_config`` sets around the tokenizer."""
+    return {
+        key: value
+        for key, value in config.items()
+        if key not in ("architectures", "vocab_size", "bos_token_id", "eos_token_id")
+    }
+
+
 def text_config(config: dict, tokenizer: CLIPTokenizer) -> CLIPTextConfig:
     """A published CLIP text encoder's ``config`` (CLIP's 49408-token vocabulary) around ``tokenizer``."""
     return CLIPTextConfig(

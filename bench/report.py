@@ -22,6 +22,12 @@ def number_text(value: float | None, digits: int = 2) -> str:
     return "—" if value is None else f"{value:.{digits}f}"
 
 
+def markdown_table(header: list[str], rows: list[list[str]]) -> str:
+    """A Markdown table of ``rows`` (cells as text) under ``header``."""
+    lines = ["| " + " | ".join(header) + " |", "|" + " --- |" * len(header)]
+    return "\n".join(lines + ["| " + " | ".join(row) + " |" for row in rows]) + "\n"
+
+
 def _significant(value: float) -> str:
     """Three significant digits, without exponent notation."""
     return f"{value:.{max(0, 2 - math.floor(math.log10(abs(value))))}f}" if value else "0"

@@ -16,46 +16,18 @@ from diffusers import AutoencoderKL, DDIMScheduler, StableDiffusionPipeline, UNe
 from transformers import CLIPTextModel
 
 from bench import random_weights
-from model_making.make_tiny_model import WITHOUT_SAFETY_CHECKER, build_tokenizer
+from handler.checkpoints.single_file import WITHOUT_SAFETY_CHECKER, shipped_config
+from model_making.make_tiny_model import build_tokenizer
 from server.paths import MODELS
 
 MODEL_DIR = MODELS / "sd15-random"
 NATIVE_SIDE = 512
 SEED = 0
 
-UNET_CONFIG = {
-    "sample_size": 64,
-    "in_channels": 4,
-    "out_channels": 4,
-    "block_out_channels": (320, 640, 1280, 1280),
-    "layers_per_block": 2,
-    "down_block_types": ("CrossAttnDownBlock2D",) * 3 + ("DownBlock2D",),
-    "up_block_types": ("UpBlock2D",) + ("CrossAttnUpBlock2D",) * 3,
-    "cross_attention_dim": 768,
-    "attention_head_dim": 8,
-    "norm_num_groups": 32,
-}
-VAE_CONFIG = {
-    "in_channels": 3,
-    "out_channels": 3,
-    "block_out_channels": (128, 256, 512, 512),
-    "down_block_types": ("DownEncoderBlock2D",) * 4,
-    "up_block_types": ("UpDecoderBlock2D",) * 4,
-    "layers_per_block": 2,
-    "latent_channels": 4,
-    "norm_num_groups": 32,
-    "sample_size": NATIVE_SIDE,
-    "scaling_factor": 0.18215,
-}
-TEXT_ENCODER_CONFIG = {
-    "hidden_size": 768,
-    "intermediate_size": 3072,
-    "num_hidden_layers": 12,
-    "num_attention_heads": 12,
-    "max_position_embeddings": 77,
-    "hidden_act": "quick_gelu",
-    "projection_dim": 768,
-}
+# The shipped architecture single files load with (handler/checkpoints/configs/sd1).
+UNET_CONFIG = shipped_config("sd1", "unet")
+VAE_CONFIG = shipped_config("sd1", "vae")
+TEXT_ENCODER_CONFIG = random_weights.without_vocabulary(shipped_config("sd1", "text_encoder"))
 SCHEDULER_CONFIG = {
     "beta_start": 0.00085,
     "beta_end": 0.012,

@@ -20,7 +20,8 @@ from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, SD3Transfo
 from transformers import CLIPTextModelWithProjection, T5Config, T5EncoderModel
 
 from bench import random_weights, sd15, sdxl
-from model_making.make_tiny_model import SD3_VAE_CONVOLUTIONS, build_t5_tokenizer, build_tokenizer
+from handler.checkpoints.single_file import shipped_config
+from model_making.make_tiny_model import build_t5_tokenizer, build_tokenizer
 from server.paths import MODELS
 
 MODEL_DIR = MODELS / "sd35-medium-random"
@@ -28,45 +29,17 @@ WITHOUT_T5_DIR = MODELS / "sd35-medium-random-no-t5"
 NATIVE_SIDE = 1024
 SEED = 0
 
-TRANSFORMER_CONFIG = {
-    "sample_size": 128,
-    "patch_size": 2,
-    "in_channels": 16,
-    "out_channels": 16,
-    "num_layers": 24,
-    "attention_head_dim": 64,
-    "num_attention_heads": 24,
-    "joint_attention_dim": 4096,
-    "caption_projection_dim": 1536,
-    "pooled_projection_dim": 2048,
-    "pos_embed_max_size": 384,
-    "qk_norm": "rms_norm",
-    "dual_attention_layers": tuple(range(13)),
-}
-VAE_CONFIG = {
-    **sd15.VAE_CONFIG,
-    "latent_channels": 16,
-    "sample_size": NATIVE_SIDE,
-    "scaling_factor": 1.5305,
-    "shift_factor": 0.0609,
-    **SD3_VAE_CONVOLUTIONS,
-}
+# The shipped architecture single files load with (handler/checkpoints/configs/sd35-medium).
+TRANSFORMER_CONFIG = shipped_config("sd35-medium", "transformer")
+VAE_CONFIG = shipped_config("sd35-medium", "vae")
 TEXT_ENCODER_CONFIG = sd15.TEXT_ENCODER_CONFIG  # CLIP ViT-L/14, with its projection
 TEXT_ENCODER_2_CONFIG = sdxl.TEXT_ENCODER_2_CONFIG  # OpenCLIP ViT-bigG/14, with its projection
 T5_CONFIG = {  # google/t5-v1_1-xxl's encoder
-    "vocab_size": 32128,
-    "d_model": 4096,
-    "d_kv": 64,
-    "d_ff": 10240,
-    "num_layers": 24,
-    "num_heads": 64,
-    "relative_attention_num_buckets": 32,
-    "feed_forward_proj": "gated-gelu",
-    "dense_act_fn": "gelu_new",
-    "is_gated_act": True,
-    "layer_norm_epsilon": 1e-6,
+    key: value
+    for key, value in shipped_config("sd35-medium", "text_encoder_3").items()
+    if key not in ("architectures", "pad_token_id", "eos_token_id")
 }
-SCHEDULER_CONFIG = {"num_train_timesteps": 1000, "shift": 3.0}
+SCHEDULER_CONFIG = shipped_config("sd35-medium", "scheduler")
 
 
 def build_pipeline(seed: int = SEED, with_t5: bool = True) -> StableDiffusion3Pipeline:

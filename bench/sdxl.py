@@ -16,6 +16,7 @@ from diffusers import AutoencoderKL, EulerDiscreteScheduler, StableDiffusionXLPi
 from transformers import CLIPTextModel, CLIPTextModelWithProjection
 
 from bench import random_weights, sd15
+from handler.checkpoints.single_file import shipped_config
 from model_making.make_tiny_model import build_tokenizer
 from server.paths import MODELS
 
@@ -23,31 +24,13 @@ MODEL_DIR = MODELS / "sdxl-random"
 NATIVE_SIDE = 1024
 SEED = 0
 
-UNET_CONFIG = {  # SD 1.5's UNet with three blocks, deeper transformers, two text encoders' width, added conditioning
-    **sd15.UNET_CONFIG,
-    "sample_size": 128,
-    "block_out_channels": (320, 640, 1280),
-    "down_block_types": ("DownBlock2D", "CrossAttnDownBlock2D", "CrossAttnDownBlock2D"),
-    "up_block_types": ("CrossAttnUpBlock2D", "CrossAttnUpBlock2D", "UpBlock2D"),
-    "transformer_layers_per_block": (1, 2, 10),
-    "attention_head_dim": (5, 10, 20),
-    "cross_attention_dim": 2048,
-    "use_linear_projection": True,
-    "addition_embed_type": "text_time",
-    "addition_time_embed_dim": 256,
-    "projection_class_embeddings_input_dim": 2816,  # 6 time ids x 256 + the 1280-wide pooled text embedding
-}
-VAE_CONFIG = {**sd15.VAE_CONFIG, "sample_size": NATIVE_SIDE, "scaling_factor": 0.13025, "force_upcast": True}
+# The shipped architecture single files load with (handler/checkpoints/configs/sdxl).
+UNET_CONFIG = shipped_config("sdxl", "unet")
+VAE_CONFIG = shipped_config("sdxl", "vae")
 TEXT_ENCODER_CONFIG = sd15.TEXT_ENCODER_CONFIG  # CLIP ViT-L/14
-TEXT_ENCODER_2_CONFIG = {  # OpenCLIP ViT-bigG/14
-    "hidden_size": 1280,
-    "intermediate_size": 5120,
-    "num_hidden_layers": 32,
-    "num_attention_heads": 20,
-    "max_position_embeddings": 77,
-    "hidden_act": "gelu",
-    "projection_dim": 1280,
-}
+TEXT_ENCODER_2_CONFIG = random_weights.without_vocabulary(
+    shipped_config("sdxl", "text_encoder_2")
+)  # OpenCLIP ViT-bigG/14
 SCHEDULER_CONFIG = {
     "beta_start": 0.00085,
     "beta_end": 0.012,

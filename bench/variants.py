@@ -34,16 +34,22 @@ class Variant:
         """``base`` with this variant's overrides (validated like model-config.yaml)."""
         return HandlerSettings.model_validate({**base.model_dump(), **self.overrides})
 
-    def skip_reason(self, device: torch.device) -> str | None:
-        """Why this variant cannot run on ``device``; None when it can."""
+    def skip_reason(self, device: torch.device, quick: bool = False) -> str | None:
+        """Why this variant cannot run on ``device`` (or is left out of a ``quick`` run); None when it can."""
         if self.cuda_only and device.type != "cuda":
             return "CUDA only"
+        if quick and self.compiled and self.name != QUICK_COMPILED:
+            return f"quick run: {QUICK_COMPILED} alone checks the compiled path (a cold compile takes a minute here)"
         dtype = self.overrides.get("dtype")
         if dtype == "bfloat16" and device.type == "cuda" and not torch.cuda.is_bf16_supported():
             return f"{torch.cuda.get_device_name(device)} has no bfloat16"
         if dtype == "float16" and device.type == "mps" or self.compiled and device.type == "mps":
             return "not supported on MPS by this benchmark"
         return None
+
+
+# The one compiled variant a quick run (CI) measures: the others compile the same code in another mode.
+QUICK_COMPILED = "compile-default"
 
 
 def _compiled(mode: str, summary: str, cuda_only: bool = False) -> Variant:

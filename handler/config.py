@@ -13,6 +13,7 @@ from pydantic import (
     Field,
     PositiveInt,
     SerializerFunctionWrapHandler,
+    ValidationInfo,
     field_validator,
     model_serializer,
     model_validator,
@@ -196,6 +197,56 @@ class ControlNetSettings(_ServedDirectory):
     max_loaded: int = Field(2, ge=1, description="ControlNets kept in memory (least recently used evicted)")
 
 
+class CheckpointSettings(_Section):
+    """A single-file checkpoint's configs and prediction type, where the detected ones are not wanted."""
+
+    config: str | None = Field(
+        None,
+        description="absolute directory of the model's configs and tokenizers (model_index.json and each component's "
+        "config, as diffusers' from_single_file(config=) takes) replacing the shipped ones; None: the shipped "
+        "configs of the detected architecture",
+    )
+    prediction_type: Literal["auto", "epsilon", "v_prediction"] = Field(
+        "auto",
+        description="auto: an A1111 .yaml beside the file (model.params.parameterization), else the file's v_pred "
+        "marker, else for SD 2.x the spread of one norm's bias (ComfyUI's test), else the configs' scheduler",
+    )
+    text_encoders: str | None = Field(
+        None,
+        description="absolute diffusers directory (of the same architecture) whose text_encoder*/ and tokenizer*/ "
+        "supply the text encoders a file lacks (SD 3.x files often ship without T5, or without any)",
+    )
+
+    @field_validator("config", "text_encoders")
+    @classmethod
+    def _directory_is_absolute(cls, value: str | None, info: ValidationInfo) -> str | None:
+        return absolute_dir(value, f"checkpoint.{info.field_name}", "the worker runs in the unpacked archive")
+
+    def prediction(self) -> Literal["epsilon", "v_prediction"] | None:
+        """The prediction type set, or None (``auto``)."""
+        return None if self.prediction_type == "auto" else self.prediction_type
+
+
+class VaeSettings(_Section):
+    """A VAE file replacing the model's own VAE (A1111's ``models/VAE``), for a directory or a single file alike."""
+
+    file: str | None = Field(
+        None,
+        description="absolute path of a VAE .safetensors (LDM keys, as A1111 keeps them, or diffusers'), loaded "
+        "with the model's own VAE config; None: the model's VAE",
+    )
+    force_upcast: bool | None = Field(
+        None,
+        description="decode in float32 where the model runs float16 (SDXL's VAE asks it); false for a VAE made for "
+        "float16 such as SDXL's fp16-fix; None: the model's own VAE config says",
+    )
+
+    @field_validator("file")
+    @classmethod
+    def _file_is_absolute(cls, value: str | None) -> str | None:
+        return absolute_dir(value, "vae.file", "the worker runs in the unpacked archive")
+
+
 # Names of the denoiser among compile targets: "unet" and "transformer" are the same target, the
 # family's denoiser (SD 1.x/2.x and SDXL's UNet, SD 3.x's transformer).
 DENOISER_TARGETS = frozenset({"unet", "transformer"})
@@ -365,7 +416,11 @@ def continuous_batching(model_yaml_config: dict[str, Any] | None) -> bool:
 class HandlerSettings(_Section):
     """Everything the handler reads from ``model-config.yaml`` under ``handler:``."""
 
-    model_path: str = Field("model", description="diffusers directory, relative to the archive or absolute")
+    model_path: str = Field(
+        "model",
+        description="diffusers directory or single-file .safetensors checkpoint (or a directory holding one), "
+        "relative to the archive or absolute",
+    )
     device: Literal["auto", "cpu", "cuda", "mps"] = "auto"
     dtype: Literal["auto", "float16", "bfloat16", "float32"] = "auto"
     attention: Literal["sdpa", "vanilla"] = "sdpa"
@@ -375,6 +430,8 @@ class HandlerSettings(_Section):
     vae_slicing: bool = False
     vae_tiling: bool = False
     cpu_offload: Literal["none", "model", "sequential"] = "none"
+    checkpoint: CheckpointSettings = CheckpointSettings()
+    vae: VaeSettings = VaeSettings()
     compile: CompileSettings = CompileSettings()
     cache: CacheSettings = CacheSettings()
     loras: LoraSettings = LoraSettings()

@@ -1,4 +1,5 @@
-"""Package the handler, a diffusers pipeline and model-config.yaml into a TorchServe archive.
+"""Package the handler, a diffusers pipeline (or a single-file checkpoint) and model-config.yaml into
+a TorchServe archive.
 
 Only safetensors weights are packaged; pickle weights (.bin, .ckpt, .pt, .pth, .pkl) are left out.
 Small models become ``NAME.mar``; large ones (or ``--archive-format no-archive``) become a
@@ -158,7 +159,20 @@ def loads_weights_from_archive(config: dict) -> bool:
     return not Path((config.get("handler") or {}).get("model_path", "model")).is_absolute()
 
 
+def _model_root(model: Path) -> Path:
+    """The directory the packaged model files are taken relative to: a diffusers directory, or a
+    single-file checkpoint's own directory."""
+    return model.parent if model.is_file() else model
+
+
 def _model_files(model_dir: Path) -> list[Path]:
+    """A diffusers directory's files (pickle weights left out), or a single-file checkpoint and an
+    A1111 ``.yaml`` beside it."""
+    if model_dir.is_file():
+        if model_dir.suffix != ".safetensors":
+            raise SystemExit(f"{model_dir.name}: only .safetensors checkpoints are served (not {model_dir.suffix})")
+        beside = model_dir.with_suffix(".yaml")
+        return [model_dir, beside] if beside.is_file() else [model_dir]
     files = sorted(path for path in model_dir.rglob("*") if path.is_file() and ".cache" not in path.parts)
     if not any(path.suffix == ".safetensors" for path in files):
         raise SystemExit(f"{model_dir} has no .safetensors weights; only safetensors models are served")
@@ -169,8 +183,9 @@ def _model_files(model_dir: Path) -> list[Path]:
 
 
 def _handler_files() -> list[Path]:
-    """The handler package's modules, its subpackages' included."""
-    return sorted(HANDLER_PACKAGE.rglob("*.py"))
+    """The handler package: its modules, its subpackages' included, and the data they read (the
+    single-file architectures' configs, CLIP's vocabulary)."""
+    return sorted(path for path in HANDLER_PACKAGE.rglob("*") if path.is_file() and "__pycache__" not in path.parts)
 
 
 def _fingerprint(model_files: list[Path], model_dir: Path, config_text: str, archive_format: str) -> str:
@@ -180,7 +195,7 @@ def _fingerprint(model_files: list[Path], model_dir: Path, config_text: str, arc
         digest.update(str(path.relative_to(HANDLER_PACKAGE)).encode() + path.read_bytes())
     for path in model_files:
         stat = path.stat()
-        digest.update(f"{path.relative_to(model_dir)}:{stat.st_size}:{stat.st_mtime_ns}".encode())
+        digest.update(f"{path.relative_to(_model_root(model_dir))}:{stat.st_size}:{stat.st_mtime_ns}".encode())
     return digest.hexdigest()
 
 
@@ -197,7 +212,7 @@ def _stage(model_dir: Path, model_files: list[Path], stage: Path) -> None:
     for path in _handler_files():
         _link_or_copy(path, stage / "handler" / path.relative_to(HANDLER_PACKAGE))
     for path in model_files:
-        _link_or_copy(path, stage / "model" / path.relative_to(model_dir))
+        _link_or_copy(path, stage / "model" / path.relative_to(_model_root(model_dir)))
 
 
 def _archive_file(archive: Path, name: str) -> str:
@@ -284,7 +299,12 @@ def build(
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model-dir", type=Path, required=True, help="local diffusers pipeline directory")
+    parser.add_argument(
+        "--model-dir",
+        type=Path,
+        required=True,
+        help="local diffusers directory, or a single-file .safetensors checkpoint",
+    )
     parser.add_argument("--config", type=Path, default=MODEL_CONFIG, help="model-config.yaml to package")
     parser.add_argument("--export-path", type=Path, default=MODEL_STORE, help="model store to write to")
     parser.add_argument(

@@ -4,7 +4,7 @@
 #
 # Environment (defaults in brackets; relative paths are relative to the repository):
 #   PYTHON          Python with the pinned dependencies [.venv/bin/python, else python3]
-#   MODEL_DIR       diffusers directory to package; empty: serve the model store as it is [models/shapes-sd]
+#   MODEL_DIR       diffusers directory or single-file .safetensors checkpoint to package; empty: serve the model store as it is [models/shapes-sd]
 #   MODEL_STORE     where the archive is written and served from [model_store]
 #   MODEL_CONFIG    model-config.yaml packaged with the archive [model-config.yaml]
 #   ARCHIVE_FORMAT  auto | default | no-archive [auto]

@@ -20,6 +20,7 @@ from torch._inductor.runtime.cache_dir_utils import cache_dir
 from handler.adapters.controlnets import ControlNetLibrary
 from handler.adapters.lora_slots import SlotLoras
 from handler.adapters.loras import LoraLibrary
+from handler.checkpoints.single_file import checkpoint_file, load_single_file, load_vae_file
 from handler.config import HandlerSettings
 from handler.engine.step_engine import StepEngine
 from handler.families import Family, Pipeline, StableDiffusion3Family, family_of
@@ -59,6 +60,23 @@ def _pipeline_source(settings: HandlerSettings, model_dir: str | Path) -> str:
         return str(local)
     logger.warning("model_path %s is not a local directory; loading it as a hub id", settings.model_path)
     return settings.model_path
+
+
+def _load_pipeline(settings: HandlerSettings, model_dir: str | Path, dtype: torch.dtype) -> Pipeline:
+    """The pipeline of a single-file checkpoint (``handler.checkpoints``), else of a diffusers
+    directory; with the VAE of ``handler.vae.file`` where one is set."""
+    single = checkpoint_file(settings.resolve_model_path(model_dir))
+    if single is not None:
+        pipeline = load_single_file(single, settings.checkpoint, dtype, settings.text_encoder_3)
+    else:
+        source = _pipeline_source(settings, model_dir)
+        pipeline = AutoPipelineForText2Image.from_pretrained(
+            source, dtype=dtype, use_safetensors=True, **_without_t5(source, settings)
+        )
+    if settings.vae.file:
+        upcast = {} if settings.vae.force_upcast is None else {"force_upcast": settings.vae.force_upcast}
+        pipeline.vae = load_vae_file(Path(settings.vae.file), {**pipeline.vae.config, **upcast}, pipeline.vae.dtype)
+    return pipeline
 
 
 def _set_attention(family: Family, settings: HandlerSettings) -> None:
@@ -196,10 +214,7 @@ def load_engine(settings: HandlerSettings, model_dir: str | Path, gpu_id: int | 
     if device.type == "cuda" and settings.tf32:
         torch.backends.cuda.matmul.allow_tf32 = True
         torch.backends.cudnn.allow_tf32 = True
-    source = _pipeline_source(settings, model_dir)
-    pipeline = AutoPipelineForText2Image.from_pretrained(
-        source, dtype=dtype, use_safetensors=True, **_without_t5(source, settings)
-    )
+    pipeline = _load_pipeline(settings, model_dir, dtype)
     pipeline.set_progress_bar_config(disable=True)
     family = family_of(pipeline, device, dtype, settings.max_sequence_length)
     safety = _apply_safety_checker(pipeline, settings)

@@ -37,9 +37,10 @@ RECOVERY_TIMEOUT_S = 180
 def serving(
     tmp: Path, config: Path = MODEL_CONFIG, model_dir: Path = MODEL_DIR, **properties: str
 ) -> Iterator[TorchServe]:
-    """The real archive of ``model_dir``, built with ``config``, served on free loopback ports
-    (config.properties plus ``properties``) until the block ends."""
-    if not (model_dir / "model_index.json").is_file():
+    """The real archive of ``model_dir`` (a diffusers directory or a single-file checkpoint), built
+    with ``config``, served on free loopback ports (config.properties plus ``properties``) until the
+    block ends."""
+    if not (model_dir / "model_index.json").is_file() and model_dir.suffix != ".safetensors":
         pytest.fail(
             f"{model_dir} is missing: the default model is committed (`make train-default-model` rebuilds "
             "it); the tiny ones come from `make model`"

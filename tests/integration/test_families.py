@@ -7,8 +7,9 @@ img2img and inpaint pipelines' images, sharing forwards with text-to-image reque
 bad request mid-flight fails alone; cached (DeepCache; SD 3: first-block caching) and uncached
 requests share forwards, each equal to the DeepCache package's helper or diffusers' First Block
 Cache on diffusers' call; the safety checker flags as diffusers does and says so; the
-metrics move by what was sent, the same in both modes. An unsupported pipeline is refused at
-worker load, fast, naming itself."""
+metrics move by what was sent, the same in both modes. SD 2.x, SDXL and SD 3 are served from single-file
+checkpoints (A1111 / ComfyUI layout), so each check holds for a file as for its directory. An unsupported
+pipeline and a truncated checkpoint are refused at worker load, fast, naming themselves."""
 
 from __future__ import annotations
 
@@ -25,6 +26,7 @@ import numpy as np
 import pytest
 import requests
 import torch
+from diffusers import AutoPipelineForText2Image
 from openai import BadRequestError, OpenAI
 from PIL import Image, ImageOps
 
@@ -35,6 +37,7 @@ from handler.config import StepCache
 from model_making.make_controlnet import write_controlnet
 from model_making.make_lora import write_lora
 from model_making.make_tiny_model import CALIBRATION, CALIBRATION_FILE, build_pipeline, write_lcm_model
+from model_making.single_file import write_single_file
 from server import KEY_FILE, TorchServe
 from server import write_model_config as model_config
 from server.paths import TINY_MODEL_DIRS
@@ -44,6 +47,9 @@ from tests.harness.serving import Client, eventually, serving, value, wait_until
 
 MODES = ("dynamic", "continuous")
 FAMILIES = {"sd1-safety": 64, "sd2": 96, "sdxl": 64, "sd3": 64}  # native sides
+# Served from a single-file checkpoint (LDM layout, the tiny directory giving configs and tokenizers):
+# every parity check below then holds for the file as for its directory.
+SINGLE_FILE = ("sd2", "sdxl", "sd3")
 CASES = [(family, mode) for family in FAMILIES for mode in MODES]
 LORA = "tiny"  # a random LoRA written for the family's tiny model
 CONV_LORA = "tiny-conv-ff"  # one on its convolutions and feed-forward layers
@@ -96,9 +102,15 @@ def served(request, tmp_path_factory) -> Iterator[Served]:
         pickled.mkdir()
         shutil.copy(tmp / "controlnets" / CONTROLNETS[0] / "config.json", pickled)
         torch.save({"conv_in.weight": torch.zeros(1)}, pickled / "diffusion_pytorch_model.bin")
+    model, checkpoint = TINY_MODEL_DIRS[family], {}
+    if family in SINGLE_FILE:
+        pipeline = AutoPipelineForText2Image.from_pretrained(model, use_safetensors=True)
+        model = write_single_file(pipeline, tmp / f"tiny-{family}.safetensors", open_clip_text_encoder=family == "sd2")
+        checkpoint = {"config": str(TINY_MODEL_DIRS[family])}
     config = model_config(
         tmp,
         handler={
+            "checkpoint": checkpoint,
             "limits": {"max_inference_steps": LONG["num_inference_steps"]},
             "loras": {"dir": str(tmp / "loras")},
             "controlnets": {"dir": str(tmp / "controlnets")},
@@ -110,7 +122,7 @@ def served(request, tmp_path_factory) -> Iterator[Served]:
         batchSize=8,
         maxBatchDelay=50 if mode == "dynamic" else 10,
     )
-    with serving(tmp, config, TINY_MODEL_DIRS[family]) as server:
+    with serving(tmp, config, model) as server:
         yield Served(family, mode, server, Client(server))
 
 
@@ -568,5 +580,18 @@ def test_an_unsupported_pipeline_is_refused_at_worker_load_naming_it(tmp_path):
         RuntimeError, match="LatentConsistencyModelPipeline is not supported.*StableDiffusionXLPipeline"
     ):
         with serving(tmp_path, model_config(tmp_path), tmp_path / "lcm"):
+            pass
+    assert time.monotonic() - started < 120, "the refusal should stop the server at the first failed load"
+
+
+def test_a_truncated_single_file_is_refused_at_worker_load_naming_it(tmp_path):
+    pipeline = AutoPipelineForText2Image.from_pretrained(TINY_MODEL_DIRS["sd1"], use_safetensors=True)
+    whole = write_single_file(pipeline, tmp_path / "whole.safetensors")
+    truncated = tmp_path / "model" / "truncated.safetensors"
+    truncated.parent.mkdir()
+    truncated.write_bytes(whole.read_bytes()[:-4096])
+    started = time.monotonic()
+    with pytest.raises(RuntimeError, match="truncated.safetensors: not a readable safetensors file"):
+        with serving(tmp_path, model_config(tmp_path), truncated):
             pass
     assert time.monotonic() - started < 120, "the refusal should stop the server at the first failed load"

@@ -64,6 +64,24 @@ def test_no_archive_format_is_a_directory_and_replaces_the_mar(tmp_path, model_c
     assert find_archive(tmp_path / "store") == "stable-diffusion"
 
 
+def test_a_single_file_checkpoint_is_packaged_with_the_yaml_beside_it_and_the_handlers_data(tmp_path):
+    checkpoint, beside = tmp_path / "models" / "x.safetensors", tmp_path / "models" / "x.yaml"
+    checkpoint.parent.mkdir()
+    checkpoint.write_bytes(b"weights")
+    beside.write_text("model: {params: {parameterization: v}}\n")
+    (tmp_path / "models" / "other.safetensors").write_bytes(b"not packaged")
+    names = set(zipfile.ZipFile(build(checkpoint, MODEL_CONFIG, tmp_path / "store")).namelist())
+    assert {"model/x.safetensors", "model/x.yaml"} <= names and "model/other.safetensors" not in names
+    # The shipped architectures' configs and tokenizer vocabularies travel with the handler.
+    assert {
+        "handler/checkpoints/configs/sd1/unet/config.json",
+        "handler/checkpoints/assets/t5_tokenizer.json.gz",
+    } <= names
+    (tmp_path / "models" / "x.ckpt").write_bytes(b"pickle")
+    with pytest.raises(SystemExit, match=r"x.ckpt: only .safetensors checkpoints are served"):
+        build(tmp_path / "models" / "x.ckpt", MODEL_CONFIG, tmp_path / "store")
+
+
 def test_a_model_without_safetensors_is_refused(tmp_path, model_copy):
     for weights in model_copy.rglob("*.safetensors"):
         weights.rename(weights.with_suffix(".bin"))

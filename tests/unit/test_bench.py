@@ -13,7 +13,7 @@ from diffusers import UNet2DConditionModel
 from diffusers.models.attention_processor import AttnProcessor
 from torch.utils.flop_counter import FlopCounterMode
 
-from bench import overhead, sd15, sdxl
+from bench import overhead, sd15, sdxl, single_file
 from bench.measure import Workload, unet_flops
 from bench.pipeline import Runner, image_distance
 from bench.report import markdown
@@ -46,6 +46,8 @@ def test_on_a_cpu_only_the_cuda_graph_variants_are_skipped_and_say_why():
         "compile-max-autotune-no-cudagraphs",
     }
     assert skipped["compile-reduce-overhead"] == "CUDA only"
+    quick = {variant.name for variant in VARIANTS if variant.skip_reason(torch.device("cpu"), quick=True)}
+    assert quick == {"compile-reduce-overhead", "compile-max-autotune", "compile-max-autotune-no-cudagraphs"}
 
 
 def test_selection_keeps_catalogue_order_and_always_the_baseline():
@@ -309,3 +311,19 @@ def test_the_suite_time_is_summed_per_test_file_and_tabled(tmp_path):
     text = table(before, after, top=1)
     assert "| `integration/test_b.py` | 9 | 4 |" in text
     assert "| the other 1 files | 4 | 0 |" in text and "| **all** | **12** | **4** |" in text
+
+
+def test_the_single_file_benchmark_tables_and_plots_its_rows(tmp_path):
+    row = {
+        "model": "sd15",
+        "file_bytes": 2_132_625_150,
+        "single_file_s": 1.0245,
+        "directory_s": 1.0283,
+        "ratio": 0.996,
+        "weights_differing": [],
+        "image_max_difference": 0,
+    }
+    text = single_file.table([row], {"device_name": "a CPU"})
+    assert "| sd15 | 2.13 | 1.02 | 1.03 | 1.00x | 0 | 0 |" in text and "(a CPU, float32)" in text
+    single_file.plot([row])(tmp_path / "plot.png")
+    assert (tmp_path / "plot.png").read_bytes().startswith(b"\x89PNG")
