@@ -36,6 +36,7 @@ from diffusers import (
     StableDiffusion3InpaintPipeline,
 )
 from PIL.Image import Image
+from safetensors.torch import load_file
 
 from handler.config import MAX_SEED, StepCache
 from handler.families import SCHEDULERS
@@ -100,6 +101,7 @@ class Reference:
         controlnets: Sequence[ControlNetCall] = (),
         deep_cache: tuple[int, int] | None = None,
         first_block: float | None = None,
+        embeddings: Sequence[Path] = (),
     ) -> ReferenceOutput:
         """One request: ``num_images_per_prompt`` images of one prompt, image k from ``seed + k``
         (wrapping past the largest seed, as requests do); from ``image`` (of the request's size)
@@ -108,7 +110,10 @@ class Reference:
         ControlNet pipelines, several as ``MultiControlNetModel``); with ``deep_cache`` (interval,
         branch), the ``DeepCache`` package's ``DeepCacheSDHelper`` on the pipeline called (uniform
         mode); with ``first_block`` (a threshold), diffusers' First Block Cache on SD 3's transformer
-        (``first_block_cache``); ``scheduler`` None: the model's own."""
+        (``first_block_cache``); with textual-inversion ``embeddings`` loaded for this call only
+        (``load_textual_inversion``, each under its file stem; SDXL's ``clip_l`` and ``clip_g``
+        into its two text encoders, as diffusers' documentation does); ``scheduler`` None: the
+        model's own."""
         seeds = [(seed + index) % (MAX_SEED + 1) for index in range(num_images_per_prompt)]
         inputs: dict = {"width": width, "height": height}
         pipeline = self.pipeline
@@ -129,6 +134,8 @@ class Reference:
             self.pipeline.load_lora_weights(str(path), adapter_name=name)
         if loras:
             self.pipeline.set_adapters(names, [scale for _, scale in loras])
+        for path in embeddings:
+            self._load_embedding(path)
         helper = None
         if deep_cache is not None:
             from DeepCache import DeepCacheSDHelper  # the reference of tests and make bench-cache only
@@ -171,6 +178,27 @@ class Reference:
                 helper.disable()
             if loras:
                 self.pipeline.delete_adapters(names)
+            for path in embeddings:
+                self._unload_embedding(path.stem)
+
+    def _text_encoders(self) -> list[tuple[str, Any, Any]]:
+        """(SDXL file key, tokenizer, text encoder) of each text encoder an embedding goes into."""
+        if getattr(self.pipeline, "text_encoder_2", None) is None:
+            return [("", self.pipeline.tokenizer, self.pipeline.text_encoder)]
+        return [
+            ("clip_l", self.pipeline.tokenizer, self.pipeline.text_encoder),
+            ("clip_g", self.pipeline.tokenizer_2, self.pipeline.text_encoder_2),
+        ]
+
+    def _load_embedding(self, path: Path) -> None:
+        for key, tokenizer, encoder in self._text_encoders():
+            source = load_file(path)[key] if key else str(path)
+            self.pipeline.load_textual_inversion(source, token=path.stem, tokenizer=tokenizer, text_encoder=encoder)
+
+    def _unload_embedding(self, token: str) -> None:
+        for _, tokenizer, encoder in self._text_encoders():
+            added = [name for name in tokenizer.get_added_vocab() if name == token or name.startswith(f"{token}_")]
+            self.pipeline.unload_textual_inversion(added, tokenizer=tokenizer, text_encoder=encoder)
 
     def _controlnet_inputs(self, controlnets: Sequence[ControlNetCall], text_to_image: bool) -> dict[str, Any]:
         """What the ControlNet pipelines take for ``controlnets``: the nets (under "pipe", for

@@ -144,6 +144,7 @@ def absolute_dir(value: str | None, setting: str, why: str) -> str | None:
 # is unset (make serve, the image, Kubernetes).
 LORA_DIR_ENV = "LORA_DIR"
 CONTROLNET_DIR_ENV = "CONTROLNET_DIR"
+EMBEDDINGS_DIR_ENV = "EMBEDDINGS_DIR"
 
 
 class _ServedDirectory(_Section):
@@ -245,6 +246,16 @@ class VaeSettings(_Section):
     @classmethod
     def _file_is_absolute(cls, value: str | None) -> str | None:
         return absolute_dir(value, "vae.file", "the worker runs in the unpacked archive")
+
+
+class EmbeddingSettings(_ServedDirectory):
+    """Textual-inversion embeddings a prompt names (``handler.adapters.embeddings``), SD 1.x/2.x and SDXL:
+    ``dir``, an absolute directory of ``.safetensors`` files (an embedding's name is its file stem,
+    used where a prompt or negative prompt says it), else ``$EMBEDDINGS_DIR``, else none."""
+
+    section: ClassVar[str] = "embeddings"
+    env: ClassVar[str] = EMBEDDINGS_DIR_ENV
+    max_loaded: int = Field(16, ge=1, description="embeddings kept in memory (least recently used evicted)")
 
 
 # Names of the denoiser among compile targets: "unet" and "transformer" are the same target, the
@@ -436,6 +447,7 @@ class HandlerSettings(_Section):
     cache: CacheSettings = CacheSettings()
     loras: LoraSettings = LoraSettings()
     controlnets: ControlNetSettings = ControlNetSettings()
+    embeddings: EmbeddingSettings = EmbeddingSettings()
     safety_checker: bool = Field(
         True, description="run the model's safety checker where the model directory ships one (SD 1.x); false: off"
     )

@@ -115,10 +115,12 @@ class LoraLibrary(Library):
             self.pipeline.delete_adapters(adapter)
 
     def _discard(self, adapter: str) -> None:
-        """A half-loaded adapter out of every component, and a compiled denoiser's own modules back."""
-        self._forget(adapter)
+        """A half-loaded adapter out of every component, and a compiled denoiser's own modules back
+        first: deleting its last adapter drops the denoiser's ``peft_config`` but leaves PEFT's
+        layers in place, which would recompile the denoiser at its next forward."""
         if self.slots is not None:
             self._unwrap_denoiser()
+        self._forget(adapter)
 
     def _unwrap_denoiser(self) -> None:
         """PEFT's layers out of a compiled denoiser (its adapters live in slots): the modules it was

@@ -81,7 +81,7 @@ def load_single_file(path: Path, settings: CheckpointSettings, dtype: torch.dtyp
     configs = Path(settings.config) if settings.config else SHIPPED_CONFIGS / detected.configs
     index = json.loads((configs / "model_index.json").read_text())
     encoders = _text_encoder_sources(header, detected, settings, text_encoder_3)
-    tokenizers = {encoder.tokenizer: _tokenizer(configs, encoder) for encoder in encoders}
+    tokenizers = {encoder.tokenizer: _tokenizer(source or configs, encoder) for encoder, source in encoders.items()}
     for encoder, source in encoders.items():
         if source is None:
             _check_vocabulary(header, encoder, tokenizers[encoder.tokenizer])
@@ -97,7 +97,9 @@ def load_single_file(path: Path, settings: CheckpointSettings, dtype: torch.dtyp
         loaded[encoder.component] = (
             components.text_encoder(encoder, class_name)
             if source is None
-            else TEXT_ENCODER_CLASSES[class_name].from_pretrained(source, subfolder=encoder.component, dtype=dtype)
+            else TEXT_ENCODER_CLASSES[class_name].from_pretrained(
+                source, subfolder=encoder.component, dtype=dtype, use_safetensors=True
+            )
         )
     loaded |= tokenizers
     if detected.architecture == "sd3" and not text_encoder_3:
@@ -247,9 +249,10 @@ class _Components:
         return model.eval()
 
 
-def _tokenizer(configs: Path, encoder: TextEncoder) -> Any:
-    """The configs' tokenizer where they have one, else the shipped one (CLIP's or T5's)."""
-    folder = configs / encoder.tokenizer
+def _tokenizer(directory: Path, encoder: TextEncoder) -> Any:
+    """The tokenizer of ``directory`` (the configs, or where the text encoder comes from) where it
+    has one, else the shipped one (CLIP's or T5's)."""
+    folder = directory / encoder.tokenizer
     if folder.is_dir():
         return AutoTokenizer.from_pretrained(folder)
     return t5_tokenizer() if encoder.layout == "t5" else clip_tokenizer(encoder.pad_token)

@@ -14,10 +14,12 @@ from pathlib import Path
 
 import torch
 from diffusers import AutoPipelineForText2Image
+from diffusers.loaders import TextualInversionLoaderMixin
 from diffusers.models.attention_processor import AttnProcessor, AttnProcessor2_0, SlicedAttnProcessor
 from torch._inductor.runtime.cache_dir_utils import cache_dir
 
 from handler.adapters.controlnets import ControlNetLibrary
+from handler.adapters.embeddings import EmbeddingLibrary
 from handler.adapters.lora_slots import SlotLoras
 from handler.adapters.loras import LoraLibrary
 from handler.checkpoints.single_file import checkpoint_file, load_single_file, load_vae_file
@@ -135,6 +137,13 @@ def _loras_off(settings: HandlerSettings) -> str | None:
     """Why this pipeline serves no LoRAs, or None."""
     if settings.cpu_offload == "sequential":  # the per-row path reads LoRA weights accelerate keeps off the device
         return "handler.cpu_offload sequential keeps the LoRA weights off the device outside their own layers"
+    return None
+
+
+def _embeddings_off(pipeline: Pipeline) -> str | None:
+    """Why this pipeline serves no textual-inversion embeddings, or None."""
+    if not isinstance(pipeline, TextualInversionLoaderMixin):
+        return f"{type(pipeline).__name__} takes no textual-inversion embeddings (SD 1.x, 2.x and SDXL do)"
     return None
 
 
@@ -261,6 +270,9 @@ def load_engine(settings: HandlerSettings, model_dir: str | Path, gpu_id: int | 
     controlnets = ControlNetLibrary(
         family, settings.controlnets.directory(), settings.controlnets.max_loaded, device, dtype
     )
+    embeddings = EmbeddingLibrary(
+        pipeline, settings.embeddings.directory(), settings.embeddings.max_loaded, _embeddings_off(pipeline)
+    )
     return StepEngine(
         pipeline,
         family,
@@ -274,4 +286,5 @@ def load_engine(settings: HandlerSettings, model_dir: str | Path, gpu_id: int | 
         settings.compile.cuda_graphs(device.type),
         deep_cache,
         first_block,
+        embeddings,
     )

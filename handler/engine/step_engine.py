@@ -55,6 +55,7 @@ import torch
 from diffusers.utils.torch_utils import randn_tensor
 
 from handler.adapters.controlnets import Control, ControlNetLibrary
+from handler.adapters.embeddings import EmbeddingLibrary
 from handler.adapters.loras import Adapters, LoraLibrary
 from handler.config import FamilyRules, FaultInjection
 from handler.engine.jobs import DenoiseJob, Inpainting, JobSpec
@@ -80,6 +81,7 @@ class StepEngine:
     cuda_graphs: bool = False  # the compiled denoiser replays CUDA graphs
     deep_cache: DeepCacheHooks | None = None  # DeepCache per row (an eager UNet); None: not served
     first_block: FirstBlockHooks | None = None  # first-block caching per row (an eager transformer); None: not served
+    embeddings: EmbeddingLibrary | None = None  # textual-inversion embeddings prompts name; None: none served
 
     @property
     def rules(self) -> FamilyRules:

@@ -5,6 +5,7 @@ request's own reasons fails here, with its own status."""
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Callable, Iterable
 from typing import Any, TypeVar
@@ -126,10 +127,12 @@ class Admission:
         return api, request
 
     def _extensions(self) -> dict[str, list[dict[str, Any]]]:
-        """The LoRAs and ControlNets a request may name now."""
+        """The LoRAs and ControlNets a request may name now, and the embeddings a prompt may say."""
+        embeddings = self.engine.embeddings.available() if self.engine.embeddings is not None else []
         return {
             "loras": [entry.describe() for entry in self.engine.loras.available()],
             "controlnets": [entry.describe() for entry in self.engine.controlnets.available()],
+            "embeddings": [entry.describe() for entry in embeddings],
         }
 
     def _start(self, requests: dict[str, GenerationRequest]) -> dict[str, DenoiseJob | Response]:
@@ -138,6 +141,7 @@ class Admission:
         image count already ran out of memory alone (a shape seen for the first time is profiled first)."""
         outcomes: dict[str, DenoiseJob | Response] = {}
         specs: dict[str, JobSpec] = {}
+        starting_tokens: set[str] = set()  # the embeddings of the requests starting together
         for rid, request in requests.items():
             adapters = self._adapters(rid, request, specs.values())
             if isinstance(adapters, Response):
@@ -147,7 +151,11 @@ class Admission:
             if isinstance(nets, Response):
                 outcomes[rid] = nets
                 continue
-            spec = job_spec(request, adapters, nets)
+            tokens = self._embeddings(rid, request, starting_tokens)
+            if isinstance(tokens, Response):
+                outcomes[rid] = tokens
+                continue
+            spec = job_spec(request, adapters, nets, tokens)
             try:
                 fits = self._fits(spec)
             except Exception as error:  # out of memory (507) or a failure while profiling (500)
@@ -205,6 +213,26 @@ class Admission:
         if not isinstance(ids, Response):
             self.metrics.controlnet_requests(names)
         return ids
+
+    def _embeddings(self, rid: str, request: GenerationRequest, starting: set[str]) -> dict[str, str] | Response:
+        """The tokens of the embeddings the request's prompt and negative prompt name (name -> token),
+        loaded where needed, keeping those of the requests ``starting`` with it (their text encoders
+        have not run yet), or its answer: 400 naming the field whose text named one that cannot be served."""
+        library = self.engine.embeddings
+        tokens: dict[str, str] = {}
+        if library is None:
+            return tokens
+        for field, text in (("prompt", request.prompt), ("negative_prompt", request.negative_prompt)):
+            names = [name for name in library.named_in(text) if name not in tokens]
+            if not names:
+                continue
+            keep = starting | set(tokens.values())
+            acquired = self._acquire(rid, field, functools.partial(library.acquire, names, keep), lambda: None)
+            if isinstance(acquired, Response):
+                return acquired
+            tokens |= acquired
+        starting.update(tokens.values())
+        return tokens
 
     def _acquire(
         self, rid: str, field: str, acquire: Callable[[], Acquired], count_loaded: Callable[[], None]

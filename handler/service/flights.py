@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 from handler.adapters.controlnets import ControlSpec
+from handler.adapters.embeddings import rewrite
 from handler.adapters.lora_rows import Adapters
 from handler.api.protocol import Api
 from handler.api.request import GenerationRequest
@@ -13,13 +14,19 @@ from handler.engine.jobs import DenoiseJob, JobSpec
 from handler.metrics import QueueGauges
 
 
-def job_spec(request: GenerationRequest, adapters: Adapters = (), nets: tuple[str, ...] = ()) -> JobSpec:
+def job_spec(
+    request: GenerationRequest,
+    adapters: Adapters = (),
+    nets: tuple[str, ...] = (),
+    embeddings: Mapping[str, str] | None = None,
+) -> JobSpec:
     """What the engine generates for a validated request (image k from seed + k), with its LoRA
-    adapters and ControlNets (``nets``: ids, one per ``request.controlnets``) as the engine's
-    libraries resolved them."""
+    adapters, ControlNets (``nets``: ids, one per ``request.controlnets``) and the tokens of the
+    embeddings its prompts name (``embeddings``: name -> token) as the engine's libraries resolved them."""
+    tokens, negative = embeddings or {}, request.negative_prompt
     return JobSpec(
-        request.prompt,
-        request.negative_prompt,
+        rewrite(request.prompt, tokens),
+        None if negative is None else rewrite(negative, tokens),
         tuple(request.image_seeds()),
         request.width,
         request.height,

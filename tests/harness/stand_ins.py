@@ -31,6 +31,7 @@ class SolidColorEngine:
     loras = LoraLibrary(None, torch.nn.Module(), None, max_loaded=1)  # no LoRA directory
     # no ControlNet directory, for any family that takes ControlNets
     controlnets = ControlNetLibrary(SimpleNamespace(rules=FamilyRules()), None, 1, torch.device("cpu"), torch.float32)
+    embeddings = None  # no embedding directory
 
     def __init__(
         self,

@@ -21,6 +21,7 @@ import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -29,6 +30,7 @@ import torch
 from diffusers import AutoPipelineForText2Image
 from openai import BadRequestError, OpenAI
 from PIL import Image, ImageOps
+from safetensors.torch import save_file
 
 from bench.reference import ControlNetCall, Reference, cache_options
 from handler.api.encode import EXIF_IMAGE_DESCRIPTION
@@ -56,6 +58,8 @@ CONV_LORA = "tiny-conv-ff"  # one on its convolutions and feed-forward layers
 CONTROLNETS = ("edges", "depth")  # random ControlNets written for the family's tiny model
 OTHER_FAMILY = "other-family"  # one written for another family's model
 PICKLED = "pickled"  # one whose weights are a pickle only
+EMBEDDINGS = {"tinystyle": 1, "tinyneg": 2}  # random textual-inversion embeddings (A1111's format): seeds
+BROKEN_EMBEDDING = "tinybroken"  # one of another text encoder's width
 # Measured (2026-11-27, in-process): the plain request of the step-cache test, sharing forwards with
 # the LoRA request, moves by 3 levels on the tiny SDXL (0 alone, and 0 beside a plain 2-image job).
 # The first value that moves is the time embedding's first Linear, a LoRA layer, by one float32 ulp
@@ -102,6 +106,7 @@ def served(request, tmp_path_factory) -> Iterator[Served]:
         pickled.mkdir()
         shutil.copy(tmp / "controlnets" / CONTROLNETS[0] / "config.json", pickled)
         torch.save({"conv_in.weight": torch.zeros(1)}, pickled / "diffusion_pytorch_model.bin")
+    write_embeddings(tmp / "embeddings", family)
     model, checkpoint = TINY_MODEL_DIRS[family], {}
     if family in SINGLE_FILE:
         pipeline = AutoPipelineForText2Image.from_pretrained(model, use_safetensors=True)
@@ -114,6 +119,7 @@ def served(request, tmp_path_factory) -> Iterator[Served]:
             "limits": {"max_inference_steps": LONG["num_inference_steps"]},
             "loras": {"dir": str(tmp / "loras")},
             "controlnets": {"dir": str(tmp / "controlnets")},
+            "embeddings": {"dir": str(tmp / "embeddings")},
             # These tests check what shares a forward; on 2 cores a tiny model's step time per image can
             # be flat from 2 images on, and the step-time cap would then keep forwards that small.
             "step_time_cap": False,
@@ -124,6 +130,23 @@ def served(request, tmp_path_factory) -> Iterator[Served]:
     )
     with serving(tmp, config, model) as server:
         yield Served(family, mode, server, Client(server))
+
+
+def write_embeddings(directory: Path, family: str) -> None:
+    """Random embeddings for the family's text encoders (SDXL: both), and one of the wrong width."""
+    directory.mkdir()
+    widths = {"text_encoder": 0, "text_encoder_2": 0}
+    for component in widths:
+        config = TINY_MODEL_DIRS[family] / component / "config.json"
+        widths[component] = json.loads(config.read_text())["hidden_size"] if config.is_file() else 0
+    for name, seed in EMBEDDINGS.items():
+        generator = torch.Generator().manual_seed(seed)
+        draw = {component: torch.randn(2, width, generator=generator) * 0.5 for component, width in widths.items()}
+        tensors = {"emb_params": draw["text_encoder"]}
+        if family == "sdxl":
+            tensors = {"clip_l": draw["text_encoder"], "clip_g": draw["text_encoder_2"]}
+        save_file(tensors, directory / f"{name}.safetensors")
+    save_file({"emb_params": torch.zeros(1, 7)}, directory / f"{BROKEN_EMBEDDING}.safetensors")
 
 
 @pytest.fixture(scope="module")
@@ -163,6 +186,11 @@ def reference(references: dict[str, Reference], served: Served, body: dict):
             for control in body.get("controlnets", [])
         ],
         **cache_options(StepCache(**body["cache"]) if "cache" in body else None),
+        embeddings=[
+            served.server.workdir.parent / "embeddings" / f"{name}.safetensors"
+            for name in EMBEDDINGS
+            if name in f"{body['prompt']} {body.get('negative_prompt') or ''}"
+        ],
     )
 
 
@@ -333,6 +361,38 @@ def test_requests_with_other_lora_sets_share_forwards_and_each_gets_diffusers_im
         assert_diffusers_images(references, served, body, response)
         # 4 images in a forward (of 2 + 1 + 1, and the long one's 1) hold requests with other LoRA sets
         assert response.json()["batch"]["max_step_images"] >= 4, "requests with other LoRA sets in one forward"
+
+
+def test_embeddings_a_prompt_names_share_forwards_and_each_gets_diffusers_images(served, references):
+    """Requests naming embeddings in their prompt or negative prompt, one naming a broken one and one
+    naming none, behind a long one: each equals diffusers' call with load_textual_inversion, the
+    broken one is a 400 naming its prompt, and the listing holds the embeddings (none for SD 3)."""
+    server = served.server
+    listed = requests.get(f"{server.predictions_url}/1.0/v1/models", headers=server.auth(), timeout=60).json()
+    names = {embedding["name"] for embedding in listed["data"][0]["embeddings"]}
+    if served.family == "sd3":
+        assert names == set(), "SD 3.x takes no textual-inversion embeddings"
+        return
+    assert names == {*EMBEDDINGS, BROKEN_EMBEDDING}
+    base = {"num_inference_steps": 5, "response_format": "json"}
+    bodies = [
+        {**base, "prompt": "a tinystyle red circle", "seed": 5},
+        {**base, "prompt": "a blue square", "negative_prompt": "tinyneg, blurry", "seed": 6},
+        {**base, "prompt": f"a {BROKEN_EMBEDDING} square", "seed": 7},
+        {**base, "prompt": "a green triangle", "seed": 8},
+    ]
+    _, followers = behind_long(served.client, bodies)
+    refused = followers[2][0]
+    assert refused.status_code == 400 and refused.json()["errors"][0]["rule"] == "embedding_unloadable"
+    assert refused.json()["errors"][0]["field"] == "prompt" and BROKEN_EMBEDDING in refused.text
+    answered = [
+        (body, response) for body, (response, _) in zip(bodies, followers, strict=True) if response is not refused
+    ]
+    for body, response in answered:
+        assert_diffusers_images(references, served, body, response)
+    assert followers[0][0].json()["batch"]["max_step_images"] >= 3, (
+        "requests with and without embeddings in one forward"
+    )
 
 
 def test_requests_with_other_controlnets_share_forwards_and_each_gets_diffusers_images(served, references):

@@ -77,8 +77,9 @@ def test_mixed_sets_share_compiled_forwards_and_each_equals_diffusers(engine, lo
     together = run(engine, jobs)
     reference = Reference(MODEL)
     for (_, job), (_, lora_set), decoded in zip(jobs, SETS, together, strict=True):
-        (alone,) = run(engine, [(0, job)])
-        assert_same_images(decoded, alone)
+        if lora_set:  # alone, a set runs the slots' graph at 2 rows (no LoRA: the plain graph, compiled elsewhere)
+            (alone,) = run(engine, [(0, job)])
+            assert_same_images(decoded, alone)
         files = [(lora_dir / f"{name}.safetensors", weight) for name, weight in lora_set]
         assert_same_images(decoded, expected(reference, job, files))
         if lora_set:  # the slots added each set's deltas: the image is not the one without LoRA
@@ -101,10 +102,15 @@ def test_a_new_adapter_and_an_eviction_recompile_nothing(engine, lora_dir):
 
 @pytest.mark.parametrize(("name", "says"), [("conv", "is not served with a compiled denoiser"), ("wide", "rank 16")])
 def test_what_the_slots_cannot_hold_is_refused_by_name(engine, name, says):
+    plan = [(0, (("attention", 0.5),))]
+    run(engine, jobs_of(engine, plan))  # this shape's graph compiled
+    graphs = counters["stats"]["unique_graphs"]
     with pytest.raises(EntryError, match=says) as refused:
         engine.loras.acquire([(name, 1.0)], in_use=())
     assert refused.value.rule == "lora_unloadable"
     assert not hasattr(engine.family.denoiser, "peft_config")  # PEFT's layers are out again
+    run(engine, jobs_of(engine, plan))  # the denoiser's own modules are back: nothing recompiles
+    assert counters["stats"]["unique_graphs"] == graphs
 
 
 def test_every_slot_in_use_is_busy(engine):
@@ -121,11 +127,19 @@ def test_a_lora_of_the_text_encoders_only_takes_no_slot_so_full_slots_do_not_ref
     assert engine.loras.slots.free == 0
     adapters = engine.loras.acquire([("text-only", 1.0)], in_use=held)
     assert engine.loras.slots.free == 0 and not engine.loras.slots.needs_slot(adapters[0][0])
-    (job,) = [spec("a red circle", 3, side=32, steps=3, adapters=adapters)]
+    job = spec("a red circle", 3, side=32, steps=3, adapters=adapters)
+    attention = held_attention(engine, held | {adapters[0][0]})
+    beside = spec("a blue square", 4, side=32, steps=3, adapters=((attention, 1.0),))
     reference = Reference(MODEL)
-    (decoded,) = run(engine, [(0, job)])
+    decoded, _ = run(engine, [(0, job), (0, beside)])  # beside a slot's rows: the slots' graph, compiled already
     assert_same_images(decoded, expected(reference, job, [(lora_dir / "text-only.safetensors", 1.0)]))
     assert_moved(decoded.images[0], expected(reference, job).images[0], "the text encoders' LoRA")
+
+
+def held_attention(engine, held: set[str]) -> str:
+    """The id of the loaded ``attention`` LoRA, one of ``held``."""
+    (adapter,) = [adapter for adapter, _ in engine.loras.acquire([("attention", 1.0)], in_use=held)]
+    return adapter
 
 
 @pytest.mark.parametrize(("family", "scheduler"), [("sdxl", "euler"), ("sd3", "flow_match_euler")])
