@@ -169,17 +169,17 @@ def _model_files(model_dir: Path) -> list[Path]:
     """A diffusers directory's files (pickle weights left out), or a single-file checkpoint and an
     A1111 ``.yaml`` beside it."""
     if model_dir.is_file():
-        if model_dir.suffix != ".safetensors":
+        if model_dir.suffix.lower() != ".safetensors":
             raise SystemExit(f"{model_dir.name}: only .safetensors checkpoints are served (not {model_dir.suffix})")
         beside = model_dir.with_suffix(".yaml")
         return [model_dir, beside] if beside.is_file() else [model_dir]
     files = sorted(path for path in model_dir.rglob("*") if path.is_file() and ".cache" not in path.parts)
     if not any(path.suffix == ".safetensors" for path in files):
         raise SystemExit(f"{model_dir} has no .safetensors weights; only safetensors models are served")
-    skipped = [path for path in files if path.suffix in PICKLE_SUFFIXES]
+    skipped = [path for path in files if path.suffix.lower() in PICKLE_SUFFIXES]
     if skipped:
         logger.warning("leaving out %d pickle weight files (safetensors only): %s", len(skipped), skipped[:3])
-    return [path for path in files if path.suffix not in PICKLE_SUFFIXES]
+    return [path for path in files if path.suffix.lower() not in PICKLE_SUFFIXES]
 
 
 def _handler_files() -> list[Path]:

@@ -3,8 +3,9 @@ negative prompt that names an embedding (its file stem, as a word, in any case) 
 embedding's vectors where the name stands, through diffusers' ``load_textual_inversion``.
 
 Files are read with ``safetensors`` only: A1111's (``emb_params``), diffusers' (one ``{token:
-vectors}``) and SDXL's two-encoder files (``clip_l`` and ``clip_g``). Each loaded embedding gets a
-token of its own (``<embedding3>``) that the prompt's name is replaced by before encoding, so a
+vectors}``) and SDXL's two-encoder files (``clip_l`` and ``clip_g``), their headers checked against
+the text encoders first. Each loaded embedding gets a token of its own (random per worker) that the
+prompt's name is replaced by before encoding, so a
 changed file loads as a new token beside the old one and eviction never touches another's. A name
 that is a word of the tokenizer's vocabulary (``cat``) would take that word from every prompt: it
 is refused, named in the log, and not listed.
@@ -19,14 +20,15 @@ import functools
 import itertools
 import logging
 import re
+import secrets
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-import torch
 from safetensors.torch import load_file
 
 from handler.adapters.library import Entry, Kind, Library
+from handler.checkpoints.files import Header, read_header
 
 logger = logging.getLogger(__name__)
 
@@ -37,16 +39,21 @@ NAME_CHARACTERS = "A-Za-z0-9_.-"
 
 
 @functools.cache
-def _word(name: str) -> re.Pattern[str]:
-    """``name`` as a word of a prompt, in any case (the CLIP tokenizers lower-case the text)."""
-    return re.compile(rf"(?<![{NAME_CHARACTERS}]){re.escape(name)}(?![{NAME_CHARACTERS}])", re.IGNORECASE)
+def _words(names: tuple[str, ...]) -> re.Pattern[str]:
+    """Any of ``names`` as a word of a prompt, in any case (the CLIP tokenizers lower-case the text),
+    the longest first; a full stop after one ends the sentence, not the name."""
+    alternatives = "|".join(re.escape(name) for name in sorted(names, key=len, reverse=True))
+    end = rf"(?![{NAME_CHARACTERS.replace('.', '')}]|\.[{NAME_CHARACTERS}])"
+    return re.compile(rf"(?<![{NAME_CHARACTERS}])(?:{alternatives}){end}", re.IGNORECASE)
 
 
 def rewrite(text: str, tokens: Mapping[str, str]) -> str:
-    """``text`` with each embedding name it holds replaced by its loaded token."""
-    for name, token in tokens.items():
-        text = _word(name).sub(token, text)
-    return text
+    """``text`` with each embedding name it holds replaced by its loaded token, in one pass (so a
+    token put in is never read as a name)."""
+    if not tokens:
+        return text
+    by_name = {name.lower(): token for name, token in tokens.items()}
+    return _words(tuple(tokens)).sub(lambda match: by_name[match[0].lower()], text)
 
 
 class EmbeddingLibrary(Library):
@@ -57,10 +64,12 @@ class EmbeddingLibrary(Library):
     def __init__(self, pipeline: Any, directory: Path | None, max_loaded: int, off_because: str | None = None):
         super().__init__(directory, max_loaded, off_because)
         self.pipeline = pipeline
-        self._ids = (f"<embedding{index}>" for index in itertools.count())
+        # Tokens no prompt says by chance (a prompt typing one would get what it holds): random per worker.
+        prefix = secrets.token_hex(3)
+        self._ids = (f"<embedding{prefix}x{index}>" for index in itertools.count())
         self._refused: set[str] = set()  # colliding names, logged once
 
-    def encoders(self) -> list[tuple[Any, torch.nn.Module]]:
+    def encoders(self) -> list[tuple[Any, Any]]:
         """The (tokenizer, text encoder) pairs an embedding goes into: SDXL's two, else one."""
         pairs = [(self.pipeline.tokenizer, self.pipeline.text_encoder)]
         if getattr(self.pipeline, "text_encoder_2", None) is not None:
@@ -94,7 +103,7 @@ class EmbeddingLibrary(Library):
         """The names of the served embeddings that ``text`` says, as words."""
         if not text:
             return []
-        return [entry.name for entry in self.available() if _word(entry.name).search(text)]
+        return [entry.name for entry in self.available() if _words((entry.name,)).search(text)]
 
     def acquire(self, names: Sequence[str], in_use: Iterable[str]) -> dict[str, str]:
         """Each name's token, loading the embeddings not in memory (or changed since), then evicting
@@ -104,27 +113,37 @@ class EmbeddingLibrary(Library):
     def _load(self, entry: Entry, keep: set[str]) -> str:
         token = next(self._ids)
         try:
-            for (tokenizer, encoder), vectors in zip(
-                self.encoders(), self._vectors(load_file(entry.path)), strict=True
-            ):
-                self.pipeline.load_textual_inversion(vectors, token=token, tokenizer=tokenizer, text_encoder=encoder)
-        except Exception as error:  # safetensors, format and width errors alike
+            self._check(read_header(entry.path))
+            state = load_file(entry.path)
+            for (tokenizer, encoder), name in zip(self.encoders(), self._names(state), strict=True):
+                self.pipeline.load_textual_inversion(
+                    state[name], token=token, tokenizer=tokenizer, text_encoder=encoder
+                )
+        except Exception as error:  # header, format and width errors alike
             self._forget(token)
             raise self.unloadable(entry, error) from None
         logger.info("embedding %s loaded as %s (%d bytes)", entry.name, token, entry.version[1])
         return token
 
-    def _vectors(self, state: dict[str, torch.Tensor]) -> list[torch.Tensor]:
-        """The vectors for each text encoder: SDXL's ``clip_l`` and ``clip_g``, else the file's one tensor."""
+    def _names(self, names: Iterable[str]) -> list[str]:
+        """The file's tensor for each text encoder: SDXL's ``clip_l`` and ``clip_g``, else its one tensor."""
+        held = sorted(names)
         if len(self.encoders()) == 2:
-            if not {"clip_l", "clip_g"} <= state.keys():
-                raise ValueError(f"an SDXL embedding holds clip_l and clip_g; this file holds {sorted(state)[:4]}")
-            return [state["clip_l"], state["clip_g"]]
-        if len(state) != 1:
-            raise ValueError(
-                f"an embedding holds one tensor (emb_params, or its token's); this file holds {len(state)}"
-            )
-        return list(state.values())
+            if not {"clip_l", "clip_g"} <= set(held):
+                raise ValueError(f"an SDXL embedding holds clip_l and clip_g; this file holds {held[:4]}")
+            return ["clip_l", "clip_g"]
+        if len(held) != 1:
+            raise ValueError(f"an embedding holds one tensor (emb_params, or its token's); this file holds {len(held)}")
+        return held
+
+    def _check(self, header: Header) -> None:
+        """Refuse, from the header alone, a file whose vectors do not fit the text encoders: a row or
+        rows of the encoder's width, fewer than a prompt holds."""
+        for name, (tokenizer, encoder) in zip(self._names(header.shapes), self.encoders(), strict=True):
+            shape, width = header.shapes[name], encoder.get_input_embeddings().embedding_dim
+            rows = shape[0] if len(shape) == 2 else 1
+            if len(shape) not in (1, 2) or shape[-1] != width or not 0 < rows < tokenizer.model_max_length - 1:
+                raise ValueError(f"{name} has shape {shape}; this model takes up to 75 vectors of width {width}")
 
     def _forget(self, token: str) -> None:
         """The token and its extra vectors' tokens (``token_1``...) out of every tokenizer and text encoder."""

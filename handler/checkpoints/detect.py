@@ -94,6 +94,8 @@ def _architecture(header: Header) -> tuple[Architecture, str, str, str]:
             f"{name}: no UNet ({UNET}input_blocks.0.0.weight): not a Stable Diffusion checkpoint (a LoRA, VAE or "
             "text encoder file goes elsewhere)"
         )
+    if len(conv_in) != 4:
+        raise CheckpointError(f"{name}: {UNET}input_blocks.0.0.weight has shape {conv_in}, a convolution's has 4 axes")
     if conv_in[1] != 4:
         kind = "an inpainting UNet" if conv_in[1] == 9 else "a UNet"
         raise CheckpointError(
@@ -103,6 +105,11 @@ def _architecture(header: Header) -> tuple[Architecture, str, str, str]:
     if header.has("conditioner.embedders.0.model.") and not header.has("conditioner.embedders.1."):
         raise CheckpointError(f"{name}: an SDXL refiner (one OpenCLIP text encoder); served: SDXL base")
     if header.has(UNET + "label_emb.0.0.weight"):
+        if not header.has("conditioner.embedders.1."):
+            raise CheckpointError(
+                f"{name}: a UNet with added conditioning (label_emb) but not SDXL's two text encoders (an SD 2.x "
+                "unCLIP?); served: SDXL base"
+            )
         return "sdxl", "SDXL base", "sdxl", "added conditioning (label_emb) and two text encoders"
     if header.has("cond_stage_model.model."):
         return "sd2", "SD 2.x", "sd2", "an OpenCLIP text encoder (cond_stage_model.model)"
@@ -149,18 +156,23 @@ def _last_attention_norm_bias(header: Header) -> str:
 
 
 def prediction_of_yaml(checkpoint: Path) -> tuple[Prediction | None, str]:
-    """The prediction type an A1111 ``.yaml`` beside the checkpoint sets (``model.params.parameterization``),
-    or None where there is no such file."""
+    """The prediction type an A1111 ``.yaml`` beside the checkpoint sets: LDM's
+    ``model.params.parameterization`` (``v`` or ``eps``), or sgm's v-scaling denoiser (SDXL v
+    models); None where there is no such file or it says neither."""
     path = checkpoint.with_suffix(".yaml")
     if not path.is_file():
         return None, ""
     try:
-        config = yaml.safe_load(path.read_text())
-        parameterization = ((config.get("model") or {}).get("params") or {}).get("parameterization", "eps")
-    except (yaml.YAMLError, AttributeError, UnicodeDecodeError) as error:
-        raise CheckpointError(f"{path.name}: not an LDM config ({error})") from error
+        text = path.read_text()
+        config = yaml.safe_load(text)
+        parameterization = ((config.get("model") or {}).get("params") or {}).get("parameterization")
+    except (yaml.YAMLError, AttributeError, UnicodeDecodeError, OSError) as error:
+        raise CheckpointError(f"{path.name}: not a readable LDM config ({error})") from error
+    if parameterization is None:
+        if "VScaling" in text:
+            return "v_prediction", f"{path.name} (a v-scaling denoiser)"
+        return None, ""
     if parameterization not in ("eps", "v"):
         raise CheckpointError(f"{path.name}: model.params.parameterization {parameterization!r}; allowed: eps, v")
-    return (
-        "v_prediction" if parameterization == "v" else "epsilon"
-    ), f"{path.name} (parameterization: {parameterization})"
+    prediction: Prediction = "v_prediction" if parameterization == "v" else "epsilon"
+    return prediction, f"{path.name} (parameterization: {parameterization})"

@@ -23,7 +23,6 @@ class Header:
     path: Path
     shapes: dict[str, tuple[int, ...]]
     dtypes: dict[str, str]
-    metadata: dict[str, str]
 
     def has(self, prefix: str) -> bool:
         """Whether any tensor's name starts with ``prefix``."""
@@ -42,6 +41,15 @@ class Header:
         """One tensor, read alone."""
         with safe_open(self.path, "pt") as file:
             return file.get_tensor(name)
+
+
+def read_tensors(path: Path, prefixes: tuple[str, ...]) -> dict[str, torch.Tensor]:
+    """The tensors of a checked file whose names start with one of ``prefixes``, the others left unread."""
+    try:
+        with safe_open(path, "pt") as file:
+            return {name: file.get_tensor(name) for name in file.keys() if name.startswith(prefixes)}
+    except (SafetensorError, OSError) as error:
+        raise CheckpointError(f"{path.name}: its tensors cannot be read ({error})") from error
 
 
 def refuse_pickle(path: Path) -> None:
@@ -64,12 +72,10 @@ def read_header(path: Path) -> Header:
         with safe_open(path, "pt") as file:
             names = list(file.keys())
             slices = {name: file.get_slice(name) for name in names}
-            metadata = file.metadata() or {}
             return Header(
                 path,
                 {name: tuple(piece.get_shape()) for name, piece in slices.items()},
                 {name: piece.get_dtype() for name, piece in slices.items()},
-                dict(metadata),
             )
     except (SafetensorError, OSError) as error:
         raise CheckpointError(f"{path.name}: not a readable safetensors file ({error})") from error

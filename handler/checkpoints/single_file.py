@@ -27,18 +27,18 @@ from diffusers.loaders.single_file_utils import (
     convert_open_clip_checkpoint,
     convert_sd3_transformer_checkpoint_to_diffusers,
 )
-from safetensors.torch import load_file
 from torch import nn
 from transformers import AutoTokenizer, CLIPTextModel, CLIPTextModelWithProjection, PretrainedConfig, T5EncoderModel
 
 from handler.checkpoints.detect import UNET, Detected, TextEncoder, detect, prediction_of_yaml
-from handler.checkpoints.files import CheckpointError, Header, read_header
+from handler.checkpoints.files import PICKLE_SUFFIXES, CheckpointError, Header, read_header, read_tensors
 from handler.checkpoints.tokenizers import clip_tokenizer, t5_tokenizer
 from handler.config import CheckpointSettings
 
 logger = logging.getLogger(__name__)
 
 SHIPPED_CONFIGS = Path(__file__).parent / "configs"
+VAE_PREFIXES = ("first_stage_model.", "vae.")  # where LDM files keep the VAE (diffusers' LDM_VAE_KEYS)
 # SD 2.x: the 768-v models are the v-prediction ones (2.0-v, 2.1), the base models (512) predict noise.
 SD2_SAMPLE_SIZE = {"v_prediction": 96, "epsilon": 64}
 WITHOUT_SAFETY_CHECKER = {"safety_checker": None, "feature_extractor": None, "requires_safety_checker": False}
@@ -61,10 +61,20 @@ def checkpoint_file(source: Path) -> Path | None:
     diffusers directory."""
     if source.is_file():
         return source
-    if not source.is_dir() or (source / "model_index.json").exists():
+    if not source.exists():
+        if source.suffix.lower() in {".safetensors", *PICKLE_SUFFIXES}:
+            raise CheckpointError(f"{source}: no such checkpoint file")
+        return None  # a hub id
+    if (source / "model_index.json").exists():
         return None
     files = sorted(source.glob("*.safetensors"))
-    return files[0] if len(files) == 1 else None
+    if len(files) != 1:
+        found = ", ".join(path.name for path in files[:5]) or "no .safetensors file"
+        raise CheckpointError(
+            f"{source}: neither a diffusers directory (no model_index.json) nor one checkpoint ({found}); name "
+            "the file itself"
+        )
+    return files[0]
 
 
 def load_single_file(path: Path, settings: CheckpointSettings, dtype: torch.dtype, text_encoder_3: bool = True) -> Any:
@@ -79,27 +89,26 @@ def load_single_file(path: Path, settings: CheckpointSettings, dtype: torch.dtyp
     detected = detect(header, prediction, why, guess=settings.config is None)
     # 2. Its configs, and where each text encoder comes from, each checked against its tokenizer.
     configs = Path(settings.config) if settings.config else SHIPPED_CONFIGS / detected.configs
-    index = json.loads((configs / "model_index.json").read_text())
+    index = _index(configs)
     encoders = _text_encoder_sources(header, detected, settings, text_encoder_3)
     tokenizers = {encoder.tokenizer: _tokenizer(source or configs, encoder) for encoder, source in encoders.items()}
     for encoder, source in encoders.items():
         if source is None:
             _check_vocabulary(header, encoder, tokenizers[encoder.tokenizer])
     # 3. The weights, converted and checked component by component.
-    components = _Components(load_file(path), configs, dtype, path.name)
+    used = (UNET, *VAE_PREFIXES, *(encoder.prefix for encoder, source in encoders.items() if source is None))
+    components = _Components(read_tensors(path, used), configs, dtype, path.name)
     loaded: dict[str, Any] = {"vae": components.vae(), "scheduler": _scheduler(configs, index, detected)}
     if detected.architecture == "sd3":
         loaded["transformer"] = components.transformer()
     else:
         loaded["unet"] = components.unet(_unet_overrides(configs, detected))
     for encoder, source in encoders.items():
-        class_name = index[encoder.component][1]
+        model_class = _encoder_class(configs, index, encoder)
         loaded[encoder.component] = (
-            components.text_encoder(encoder, class_name)
+            components.text_encoder(encoder, model_class)
             if source is None
-            else TEXT_ENCODER_CLASSES[class_name].from_pretrained(
-                source, subfolder=encoder.component, dtype=dtype, use_safetensors=True
-            )
+            else model_class.from_pretrained(source, subfolder=encoder.component, dtype=dtype, use_safetensors=True)
         )
     loaded |= tokenizers
     if detected.architecture == "sd3" and not text_encoder_3:
@@ -117,11 +126,40 @@ def load_vae_file(path: Path, config: dict[str, Any], dtype: torch.dtype) -> nn.
     header = read_header(path)
     if not any(key.startswith(("encoder.", "decoder.", "first_stage_model.", "vae.")) for key in header.shapes):
         raise CheckpointError(f"{path.name}: not a VAE (no encoder or decoder weights)")
-    vae = _Components(load_file(path), path.parent, dtype, path.name).vae_like(config)
+    vae = _Components(read_tensors(path, ("",)), path.parent, dtype, path.name).vae_like(config)
     logger.info(
         "vae file %s: %s in the file, %s loaded", path.name, header.dtypes_under(""), str(dtype).removeprefix("torch.")
     )
     return vae
+
+
+def _index(configs: Path) -> dict[str, Any]:
+    """The configs' ``model_index.json``, each component it names checked to have its folder."""
+    try:
+        index = json.loads((configs / "model_index.json").read_text())
+        missing = [
+            name
+            for name, value in index.items()
+            if isinstance(value, list) and value[0] and not (configs / name).is_dir()
+        ]
+    except (OSError, ValueError, AttributeError, TypeError) as error:
+        raise CheckpointError(f"handler.checkpoint.config {configs}: no readable model_index.json ({error})") from error
+    if missing:
+        raise CheckpointError(
+            f"handler.checkpoint.config {configs}: model_index.json names {missing} without their folders"
+        )
+    return index
+
+
+def _encoder_class(configs: Path, index: dict[str, Any], encoder: TextEncoder) -> Any:
+    """The text encoder's class as the configs name it: one of ``TEXT_ENCODER_CLASSES``."""
+    named = (index.get(encoder.component) or [None, None])[1]
+    if named not in TEXT_ENCODER_CLASSES:
+        raise CheckpointError(
+            f"handler.checkpoint.config {configs}: {encoder.component} is {named!r}; "
+            f"served: {sorted(TEXT_ENCODER_CLASSES)}"
+        )
+    return TEXT_ENCODER_CLASSES[named]
 
 
 def _text_encoder_sources(
@@ -182,8 +220,7 @@ class _Components:
         model = self._empty(diffusers.AutoencoderKL, "vae", {})
         return self._fill(model, "vae", lambda: convert_ldm_vae_checkpoint(self.checkpoint, model.config))
 
-    def text_encoder(self, encoder: TextEncoder, class_name: str) -> nn.Module:
-        model_class = TEXT_ENCODER_CLASSES[class_name]
+    def text_encoder(self, encoder: TextEncoder, model_class: Any) -> nn.Module:
         config: PretrainedConfig = model_class.config_class.from_pretrained(self.configs / encoder.component)
         with init_empty_weights():
             model = model_class(config)
@@ -269,8 +306,8 @@ def _check_vocabulary(header: Header, encoder: TextEncoder, tokenizer: Any) -> N
         ),
         None,
     )
-    if embedding is None:
-        return
+    if embedding is None or len(embedding) != 2:
+        return  # a weight of another shape is refused, named, when the text encoder is loaded
     fits = embedding[0] >= len(tokenizer) if encoder.layout == "t5" else embedding[0] == len(tokenizer)
     if not fits:
         raise CheckpointError(

@@ -14,7 +14,6 @@ from transformers.convert_slow_tokenizer import bytes_to_unicode
 
 BPE_VOCABULARY = Path(__file__).parent / "assets" / "bpe_simple_vocab_16e6.txt.gz"
 T5_TOKENIZER = Path(__file__).parent / "assets" / "t5_tokenizer.json.gz"
-CLIP_VOCABULARY_SIZE = 49408
 CLIP_MAX_LENGTH = 77
 
 

@@ -128,7 +128,11 @@ def test_eviction_and_a_changed_file_load_anew_and_each_image_follows_the_file(t
 @pytest.mark.parametrize(
     ("tensors", "says"),
     [
-        ({"emb_params": torch.zeros(1, 48)}, "embedding 'odd' cannot be loaded on this model"),
+        (
+            {"emb_params": torch.zeros(1, 48)},
+            "emb_params has shape \\(1, 48\\); this model takes up to 75 vectors of width 32",
+        ),
+        ({"emb_params": torch.zeros(80, WIDTH)}, "emb_params has shape \\(80, 32\\)"),
         ({"a": torch.zeros(1, WIDTH), "b": torch.zeros(1, WIDTH)}, "holds one tensor"),
     ],
 )
@@ -148,3 +152,10 @@ def test_sd3_serves_no_embeddings_and_says_why(tmp_path):
     engine = engine_with("sd3", write_embeddings(tmp_path / "embeddings", "sd1"))
     assert engine.embeddings.available() == [] and engine.embeddings.named_in("a tinystyle circle") == []
     assert "takes no textual-inversion embeddings" in (engine.embeddings.off_because or "")
+
+
+def test_names_are_replaced_in_one_pass_longest_first_and_a_full_stop_ends_them():
+    tokens = {"neg": "<t1>", "neg-v2": "<t2>", "style": "<t3>"}
+    assert rewrite("style, neg-v2 and NEG.", tokens) == "<t3>, <t2> and <t1>."
+    assert rewrite("neg.v2 negative style_x", tokens) == "neg.v2 negative style_x"  # longer names, other words
+    assert rewrite("a neg", {}) == "a neg"

@@ -32,7 +32,7 @@ HANDLER_ROOMS = {
     "single_worker": set(),
     "families": {"config"},
     "checkpoints": {"config"},
-    "adapters": {"config", "families"},
+    "adapters": {"config", "families", "checkpoints"},
     "engine": {"config", "families", "adapters", "checkpoints"},
     "api": {"config", "adapters"},
     "service": {"config", "metrics", "families", "adapters", "engine", "api"},

@@ -140,6 +140,15 @@ KINDS = {
         "an SDXL refiner",
     ),
     "bare-unet.safetensors": ({UNET + "input_blocks.0.0.weight": (2, 4, 1, 1)}, "a UNet without its text encoder"),
+    "flat-conv.safetensors": ({UNET + "input_blocks.0.0.weight": (4,)}, r".*weight has shape \(4,\), a convolution's"),
+    "unclip.safetensors": (
+        {
+            UNET + "input_blocks.0.0.weight": (2, 4, 1, 1),
+            UNET + "label_emb.0.0.weight": (2, 2),
+            "cond_stage_model.model.ln_final.weight": (2,),
+        },
+        r"a UNet with added conditioning \(label_emb\) but not SDXL's two text encoders",
+    ),
 }
 
 
@@ -283,3 +292,30 @@ def test_a_file_of_the_right_names_and_wrong_shapes_is_refused_naming_the_file(f
         save_file(tensors, path)
         with pytest.raises(CheckpointError, match="shapes.safetensors: "):
             load_single_file(path, checkpoint_settings("sd1"), torch.float32)
+
+
+def test_a_yaml_without_a_parameterization_leaves_the_prediction_to_the_file(files, tmp_path):
+    tensors = load_file(files["sdxl"]) | {"v_pred": torch.zeros(0)}
+    marked = tmp_path / "marked.safetensors"
+    save_file(tensors, marked)
+    marked.with_suffix(".yaml").write_text("model:\n  target: sgm.models.diffusion.DiffusionEngine\n")
+    pipeline = load_single_file(marked, checkpoint_settings("sdxl"), torch.float32)
+    assert pipeline.scheduler.config.prediction_type == "v_prediction"  # the v_pred marker's
+    marked.with_suffix(".yaml").write_text("model:\n  params:\n    denoiser_config:\n      target: sgm.VScaling\n")
+    save_file(load_file(files["sdxl"]), marked)
+    assert load_single_file(marked, checkpoint_settings("sdxl"), torch.float32).scheduler.config.prediction_type == (
+        "v_prediction"
+    )
+
+
+def test_a_missing_file_or_a_folder_of_several_is_refused_naming_it(files, tmp_path):
+    with pytest.raises(CheckpointError, match="absent.safetensors: no such checkpoint file"):
+        checkpoint_file(tmp_path / "absent.safetensors")
+    folder = tmp_path / "Stable-diffusion"
+    folder.mkdir()
+    for name in ("a", "b"):
+        (folder / f"{name}.safetensors").write_bytes(files["sd1"].read_bytes())
+    with pytest.raises(CheckpointError, match=r"nor one checkpoint \(a.safetensors, b.safetensors\); name the file"):
+        checkpoint_file(folder)
+    with pytest.raises(CheckpointError, match="handler.checkpoint.config .*: no readable model_index.json"):
+        load_single_file(files["sd1"], CheckpointSettings(config=str(tmp_path)), torch.float32)
