@@ -99,11 +99,14 @@ class EmbeddingLibrary(Library):
         """The tokenizers' own words, before any embedding was added."""
         return [frozenset(tokenizer.get_vocab()) for tokenizer, _ in self.encoders()]
 
-    def named_in(self, text: str | None) -> list[str]:
-        """The names of the served embeddings that ``text`` says, as words."""
-        if not text:
-            return []
-        return [entry.name for entry in self.available() if _words((entry.name,)).search(text)]
+    def named_in(self, *texts: str | None) -> list[list[str]]:
+        """For each of ``texts``, the names of the served embeddings it says, as words (the
+        directory listed once, one pattern for all its names)."""
+        names = {entry.name.lower(): entry.name for entry in self.available()}
+        if not names or not any(texts):
+            return [[] for _ in texts]
+        words = _words(tuple(names.values()))
+        return [list(dict.fromkeys(names[match[0].lower()] for match in words.finditer(text or ""))) for text in texts]
 
     def acquire(self, names: Sequence[str], in_use: Iterable[str]) -> dict[str, str]:
         """Each name's token, loading the embeddings not in memory (or changed since), then evicting

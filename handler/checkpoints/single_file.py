@@ -98,7 +98,8 @@ def load_single_file(path: Path, settings: CheckpointSettings, dtype: torch.dtyp
     # 3. The weights, converted and checked component by component.
     used = (UNET, *VAE_PREFIXES, *(encoder.prefix for encoder, source in encoders.items() if source is None))
     components = _Components(read_tensors(path, used), configs, dtype, path.name)
-    loaded: dict[str, Any] = {"vae": components.vae(), "scheduler": _scheduler(configs, index, detected)}
+    vae_config = diffusers.AutoencoderKL.load_config(configs, subfolder="vae")
+    loaded: dict[str, Any] = {"vae": components.vae(vae_config), "scheduler": _scheduler(configs, index, detected)}
     if detected.architecture == "sd3":
         loaded["transformer"] = components.transformer()
     else:
@@ -126,7 +127,7 @@ def load_vae_file(path: Path, config: dict[str, Any], dtype: torch.dtype) -> nn.
     header = read_header(path)
     if not any(key.startswith(("encoder.", "decoder.", "first_stage_model.", "vae.")) for key in header.shapes):
         raise CheckpointError(f"{path.name}: not a VAE (no encoder or decoder weights)")
-    vae = _Components(read_tensors(path, ("",)), path.parent, dtype, path.name).vae_like(config)
+    vae = _Components(read_tensors(path, ("",)), path.parent, dtype, path.name).vae(config)
     logger.info(
         "vae file %s: %s in the file, %s loaded", path.name, header.dtypes_under(""), str(dtype).removeprefix("torch.")
     )
@@ -216,10 +217,6 @@ class _Components:
         own = {key: value for key, value in self.checkpoint.items() if key.startswith(UNET)}
         return self._fill(model, "transformer", lambda: convert_sd3_transformer_checkpoint_to_diffusers(own))
 
-    def vae(self) -> nn.Module:
-        model = self._empty(diffusers.AutoencoderKL, "vae", {})
-        return self._fill(model, "vae", lambda: convert_ldm_vae_checkpoint(self.checkpoint, model.config))
-
     def text_encoder(self, encoder: TextEncoder, model_class: Any) -> nn.Module:
         config: PretrainedConfig = model_class.config_class.from_pretrained(self.configs / encoder.component)
         with init_empty_weights():
@@ -255,9 +252,9 @@ class _Components:
         with init_empty_weights():
             return model_class.from_config(config)
 
-    def vae_like(self, config: dict[str, Any]) -> nn.Module:
-        """A VAE of ``config`` (the model's own) with this file's weights: an LDM VAE file (keys as
-        under ``first_stage_model.``, with or without that prefix) or a diffusers one."""
+    def vae(self, config: dict[str, Any]) -> nn.Module:
+        """A VAE of ``config`` with this file's weights: LDM's (under ``first_stage_model.``, or
+        without that prefix in a VAE file) or diffusers' keys."""
         with init_empty_weights():
             model = diffusers.AutoencoderKL.from_config(config)
         if any(key.startswith(("encoder.down_blocks.", "decoder.up_blocks.")) for key in self.checkpoint):

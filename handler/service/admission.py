@@ -222,8 +222,9 @@ class Admission:
         tokens: dict[str, str] = {}
         if library is None:
             return tokens
-        for field, text in (("prompt", request.prompt), ("negative_prompt", request.negative_prompt)):
-            names = [name for name in library.named_in(text) if name not in tokens]
+        named = library.named_in(request.prompt, request.negative_prompt)
+        for field, said in zip(("prompt", "negative_prompt"), named, strict=True):
+            names = [name for name in said if name not in tokens]
             if not names:
                 continue
             keep = starting | set(tokens.values())

@@ -50,7 +50,8 @@ def started(engine: StepEngine, prompt: str, negative: str | None, seed: int, ke
     """The job spec of a request, its embeddings acquired and named as the service does it."""
     library = engine.embeddings
     assert library is not None
-    names = list(dict.fromkeys(library.named_in(prompt) + library.named_in(negative)))
+    in_prompt, in_negative = library.named_in(prompt, negative)
+    names = list(dict.fromkeys(in_prompt + in_negative))
     tokens = library.acquire(names, keep or set())
     if keep is not None:
         keep.update(tokens.values())
@@ -74,8 +75,8 @@ def test_embeddings_in_prompts_and_negative_prompts_share_forwards_and_each_equa
     assert "tinystyle" not in jobs[0].prompt and jobs[2].prompt == "a green triangle"
     # A longer word names none; another case names it, with all its vectors (diffusers gives a
     # multi-vector embedding its first vector only there: its prompt rewrite is case-sensitive).
-    assert engine.embeddings.named_in("a tinystylex circle") == []
-    assert engine.embeddings.named_in("a TinyStyle circle") == ["tinystyle"]
+    assert engine.embeddings.named_in("a tinystylex circle") == [[]]
+    assert engine.embeddings.named_in("a TinyStyle circle") == [["tinystyle"]]
     together = run(engine, [(0, job) for job in jobs])  # started together: one text-encoder call
     reference = Reference(TINY_MODEL_DIRS[family])
     files = [directory / "tinystyle.safetensors", directory / "tinyneg.safetensors"]
@@ -97,7 +98,7 @@ def test_a_name_that_is_a_word_of_the_vocabulary_is_refused_by_name_and_not_list
         listed = {entry.name for entry in library.available()}
     assert listed == {"tinystyle", "tinyneg"}
     assert "embedding x refused: 'x' is a word of the model's vocabulary" in caplog.text
-    assert library.named_in("an x circle") == []
+    assert library.named_in("an x circle") == [[]]
     # With CLIP's own vocabulary, as a real model has it: cat is a word, easynegative is not.
     save_file({"emb_params": vectors(3, 1)}, directory / "cat.safetensors")
     save_file({"emb_params": vectors(4, 1)}, directory / "easynegative.safetensors")
@@ -150,7 +151,7 @@ def test_a_file_that_does_not_fit_is_refused_naming_it_and_leaves_nothing_behind
 
 def test_sd3_serves_no_embeddings_and_says_why(tmp_path):
     engine = engine_with("sd3", write_embeddings(tmp_path / "embeddings", "sd1"))
-    assert engine.embeddings.available() == [] and engine.embeddings.named_in("a tinystyle circle") == []
+    assert engine.embeddings.available() == [] and engine.embeddings.named_in("a tinystyle circle") == [[]]
     assert "takes no textual-inversion embeddings" in (engine.embeddings.off_because or "")
 
 
