@@ -19,7 +19,7 @@ MODEL_DIR ?= $(DEFAULT_MODEL_DIR)
 ARCHIVE_FORMAT ?= auto
 PYTEST_ARGS ?=
 
-.PHONY: help venv system-deps lint format model train-default-model train-lora train-controlnet model-grid prometheus-rule metrics-config mar image image-test serve stop scale scale-cycles test test-fast unit-test integration-test dashboard dashboard-png loadtest sweep bench-overhead bench-pipeline bench-continuous bench-engine bench-lora bench-controlnet bench-cache bench-single-file bench-gpu clean
+.PHONY: help venv system-deps lint format model train-default-model train-lora train-controlnet model-grid prometheus-rule metrics-config mar image image-test serve stop scale scale-cycles test test-fast unit-test integration-test dashboard dashboard-png loadtest sweep bench-overhead bench-pipeline bench-continuous bench-engine bench-lora bench-lycoris bench-controlnet bench-cache bench-single-file bench-gpu clean
 
 help:
 	@echo "make serve   set up, build the archive and serve it on 127.0.0.1:8080 (MODEL_DIR=/path for a real model)"
@@ -48,6 +48,7 @@ help:
 	@echo "make bench-continuous the shipped continuous batching vs dynamic batching, capacity and Poisson load; reports/continuous/"
 	@echo "make bench-engine   the step engine against the diffusers call it mirrors, per family, batch 1 and 8; reports/engine/"
 	@echo "make bench-lora     LoRA sets in one forward, per design, default model and SD 1.5's architecture; reports/lora/"
+	@echo "make bench-lycoris  LyCORIS deltas as the exact LoRA pairs served against materialized deltas, per layer width; reports/lycoris/"
 	@echo "make bench-controlnet ControlNets in the shared UNet forward against grouped, default model and SD 1.5's architecture; reports/controlnet/"
 	@echo "make bench-cache    step caching per request (all, half, mixed) against no cache: DeepCache on the default model and SD 1.5's architecture, first-block on a tiny SD 3.5; reports/cache/"
 	@echo "make bench-single-file a single-file SD 1.5-sized checkpoint against its directory: load time, same weights and image; reports/single-file/"
@@ -178,6 +179,9 @@ bench-engine: venv model
 
 bench-lora: venv
 	$(PY) -m bench.loras $(BENCH_ARGS)
+
+bench-lycoris: venv
+	$(PY) -m bench.lycoris $(BENCH_ARGS)
 
 bench-controlnet: venv
 	$(PY) -m bench.controlnets $(BENCH_ARGS)

@@ -4,7 +4,11 @@
 (64x64, rank-8 LoRAs) and on SD 1.5's architecture (``bench.sd15``, random weights, 256x256,
 rank-16 LoRAs), the LoRAs random on the denoiser's attention and feed-forward layers. Workloads:
 no LoRA; one LoRA on all 8; 8 different LoRAs, one per request; 8 different sets drawn from 3
-loaded LoRAs (alone, in pairs, all three, at other weights). Designs of the forward
+loaded LoRAs (alone, in pairs, all three, at other weights); 8 LyCORIS files, one per request (4
+LoHa, 4 LoKr of factor 8, made by ``lycoris-lora`` on the same layers, dim 4 on the default model
+and 8 at SD 1.5's size: served as exact LoRAs of rank dim^2 and up, ``handler.adapters.lycoris``;
+not with the compiled denoiser, whose rank-16 slots refuse them; ``make bench-lycoris`` sets the
+pairs against materialized deltas). Designs of the forward
 (``handler.adapters.lora_rows``): ``grouped`` (one forward per LoRA set, as before requests with different
 sets shared forwards), ``segments``, ``stacked``, ``auto`` (what the server runs), and
 ``compiled``: the denoiser compiled (``torch.compile``, default mode) with LoRA slots
@@ -27,6 +31,8 @@ import time
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+from peft.tuners.lora import LoraLayer
+
 from bench import sd15
 from bench.pipeline import environment
 from bench.report import plot_design_ratios, run_per_model
@@ -36,13 +42,14 @@ from handler.config import HandlerSettings
 from handler.engine.jobs import DenoiseJob, JobSpec
 from handler.engine.loading import load_engine, synchronize
 from handler.engine.step_engine import StepEngine
-from model_making.make_lora import write_lora
+from model_making.make_lora import write_lora, write_lycoris
 from server.paths import DEFAULT_MODEL_DIR
 
 logger = logging.getLogger("bench-lora")
 
 DESIGNS = ("grouped", "segments", "stacked", "auto", "compiled")
 PLAIN = "no LoRA"
+LYCORIS = "8 LyCORIS files"
 LAYERS = ("attention", "feed_forward")
 GOALS = {"default": 1.6, "sd15": 1.15}  # 8 different sets against no LoRA, the server's design
 
@@ -54,17 +61,37 @@ class Model:
     side: int
     rank: int
     spread: float  # the LoRA matrices' standard deviation
+    lycoris_dim: int  # the LyCORIS files' dim (LoHa, LoKr)
 
 
 MODELS = {
-    "default": Model("default", DEFAULT_MODEL_DIR, 64, 8, 0.3),
-    "sd15": Model("sd15", None, 256, 16, 0.02),
+    "default": Model("default", DEFAULT_MODEL_DIR, 64, 8, 0.3, 4),
+    "sd15": Model("sd15", None, 256, 16, 0.02, 8),
 }
 
 
-def workloads(ids: list[str]) -> dict[str, list[Adapters]]:
-    """The LoRA set of each of the 8 requests, per workload (``ids``: 8 loaded adapters)."""
+def write_lycoris_file(model: Model, model_dir: Path, directory: Path, index: int) -> Path:
+    """``lycoris{index}.safetensors`` in ``directory``: a LoHa for 0 to 3, a LoKr of factor 8 from 4,
+    of the model's dim, on the denoiser's attention and feed-forward layers."""
+    return write_lycoris(
+        model_dir,
+        directory / f"lycoris{index}.safetensors",
+        "loha" if index < 4 else "lokr",
+        seed=index,
+        dim=model.lycoris_dim,
+        alpha=model.lycoris_dim,
+        spread=model.spread,
+        text_encoder=False,
+        only="transformer_blocks",
+        **({} if index < 4 else {"factor": 8}),
+    )
+
+
+def workloads(ids: list[str], lycoris: list[str]) -> dict[str, list[Adapters]]:
+    """The LoRA set of each of the 8 requests, per workload (``ids``: 8 loaded adapters; ``lycoris``:
+    8 loaded LyCORIS files, or none)."""
     a, b, c = ids[:3]
+    with_lycoris = {LYCORIS: [((adapter, 1.0),) for adapter in lycoris]} if lycoris else {}
     return {
         PLAIN: [()] * 8,
         "one LoRA, all 8": [((a, 1.0),)] * 8,
@@ -79,7 +106,7 @@ def workloads(ids: list[str]) -> dict[str, list[Adapters]]:
             ((a, 0.4), (b, 0.4), (c, 0.4)),
             ((a, 0.3),),
         ],
-    }
+    } | with_lycoris
 
 
 def step_seconds(engine: StepEngine, jobs: list[DenoiseJob], design: str) -> float:
@@ -111,13 +138,13 @@ def measure(model: Model, steps: int, repeats: int) -> dict:
                 layers=LAYERS,
                 spread=model.spread,
             )
-        loras = {"dir": str(directory), "max_loaded": 8, "slot_rank": model.rank}
+            write_lycoris_file(model, model_dir, directory, index)
         engines = {
             compiled: load_engine(
                 HandlerSettings.model_validate(
                     {
                         "model_path": str(model_dir),
-                        "loras": loras,
+                        "loras": {"dir": str(directory), "max_loaded": 8 if compiled else 16, "slot_rank": model.rank},
                         "compile": {"enabled": compiled, "targets": ["unet"]},
                     }
                 ),
@@ -129,16 +156,30 @@ def measure(model: Model, steps: int, repeats: int) -> dict:
             compiled: [engine.loras.acquire([(f"lora{index}", 1.0)], set())[0][0] for index in range(8)]
             for compiled, engine in engines.items()
         }
+        lycoris_ids = {
+            False: [engines[False].loras.acquire([(f"lycoris{index}", 1.0)], set())[0][0] for index in range(8)],
+            True: [],  # the compiled denoiser's rank-16 slots refuse them
+        }
+        lycoris_ranks = {
+            kind: _rank_range(engines[False].loras.denoiser, adapters)
+            for kind, adapters in (("LoHa", lycoris_ids[False][:4]), ("LoKr", lycoris_ids[False][4:]))
+        }
     engine = engines[False]
     base = [JobSpec(f"a red circle {i}", None, (i,), model.side, model.side, steps + 1, "ddim", 7.5) for i in range(8)]
-    sets_of = workloads(ids[False])
-    cases = [(workload, design) for workload in sets_of if workload != PLAIN for design in DESIGNS]
+    sets_of = workloads(ids[False], lycoris_ids[False])
+    cases = [
+        (workload, design)
+        for workload in sets_of
+        if workload != PLAIN
+        for design in DESIGNS
+        if not (workload == LYCORIS and design == "compiled")
+    ]
     started = {
         (compiled, workload): engines[compiled].start(
             [replace(spec, adapters=adapters) for spec, adapters in zip(base, sets, strict=True)]
         )
         for compiled in engines
-        for workload, sets in workloads(ids[compiled]).items()
+        for workload, sets in workloads(ids[compiled], lycoris_ids[compiled]).items()
     }
 
     designs = engine.loras.row_loras.designs
@@ -195,6 +236,8 @@ def measure(model: Model, steps: int, repeats: int) -> dict:
         "model": model.name,
         "side": model.side,
         "rank": model.rank,
+        "lycoris_dim": model.lycoris_dim,
+        "lycoris_ranks": lycoris_ranks,
         "environment": environment(engine.device),
         "rows": rows,
         "auto_designs": taken,
@@ -203,12 +246,24 @@ def measure(model: Model, steps: int, repeats: int) -> dict:
     }
 
 
+def _rank_range(denoiser, adapters: list[str]) -> tuple[int, int]:
+    """The least and greatest rank of ``adapters`` over the denoiser's LoRA layers."""
+    ranks = [
+        layer.r[adapter]
+        for layer in denoiser.modules()
+        if isinstance(layer, LoraLayer)
+        for adapter in adapters
+        if adapter in layer.r
+    ]
+    return min(ranks), max(ranks)
+
+
 def table(results: list[dict]) -> str:
     lines = []
     for result in results:
         lines += [
-            f"\n{result['model']} ({result['side']}x{result['side']}, rank-{result['rank']} LoRAs on attention and "
-            f"feed-forward; one step of 8 requests, 16 rows):\n",
+            f"\n{result['model']} ({result['side']}x{result['side']}, rank-{result['rank']} LoRAs and dim-"
+            f"{result['lycoris_dim']} LyCORIS files on attention and feed-forward; one step of 8 requests, 16 rows):\n",
             "| workload | " + " | ".join(DESIGNS) + " |",
             "| --- |" + " --- |" * len(DESIGNS),
         ]
@@ -216,8 +271,10 @@ def table(results: list[dict]) -> str:
         for workload in dict.fromkeys(row["workload"] for row in result["rows"]):
             cells = []
             for design in DESIGNS:
-                row = by_case.get((workload, design)) or by_case[(workload, "auto")]
-                cells.append(f"{row['median_s'] * 1000:.1f} ms = {row['ratio']:.2f}x")
+                row = by_case.get((workload, design)) or by_case.get((workload, "auto"))
+                if workload == LYCORIS and design == "compiled":
+                    row = None  # refused by the slots, not measured
+                cells.append("refused" if row is None else f"{row['median_s'] * 1000:.1f} ms = {row['ratio']:.2f}x")
             lines.append(f"| {workload} | " + " | ".join(cells) + " |")
         goal = GOALS[result["model"]]
         auto = by_case[("8 different LoRAs", "auto")]["ratio"]
@@ -227,6 +284,8 @@ def table(results: list[dict]) -> str:
             f"compiled, no LoRA: {result['compiled_plain_over_eager']:.2f}x the eager step; graphs compiled after "
             f"the warm-up round (LoRAs loaded, sets changing): {result['graphs_compiled_after_warm_up']}"
         )
+        lycoris = ", ".join(f"{kind} {low}..{high}" for kind, (low, high) in result["lycoris_ranks"].items())
+        lines.append(f"LyCORIS files served as LoRAs of ranks {lycoris} (per layer)")
         for workload, counts in result["auto_designs"].items():
             total = sum(counts.values())
             lines.append(f"auto, {workload}: {counts.get('stacked', 0)} of {total} LoRA layer forwards stacked")

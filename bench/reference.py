@@ -102,6 +102,7 @@ class Reference:
         deep_cache: tuple[int, int] | None = None,
         first_block: float | None = None,
         embeddings: Sequence[Path] = (),
+        lycoris: Sequence[tuple[Path, float]] = (),
     ) -> ReferenceOutput:
         """One request: ``num_images_per_prompt`` images of one prompt, image k from ``seed + k``
         (wrapping past the largest seed, as requests do); from ``image`` (of the request's size)
@@ -112,7 +113,8 @@ class Reference:
         mode); with ``first_block`` (a threshold), diffusers' First Block Cache on SD 3's transformer
         (``first_block_cache``); with textual-inversion ``embeddings`` loaded for this call only
         (``load_textual_inversion``, each under its file stem; SDXL's ``clip_l`` and ``clip_g``
-        into its two text encoders, as diffusers' documentation does); ``scheduler`` None: the
+        into its two text encoders, as diffusers' documentation does); with LyCORIS files and weights
+        merged into the weights for this call only (``merged_lycoris``); ``scheduler`` None: the
         model's own."""
         seeds = [(seed + index) % (MAX_SEED + 1) for index in range(num_images_per_prompt)]
         inputs: dict = {"width": width, "height": height}
@@ -144,13 +146,15 @@ class Reference:
             helper.set_params(cache_interval=deep_cache[0], cache_branch_id=deep_cache[1])
             helper.enable()
         try:
-            if isinstance(pipeline, StableDiffusion3Img2ImgPipeline) and len(seeds) > 1:
-                alone = [
+            with self.merged_lycoris(lycoris):
+                one_by_one = isinstance(pipeline, StableDiffusion3Img2ImgPipeline) and len(seeds) > 1
+                calls = [(1, [one]) for one in seeds] if one_by_one else [(num_images_per_prompt, seeds)]
+                outputs = [
                     self._call(
                         prompt,
                         negative_prompt,
-                        1,
-                        [one],
+                        count,
+                        call_seeds,
                         num_inference_steps,
                         scheduler,
                         guidance_scale,
@@ -158,21 +162,11 @@ class Reference:
                         pipeline,
                         first_block,
                     )
-                    for one in seeds
+                    for count, call_seeds in calls
                 ]
-                return ReferenceOutput([image for output in alone for image in output.images], None)
-            return self._call(
-                prompt,
-                negative_prompt,
-                num_images_per_prompt,
-                seeds,
-                num_inference_steps,
-                scheduler,
-                guidance_scale,
-                inputs,
-                pipeline,
-                first_block,
-            )
+                if len(outputs) == 1:
+                    return outputs[0]
+                return ReferenceOutput([image for output in outputs for image in output.images], None)
         finally:
             if helper is not None:
                 helper.disable()
@@ -180,6 +174,40 @@ class Reference:
                 self.pipeline.delete_adapters(names)
             for path in embeddings:
                 self._unload_embedding(path.stem)
+
+    @contextlib.contextmanager
+    def merged_lycoris(self, files: Sequence[tuple[Path, float]]) -> Iterator[None]:
+        """During the block, each LyCORIS file's deltas times its weight are merged into the weights
+        of the UNet and text encoders, each delta computed by the ``lycoris-lora`` package
+        (``lycoris.functional.{loha,lokr}.diff_weight``, gamma its alpha over its dim as LyCORIS
+        scales it; the files have alphas); the weights are back after it."""
+        if not files:
+            yield
+            return
+        from model_making.make_lora import kohya_modules
+
+        layers = {
+            f"{prefix}{infix}{name}".replace(".", "_"): layer
+            for prefix, infix, component in kohya_modules(self.pipeline)
+            for name, layer in component.named_modules()
+        }
+        saved: dict[torch.nn.Module, torch.Tensor] = {}
+        try:
+            for path, weight in files:
+                state = load_file(path)
+                for name in sorted({key.split(".")[0] for key in state}):
+                    layer = layers[name]
+                    delta = _lycoris_delta(
+                        {key.split(".", 1)[1]: value for key, value in state.items() if key.startswith(f"{name}.")}
+                    )
+                    saved.setdefault(layer, layer.weight.detach().clone())
+                    with torch.no_grad():
+                        layer.weight.add_(weight * delta.reshape(layer.weight.shape).to(layer.weight.dtype))
+            yield
+        finally:
+            with torch.no_grad():
+                for layer, original in saved.items():
+                    layer.weight.copy_(original)
 
     def _text_encoders(self) -> list[tuple[str, Any, Any]]:
         """(SDXL file key, tokenizer, text encoder) of each text encoder an embedding goes into."""
@@ -319,3 +347,16 @@ def _sd3_decode(pipeline: Any, latents: torch.Tensor) -> list[Image]:
     with torch.no_grad():
         image = pipeline.vae.decode(latents / config.scaling_factor + config.shift_factor, return_dict=False)[0]
     return pipeline.image_processor.postprocess(image, output_type="pil")
+
+
+def _lycoris_delta(parameters: dict[str, torch.Tensor]) -> torch.Tensor:
+    """One LoHa or LoKr module's delta, by the ``lycoris-lora`` package's functions."""
+    from lycoris.functional import loha, lokr  # the tests' and benchmarks' reference only
+
+    alpha = float(parameters["alpha"])
+    if "hada_w1_a" in parameters:
+        names = ["hada_w1_b", "hada_w1_a", "hada_w2_b", "hada_w2_a", "hada_t1", "hada_t2"]
+        dim = parameters["hada_w1_b"].shape[0]
+        return loha.diff_weight(*(parameters.get(name) for name in names), gamma=alpha / dim)
+    names = ["lokr_w1", "lokr_w1_a", "lokr_w1_b", "lokr_w2", "lokr_w2_a", "lokr_w2_b", "lokr_t2"]
+    return lokr.diff_weight(*(parameters.get(name) for name in names), gamma=alpha)

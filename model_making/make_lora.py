@@ -1,5 +1,6 @@
 """Random-weight LoRA adapters for a pipeline directory, in diffusers' LoRA format: the tests' LoRAs
-(a tiny model's own, one per family) and the shapes a LoRA of another family has.
+(a tiny model's own, one per family) and the shapes a LoRA of another family has; and LyCORIS LoHa
+and LoKr files made by the ``lycoris-lora`` package, with kohya's module names.
 
 The adapter targets the denoiser's attention projections (an SD 3.x transformer's joint attention:
 the image and the text streams) and, where asked, its feed-forward layers and convolutions (a UNet's
@@ -11,8 +12,9 @@ that the adapter visibly changes an image without swamping it.
 from __future__ import annotations
 
 import argparse
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
+from typing import Any
 
 import torch
 from diffusers import AutoPipelineForText2Image, StableDiffusion3Pipeline, StableDiffusionXLPipeline
@@ -82,6 +84,64 @@ def write_lora(
         save_file({key: value / 2 if key.endswith(".alpha") else value for key, value in state_dict.items()}, output)
         return output
     type(pipeline).save_lora_weights(output.parent, weight_name=output.name, safe_serialization=True, **parts)
+    return output
+
+
+def kohya_modules(pipeline: Any) -> Iterator[tuple[str, str, torch.nn.Module]]:
+    """(kohya module name prefix, component, component module) for the UNet (``lora_unet``) and
+    the CLIP text encoders (``lora_te``, SDXL's ``lora_te1`` and ``lora_te2``), whose module names
+    kohya writes below ``text_model``."""
+    yield "lora_unet_", "", pipeline.unet
+    encoders = [pipeline.text_encoder] + (
+        [pipeline.text_encoder_2] if getattr(pipeline, "text_encoder_2", None) else []
+    )
+    for index, encoder in enumerate(encoders, start=1):
+        prefix = "lora_te" if len(encoders) == 1 else f"lora_te{index}"
+        yield f"{prefix}_", "" if hasattr(encoder, "text_model") else "text_model_", encoder
+
+
+def write_lycoris(
+    model_dir: Path,
+    output: Path,
+    algo: str,
+    seed: int = 0,
+    dim: int = 2,
+    alpha: float = 1.0,
+    spread: float = 0.3,
+    text_encoder: bool = True,
+    only: str = "",
+    **options: Any,
+) -> Path:
+    """A random LyCORIS file (``algo``: ``loha`` or ``lokr``) for the SD 1.x, 2.x or SDXL pipeline
+    in ``model_dir``, made by ``lycoris.create_lycoris`` (its ``full`` preset: the UNet's attention,
+    feed-forward and ResNet layers, the text encoders' attention and MLP; ``options``: its keyword
+    arguments, ``use_tucker``, ``decompose_both``, ``factor``...), every factor drawn at random with
+    standard deviation ``spread`` (LyCORIS starts one half at 0), written with kohya's module names;
+    ``only``: the UNet's modules whose names hold it (``transformer_blocks``: attention and
+    feed-forward layers)."""
+    from lycoris import create_lycoris  # the tests' and benchmarks' LyCORIS files only
+
+    torch.manual_seed(seed)
+    pipeline = AutoPipelineForText2Image.from_pretrained(str(model_dir), use_safetensors=True)
+    state: dict[str, torch.Tensor] = {}
+    for prefix, infix, component in kohya_modules(pipeline):
+        if prefix != "lora_unet_" and not text_encoder:
+            continue
+        network = create_lycoris(component, 1.0, linear_dim=dim, linear_alpha=alpha, algo=algo, **options)
+        for module in network.loras:
+            if "add_embedding" in module.lora_name:
+                continue  # SDXL's added-conditions embedding: diffusers' kohya converter names no such layer
+            if prefix == "lora_unet_" and only not in module.lora_name:
+                continue
+            with torch.no_grad():
+                for name, parameter in module.named_parameters():
+                    if not name.startswith("org_"):
+                        parameter.normal_(0.0, spread)
+            name = module.lora_name.removeprefix(f"{network.LORA_PREFIX}_")
+            for key, value in module.custom_state_dict().items():
+                state[f"{prefix}{infix}{name}.{key}"] = value.detach().contiguous()
+    output.parent.mkdir(parents=True, exist_ok=True)
+    save_file(state, output)
     return output
 
 

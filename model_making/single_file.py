@@ -9,7 +9,7 @@ import re
 from pathlib import Path
 
 import torch
-from diffusers import DiffusionPipeline
+from diffusers import ControlNetModel, DiffusionPipeline
 from safetensors.torch import save_file
 
 RESNET_NAMES = (
@@ -40,7 +40,7 @@ def _resnet(name: str) -> str:
 def unet_to_ldm(state: dict[str, torch.Tensor], config) -> dict[str, torch.Tensor]:
     """A diffusers UNet's weights under their LDM names (``input_blocks``, ``middle_block``, ``output_blocks``)."""
     per_block = config["layers_per_block"] + 1
-    up_attention = ["CrossAttn" in kind for kind in config["up_block_types"]]
+    up_attention = ["CrossAttn" in kind for kind in config.get("up_block_types", ())]  # a ControlNet has none
     out = {}
     for key, value in state.items():
         base, suffix = key.rsplit(".", 1)
@@ -246,6 +246,33 @@ def write_single_file(
             f"cond_stage_model.transformer.{k}": v for k, v in clip_to_ldm(pipeline.text_encoder.state_dict()).items()
         }
     return _save(tensors, path)
+
+
+def controlnet_to_ldm(state: dict[str, torch.Tensor], config) -> dict[str, torch.Tensor]:
+    """A diffusers ControlNet's weights under their LDM names (``control_model.``: the UNet's encoder
+    as ``unet_to_ldm`` names it, ``input_hint_block``, ``zero_convs``, ``middle_block_out``)."""
+    blocks = sum(1 for key in state if re.fullmatch(r"controlnet_cond_embedding\.blocks\.\d+\.weight", key))
+    hint = {"conv_in": 0, "conv_out": 2 * (blocks + 1)} | {f"blocks.{k}": 2 * (k + 1) for k in range(blocks)}
+    out, encoder = {}, {}
+    for key, value in state.items():
+        base, suffix = key.rsplit(".", 1)
+        if base.startswith("controlnet_cond_embedding."):
+            out[f"input_hint_block.{hint[base.removeprefix('controlnet_cond_embedding.')]}.{suffix}"] = value
+        elif match := re.fullmatch(r"controlnet_down_blocks\.(\d+)", base):
+            out[f"zero_convs.{match[1]}.0.{suffix}"] = value
+        elif base == "controlnet_mid_block":
+            out[f"middle_block_out.0.{suffix}"] = value
+        else:
+            encoder[key] = value
+    return {f"control_model.{key}": value for key, value in (out | unet_to_ldm(encoder, config)).items()}
+
+
+def write_controlnet_file(controlnet_dir: Path, path: Path, ldm: bool = True) -> Path:
+    """The ControlNet directory ``controlnet_dir`` as one ``.safetensors`` file at ``path``: LDM's keys
+    (A1111's ``models/ControlNet``), or diffusers' own (``ldm`` false, as SDXL ControlNets ship)."""
+    net = ControlNetModel.from_pretrained(str(controlnet_dir), use_safetensors=True)
+    state = net.state_dict()
+    return _save(controlnet_to_ldm(state, net.config) if ldm else state, path)
 
 
 def _save(tensors: dict[str, torch.Tensor], path: Path) -> Path:

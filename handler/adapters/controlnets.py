@@ -3,8 +3,10 @@
 one is loaded again, at most ``max_loaded`` in memory, those of jobs in flight kept).
 
 A ControlNet is a diffusers directory (``config.json`` and safetensors weights) named by its
-directory name. Every file read must resolve inside the ControlNet directory (no symlink out), and
-weights are read from safetensors only. A ControlNet must fit the served UNet (the family says:
+directory name, or a single ``.safetensors`` file (A1111's ``models/ControlNet``, LDM or diffusers
+keys; ``handler.checkpoints.single_file.load_controlnet_file``) named by its stem. Every file read
+must resolve inside the ControlNet directory (no symlink out), and weights are read from
+safetensors only. A ControlNet must fit the served UNet (the family says:
 ``Family.controlnet_refusal``).
 
 In a denoising step (``residuals``), each ControlNet runs ONCE over the rows of the jobs that use
@@ -25,6 +27,7 @@ from diffusers import ControlNetModel
 from PIL.Image import Image
 
 from handler.adapters.library import Entry, Kind, Library
+from handler.checkpoints.single_file import load_controlnet_file
 from handler.families import Conditioning, Family, Residuals
 from handler.families.transfer import to_device
 
@@ -35,7 +38,8 @@ CONTROLNETS = Kind(
     "ControlNet",
     "controlnets",
     "handler.controlnets.dir (or $CONTROLNET_DIR)",
-    "a directory name",
+    "a directory name or a file stem",
+    suffix=WEIGHTS_SUFFIX,
     marker="config.json",
 )
 
@@ -102,17 +106,11 @@ class ControlNetLibrary(Library):
         return self.family.control_forward(self._nets[net_id], latents, timesteps, conditioning, images)
 
     def _load(self, entry: Entry, keep: set[str]) -> str:
-        weights = [path for path in entry.path.iterdir() if path.name.endswith(WEIGHTS_SUFFIX)]
         try:
-            if not weights:
-                raise ValueError(f"no {WEIGHTS_SUFFIX} weights (only safetensors are read)")
-            config = entry.path / self.kind.marker
-            outside = [path.name for path in [config, *weights] if path.resolve().parent != entry.path]
-            if outside:
-                raise ValueError(f"{', '.join(outside)} resolve outside its directory")
-            net = ControlNetModel.from_pretrained(
-                str(entry.path), torch_dtype=self.dtype, use_safetensors=True, local_files_only=True
-            )
+            if entry.path.is_file():
+                net = load_controlnet_file(entry.path, self.family.denoiser, self.dtype)
+            else:
+                net = self._from_directory(entry.path)
             refusal = self.family.controlnet_refusal(net.config)
             if refusal is not None:
                 raise ValueError(refusal)
@@ -123,6 +121,18 @@ class ControlNetLibrary(Library):
         self._nets[net_id] = net
         logger.info("ControlNet %s loaded as %s (%d bytes)", entry.name, net_id, entry.version[1])
         return net_id
+
+    def _from_directory(self, directory: Path) -> torch.nn.Module:
+        weights = [path for path in directory.iterdir() if path.name.endswith(WEIGHTS_SUFFIX)]
+        if not weights:
+            raise ValueError(f"no {WEIGHTS_SUFFIX} weights (only safetensors are read)")
+        config = directory / self.kind.marker
+        outside = [path.name for path in [config, *weights] if path.resolve().parent != directory]
+        if outside:
+            raise ValueError(f"{', '.join(outside)} resolve outside its directory")
+        return ControlNetModel.from_pretrained(
+            str(directory), torch_dtype=self.dtype, use_safetensors=True, local_files_only=True
+        )
 
     def _forget(self, loaded_id: str) -> None:
         del self._nets[loaded_id]

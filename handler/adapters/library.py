@@ -57,14 +57,15 @@ class Entry:
 
 @dataclass(frozen=True)
 class Kind:
-    """What the entries of one library are and how requests and operators name them."""
+    """What the entries of one library are and how requests and operators name them: files of a
+    suffix, directories holding a marker file, or both (a name then is either; a directory first)."""
 
     what: str  # "LoRA": in messages
     field: str  # the request field naming them, "loras": rule names derive from it
     setting: str  # where the directory is set: "handler.loras.dir (or $LORA_DIR)"
     naming: str  # what a name is: "a file stem"
-    suffix: str = ""  # file entries: the file's suffix; "" for directory entries
-    marker: str = ""  # directory entries: the file every entry holds
+    suffix: str = ""  # file entries: the file's suffix; "" for none
+    marker: str = ""  # directory entries: the file every entry holds; "" for none
 
     @property
     def rule(self) -> str:
@@ -72,26 +73,25 @@ class Kind:
         return self.field.removesuffix("s")
 
     def name_of(self, path: Path) -> str | None:
-        if self.suffix:
-            return path.name[: -len(self.suffix)] if path.name.endswith(self.suffix) else None
-        return path.name
+        if self.marker and path.is_dir():
+            return path.name
+        if self.suffix and path.name.endswith(self.suffix) and not path.is_dir():
+            return path.name[: -len(self.suffix)]
+        return None
 
-    def path_of(self, directory: Path, name: str) -> Path:
-        return directory / f"{name}{self.suffix}"
+    def paths_of(self, directory: Path, name: str) -> list[Path]:
+        """Where an entry of ``name`` may be: its directory, then its file."""
+        return [directory / name] * bool(self.marker) + [directory / f"{name}{self.suffix}"] * bool(self.suffix)
 
     def candidates(self, directory: Path) -> list[Path]:
-        if self.suffix:
-            return sorted(directory.glob(f"*{self.suffix}"))
-        return sorted(path for path in directory.iterdir() if path.is_dir())
+        return sorted(path for path in directory.iterdir() if self.name_of(path) is not None)
 
     def version(self, resolved: Path) -> tuple[int, int] | None:
         """The version of an entry's files, or None where ``resolved`` is no entry of this kind."""
-        if self.suffix:
-            if not resolved.is_file():
-                return None
+        if self.suffix and resolved.is_file():
             stat = resolved.stat()
             return stat.st_mtime_ns, stat.st_size
-        if not (resolved / self.marker).is_file():
+        if not self.marker or not (resolved / self.marker).is_file():
             return None
         stats = [item.stat() for item in resolved.iterdir() if item.is_file()]
         return max(stat.st_mtime_ns for stat in stats), sum(stat.st_size for stat in stats)
@@ -115,15 +115,19 @@ class Library:
         return len(self._loaded)
 
     def available(self) -> list[Entry]:
-        """The entries in the directory now, by name (none where it cannot be read)."""
+        """The entries in the directory now, by name, each name once as ``resolve`` takes it (a
+        directory sorts before its name's file; none where the directory cannot be read)."""
         if self.directory is None or self.off_because is not None:
             return []
         try:
             paths = self.kind.candidates(self.directory)
         except OSError:
             return []
-        found = (self._entry(path) for path in paths)
-        return [entry for entry in found if entry is not None]
+        found: dict[str, Entry] = {}
+        for entry in map(self._entry, paths):
+            if entry is not None:
+                found.setdefault(entry.name, entry)
+        return list(found.values())
 
     def _entry(self, path: Path) -> Entry | None:
         """The entry at ``path``, or None where there is none: a bad name, no file or directory of
@@ -154,7 +158,8 @@ class Library:
             raise EntryError(
                 f"{kind.rule}_name", f"{name!r} is not a {kind.what} name ({kind.naming} of [A-Za-z0-9_.-])"
             )
-        entry = self._entry(kind.path_of(self.directory, name))
+        found = (self._entry(path) for path in kind.paths_of(self.directory, name))
+        entry = next((entry for entry in found if entry is not None), None)
         if entry is None:
             known = ", ".join(item.name for item in self.available()) or "none"
             raise EntryError(

@@ -6,7 +6,8 @@ compiled denoiser, ``handler.adapters.lora_slots``: requests with different sets
 forward); the text encoders, which run once per job, get a set with diffusers' ``set_adapters``.
 
 A LoRA's name is its file's stem. Files are read with ``safetensors`` only, then handed to
-``load_lora_weights`` as a state dict, in any format it reads (diffusers/PEFT, kohya/A1111).
+``load_lora_weights`` as a state dict, in any format it reads (diffusers/PEFT, kohya/A1111); a
+LyCORIS LoHa or LoKr file as the exact LoRA of its deltas (``handler.adapters.lycoris``).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from safetensors.torch import load_file
 from handler.adapters.library import Busy, Entry, Kind, Library
 from handler.adapters.lora_rows import Adapters, RowLoras
 from handler.adapters.lora_slots import SlotLoras, compiled_graphs
+from handler.adapters.lycoris import as_lora, holds_lycoris
 
 logger = logging.getLogger(__name__)
 
@@ -64,6 +66,8 @@ class LoraLibrary(Library):
         self._active = None
         try:
             state_dict = load_file(entry.path)
+            if holds_lycoris(state_dict):
+                state_dict = as_lora(self.pipeline, state_dict)
             self.pipeline.load_lora_weights(state_dict, adapter_name=adapter)
             if adapter not in self._held():  # diffusers only warns when no key matches a layer of this model
                 raise ValueError("no layer of this model matches its keys (a LoRA for another model family?)")

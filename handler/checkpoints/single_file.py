@@ -13,6 +13,7 @@ from __future__ import annotations
 import inspect
 import json
 import logging
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,6 +23,9 @@ import diffusers
 import torch
 from accelerate import init_empty_weights
 from diffusers.loaders.single_file_utils import (
+    DIFFUSERS_TO_LDM_MAPPING,
+    LDM_CONTROLNET_KEY,
+    convert_controlnet_checkpoint,
     convert_ldm_unet_checkpoint,
     convert_ldm_vae_checkpoint,
     convert_open_clip_checkpoint,
@@ -132,6 +136,59 @@ def load_vae_file(path: Path, config: dict[str, Any], dtype: torch.dtype) -> nn.
         "vae file %s: %s in the file, %s loaded", path.name, header.dtypes_under(""), str(dtype).removeprefix("torch.")
     )
     return vae
+
+
+def load_controlnet_file(path: Path, unet: nn.Module, dtype: torch.dtype) -> nn.Module:
+    """The ControlNet in the file at ``path`` (A1111's ``models/ControlNet``: LDM keys, under
+    ``control_model.`` or none, or diffusers' keys), built as ``unet``'s ControlNet
+    (``ControlNetModel.from_unet``) with the file's conditioning embedding; refused as a checkpoint
+    is, naming the file and the first weight that does not fit (another family's, a small or mid
+    variant)."""
+    header = read_header(path)
+    hint = _hint_convolutions(header)
+    if not hint:
+        raise CheckpointError(
+            f"{path.name}: not a ControlNet (no conditioning embedding: input_hint_block or "
+            "controlnet_cond_embedding weights); T2I-Adapters and control LoRAs are not served"
+        )
+    net = _Components(read_tensors(path, ("",)), path.parent, dtype, path.name).controlnet(unet, hint)
+    logger.info(
+        "controlnet file %s: %s in the file, %s loaded",
+        path.name,
+        header.dtypes_under(""),
+        str(dtype).removeprefix("torch."),
+    )
+    return net
+
+
+def _hint_convolutions(header: Header) -> list[tuple[int, ...]]:
+    """The shapes of the conditioning embedding's convolutions, in order (its last: to the UNet's
+    channels), in either layout."""
+    pattern = re.compile(rf"^(?:{re.escape(LDM_CONTROLNET_KEY)})?input_hint_block\.(\d+)\.weight$")
+    ldm = sorted((int(match[1]), shape) for name, shape in header.shapes.items() if (match := pattern.match(name)))
+    if ldm:
+        convolutions = [shape for _, shape in ldm]
+        return convolutions if all(len(shape) == 4 for shape in convolutions) else []
+    blocks = re.compile(r"^controlnet_cond_embedding\.blocks\.(\d+)\.weight$")
+    inner = sorted((int(match[1]), shape) for name, shape in header.shapes.items() if (match := blocks.match(name)))
+    ends = [header.shapes.get(f"controlnet_cond_embedding.conv_{end}.weight") for end in ("in", "out")]
+    if ends[0] is None or ends[1] is None:
+        return []
+    convolutions = [ends[0], *(shape for _, shape in inner), ends[1]]
+    return convolutions if all(len(shape) == 4 for shape in convolutions) else []
+
+
+def _controlnet_state(checkpoint: dict[str, torch.Tensor], config: Any) -> dict[str, torch.Tensor]:
+    """diffusers' ControlNet converter, plus SDXL's added-conditions embedding (``label_emb``), which
+    it leaves out; what it finds no weight for is left out too (refused as missing)."""
+    state = convert_controlnet_checkpoint(checkpoint, config)
+    if "time_embedding.linear_1.weight" not in checkpoint:
+        inner = {key.removeprefix(LDM_CONTROLNET_KEY): value for key, value in checkpoint.items()}
+        added: dict[str, str] = DIFFUSERS_TO_LDM_MAPPING["controlnet"]["addition_embed_type"]  # type: ignore[index]
+        for ours, theirs in added.items():
+            if theirs in inner:
+                state[ours] = inner[theirs]
+    return {key: value for key, value in state.items() if value is not None}
 
 
 def _index(configs: Path) -> dict[str, Any]:
@@ -260,6 +317,19 @@ class _Components:
         if any(key.startswith(("encoder.down_blocks.", "decoder.up_blocks.")) for key in self.checkpoint):
             return self._fill(model, "vae", lambda: self.checkpoint)
         return self._fill(model, "vae", lambda: convert_ldm_vae_checkpoint(self.checkpoint, model.config))
+
+    def controlnet(self, unet: nn.Module, hint: list[tuple[int, ...]]) -> nn.Module:
+        """``unet``'s ControlNet with this file's weights, its conditioning embedding's channels
+        those of ``hint`` (the embedding's convolutions: the out channels of every other one)."""
+        channels = tuple(shape[0] for shape in hint[:-1:2])
+        with init_empty_weights():
+            model = diffusers.ControlNetModel.from_unet(
+                unet,
+                conditioning_embedding_out_channels=channels,
+                conditioning_channels=hint[0][1],
+                load_weights_from_unet=False,
+            )
+        return self._fill(model, "ControlNet", lambda: _controlnet_state(self.checkpoint, model.config))
 
     def _fill(self, model: nn.Module, component: str, convert: Callable[[], dict[str, torch.Tensor]]) -> nn.Module:
         """``model`` (its parameters on the meta device) given the converted weights, each checked

@@ -80,9 +80,11 @@ def expected(
     job: JobSpec,
     loras: Sequence[tuple[Path, float]] = (),
     controlnets: Sequence[ControlNetCall] = (),
+    lycoris: Sequence[tuple[Path, float]] = (),
 ):
     """diffusers' own call for the job (with ``loras``: its LoRA files and scales; ``controlnets``:
-    its ControlNets' directories, with the job's control images, scales and windows)."""
+    its ControlNets' directories, with the job's control images, scales and windows; ``lycoris``:
+    LyCORIS files and weights, their deltas merged into the weights)."""
     return reference(
         job.prompt,
         job.seeds[0],
@@ -98,6 +100,7 @@ def expected(
         strength=job.strength,
         loras=loras,
         controlnets=controlnets,
+        lycoris=lycoris,
         **cache_options(job.cache),
     )
 

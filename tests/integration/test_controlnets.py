@@ -2,7 +2,9 @@
 (``shapes-mask``): the ControlNet is listed with the model; the OpenAI SDK's ``extra_body`` and a
 multipart form with the control image as a file part get the JSON API's image; Canny in the server
 equals OpenCV's edge map sent as the image; a ControlNet directory added while the server runs is
-served at once. Parity with diffusers per family and mode, hostile input and the metrics are in
+served at once, and so is the same ControlNet as an A1111 single file (LDM keys), equal to its
+directory, while a truncated file and a file of no ControlNet are 400s naming ``controlnets`` that
+disturb no batchmate. Parity with diffusers per family and mode, hostile input and the metrics are in
 ``test_families.py``; the README's example in ``test_readme_examples.py``."""
 
 from __future__ import annotations
@@ -10,6 +12,7 @@ from __future__ import annotations
 import base64
 import io
 import shutil
+from concurrent.futures import ThreadPoolExecutor
 
 import cv2
 import numpy as np
@@ -17,8 +20,9 @@ import requests
 from openai import OpenAI
 from PIL import Image, ImageDraw
 
+from model_making.single_file import write_controlnet_file
 from tests.harness.images import assert_same_image, decode_png
-from tests.harness.serving import Client
+from tests.harness.serving import Client, worker_processes
 
 BASE = {"prompt": "a green square", "seed": 4, "num_inference_steps": 4}
 
@@ -99,3 +103,31 @@ def test_a_controlnet_added_while_the_server_runs_is_served_at_once(server, serv
         shutil.rmtree(added)
     response = Client(server).predict({**BASE, "controlnets": [{**control(png(mask())), "name": added.name}]})
     assert response.status_code == 400 and response.json()["errors"][0]["rule"] == "unknown_controlnet"
+
+
+def test_a_single_file_controlnet_equals_its_directory_and_broken_files_are_refused(server, served_dirs):
+    directory = served_dirs.controlnets
+    single = write_controlnet_file(directory / "shapes-mask", directory / "shapes-mask-a1111.safetensors")
+    truncated = directory / "truncated.safetensors"
+    truncated.write_bytes(single.read_bytes()[: single.stat().st_size // 2])
+    not_a_controlnet = directory / "a-lora.safetensors"
+    shutil.copy(served_dirs.loras / "outline.safetensors", not_a_controlnet)
+    try:
+        from_file = Client(server).image(**BASE, controlnets=[{**control(png(mask())), "name": single.stem}])
+        assert_same_image(from_file, Client(server).image(**BASE, controlnets=[control(png(mask()))]))
+        before = worker_processes(server)
+        for broken, says in ((truncated, "truncated"), (not_a_controlnet, "not a ControlNet")):
+            with ThreadPoolExecutor(2) as pool:
+                refused = pool.submit(
+                    Client(server).predict, {**BASE, "controlnets": [{**control(png(mask())), "name": broken.stem}]}
+                )
+                batchmate = pool.submit(Client(server).predict, {**BASE, "controlnets": [control(png(mask()))]})
+                assert batchmate.result().status_code == 200
+            assert refused.result().status_code == 400, refused.result().text
+            (error,) = refused.result().json()["errors"]
+            assert error["field"].startswith("controlnets") and error["rule"] == "controlnet_unloadable", error
+            assert broken.stem in error["message"] and says in error["message"], error
+        assert worker_processes(server) == before
+    finally:
+        for path in (single, truncated, not_a_controlnet):
+            path.unlink()

@@ -2,7 +2,8 @@
 modes: equal to diffusers' pipeline with ``load_lora_weights`` + ``set_adapters``, several per
 request with their own scales; requests with other LoRA sets (or none, attention, convolution and
 feed-forward LoRAs) sharing denoiser forwards, each equal to itself alone, while adapters are
-evicted; a file added or changed while the server runs; every hostile name, file and scale refused
+evicted; LyCORIS LoHa and LoKr files beside a plain LoRA, equal to their deltas merged into the
+weights; a file added or changed while the server runs; every hostile name, file and scale refused
 naming ``loras`` without disturbing a batchmate or the worker; the metrics; the OpenAI API's
 ``extra_body``. Parity on every family is in ``test_families.py``."""
 
@@ -22,7 +23,7 @@ import torch
 from openai import OpenAI
 
 from bench.reference import Reference
-from model_making.make_lora import write_lora
+from model_making.make_lora import write_lora, write_lycoris
 from server import TorchServe, write_model_config
 from server.paths import DEFAULT_MODEL_DIR, ROOT, TINY_MODEL_DIRS
 from tests.harness.images import assert_same_image, decode_png
@@ -36,8 +37,9 @@ LONG = {"prompt": "keep the worker busy", "seed": 1, "num_inference_steps": 100}
 
 @pytest.fixture(scope="module")
 def lora_dir(tmp_path_factory) -> Path:
-    """The shipped outline LoRA, two random ones for the default model (one without text encoder
-    layers), and files that must be refused: corrupt, a pickle, another family's."""
+    """The shipped outline LoRA, random ones for the default model (one without text encoder
+    layers), a LoHa and a LoKr, and files that must be refused: corrupt, a pickle, another family's,
+    a weight-decomposed LoHa."""
     directory = tmp_path_factory.mktemp("loras")
     shutil.copy(SHIPPED_LORA, directory / "outline.safetensors")
     write_lora(DEFAULT_MODEL_DIR, directory / "random.safetensors", seed=1)
@@ -51,6 +53,9 @@ def lora_dir(tmp_path_factory) -> Path:
         spread=0.1,
     )
     write_lora(TINY_MODEL_DIRS["sdxl"], directory / "sdxl.safetensors", seed=3)
+    write_lycoris(DEFAULT_MODEL_DIR, directory / "loha.safetensors", "loha", seed=5, dim=4, alpha=2.0, spread=0.2)
+    write_lycoris(DEFAULT_MODEL_DIR, directory / "lokr.safetensors", "lokr", seed=6, dim=4, factor=4, spread=0.2)
+    write_lycoris(DEFAULT_MODEL_DIR, directory / "loha-dora.safetensors", "loha", seed=7, dora_wd=True)
     (directory / "corrupt.safetensors").write_bytes(b"\x08\x00\x00\x00\x00\x00\x00\x00{broken}")
     torch.save({"lora_A": torch.zeros(2)}, directory / "pickled.safetensors")
     return directory
@@ -77,19 +82,28 @@ def image(server: TorchServe, **fields) -> np.ndarray:
     return Client(server).image(**{**BASE, **fields})
 
 
+def reference_image(reference: Reference, **options) -> np.ndarray:
+    """diffusers' image of ``BASE`` at 64x64 with ``options`` (``loras``, ``lycoris``)."""
+    steps = BASE["num_inference_steps"]
+    return np.asarray(reference(BASE["prompt"], BASE["seed"], 64, 64, steps, **options).images[0])
+
+
 def test_several_loras_with_their_scales_equal_diffusers(served, reference, lora_dir):
     loras = [{"name": "random", "scale": 0.8}, {"name": "unet-only", "scale": -0.5}]
     ours = image(served, loras=loras)
-    theirs = reference(
-        BASE["prompt"],
-        BASE["seed"],
-        64,
-        64,
-        BASE["num_inference_steps"],
-        loras=[(lora_dir / "random.safetensors", 0.8), (lora_dir / "unet-only.safetensors", -0.5)],
-    ).images[0]
-    assert_same_image(ours, np.asarray(theirs))
+    files = [(lora_dir / "random.safetensors", 0.8), (lora_dir / "unet-only.safetensors", -0.5)]
+    assert_same_image(ours, reference_image(reference, loras=files))
     assert np.abs(ours.astype(int) - image(served).astype(int)).max() > 10, "the LoRAs changed the image"
+
+
+def test_loha_and_lokr_beside_a_lora_equal_their_deltas_merged(served, reference, lora_dir):
+    loras = [{"name": "loha", "scale": 0.8}, {"name": "lokr", "scale": 0.6}, {"name": "random", "scale": 0.5}]
+    ours = image(served, loras=loras)
+    lycoris = [(lora_dir / "loha.safetensors", 0.8), (lora_dir / "lokr.safetensors", 0.6)]
+    theirs = reference_image(reference, loras=[(lora_dir / "random.safetensors", 0.5)], lycoris=lycoris)
+    assert_same_image(ours, theirs)
+    without = image(served, loras=[{"name": "random", "scale": 0.5}])
+    assert np.abs(ours.astype(int) - without.astype(int)).max() > 10, "the LoHa and LoKr changed the image"
 
 
 def test_requests_with_other_lora_sets_share_forwards_and_each_equals_itself_alone(served):
@@ -145,6 +159,7 @@ def test_a_lora_added_or_changed_while_serving_is_used_at_the_next_request(serve
         ([{"name": "corrupt"}], "lora_unloadable"),
         ([{"name": "pickled"}], "lora_unloadable"),
         ([{"name": "sdxl"}], "lora_unloadable"),
+        ([{"name": "loha-dora"}], "lora_unloadable"),
         ([{"name": "outline", "scale": 1e6}], "lora_scale"),
         ([{"name": "outline", "scale": "NaN"}], "float_type"),
     ],

@@ -2,11 +2,14 @@
 1.x, SD 2.x and SDXL with random ControlNets): one ControlNet, two at once, a window, an input image,
 a LoRA, plain jobs beside them, joining mid-flight; each image equals the same job alone and
 diffusers' ControlNet pipelines; each ControlNet runs once per step over its rows, and only in its
-window. The library refuses what it cannot serve before the forward."""
+window. The library refuses what it cannot serve before the forward. A ControlNet written as one
+file (A1111's LDM keys, or diffusers' keys) serves its directory's images; another family's file, a
+LoRA file and a truncated one are refused by name."""
 
 from __future__ import annotations
 
 import shutil
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -19,6 +22,7 @@ from handler.config import HandlerSettings
 from handler.engine.loading import load_engine
 from model_making.make_controlnet import write_controlnet
 from model_making.make_lora import write_lora
+from model_making.single_file import write_controlnet_file
 from server.paths import TINY_MODEL_DIRS
 from tests.harness.engine_runs import assert_same_images, expected, picture, run, spec
 
@@ -152,3 +156,40 @@ def test_the_library_refuses_bad_names_pickles_and_other_families_controlnets(fa
         (directory / "escape").unlink()
     names = [item.name for item in engine.controlnets.available()]
     assert names == ["depth", "edges"]
+
+
+def test_single_file_controlnets_equal_their_directory_and_misfits_are_refused(family_engine, tmp_path):
+    family, engine, directory, loras, _ = family_engine
+    other = "sd1" if family == "sdxl" else "sdxl"
+    files = {
+        "edges-a1111": write_controlnet_file(directory / "edges", directory / "edges-a1111.safetensors"),
+        "edges-diffusers": write_controlnet_file(
+            directory / "edges", directory / "edges-diffusers.safetensors", ldm=False
+        ),
+    }
+    other_dir = write_controlnet(TINY_MODEL_DIRS[other], tmp_path / "other", seed=3)
+    misfits = {
+        "other-family": (
+            write_controlnet_file(other_dir, directory / "other-family.safetensors"),
+            "does not fit|is missing|has shape",
+        ),
+        "a-lora": (shutil.copy(loras / "attention.safetensors", directory / "a-lora.safetensors"), "not a ControlNet"),
+        "truncated": (directory / "truncated.safetensors", "not a readable safetensors file"),
+    }
+    misfits["truncated"][0].write_bytes(files["edges-a1111"].read_bytes()[:4096])
+    try:
+        (edges,) = engine.controlnets.acquire(["edges"], in_use=())
+        control_map = picture(SIDE, 5)
+        job = spec("a red circle", 3, side=SIDE, steps=STEPS, scheduler=SCHEDULERS[family])
+        (from_directory,) = run(engine, [(0, replace(job, controls=(ControlSpec(edges, control_map),)))])
+        for name in files:
+            (net,) = engine.controlnets.acquire([name], in_use=())
+            (from_file,) = run(engine, [(0, replace(job, controls=(ControlSpec(net, control_map),)))])
+            assert_same_images(from_file, from_directory)
+        for name, (_, says) in misfits.items():
+            with pytest.raises(EntryError, match=says) as refused:
+                engine.controlnets.acquire([name], in_use=())
+            assert refused.value.rule == "controlnet_unloadable" and name in str(refused.value)
+    finally:
+        for path in [*files.values(), *(path for path, _ in misfits.values())]:
+            path.unlink()

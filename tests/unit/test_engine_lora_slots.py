@@ -1,7 +1,8 @@
 """LoRA sets in a compiled denoiser (``handler.adapters.lora_slots``, tiny SD 1.x, inductor on the CPU): jobs
 with different sets share forwards and each image equals diffusers' ``load_lora_weights`` +
 ``set_adapters`` call; loading, evicting and reloading adapters recompiles nothing; what the slots
-cannot hold is refused by name, and a full set of slots in use is busy, not broken."""
+cannot hold is refused by name, and a full set of slots in use is busy, not broken. A LyCORIS LoHa
+on the transformer blocks fits the slots as its exact LoRA; one on convolutions is refused by name."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from handler.adapters.library import Busy, EntryError
 from handler.adapters.lora_slots import SlotLinear
 from handler.config import HandlerSettings
 from handler.engine.loading import load_engine
-from model_making.make_lora import write_lora
+from model_making.make_lora import write_lora, write_lycoris
 from server.paths import TINY_MODEL_DIRS
 from tests.harness.engine_runs import assert_same_images, expected, run, spec
 from tests.harness.images import assert_moved
@@ -45,6 +46,8 @@ def lora_dir(tmp_path_factory) -> Path:
     write_lora(MODEL, directory / "conv.safetensors", seed=6, layers=("conv",), text_encoder=False)
     write_lora(MODEL, directory / "wide.safetensors", seed=7, rank=16)
     write_lora(MODEL, directory / "text-only.safetensors", seed=8, layers=())
+    write_lycoris(MODEL, directory / "loha.safetensors", "loha", seed=9, only="transformer_blocks", text_encoder=False)
+    write_lycoris(MODEL, directory / "loha-convs.safetensors", "loha", seed=10)
     return directory
 
 
@@ -100,7 +103,14 @@ def test_a_new_adapter_and_an_eviction_recompile_nothing(engine, lora_dir):
     assert_moved(decoded[0].images[0], expected(reference, jobs[0][1]).images[0], "the late set")
 
 
-@pytest.mark.parametrize(("name", "says"), [("conv", "is not served with a compiled denoiser"), ("wide", "rank 16")])
+@pytest.mark.parametrize(
+    ("name", "says"),
+    [
+        ("conv", "is not served with a compiled denoiser"),
+        ("wide", "rank 16"),
+        ("loha-convs", "is not served with a compiled denoiser"),
+    ],
+)
 def test_what_the_slots_cannot_hold_is_refused_by_name(engine, name, says):
     plan = [(0, (("attention", 0.5),))]
     run(engine, jobs_of(engine, plan))  # this shape's graph compiled
@@ -111,6 +121,17 @@ def test_what_the_slots_cannot_hold_is_refused_by_name(engine, name, says):
     assert not hasattr(engine.family.denoiser, "peft_config")  # PEFT's layers are out again
     run(engine, jobs_of(engine, plan))  # the denoiser's own modules are back: nothing recompiles
     assert counters["stats"]["unique_graphs"] == graphs
+
+
+def test_a_loha_in_the_slots_beside_a_lora_equals_its_delta_merged(engine, lora_dir):
+    sets = [(0, (("loha", 0.8),)), (0, (("attention", 0.5),))]
+    jobs = jobs_of(engine, sets)
+    decoded = run(engine, jobs)
+    reference = Reference(MODEL)
+    loha, attention = lora_dir / "loha.safetensors", lora_dir / "attention.safetensors"
+    assert_same_images(decoded[0], expected(reference, jobs[0][1], lycoris=[(loha, 0.8)]))
+    assert_same_images(decoded[1], expected(reference, jobs[1][1], [(attention, 0.5)]))
+    assert_moved(decoded[0].images[0], expected(reference, jobs[0][1]).images[0], "the LoHa")
 
 
 def test_every_slot_in_use_is_busy(engine):

@@ -1,7 +1,8 @@
 """Directories of named entries (``handler.adapters.library``), through the ControlNet and LoRA
 libraries: a load makes room first, so memory never holds more than ``max_loaded``; a load that runs
 out of device memory is the server's condition (``Busy``: 503), not the request's fault (400); the
-twin kinds (files with a suffix, directories with a marker file) list and resolve alike."""
+twin kinds (files with a suffix, directories with a marker file) list and resolve alike, and a kind
+of both (ControlNets) takes a directory or a file of a name, the directory first."""
 
 from __future__ import annotations
 
@@ -109,3 +110,22 @@ def test_both_kinds_list_and_resolve_by_name_only_inside_their_directory(control
         with pytest.raises(EntryError) as refused:
             library_of.resolve(name)
         assert refused.value.rule == rule, name
+
+
+def test_a_kind_of_both_lists_files_beside_directories_and_resolves_a_name_to_its_directory_first(tmp_path):
+    directory = tmp_path / "controlnets"
+    directory.mkdir()
+    write_controlnet(TINY_MODEL_DIRS["sd1"], directory / "edges", seed=0)
+    save_file({"x": torch.zeros(2)}, directory / "canny.safetensors")
+    save_file({"x": torch.zeros(2)}, directory / "edges.safetensors")  # the directory of that name wins
+    (directory / "notes.txt").write_text("no ControlNet")
+    (directory / "folder.safetensors").mkdir()  # a directory without config.json: neither
+    library = controlnets(directory, max_loaded=1)
+    assert [entry.name for entry in library.available()] == ["canny", "edges"]
+    assert library.available()[1].path == (directory / "edges").resolve()
+    assert library.resolve("canny").path == (directory / "canny.safetensors").resolve()
+    assert library.resolve("edges").path == (directory / "edges").resolve()
+    for name in ("notes", "folder", "folder.safetensors"):
+        with pytest.raises(EntryError) as refused:
+            library.resolve(name)
+        assert refused.value.rule == "unknown_controlnet", name
