@@ -61,7 +61,7 @@ class Model:
     side: int
     rank: int
     spread: float  # the LoRA matrices' standard deviation
-    lycoris_dim: int  # the LyCORIS files' dim (LoHa, LoKr)
+    lycoris_dim: int = 0  # the LyCORIS files' dim (LoHa, LoKr); 0: no LyCORIS workload
 
 
 MODELS = {
@@ -138,7 +138,8 @@ def measure(model: Model, steps: int, repeats: int) -> dict:
                 layers=LAYERS,
                 spread=model.spread,
             )
-            write_lycoris_file(model, model_dir, directory, index)
+            if model.lycoris_dim:
+                write_lycoris_file(model, model_dir, directory, index)
         engines = {
             compiled: load_engine(
                 HandlerSettings.model_validate(
@@ -156,13 +157,15 @@ def measure(model: Model, steps: int, repeats: int) -> dict:
             compiled: [engine.loras.acquire([(f"lora{index}", 1.0)], set())[0][0] for index in range(8)]
             for compiled, engine in engines.items()
         }
+        lycoris = [f"lycoris{index}" for index in range(8)] if model.lycoris_dim else []
         lycoris_ids = {
-            False: [engines[False].loras.acquire([(f"lycoris{index}", 1.0)], set())[0][0] for index in range(8)],
+            False: [engines[False].loras.acquire([(name, 1.0)], set())[0][0] for name in lycoris],
             True: [],  # the compiled denoiser's rank-16 slots refuse them
         }
         lycoris_ranks = {
             kind: _rank_range(engines[False].loras.denoiser, adapters)
             for kind, adapters in (("LoHa", lycoris_ids[False][:4]), ("LoKr", lycoris_ids[False][4:]))
+            if adapters
         }
     engine = engines[False]
     base = [JobSpec(f"a red circle {i}", None, (i,), model.side, model.side, steps + 1, "ddim", 7.5) for i in range(8)]
@@ -261,9 +264,10 @@ def _rank_range(denoiser, adapters: list[str]) -> tuple[int, int]:
 def table(results: list[dict]) -> str:
     lines = []
     for result in results:
+        lycoris = f" and dim-{result['lycoris_dim']} LyCORIS files" if result.get("lycoris_dim") else ""
         lines += [
-            f"\n{result['model']} ({result['side']}x{result['side']}, rank-{result['rank']} LoRAs and dim-"
-            f"{result['lycoris_dim']} LyCORIS files on attention and feed-forward; one step of 8 requests, 16 rows):\n",
+            f"\n{result['model']} ({result['side']}x{result['side']}, rank-{result['rank']} LoRAs{lycoris} on "
+            "attention and feed-forward; one step of 8 requests, 16 rows):\n",
             "| workload | " + " | ".join(DESIGNS) + " |",
             "| --- |" + " --- |" * len(DESIGNS),
         ]
@@ -284,8 +288,9 @@ def table(results: list[dict]) -> str:
             f"compiled, no LoRA: {result['compiled_plain_over_eager']:.2f}x the eager step; graphs compiled after "
             f"the warm-up round (LoRAs loaded, sets changing): {result['graphs_compiled_after_warm_up']}"
         )
-        lycoris = ", ".join(f"{kind} {low}..{high}" for kind, (low, high) in result["lycoris_ranks"].items())
-        lines.append(f"LyCORIS files served as LoRAs of ranks {lycoris} (per layer)")
+        if result.get("lycoris_ranks"):
+            ranks = ", ".join(f"{kind} {low}..{high}" for kind, (low, high) in result["lycoris_ranks"].items())
+            lines.append(f"LyCORIS files served as LoRAs of ranks {ranks} (per layer)")
         for workload, counts in result["auto_designs"].items():
             total = sum(counts.values())
             lines.append(f"auto, {workload}: {counts.get('stacked', 0)} of {total} LoRA layer forwards stacked")

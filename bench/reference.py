@@ -179,8 +179,9 @@ class Reference:
     def merged_lycoris(self, files: Sequence[tuple[Path, float]]) -> Iterator[None]:
         """During the block, each LyCORIS file's deltas times its weight are merged into the weights
         of the UNet and text encoders, each delta computed by the ``lycoris-lora`` package
-        (``lycoris.functional.{loha,lokr}.diff_weight``, gamma its alpha over its dim as LyCORIS
-        scales it; the files have alphas); the weights are back after it."""
+        (``lycoris.functional.{loha,lokr}.diff_weight``: LoHa's gamma its alpha over its dim, LoKr's
+        its alpha, which the package divides by the rank); for the tests' files (LoHa and LoKr
+        modules only, with alphas). The weights are back after it."""
         if not files:
             yield
             return

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import hashlib
 import logging
 import statistics
 import time
@@ -61,6 +62,29 @@ def image(loaded: StepEngine) -> np.ndarray:
     return np.asarray(loaded.decode(job.latents, JOB.width, JOB.height).images[0])
 
 
+def fingerprint(loaded: StepEngine, shipped_tokenizers: bool = False) -> tuple[dict[str, str], np.ndarray]:
+    """A digest of every weight of the engine's pipeline and its image of ``JOB``, the engine freed
+    after (one model in memory at a time: SDXL's is 14 GB in float32); ``shipped_tokenizers``: the
+    shipped CLIP tokenizers first (a directory's own are byte-level)."""
+    pipeline = loaded.pipeline
+    digests = {
+        f"{component}.{key}": hashlib.sha256(
+            value.detach().contiguous().reshape(-1).view(torch.uint8).numpy()
+        ).hexdigest()
+        for component in ("unet", "vae", "text_encoder", "text_encoder_2")
+        if getattr(pipeline, component, None) is not None
+        for key, value in getattr(pipeline, component).state_dict().items()
+    }
+    if shipped_tokenizers:
+        pipeline.tokenizer = clip_tokenizer()
+        if getattr(pipeline, "tokenizer_2", None) is not None:
+            pipeline.tokenizer_2 = clip_tokenizer("!")
+    picture = image(loaded)
+    del loaded, pipeline
+    gc.collect()
+    return digests, picture
+
+
 def compare(model: str, repeats: int) -> dict:
     """Load times of the single file and the directory, and whether weights and image agree."""
     directory = MODELS_BUILT[model]()
@@ -77,19 +101,10 @@ def compare(model: str, repeats: int) -> dict:
                 times[name].append(seconds)
             del loaded
             gc.collect()  # the last engine's weights freed before the next load is timed
-    from_file, _ = engine(single)
-    from_directory, _ = engine(directory)
-    differing = [
-        f"{component}.{key}"
-        for component in ("unet", "vae", "text_encoder", "text_encoder_2")
-        if getattr(from_directory.pipeline, component, None) is not None
-        for key, value in getattr(from_directory.pipeline, component).state_dict().items()
-        if not torch.equal(value, getattr(from_file.pipeline, component).state_dict()[key])
-    ]
-    from_directory.pipeline.tokenizer = clip_tokenizer()
-    if getattr(from_directory.pipeline, "tokenizer_2", None) is not None:
-        from_directory.pipeline.tokenizer_2 = clip_tokenizer("!")
-    difference = int(np.abs(image(from_file).astype(int) - image(from_directory).astype(int)).max())
+    file_weights, file_image = fingerprint(engine(single)[0])
+    directory_weights, directory_image = fingerprint(engine(directory)[0], shipped_tokenizers=True)
+    differing = [key for key, digest in directory_weights.items() if file_weights.get(key) != digest]
+    difference = int(np.abs(file_image.astype(int) - directory_image.astype(int)).max())
     file_s, directory_s = statistics.median(times["single file"]), statistics.median(times["directory"])
     return {
         "model": model,

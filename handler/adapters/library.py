@@ -81,7 +81,12 @@ class Kind:
 
     def paths_of(self, directory: Path, name: str) -> list[Path]:
         """Where an entry of ``name`` may be: its directory, then its file."""
-        return [directory / name] * bool(self.marker) + [directory / f"{name}{self.suffix}"] * bool(self.suffix)
+        paths = []
+        if self.marker:
+            paths.append(directory / name)
+        if self.suffix:
+            paths.append(directory / f"{name}{self.suffix}")
+        return paths
 
     def candidates(self, directory: Path) -> list[Path]:
         return sorted(path for path in directory.iterdir() if self.name_of(path) is not None)
@@ -159,7 +164,7 @@ class Library:
                 f"{kind.rule}_name", f"{name!r} is not a {kind.what} name ({kind.naming} of [A-Za-z0-9_.-])"
             )
         found = (self._entry(path) for path in kind.paths_of(self.directory, name))
-        entry = next((entry for entry in found if entry is not None), None)
+        entry = next((entry for entry in found if entry is not None and entry.name == name), None)
         if entry is None:
             known = ", ".join(item.name for item in self.available()) or "none"
             raise EntryError(

@@ -14,9 +14,10 @@ factors, exactly:
   an identity times itself;
 - where that rank is over the layer's smaller side, the delta itself beside an identity.
 
-Each pair becomes a kohya LoRA pair (``lora_down`` = down, ``lora_up`` = up times the scale,
-``alpha`` = its rank: scale 1), read by diffusers' own kohya converter, which names the model's
-modules; a convolution's ``down`` then takes the layer's kernel shape.
+Each pair becomes a kohya LoRA pair (``lora_down`` = down, ``lora_up`` = up times the scale, no
+``alpha``: diffusers gives each module an alpha of its own rank, scale 1, which the parity tests
+keep), read by diffusers' own kohya converter, which names the model's modules; a convolution's
+``down`` then takes the layer's kernel shape.
 """
 
 from __future__ import annotations
@@ -56,8 +57,14 @@ _PEFT_DOWN = re.compile(r"^(?P<module>.+)\.lora_A(\.[^.]+)?\.weight$")
 
 
 def holds_lycoris(state_dict: dict[str, torch.Tensor]) -> bool:
-    """Whether a LoRA file holds LoHa or LoKr modules."""
-    return any(".hada_" in key or ".lokr_" in key for key in state_dict)
+    """Whether a LoRA file holds LyCORIS modules (kohya's ``lora_..`` module names with LoHa, LoKr
+    or another LyCORIS algorithm's parameters, refused by name)."""
+    prefixes = ("hada_", "lokr_", *(prefix for prefix in OTHERS if prefix != "dora_scale"))
+    for key in state_dict:
+        module, _, parameter = key.partition(".")
+        if module.startswith("lora_") and parameter.startswith(prefixes):
+            return True
+    return False
 
 
 def as_lora(pipeline: Any, state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -67,7 +74,6 @@ def as_lora(pipeline: Any, state_dict: dict[str, torch.Tensor]) -> dict[str, tor
     for module, parameters in _modules(state_dict).items():
         up, down = factors(module, parameters)
         kohya |= {f"{module}.lora_up.weight": up, f"{module}.lora_down.weight": down}
-        kohya[f"{module}.alpha"] = torch.tensor(float(up.shape[1]))
     options = {"unet_config": pipeline.unet.config} if hasattr(pipeline, "unet") else {}
     converted = pipeline.lora_state_dict(kohya, **options)
     converted = converted[0] if isinstance(converted, tuple) else converted
@@ -102,6 +108,7 @@ def _kind(module: str, parameters: dict[str, torch.Tensor]) -> str:
 def factors(module: str, parameters: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
     """(up, down): out x rank and rank x (in x kernel) in float32, the scale folded into up."""
     kind = _kind(module, parameters)
+    alpha = _alpha(module, parameters)
     tensors = {name: value.float() for name, value in parameters.items()}
     dim: int | None
     try:
@@ -112,7 +119,6 @@ def factors(module: str, parameters: dict[str, torch.Tensor]) -> tuple[torch.Ten
         else:
             up, down = _pair(tensors["lora_up.weight"].flatten(1), tensors["lora_down.weight"].flatten(1))
             dim = down.shape[0]
-        alpha = float(parameters["alpha"]) if "alpha" in parameters else 0.0
         scale = 1.0 if dim is None else (alpha or dim) / dim
         up, down = _capped(up * scale, down)
     except KeyError as missing:
@@ -120,6 +126,18 @@ def factors(module: str, parameters: dict[str, torch.Tensor]) -> tuple[torch.Ten
     except (RuntimeError, ValueError, IndexError) as error:  # factors whose shapes do not fit
         raise ValueError(f"{module}: {kind} factors of shapes that do not fit: {error}") from None
     return up.contiguous(), down.contiguous()
+
+
+def _alpha(module: str, parameters: dict[str, torch.Tensor]) -> float:
+    """The module's alpha (0 where it has none: LyCORIS then takes its dim)."""
+    if "alpha" not in parameters:
+        return 0.0
+    alpha = parameters["alpha"]
+    if alpha.numel() != 1:
+        raise ValueError(f"{module}: alpha must be one number, not a tensor of shape {tuple(alpha.shape)}")
+    if not torch.isfinite(alpha.float()).all():
+        raise ValueError(f"{module}: alpha must be a finite number, not {float(alpha)}")
+    return float(alpha)
 
 
 def _loha(t: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, int]:
@@ -136,23 +154,34 @@ def _loha_half(t: dict[str, torch.Tensor], index: int) -> tuple[torch.Tensor, to
     tucker = t.get(f"hada_t{index}")
     if tucker is None:
         return _pair(a, b.flatten(1))
-    # lycoris: einsum("i j ..., j r, i p -> p r ...", t, b, a): a.T times (t contracted with b).
-    return _pair(a.T, torch.einsum("i j ..., j r -> i r ...", tucker, b).flatten(1))
+    return _tucker(tucker, a, b)
+
+
+def _tucker(core: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A Tucker half, lycoris' ``einsum("i j ..., j r, i p -> p r ...", t, b, a)``: ``a.T`` times the
+    core contracted with ``b``."""
+    return _pair(a.T, torch.einsum("i j ..., j r -> i r ...", core, b).flatten(1))
 
 
 def _lokr(t: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, int | None]:
+    for full, parts in (
+        ("lokr_w1", ("lokr_w1_a", "lokr_w1_b")),
+        ("lokr_w2", ("lokr_w2_a", "lokr_w2_b", "lokr_t2")),
+    ):
+        both = [name for name in parts if name in t]
+        if full in t and both:
+            raise ValueError(f"both {full} and {', '.join(both)}: one form per half")
     if "lokr_w1" in t:
         up1, down1 = _full(t["lokr_w1"])
     else:
         up1, down1 = _pair(t["lokr_w1_a"], t["lokr_w1_b"])
     if "lokr_w2" in t:
         up2, down2 = _full(t["lokr_w2"].flatten(1))
-    elif "lokr_t2" in t:  # lycoris: einsum("i j ..., i p, j r -> p r ...", t, a, b)
-        up2, down2 = _pair(
-            t["lokr_w2_a"].T, torch.einsum("i j ..., j r -> i r ...", t["lokr_t2"], t["lokr_w2_b"]).flatten(1)
-        )
+    elif "lokr_t2" in t:
+        up2, down2 = _tucker(t["lokr_t2"], t["lokr_w2_a"], t["lokr_w2_b"])
     else:
         up2, down2 = _pair(t["lokr_w2_a"], t["lokr_w2_b"].flatten(1))
+    # The dim of the first factorized half (A1111's and ComfyUI's rule); two full halves: scale 1.
     factorized = [t[key] for key in ("lokr_w1_b", "lokr_w2_b") if key in t]
     dim = factorized[0].shape[0] if factorized else None
     return _kron(up1, up2), _kron(down1, down2), dim
@@ -194,9 +223,9 @@ def _with_kernels(pipeline: Any, converted: dict[str, torch.Tensor]) -> dict[str
     of the layer's kernel to the rank, up a 1x1 conv back. Raises ValueError where a pair does not
     fit its layer, naming both."""
     unet = getattr(pipeline, "unet", None)
-    ours = {key: value for key, value in converted.items() if not key.startswith("unet.")}
     if unet is None:
         return converted
+    text_encoders = {key: value for key, value in converted.items() if not key.startswith("unet.")}
     peft = convert_unet_state_dict_to_peft(
         {key[5:]: value for key, value in converted.items() if key.startswith("unet.")}
     )
@@ -223,4 +252,4 @@ def _with_kernels(pipeline: Any, converted: dict[str, torch.Tensor]) -> dict[str
         if isinstance(layer, torch.nn.Conv2d):
             peft[key] = down.reshape(down.shape[0], *weight.shape[1:])
             peft[up_key] = up.reshape(*up.shape, 1, 1)
-    return ours | {f"unet.{key}": value for key, value in peft.items()}
+    return text_encoders | {f"unet.{key}": value for key, value in peft.items()}

@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 import inspect
+import itertools
 import json
 import logging
 import re
@@ -151,7 +152,9 @@ def load_controlnet_file(path: Path, unet: nn.Module, dtype: torch.dtype) -> nn.
             f"{path.name}: not a ControlNet (no conditioning embedding: input_hint_block or "
             "controlnet_cond_embedding weights); T2I-Adapters and control LoRAs are not served"
         )
-    net = _Components(read_tensors(path, ("",)), path.parent, dtype, path.name).controlnet(unet, hint)
+    _refuse_global_pooling(path)
+    prefix = LDM_CONTROLNET_KEY if header.has(LDM_CONTROLNET_KEY) else ""  # not an SD model saved beside it
+    net = _Components(read_tensors(path, (prefix,)), path.parent, dtype, path.name).controlnet(unet, hint)
     logger.info(
         "controlnet file %s: %s in the file, %s loaded",
         path.name,
@@ -161,24 +164,45 @@ def load_controlnet_file(path: Path, unet: nn.Module, dtype: torch.dtype) -> nn.
     return net
 
 
+def _refuse_global_pooling(path: Path) -> None:
+    """Refuse a ControlNet whose A1111 ``.yaml`` beside it asks for global average pooling (shuffle:
+    diffusers' guess mode, not served), which its weights do not tell."""
+    settings = path.with_suffix(".yaml")
+    if not settings.is_file():
+        return
+    try:
+        text = settings.read_text(errors="replace")
+    except OSError as error:
+        raise CheckpointError(f"{settings.name}: cannot be read ({error})") from error
+    if re.search(r"global_average_pooling:\s*true", text, re.IGNORECASE):
+        raise CheckpointError(
+            f"{path.name}: a global-pooling ControlNet (its {settings.name} sets global_average_pooling); "
+            "guess-mode ControlNets are not served"
+        )
+
+
 def _hint_convolutions(header: Header) -> list[tuple[int, ...]]:
     """The shapes of the conditioning embedding's convolutions, in order (its last: to the UNet's
-    channels), in either layout."""
+    channels), in either layout; none where they are no such chain (an input convolution, pairs of
+    blocks, an output one: an even count of at least 4, each taking the previous one's channels)."""
     pattern = re.compile(rf"^(?:{re.escape(LDM_CONTROLNET_KEY)})?input_hint_block\.(\d+)\.weight$")
     ldm = sorted((int(match[1]), shape) for name, shape in header.shapes.items() if (match := pattern.match(name)))
-    if ldm:
-        convolutions = [shape for _, shape in ldm]
-        return convolutions if all(len(shape) == 4 for shape in convolutions) else []
     blocks = re.compile(r"^controlnet_cond_embedding\.blocks\.(\d+)\.weight$")
     inner = sorted((int(match[1]), shape) for name, shape in header.shapes.items() if (match := blocks.match(name)))
     ends = [header.shapes.get(f"controlnet_cond_embedding.conv_{end}.weight") for end in ("in", "out")]
-    if ends[0] is None or ends[1] is None:
+    if ldm:
+        convolutions = [shape for _, shape in ldm]
+    elif ends[0] is not None and ends[1] is not None:
+        convolutions = [ends[0], *(shape for _, shape in inner), ends[1]]
+    else:
         return []
-    convolutions = [ends[0], *(shape for _, shape in inner), ends[1]]
-    return convolutions if all(len(shape) == 4 for shape in convolutions) else []
+    chained = all(len(shape) == 4 for shape in convolutions) and all(
+        after[1] == before[0] for before, after in itertools.pairwise(convolutions)
+    )
+    return convolutions if chained and len(convolutions) >= 4 and len(convolutions) % 2 == 0 else []
 
 
-def _controlnet_state(checkpoint: dict[str, torch.Tensor], config: Any) -> dict[str, torch.Tensor]:
+def _converted_controlnet(checkpoint: dict[str, torch.Tensor], config: Any) -> dict[str, torch.Tensor]:
     """diffusers' ControlNet converter, plus SDXL's added-conditions embedding (``label_emb``), which
     it leaves out; what it finds no weight for is left out too (refused as missing)."""
     state = convert_controlnet_checkpoint(checkpoint, config)
@@ -329,7 +353,20 @@ class _Components:
                 conditioning_channels=hint[0][1],
                 load_weights_from_unet=False,
             )
-        return self._fill(model, "ControlNet", lambda: _controlnet_state(self.checkpoint, model.config))
+        return self._fill(model, "ControlNet", lambda: self._controlnet_state(model))
+
+    def _controlnet_state(self, model: nn.Module) -> dict[str, torch.Tensor]:
+        """The file's ControlNet weights converted, refused where some are left over (a variant with
+        more: ControlNet-Union, or another)."""
+        state = _converted_controlnet(self.checkpoint, model.config)
+        used = {id(state[key]) for key in model.state_dict() if key in state}
+        left = sorted(key for key, value in self.checkpoint.items() if id(value) not in used)
+        if left:
+            raise CheckpointError(
+                f"{len(left)} weights no ControlNet of this model has, such as {', '.join(left[:3])} "
+                "(a ControlNet-Union or another variant?)"
+            )
+        return state
 
     def _fill(self, model: nn.Module, component: str, convert: Callable[[], dict[str, torch.Tensor]]) -> nn.Module:
         """``model`` (its parameters on the meta device) given the converted weights, each checked

@@ -14,6 +14,7 @@ from dataclasses import replace
 import numpy as np
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
 
 from bench.reference import ControlNetCall, Reference
 from handler.adapters.controlnets import ControlSpec
@@ -171,12 +172,20 @@ def test_single_file_controlnets_equal_their_directory_and_misfits_are_refused(f
     misfits = {
         "other-family": (
             write_controlnet_file(other_dir, directory / "other-family.safetensors"),
-            "does not fit|is missing|has shape",
+            "not fit|is missing|has shape",
         ),
         "a-lora": (shutil.copy(loras / "attention.safetensors", directory / "a-lora.safetensors"), "not a ControlNet"),
         "truncated": (directory / "truncated.safetensors", "not a readable safetensors file"),
     }
     misfits["truncated"][0].write_bytes(files["edges-a1111"].read_bytes()[:4096])
+    extra = load_file(files["edges-diffusers"]) | {"task_embedding": torch.zeros(4, 8)}  # as ControlNet-Union has
+    save_file(extra, directory / "union.safetensors")
+    misfits["union"] = (directory / "union.safetensors", "no ControlNet of this model has")
+    shutil.copy(files["edges-a1111"], directory / "shuffle.safetensors")
+    (directory / "shuffle.yaml").write_text(
+        "model:\n  params:\n    control_stage_config:\n      params:\n        global_average_pooling: True\n"
+    )
+    misfits["shuffle"] = (directory / "shuffle.safetensors", "global-pooling")
     try:
         (edges,) = engine.controlnets.acquire(["edges"], in_use=())
         control_map = picture(SIDE, 5)
@@ -191,5 +200,5 @@ def test_single_file_controlnets_equal_their_directory_and_misfits_are_refused(f
                 engine.controlnets.acquire([name], in_use=())
             assert refused.value.rule == "controlnet_unloadable" and name in str(refused.value)
     finally:
-        for path in [*files.values(), *(path for path, _ in misfits.values())]:
+        for path in [*files.values(), *(path for path, _ in misfits.values()), directory / "shuffle.yaml"]:
             path.unlink()

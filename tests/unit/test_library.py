@@ -119,13 +119,15 @@ def test_a_kind_of_both_lists_files_beside_directories_and_resolves_a_name_to_it
     save_file({"x": torch.zeros(2)}, directory / "canny.safetensors")
     save_file({"x": torch.zeros(2)}, directory / "edges.safetensors")  # the directory of that name wins
     (directory / "notes.txt").write_text("no ControlNet")
-    (directory / "folder.safetensors").mkdir()  # a directory without config.json: neither
+    (directory / "folder.safetensors").mkdir()  # a directory named as a file: its name is all of it
+    (directory / "folder.safetensors" / "config.json").write_text("{}")
     library = controlnets(directory, max_loaded=1)
-    assert [entry.name for entry in library.available()] == ["canny", "edges"]
+    assert [entry.name for entry in library.available()] == ["canny", "edges", "folder.safetensors"]
     assert library.available()[1].path == (directory / "edges").resolve()
     assert library.resolve("canny").path == (directory / "canny.safetensors").resolve()
     assert library.resolve("edges").path == (directory / "edges").resolve()
-    for name in ("notes", "folder", "folder.safetensors"):
+    assert library.resolve("folder.safetensors").path == (directory / "folder.safetensors").resolve()
+    for name in ("notes", "folder"):
         with pytest.raises(EntryError) as refused:
             library.resolve(name)
         assert refused.value.rule == "unknown_controlnet", name

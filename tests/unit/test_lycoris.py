@@ -108,12 +108,35 @@ def test_a_plain_lora_module_in_a_lycoris_file_keeps_its_scale():
             "without hada_w2_b",
         ),
         ({name: torch.ones(4, 2) for name in ("hada_w1_a", "hada_w1_b", "hada_w2_a", "hada_w2_b")}, "do not fit"),
+        (
+            {"lokr_w1": torch.ones(2, 2), "lokr_w1_b": torch.ones(1, 2), "lokr_w2": torch.ones(2, 2)},
+            "one form per half",
+        ),
+        (
+            {
+                "lora_up.weight": torch.ones(4, 2),
+                "lora_down.weight": torch.ones(2, 3),
+                "alpha": torch.tensor(float("nan")),
+            },
+            "finite",
+        ),
+        (
+            {"lora_up.weight": torch.ones(4, 2), "lora_down.weight": torch.ones(2, 3), "alpha": torch.ones(2)},
+            "one number",
+        ),
     ],
 )
 def test_what_is_no_lora_loha_or_lokr_module_is_refused_naming_it(parameters, says):
     with pytest.raises(ValueError, match=says) as refused:
         factors("lora_unet_mid_block_attentions_0_proj_in", parameters)
     assert "lora_unet_mid_block_attentions_0_proj_in" in str(refused.value)
+
+
+def test_kohya_files_with_lycoris_modules_are_told_from_plain_loras():
+    assert holds_lycoris({"lora_unet_x.hada_w1_a": torch.ones(1)})
+    assert holds_lycoris({"lora_te_x.oft_blocks": torch.ones(1)})  # refused by name, not by diffusers' converter
+    assert not holds_lycoris({"lora_unet_x.lora_down.weight": torch.ones(1), "lora_unet_x.dora_scale": torch.ones(1)})
+    assert not holds_lycoris({"unet.down_blocks.0.attentions.0.proj_in.lora_A.weight": torch.ones(1)})
 
 
 NAMES = [
