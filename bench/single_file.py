@@ -65,7 +65,8 @@ def image(loaded: StepEngine) -> np.ndarray:
 def fingerprint(loaded: StepEngine, shipped_tokenizers: bool = False) -> tuple[dict[str, str], np.ndarray]:
     """A digest of every weight of the engine's pipeline and its image of ``JOB``, the engine freed
     after (one model in memory at a time: SDXL's is 14 GB in float32); ``shipped_tokenizers``: the
-    shipped CLIP tokenizers first (a directory's own are byte-level)."""
+    shipped CLIP tokenizers first, and their end-of-text id where the text encoders pool (a
+    directory's own tokenizers are byte-level, of other ids)."""
     pipeline = loaded.pipeline
     digests = {
         f"{component}.{key}": hashlib.sha256(
@@ -79,6 +80,12 @@ def fingerprint(loaded: StepEngine, shipped_tokenizers: bool = False) -> tuple[d
         pipeline.tokenizer = clip_tokenizer()
         if getattr(pipeline, "tokenizer_2", None) is not None:
             pipeline.tokenizer_2 = clip_tokenizer("!")
+        for index in ("", "_2"):
+            tokenizer = getattr(pipeline, f"tokenizer{index}", None)
+            encoder = getattr(pipeline, f"text_encoder{index}", None)
+            for module in encoder.modules() if encoder is not None else ():
+                if hasattr(module, "eos_token_id"):  # where CLIP pools (SDXL's pooled embedding): the shipped id
+                    module.eos_token_id = tokenizer.eos_token_id
     picture = image(loaded)
     del loaded, pipeline
     gc.collect()

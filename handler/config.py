@@ -363,6 +363,13 @@ class CacheSettings(_Section):
     max_threshold: float = Field(
         0.5, ge=0, allow_inf_nan=False, description="first_block: the largest threshold a request may ask for"
     )
+    max_kept_mib: float | None = Field(
+        None,
+        gt=0,
+        allow_inf_nan=False,
+        description="the most memory the caches of the requests in flight keep together (MiB); none: a quarter "
+        "of the device's memory on CUDA, no bound on the CPU",
+    )
 
     @model_validator(mode="after")
     def _default_within_limits(self) -> CacheSettings:

@@ -61,8 +61,8 @@ from handler.config import FamilyRules, FaultInjection
 from handler.engine.jobs import DenoiseJob, Inpainting, JobSpec
 from handler.families import Conditioning, Decoded, Family, Pipeline, Scheduler, schedules
 from handler.families.base import padded_rows, steps_by_index
-from handler.families.deep_cache import Branch, CacheRows, DeepCacheHooks, RowCache, branches
-from handler.families.first_block_cache import FirstBlockCache, FirstBlockHooks
+from handler.families.deep_cache import Branch, CacheRows, DeepCacheHooks, RowCache, branches, kept_row_shape
+from handler.families.first_block_cache import FirstBlockCache, FirstBlockHooks, kept_row_elements
 
 
 @dataclass
@@ -90,6 +90,18 @@ class StepEngine:
         return dataclasses.replace(
             self.family.rules, cache_branches=served, first_block_cache=self.first_block is not None
         )
+
+    def kept_bytes(self, spec: JobSpec) -> int:
+        """What a job of ``spec`` keeps in its step cache while it runs (its rows' kept outputs,
+        freed with the job); 0 without a cache."""
+        if spec.cache is None or spec.cache.mode == "off":
+            return 0
+        latent = self.latent_shape(spec.width, spec.height)
+        if spec.cache.mode == "first_block":
+            elements = kept_row_elements(self.family.denoiser, latent)
+        else:
+            elements = math.prod(kept_row_shape(self.family.denoiser, Branch.of(spec.cache.branch), latent))
+        return spec.rows * elements * self.dtype.itemsize
 
     def latent_shape(self, width: int, height: int) -> tuple[int, int, int]:
         """Channels, height and width of one image's latents."""

@@ -52,6 +52,15 @@ class FirstBlockCache:
         return (head - self.head).abs().mean() / self.head.abs().mean()
 
 
+def kept_row_elements(transformer: Any, latent: tuple[int, int, int]) -> int:
+    """The elements a job keeps per row: two residuals of the hidden states (its patches' tokens by
+    the transformer's width)."""
+    config = transformer.config
+    _, height, width = latent
+    tokens = (height // config.patch_size) * (width // config.patch_size)
+    return 2 * tokens * config.num_attention_heads * config.attention_head_dim
+
+
 @dataclass
 class _Pass:
     """One forward's rows: each job's cache (None: none) and row count (padding rows after them),

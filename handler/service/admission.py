@@ -10,6 +10,8 @@ import logging
 from collections.abc import Callable, Iterable
 from typing import Any, TypeVar
 
+import torch
+
 from handler.adapters.library import Busy, EntryError
 from handler.adapters.lora_rows import Adapters
 from handler.api.errors import RequestError
@@ -64,6 +66,7 @@ class Admission:
         self.request_timeout = request_timeout_seconds
         self.log_prompts = log_prompts
         self.drain_left = drain_left
+        self.kept_budget = kept_budget(policy.cache.max_kept_mib, engine.device)
 
     def admit(self, new: dict[str, IncomingRequest]) -> dict[str, Response]:
         """Decode, validate and start new requests together; those that cannot start get their answer now."""
@@ -164,6 +167,10 @@ class Admission:
                 outcomes[rid] = internal_error("admission", error)
                 continue
             if fits:
+                refused = self._cache_room(rid, request, spec, specs.values())
+                if refused is not None:
+                    outcomes[rid] = refused
+                    continue
                 specs[rid] = spec
             else:
                 logger.warning(
@@ -259,6 +266,34 @@ class Admission:
             self.profile.measure(spec.width, spec.height)
         return self.profile.fits_job(spec)
 
+    def _cache_room(
+        self, rid: str, request: GenerationRequest, spec: JobSpec, starting: Iterable[JobSpec]
+    ) -> Response | None:
+        """None where the step cache ``spec`` keeps fits beside those of the jobs in flight and
+        starting (``handler.cache.max_kept_mib``); else 503 with ``Retry-After``, or 400 naming
+        ``cache`` for a cache over the bound alone."""
+        budget = self.kept_budget
+        kept = 0 if budget is None else self.engine.kept_bytes(spec)
+        if not kept or budget is None:
+            return None
+        held = sum(self.engine.kept_bytes(other) for other in self.flights.specs_in_use(starting))
+        if held + kept <= budget:
+            return None
+        mib = 2**20
+        if kept > budget:
+            logger.info("request %s rejected: its cache keeps %.1f MiB", rid, kept / mib)
+            self.metrics.request_rejected(["cache"])
+            message = (
+                f"this cache keeps {kept / mib:.1f} MiB for {request.num_images_per_prompt} image(s) of "
+                f"{request.width}x{request.height}, over handler.cache.max_kept_mib ({budget / mib:g} MiB)"
+            )
+            return bad_request(RequestError.single("cache", "cache_memory", message))
+        logger.info("request %s refused: caches in flight keep %.1f MiB", rid, held / mib)
+        return busy(
+            f"the step caches of the requests in flight keep {held / mib:.1f} MiB of handler.cache.max_kept_mib "
+            f"({budget / mib:g} MiB), this one would keep {kept / mib:.1f} MiB; retry when they finish"
+        )
+
     def _start_together(self, specs: dict[str, JobSpec]) -> dict[str, DenoiseJob | Response]:
         """Start jobs together (one text-encoder call); when that fails, each alone, so that a
         failure (out of memory: 507, else 500) costs only its own request."""
@@ -277,3 +312,13 @@ class Admission:
         for rid, spec in specs.items():
             outcomes.update(self._start_together({rid: spec}))
         return outcomes
+
+
+def kept_budget(max_kept_mib: float | None, device: torch.device) -> int | None:
+    """Bytes the step caches of the requests in flight may keep together: ``max_kept_mib``, else a
+    quarter of a CUDA device's memory; None (no bound) on the CPU."""
+    if max_kept_mib is not None:
+        return int(max_kept_mib * 2**20)
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).total_memory // 4
+    return None

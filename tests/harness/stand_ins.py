@@ -12,7 +12,7 @@ from handler.adapters.controlnets import ControlNetLibrary
 from handler.adapters.loras import LoraLibrary
 from handler.api.policy import RequestPolicy
 from handler.api.protocol import IncomingRequest
-from handler.config import FamilyRules, RequestDefaults
+from handler.config import CacheSettings, FamilyRules, RequestDefaults
 from handler.engine.jobs import DenoiseJob, JobSpec
 from handler.engine.scheduling import StepProfile
 from handler.families import Conditioning, Decoded
@@ -116,12 +116,17 @@ class Clock:
 
 
 def make_service(
-    engine=None, sink=None, streaming=True, cap_profile=(2, 4, 8, 16), sla=2.0, **kwargs
+    engine=None, sink=None, streaming=True, cap_profile=(2, 4, 8, 16), sla=2.0, cache=None, **kwargs
 ) -> DiffusionService:
     """A service whose profile says one forward takes the same time for 2 to 16 UNet rows (cap 16
-    rows: 8 guided images)."""
+    rows: 8 guided images); ``cache``: its ``CacheSettings``."""
     engine = engine or SolidColorEngine()
-    policy = RequestPolicy(defaults=RequestDefaults(width=64, height=64), streaming=streaming)
+    policy = RequestPolicy(
+        defaults=RequestDefaults(width=64, height=64),
+        streaming=streaming,
+        rules=getattr(engine, "rules", FamilyRules()),
+        cache=cache or CacheSettings(),
+    )
     profile = StepProfile(engine, max_images=8)
     for shape in (SHAPE, (4, 8, 16), (4, 16, 16)):
         profile.seconds[shape] = {size: 0.1 for size in cap_profile}

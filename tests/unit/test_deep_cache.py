@@ -14,6 +14,7 @@ import torch
 from bench.reference import Reference
 from handler.api.bodies import form_text
 from handler.api.policy import RequestPolicy
+from handler.api.protocol import IncomingRequest
 from handler.config import CacheSettings, FamilyRules, RequestDefaults, StepCache
 from handler.families.deep_cache import Branch
 from server.paths import TINY_MODEL_DIRS
@@ -28,6 +29,7 @@ from tests.harness.engine_runs import (
     spec,
     tiny_engine,
 )
+from tests.harness.stand_ins import batch, make_service
 
 FAMILIES = ("sd1", "sd2", "sdxl")
 SIDE = {"sd1": 64, "sd2": 96, "sdxl": 64}  # each tiny model's native size
@@ -119,6 +121,42 @@ def _tensors(output):
     if isinstance(output, torch.Tensor):
         return [output]
     return [tensor for part in output for tensor in _tensors(part)] if isinstance(output, tuple) else []
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_what_a_cached_job_keeps_is_known_before_it_starts(engines, family):
+    """``kept_bytes``, what admission counts, equals the bytes of the hidden state a job keeps, for
+    every branch."""
+    engine = engines[family]
+    for branch in range(3 * len(engine.family.denoiser.down_blocks)):
+        job_spec = spec(images=2, side=SIDE[family], steps=4, cache=deep(3, branch))
+        (job,) = engine.start([job_spec])
+        engine.step([job])
+        (hidden,) = [tensor for output in job.cache.outputs.values() for tensor in _tensors(output)]
+        assert engine.kept_bytes(job_spec) == hidden.nbytes, branch
+
+
+def test_the_caches_in_flight_are_bounded_by_max_kept_mib(engines):
+    """Two cached requests of 64x64 where one fits the bound: the second is a 503 to retry, an
+    uncached one beside them is served, a cached one over the bound alone is a 400 naming ``cache``;
+    once the first finished, a cached request is served again."""
+    engine = engines["sd1"]
+    one = engine.kept_bytes(spec(side=64, steps=3, cache=deep()))
+    service = make_service(engine, streaming=False, cache=CacheSettings(max_kept_mib=1.5 * one / 2**20))
+    cached = {"prompt": "p", "seed": 1, "num_inference_steps": 3, "cache": {"mode": "deep", "interval": 3}}
+    responses = batch(
+        service,
+        IncomingRequest(cached, "application/json"),
+        IncomingRequest({**cached, "seed": 2}, "application/json"),
+        IncomingRequest({**cached, "cache": {"mode": "off"}}, "application/json"),
+        IncomingRequest({**cached, "num_images_per_prompt": 2}, "application/json"),
+    )
+    assert [response.status for response in responses] == [200, 503, 200, 400]
+    assert "Retry-After" in responses[1].headers and b"max_kept_mib" in responses[1].body
+    (error,) = json.loads(responses[3].body)["errors"]
+    assert error["field"] == "cache" and error["rule"] == "cache_memory"
+    (again,) = batch(service, IncomingRequest({**cached, "seed": 2}, "application/json"))
+    assert again.status == 200
 
 
 def test_branches_skip_as_the_helper_does():

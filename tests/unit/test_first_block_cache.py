@@ -104,14 +104,16 @@ def test_the_other_blocks_run_only_on_the_rows_that_compute(engines):
     assert [one.cached_steps for one in jobs] == [3, 0]
 
 
-def test_a_cached_job_keeps_its_own_rows_residuals(engines):
+def test_a_cached_job_keeps_its_own_rows_residuals_as_admission_counts_them(engines):
     engine = engines["sd3"]
-    (cached,) = engine.start([job(images=2, steps=4, cache=first_block(0.5))])
+    cached_spec = job(images=2, steps=4, cache=first_block(0.5))
+    (cached,) = engine.start([cached_spec])
     engine.step([cached])
     cache = cached.cache
     assert cache is not None and cache.head is not None and cache.tail is not None
     assert cache.head.shape[0] == cache.tail.shape[0] == cached.rows == 4
     assert cache.head._base is None  # a copy, not a view of the batch's residual
+    assert engine.kept_bytes(cached_spec) == cache.head.nbytes + cache.tail.nbytes
 
 
 def test_a_step_with_cached_rows_reads_their_changes_once(tmp_path):
