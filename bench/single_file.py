@@ -7,8 +7,9 @@ CLIP tokenizer, nothing else given; its directory is loaded as the handler loads
 alternate, file then directory, ``--repeats`` times (the first of each warms the page cache and is
 left out). Then every weight of the file's pipeline is checked against the directory's, and one
 request (two steps, 64x64) generated from each (the directory's pipeline given the shipped CLIP
-tokenizer, since its own is byte-level) must give the same image. ``--models sdxl`` does the same
-for SDXL base's architecture (``bench.sdxl``, about 7 GB).
+tokenizers and their end-of-text id, since its own are byte-level) must give the same image; one
+model is in memory at a time. ``--models sd15 sdxl`` does the same for SDXL base's architecture too
+(``bench.sdxl``, about 7 GB).
 
 Prints the table and writes ``reports/single-file/single-file.{json,md,png}``.
 """
@@ -23,6 +24,7 @@ import statistics
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import matplotlib
 
@@ -77,19 +79,25 @@ def fingerprint(loaded: StepEngine, shipped_tokenizers: bool = False) -> tuple[d
         for key, value in getattr(pipeline, component).state_dict().items()
     }
     if shipped_tokenizers:
-        pipeline.tokenizer = clip_tokenizer()
-        if getattr(pipeline, "tokenizer_2", None) is not None:
-            pipeline.tokenizer_2 = clip_tokenizer("!")
-        for index in ("", "_2"):
-            tokenizer = getattr(pipeline, f"tokenizer{index}", None)
-            encoder = getattr(pipeline, f"text_encoder{index}", None)
-            for module in encoder.modules() if encoder is not None else ():
-                if hasattr(module, "eos_token_id"):  # where CLIP pools (SDXL's pooled embedding): the shipped id
-                    module.eos_token_id = tokenizer.eos_token_id
+        _shipped_tokenizers(pipeline)
     picture = image(loaded)
     del loaded, pipeline
     gc.collect()
     return digests, picture
+
+
+def _shipped_tokenizers(pipeline: Any) -> None:
+    """The shipped CLIP tokenizers in ``pipeline``, and their end-of-text id where its text encoders
+    pool (SDXL's pooled embedding is read at that token)."""
+    pipeline.tokenizer = clip_tokenizer()
+    if getattr(pipeline, "tokenizer_2", None) is not None:
+        pipeline.tokenizer_2 = clip_tokenizer("!")
+    for index in ("", "_2"):
+        tokenizer = getattr(pipeline, f"tokenizer{index}", None)
+        encoder = getattr(pipeline, f"text_encoder{index}", None)
+        for module in encoder.modules() if encoder is not None else ():
+            if hasattr(module, "eos_token_id"):
+                module.eos_token_id = tokenizer.eos_token_id
 
 
 def compare(model: str, repeats: int) -> dict:

@@ -302,18 +302,18 @@ def shallow_share(unet: torch.nn.Module, flops: dict[str, float], branch: Branch
 def kept_row_shape(unet: Any, branch: Branch, latent: tuple[int, int, int]) -> tuple[int, int, int]:
     """The shape per row of the one output a job at ``branch`` keeps (``Branch.reused``), for
     latents of ``latent`` (channels, height, width): up block ``b`` from the end works at the
-    latents' size over 2^b with down block ``b``'s channels, the mid block at the smallest size
-    with the last down block's."""
+    latents' size over 2^b, rounded up as the downsamplers round, with down block ``b``'s channels;
+    the mid block at the smallest size with the last down block's."""
     channels = unet.config.block_out_channels
     _, height, width = latent
     block_type, kind, block, _ = branch.reused(unet)
     if block_type == "mid":
-        block, width_channels = len(channels) - 1, channels[-1]
+        block, out_channels = len(channels) - 1, channels[-1]
     elif kind == "block":  # the output of the up block before: upsampled to block - 1's size
-        block, width_channels = block - 1, channels[block]
+        block, out_channels = block - 1, channels[block]
     else:
-        width_channels = channels[block]
-    return width_channels, height // 2**block, width // 2**block
+        out_channels = channels[block]
+    return out_channels, -(-height // 2**block), -(-width // 2**block)
 
 
 def branches(unet: Any) -> int:

@@ -36,6 +36,7 @@ from handler.metrics import DiffusionMetrics
 from handler.service.flights import Flight, Flights, job_spec
 
 logger = logging.getLogger(__name__)
+MIB = 2**20
 
 Acquired = TypeVar("Acquired")
 
@@ -146,6 +147,10 @@ class Admission:
         specs: dict[str, JobSpec] = {}
         starting_tokens: set[str] = set()  # the embeddings of the requests starting together
         for rid, request in requests.items():
+            refused = self._cache_room(rid, request, specs.values())  # before anything is loaded or profiled
+            if refused is not None:
+                outcomes[rid] = refused
+                continue
             adapters = self._adapters(rid, request, specs.values())
             if isinstance(adapters, Response):
                 outcomes[rid] = adapters
@@ -167,10 +172,6 @@ class Admission:
                 outcomes[rid] = internal_error("admission", error)
                 continue
             if fits:
-                refused = self._cache_room(rid, request, spec, specs.values())
-                if refused is not None:
-                    outcomes[rid] = refused
-                    continue
                 specs[rid] = spec
             else:
                 logger.warning(
@@ -266,32 +267,32 @@ class Admission:
             self.profile.measure(spec.width, spec.height)
         return self.profile.fits_job(spec)
 
-    def _cache_room(
-        self, rid: str, request: GenerationRequest, spec: JobSpec, starting: Iterable[JobSpec]
-    ) -> Response | None:
-        """None where the step cache ``spec`` keeps fits beside those of the jobs in flight and
+    def _cache_room(self, rid: str, request: GenerationRequest, starting: Iterable[JobSpec]) -> Response | None:
+        """None where the step cache of the request fits beside those of the jobs in flight and
         starting (``handler.cache.max_kept_mib``); else 503 with ``Retry-After``, or 400 naming
         ``cache`` for a cache over the bound alone."""
         budget = self.kept_budget
-        kept = 0 if budget is None else self.engine.kept_bytes(spec)
-        if not kept or budget is None:
+        if budget is None:
+            return None
+        kept = self.engine.kept_bytes(job_spec(request))
+        if not kept:
             return None
         held = sum(self.engine.kept_bytes(other) for other in self.flights.specs_in_use(starting))
         if held + kept <= budget:
             return None
-        mib = 2**20
         if kept > budget:
-            logger.info("request %s rejected: its cache keeps %.1f MiB", rid, kept / mib)
+            logger.info("request %s rejected: its cache keeps %.1f MiB", rid, kept / MIB)
             self.metrics.request_rejected(["cache"])
             message = (
-                f"this cache keeps {kept / mib:.1f} MiB for {request.num_images_per_prompt} image(s) of "
-                f"{request.width}x{request.height}, over handler.cache.max_kept_mib ({budget / mib:g} MiB)"
+                f"this cache keeps {kept / MIB:.1f} MiB for {request.num_images_per_prompt} image(s) of "
+                f"{request.width}x{request.height}, over handler.cache.max_kept_mib ({budget / MIB:g} MiB); "
+                'send fewer images or {"mode": "off"} (a request without cache takes handler.cache.default)'
             )
             return bad_request(RequestError.single("cache", "cache_memory", message))
-        logger.info("request %s refused: caches in flight keep %.1f MiB", rid, held / mib)
+        logger.info("request %s refused: caches in flight keep %.1f MiB", rid, held / MIB)
         return busy(
-            f"the step caches of the requests in flight keep {held / mib:.1f} MiB of handler.cache.max_kept_mib "
-            f"({budget / mib:g} MiB), this one would keep {kept / mib:.1f} MiB; retry when they finish"
+            f"the step caches of the requests in flight keep {held / MIB:.1f} MiB of handler.cache.max_kept_mib "
+            f"({budget / MIB:g} MiB), this one would keep {kept / MIB:.1f} MiB; retry when they finish"
         )
 
     def _start_together(self, specs: dict[str, JobSpec]) -> dict[str, DenoiseJob | Response]:
@@ -318,7 +319,7 @@ def kept_budget(max_kept_mib: float | None, device: torch.device) -> int | None:
     """Bytes the step caches of the requests in flight may keep together: ``max_kept_mib``, else a
     quarter of a CUDA device's memory; None (no bound) on the CPU."""
     if max_kept_mib is not None:
-        return int(max_kept_mib * 2**20)
+        return int(max_kept_mib * MIB)
     if device.type == "cuda":
         return torch.cuda.get_device_properties(device).total_memory // 4
     return None
