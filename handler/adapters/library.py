@@ -73,9 +73,10 @@ class Kind:
         return self.field.removesuffix("s")
 
     def name_of(self, path: Path) -> str | None:
+        """The name of an entry at ``path`` if it is one (``version`` checks its files)."""
         if self.marker and path.is_dir():
             return path.name
-        if self.suffix and path.name.endswith(self.suffix) and not path.is_dir():
+        if self.suffix and path.name.endswith(self.suffix):
             return path.name[: -len(self.suffix)]
         return None
 

@@ -159,6 +159,18 @@ def engine_with_adapters(family: str, directory: Path, device: str = "auto", **m
     return tiny_engine(family, **settings)
 
 
+def lora_set_jobs(
+    engine: StepEngine, sets: Sequence[tuple[int, tuple[tuple[str, float], ...]]], steps: int, scheduler: str = "ddim"
+) -> list[tuple[int, JobSpec]]:
+    """(joins at iteration, job) for each ``(joins, LoRA set)`` of ``sets``: job ``index`` a 32x32
+    red circle of seed ``index`` with its set's adapters, acquired from the engine's LoRA library."""
+    return [
+        (joins, spec(f"a red circle {index}", index, side=32, steps=steps, scheduler=scheduler, adapters=adapters))
+        for index, (joins, lora_set) in enumerate(sets)
+        for adapters in [engine.loras.acquire(list(lora_set), in_use=())]
+    ]
+
+
 def assert_each_alone_equals_reference(engine: StepEngine, reference: Reference, jobs: Sequence[JobSpec]) -> None:
     """Each job run alone gives the reference's images for it."""
     for job in jobs:

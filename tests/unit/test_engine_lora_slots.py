@@ -18,7 +18,7 @@ from handler.config import HandlerSettings
 from handler.engine.loading import load_engine
 from model_making.make_lora import write_lora, write_lycoris
 from server.paths import TINY_MODEL_DIRS
-from tests.harness.engine_runs import assert_same_images, expected, run, spec
+from tests.harness.engine_runs import assert_same_images, expected, lora_set_jobs, run, spec
 from tests.harness.images import assert_moved
 
 pytestmark = pytest.mark.slow  # compiles the tiny UNet (about a minute here)
@@ -62,11 +62,7 @@ def engine(lora_dir):
 
 
 def jobs_of(engine, sets):
-    return [
-        (joins, spec(f"a red circle {index}", index, side=32, steps=3, adapters=adapters))
-        for index, (joins, lora_set) in enumerate(sets)
-        for adapters in [engine.loras.acquire(list(lora_set), in_use=())]
-    ]
+    return lora_set_jobs(engine, sets, steps=3)
 
 
 def test_mixed_sets_share_compiled_forwards_and_each_equals_diffusers(engine, lora_dir):
@@ -176,11 +172,7 @@ def test_other_families_mixed_sets_in_compiled_forwards_equal_diffusers(family, 
     }
     engine = load_engine(HandlerSettings.model_validate(settings), "/unused")
     sets = [(0, ()), (0, (("attention", 0.8),)), (0, (("feed-forward", 1.0), ("attention", -0.5)))]
-    jobs = [
-        (joins, spec(f"a red circle {index}", index, side=32, steps=3, scheduler=scheduler, adapters=adapters))
-        for index, (joins, lora_set) in enumerate(sets)
-        for adapters in [engine.loras.acquire(list(lora_set), in_use=())]
-    ]
+    jobs = lora_set_jobs(engine, sets, steps=3, scheduler=scheduler)
     reference = Reference(model)
     for (_, job), (_, lora_set), decoded in zip(jobs, sets, run(engine, jobs), strict=True):
         files = [(tmp_path / f"{name}.safetensors", weight) for name, weight in lora_set]

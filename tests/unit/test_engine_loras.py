@@ -17,7 +17,7 @@ from handler.config import HandlerSettings
 from handler.engine.loading import load_engine
 from model_making.make_lora import write_lora, write_lycoris
 from server.paths import TINY_MODEL_DIRS
-from tests.harness.engine_runs import assert_same_images, expected, run, spec
+from tests.harness.engine_runs import assert_same_images, expected, lora_set_jobs, run
 from tests.harness.images import assert_moved
 
 SCHEDULERS = {"sd1": "ddim", "sdxl": "euler", "sd3": "flow_match_euler"}
@@ -45,11 +45,7 @@ def test_jobs_with_other_lora_sets_share_forwards_and_each_equals_diffusers(fami
         write_lora(model_dir, tmp_path / f"{name}.safetensors", **recipe)
     settings = {"model_path": str(model_dir), "loras": {"dir": str(tmp_path), "max_loaded": len(loras)}}
     engine = load_engine(HandlerSettings.model_validate(settings), "/unused")
-    jobs = [
-        (joins, spec(f"a red circle {index}", index, side=32, steps=4, scheduler=SCHEDULERS[family], adapters=adapters))
-        for index, (joins, lora_set) in enumerate(sets)
-        for adapters in [engine.loras.acquire(list(lora_set), in_use=())]
-    ]
+    jobs = lora_set_jobs(engine, sets, steps=4, scheduler=SCHEDULERS[family])
     together = run(engine, jobs)  # each iteration's jobs in one forward, whatever their sets
     reference = Reference(model_dir)
     for (_, job), (_, lora_set), decoded in zip(jobs, sets, together, strict=True):
@@ -83,11 +79,7 @@ def test_loha_and_lokr_beside_plain_loras_in_one_forward_equal_their_deltas_merg
     write_lora(model_dir, tmp_path / "plain.safetensors", seed=1)
     settings = {"model_path": str(model_dir), "loras": {"dir": str(tmp_path), "max_loaded": len(LYCORIS) + 1}}
     engine = load_engine(HandlerSettings.model_validate(settings), "/unused")
-    jobs = [
-        (joins, spec(f"a red circle {index}", index, side=32, steps=4, scheduler=scheduler, adapters=adapters))
-        for index, (joins, lora_set) in enumerate(LYCORIS_SETS)
-        for adapters in [engine.loras.acquire(list(lora_set), in_use=())]
-    ]
+    jobs = lora_set_jobs(engine, LYCORIS_SETS, steps=4, scheduler=scheduler)
     together = run(engine, jobs)
     reference = Reference(model_dir)
     for (_, job), (_, lora_set), decoded in zip(jobs, LYCORIS_SETS, together, strict=True):
