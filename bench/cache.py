@@ -26,6 +26,11 @@ guidance 7.5) with no cache and at intervals 2, 3 and 5, read back by its colour
 (``model_making.shapes``, docs/default-model.md), with the PSNR against no cache, and a grid of
 the same prompts and seed under each setting (``cache-grid.png``).
 
+With ``--compile``, each model's denoiser is compiled (``handler.compile``, inductor's default
+mode): forwards without cached rows run the whole-model graph, forwards with them run the step
+cache's regions compiled apart (README, "Step caching"); beside each table, the graphs compiled in
+the warm-up round and after it (none is the goal: a bounded few per shape).
+
 Prints the tables and writes ``reports/cache/cache.{json,md,png}`` and ``cache-grid.png``.
 """
 
@@ -48,6 +53,7 @@ from bench import sd15  # noqa: E402
 from bench.jobs import finish, generate  # noqa: E402
 from bench.pipeline import environment, image_distance  # noqa: E402
 from bench.report import number_text, publish  # noqa: E402
+from handler.adapters.lora_slots import compiled_graphs  # noqa: E402
 from handler.config import HandlerSettings, SchedulerName, StepCache  # noqa: E402
 from handler.engine.jobs import JobSpec  # noqa: E402
 from handler.engine.loading import load_engine, synchronize  # noqa: E402
@@ -133,10 +139,13 @@ def timed(engine: StepEngine, specs: list[JobSpec]) -> Timed:
     )
 
 
-def measure(model: Model, steps: int, repeats: int) -> dict:
-    """Images/s per workload, paired with no cache's, on one model."""
+def measure(model: Model, steps: int, repeats: int, compiled: bool = False) -> dict:
+    """Images/s per workload, paired with no cache's, on one model (``compiled``: its denoiser
+    compiled, with the graphs compiled in the warm-up round and after it)."""
     model_dir = model.model_dir or sd15.ensure_model()
-    engine = load_engine(HandlerSettings(model_path=str(model_dir)), "/unused")
+    compile_ = {"enabled": True, "targets": ["unet"]} if compiled else {}
+    engine = load_engine(HandlerSettings.model_validate({"model_path": str(model_dir), "compile": compile_}), "/unused")
+    graphs = [compiled_graphs()]
     seconds: dict[str, list[float]] = {name: [] for name in model.workloads}
     ratios: dict[str, list[float]] = {name: [] for name in model.workloads if name != NONE}
     runs: dict[str, Timed] = {}
@@ -158,6 +167,7 @@ def measure(model: Model, steps: int, repeats: int) -> dict:
                 name,
                 runs[NONE].seconds / runs[name].seconds,
             )
+        graphs.append(compiled_graphs())
     rows = []
     for name, caches in model.workloads.items():
         cached = [index for index, cache in enumerate(caches) if cache is not None]
@@ -173,7 +183,9 @@ def measure(model: Model, steps: int, repeats: int) -> dict:
             }
         )
     return {
-        "model": model.name,
+        "model": model.name + (" compiled" if compiled else ""),
+        "graphs_warm_up_round": graphs[1] - graphs[0] if compiled else None,
+        "graphs_after_it": graphs[-1] - graphs[1] if compiled else None,
         "side": model.side,
         "steps": steps,
         "scheduler": model.scheduler,
@@ -261,10 +273,16 @@ def grid(images: dict[str, list[np.ndarray]], path: Path) -> None:
 def table(results: list[dict]) -> str:
     lines = []
     for result in results:
+        graphs = (
+            ""
+            if result.get("graphs_warm_up_round") is None
+            else f"; graphs compiled: {result['graphs_warm_up_round']} in the warm-up round, "
+            f"{result['graphs_after_it']} after it"
+        )
         lines += [
             f"\n{result['model']} ({result['side']}x{result['side']}, {result['steps']} {result['scheduler']} steps, "
             f"guidance 7.5, {REQUESTS} one-image requests generated whole; median of {result['repeats']} paired "
-            "rounds):\n",
+            f"rounds{graphs}):\n",
             "| workload | images/s | against no cache | cached requests' steps that reused the cache "
             "| PSNR of the cached images against no cache (dB) |",
             "| --- | --- | --- | --- | --- |",
@@ -308,9 +326,14 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--output", type=Path, default=REPORTS / "cache")
     parser.add_argument("--no-quality", action="store_true", help="leave out the default model's quality check")
+    parser.add_argument(
+        "--compile", action="store_true", help="compile each model's denoiser (the step caches' regions compiled apart)"
+    )
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
-    results = [measure(MODELS[name], args.steps or MODELS[name].steps, args.repeats) for name in args.models]
+    results = [
+        measure(MODELS[name], args.steps or MODELS[name].steps, args.repeats, args.compile) for name in args.models
+    ]
     data: dict = {"results": results}
     text = table(results)
     if not args.no_quality:

@@ -52,8 +52,8 @@ class FamilyRules:
     # The most denoising steps its schedulers take: a UNet's schedule samples the model's training
     # timesteps (fewer by 2: more break DDIM, PNDM or DPM++ 2M), None where it is continuous (flow matching).
     max_steps: int | None = None
-    cache_branches: int = 0  # DeepCache branches its denoiser serves (0: none; an eager UNet: 3 a down block)
-    first_block_cache: bool = False  # whether its denoiser serves first-block caching (an eager SD 3.x transformer)
+    cache_branches: int = 0  # DeepCache branches its denoiser serves (0: none; a UNet: 3 a down block)
+    first_block_cache: bool = False  # whether its denoiser serves first-block caching (an SD 3.x transformer)
 
     def serves(self, cache: StepCache) -> bool:
         """Whether the denoiser serves a step cache (off always)."""
@@ -330,8 +330,8 @@ class StepCache(_Section):
 
     mode: Literal["off", "deep", "first_block"] = Field(
         "off",
-        description="deep: DeepCache (SD 1.x/2.x and SDXL, an eager UNet); first_block: First Block Cache "
-        "(SD 3.x, an eager transformer); off: every step runs the whole denoiser",
+        description="deep: DeepCache (SD 1.x/2.x and SDXL); first_block: First Block Cache (SD 3.x); off: every "
+        "step runs the whole denoiser",
     )
     interval: int = Field(3, ge=1, description="deep: steps from one full UNet forward to the next (1: every step)")
     branch: int = Field(

@@ -265,8 +265,8 @@ class ImageRules(BaseModel):
 
 
 CACHES_SERVED_BY = {
-    "deep": "DeepCache (deep) is served for SD 1.x/2.x and SDXL models with an eager UNet",
-    "first_block": "first-block caching is served for SD 3.x models with an eager transformer",
+    "deep": "DeepCache (deep) is served for SD 1.x/2.x and SDXL models",
+    "first_block": "first-block caching is served for SD 3.x models",
 }
 
 
@@ -295,7 +295,7 @@ class CacheRules(BaseModel):
             served = "deep" if rules.cache_branches else "first_block" if rules.first_block_cache else "none"
             raise PydanticCustomError(
                 "cache_unavailable",
-                "{what} (handler.compile off); this {family} model serves {served}: leave out cache, or send mode off",
+                "{what}; this {family} model serves {served}: leave out cache, or send mode off",
                 {"what": CACHES_SERVED_BY[value.mode], "family": rules.family, "served": served},
             )
         if value.mode == "first_block":

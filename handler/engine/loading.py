@@ -23,13 +23,16 @@ from handler.adapters.embeddings import EmbeddingLibrary
 from handler.adapters.lora_slots import SlotLoras
 from handler.adapters.loras import LoraLibrary
 from handler.checkpoints.single_file import checkpoint_file, load_single_file, load_vae_file
-from handler.config import HandlerSettings
+from handler.config import CompileSettings, HandlerSettings
 from handler.engine.step_engine import StepEngine
 from handler.families import Family, Pipeline, StableDiffusion3Family, family_of
+from handler.families.base import RegionCompiler
 from handler.families.deep_cache import DeepCacheHooks, is_unet
 from handler.families.first_block_cache import FirstBlockHooks, is_transformer
 
 logger = logging.getLogger(__name__)
+# The graphs a compiled region's code may keep (dynamo's recompile limit) (``_region_compiler``).
+REGION_GRAPHS = 32
 
 DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
 ATTENTION_PROCESSORS = {"sdpa": AttnProcessor2_0, "vanilla": AttnProcessor}
@@ -166,6 +169,23 @@ def _apply_compile(family: Family, settings: HandlerSettings) -> None:
         family.pipeline.vae.decode = compile_(family.pipeline.vae.decode)
 
 
+def _region_compiler(options: CompileSettings) -> RegionCompiler | None:
+    """How a compiled denoiser's step caches compile its regions (None: the denoiser is eager): with
+    the configured options, but no CUDA graphs (regions run between eager Python, on sub-batches of
+    any row count: a graph per count would be recorded).
+
+    The blocks of one kind share one code, so one list of graphs: one per structure (SD 3.5's blocks
+    with a second attention, the last block without its text stream) and per width, then one with
+    the rows' count and one with the latents' size dynamic once they change. That can pass dynamo's
+    default limit of 8 a code (past which it runs the code eagerly), so regions get ``REGION_GRAPHS``."""
+    if not options.denoiser:
+        return None
+    mode = {"reduce-overhead": "default", "max-autotune": "max-autotune-no-cudagraphs"}.get(options.mode, options.mode)
+    compile_ = functools.partial(torch.compile, mode=mode, fullgraph=options.fullgraph, dynamic=options.dynamic)
+    limit = torch._dynamo.config.patch(recompile_limit=REGION_GRAPHS)
+    return lambda forward: limit(compile_(forward))
+
+
 def compile_cache_summary() -> str:
     """Where inductor caches compiled code, and how many graphs this process found there (hit) or
     compiled (miss); a restarted worker with a persisted cache shows hits only."""
@@ -245,10 +265,10 @@ def load_engine(settings: HandlerSettings, model_dir: str | Path, gpu_id: int | 
             len(slots.layers),
             slots.bytes() / 2**20,
         )
-    # Step caching per row wraps the denoiser's blocks (an eager one: a compiled graph would not see its rows' caches).
-    eager = not settings.compile.denoiser
-    deep_cache = DeepCacheHooks(family.denoiser) if eager and is_unet(family.denoiser) else None
-    first_block = FirstBlockHooks(family.denoiser) if eager and is_transformer(family.denoiser) else None
+    # Step caching per row wraps the denoiser's blocks; on a compiled denoiser, they run compiled apart.
+    regions = _region_compiler(settings.compile)
+    deep_cache = DeepCacheHooks(family.denoiser, regions) if is_unet(family.denoiser) else None
+    first_block = FirstBlockHooks(family.denoiser, regions) if is_transformer(family.denoiser) else None
     _apply_compile(family, settings)
     row_counts = settings.compile.row_counts(device.type)
     text_encoder_3 = (
@@ -265,6 +285,7 @@ def load_engine(settings: HandlerSettings, model_dir: str | Path, gpu_id: int | 
         f"{'(' + ','.join(settings.compile.targets) + ')' if settings.compile.enabled else ''}"
         f" pad_rows={','.join(map(str, row_counts)) or 'off'}"
         f" step_cache={'deep' if deep_cache else 'first_block' if first_block else 'off'}"
+        f"{'(compiled regions)' if regions and (deep_cache or first_block) else ''}"
     )
     loras = LoraLibrary(pipeline, family.denoiser, directory, settings.loras.max_loaded, off_because, slots)
     controlnets = ControlNetLibrary(

@@ -57,7 +57,7 @@ from diffusers.utils.torch_utils import randn_tensor
 from handler.adapters.controlnets import Control, ControlNetLibrary
 from handler.adapters.embeddings import EmbeddingLibrary
 from handler.adapters.loras import Adapters, LoraLibrary
-from handler.config import FamilyRules, FaultInjection
+from handler.config import FamilyRules, FaultInjection, StepCache
 from handler.engine.jobs import DenoiseJob, Inpainting, JobSpec
 from handler.families import Conditioning, Decoded, Family, Pipeline, Scheduler, schedules
 from handler.families.base import padded_rows, steps_by_index
@@ -79,8 +79,8 @@ class StepEngine:
     fault_injection: FaultInjection = field(default_factory=FaultInjection)
     row_counts: tuple[int, ...] = ()  # what a forward's rows are padded to (ascending; none: unpadded)
     cuda_graphs: bool = False  # the compiled denoiser replays CUDA graphs
-    deep_cache: DeepCacheHooks | None = None  # DeepCache per row (an eager UNet); None: not served
-    first_block: FirstBlockHooks | None = None  # first-block caching per row (an eager transformer); None: not served
+    deep_cache: DeepCacheHooks | None = None  # DeepCache per row (a UNet); None: not served
+    first_block: FirstBlockHooks | None = None  # first-block caching per row (a transformer); None: not served
     embeddings: EmbeddingLibrary | None = None  # textual-inversion embeddings prompts name; None: none served
 
     @property
@@ -91,9 +91,17 @@ class StepEngine:
             self.family.rules, cache_branches=served, first_block_cache=self.first_block is not None
         )
 
+    def warm_up_cache(self) -> StepCache | None:
+        """A step cache whose job compiles a compiled denoiser's regions at warm-up (None: it is
+        eager, or serves no cache): interval 2 runs a full step, then a cached one."""
+        hooks = self.deep_cache or self.first_block
+        if hooks is None or not hooks.compiled:
+            return None
+        return StepCache(mode="deep", interval=2) if self.deep_cache is not None else StepCache(mode="first_block")
+
     def kept_bytes(self, spec: JobSpec) -> int:
         """What a job of ``spec`` keeps in its step cache while it runs (its rows' kept outputs,
-        freed with the job); 0 without a cache."""
+        freed after its last step); 0 without a cache."""
         if spec.cache is None or spec.cache.mode == "off":
             return 0
         latent = self.latent_shape(spec.width, spec.height)
@@ -301,6 +309,8 @@ class StepEngine:
             job.step_kwargs,
         )
         job.step += 1
+        if job.done and job.cache is not None:  # what it kept is not read again: freed before the job is answered
+            job.cache.release()
         if job.inpainting is not None:
             next_timestep = job.timesteps[job.step : job.step + 1] if not job.done else None
             job.latents = job.inpainting.blend(self.family, job.scheduler, job.latents, next_timestep)

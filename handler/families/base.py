@@ -23,13 +23,14 @@ A family is a subclass in a module of its own, detected from the loaded pipeline
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import functools
 import inspect
 import itertools
 from abc import ABC, abstractmethod
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Literal, Protocol, TypeGuard
@@ -138,6 +139,24 @@ class Conditioning:
 # The LoRA rows of a sub-batch of a forward's jobs (by index; padding rows: the last), for the step
 # caches whose blocks run on some rows only.
 SubBatchRows = Callable[[list[int]], AbstractContextManager[Any]]
+
+# How a step cache compiles the regions of a compiled denoiser (``torch.compile`` with the
+# configured options): the blocks its wrappers call, each compiled apart, while a forward with cached
+# rows runs the Python between them (which rows run which block) eagerly.
+RegionCompiler = Callable[[Callable[..., Any]], Callable[..., Any]]
+
+
+@contextlib.contextmanager
+def eager_call(module: torch.nn.Module) -> Iterator[None]:
+    """Within it, a module compiled in place (``nn.Module.compile``) runs its eager ``__call__``:
+    a step cache's forward, whose per-row decisions a whole-model graph would guard on and
+    recompile for, runs around its compiled regions instead."""
+    compiled = module._compiled_call_impl
+    module._compiled_call_impl = None
+    try:
+        yield
+    finally:
+        module._compiled_call_impl = compiled
 
 
 class RowBlocks:

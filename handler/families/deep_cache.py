@@ -13,6 +13,11 @@ decides for its own rows, inside the step's one forward:
   (with their LoRA sets), and returns for the cached rows their kept output: the deep blocks run
   only on the rows at a full step, the shallow branch on every row.
 
+On a compiled denoiser (``regions``), a forward with cached rows runs the UNet's own forward and its
+blocks eagerly, and each layer (resnet, attention, down- and upsampler) and the mid block as a graph
+of its own, compiled once per layer kind and shape; a forward without cached rows runs the
+whole-model graph as ever.
+
 Which block skips at a cached step, and how blocks are numbered, is the helper's
 (``DeepCacheSDHelper.is_skip_step`` and ``wrap_modules``, ``DeepCache`` 0.1.1), so a job alone
 equals the helper's images in its ``uniform`` mode. Where the helper counts steps by looking the
@@ -28,7 +33,7 @@ from typing import Any
 
 import torch
 
-from handler.families.base import RowBlocks, SubBatchRows
+from handler.families.base import RegionCompiler, RowBlocks, SubBatchRows, eager_call
 
 # A wrapped module: (block type "down", "mid" or "up", its kind, block number, layer number), as the helper keys it.
 Key = tuple[str, str, int, int]
@@ -109,6 +114,10 @@ class RowCache:
         """Whether the job's ``step`` (counted from its first) runs every block."""
         return step % self.interval == 0
 
+    def release(self) -> None:
+        """Drop what it keeps (the job is done denoising; its count stays)."""
+        self.outputs.clear()
+
 
 @dataclass(frozen=True)
 class CacheRows:
@@ -136,13 +145,17 @@ class _Pass:
 
 class DeepCacheHooks:
     """The helper's module wrappers on a UNet, acting per row inside ``forward``; outside it
-    (and for jobs without a cache) every module runs as it is."""
+    (and for jobs without a cache) every module runs as it is. ``regions``: the UNet is compiled,
+    and inside ``forward`` its layers and mid block run compiled apart."""
 
-    def __init__(self, unet: torch.nn.Module):
+    def __init__(self, unet: torch.nn.Module, regions: RegionCompiler | None = None):
+        self._unet = unet
+        self.compiled = regions is not None  # its blocks run compiled apart in a cached forward
         self._pass: _Pass | None = None
         self._reused = {Branch.of(branch): Branch.of(branch).reused(unet) for branch in range(branches(unet))}
         for key, module in _modules(unet):
-            module.forward = self._wrapped(key, module.forward)
+            region = regions(module.forward) if regions is not None and _is_region(key) else module.forward
+            module.forward = self._wrapped(key, module.forward, region)
 
     @contextlib.contextmanager
     def forward(self, jobs: Sequence[CacheRows], padding: int, sub_batch_rows: SubBatchRows) -> Iterator[None]:
@@ -152,14 +165,17 @@ class DeepCacheHooks:
         groups = [*jobs, *([CacheRows(None, padding)] if padding else [])]
         self._pass = _Pass(groups, sub_batch_rows, list(range(len(groups))))
         try:
-            yield
+            with eager_call(self._unet):
+                yield
             for group in groups:  # the forward went through: its cached jobs took a cached step
                 if group.cached_step and group.cache is not None:
                     group.cache.cached_steps += 1
         finally:
             self._pass = None
 
-    def _wrapped(self, key: Key, forward: Callable[..., Any]) -> Callable[..., Any]:
+    def _wrapped(self, key: Key, forward: Callable[..., Any], region: Callable[..., Any]) -> Callable[..., Any]:
+        """``forward`` outside a cached forward; inside, ``region`` (it compiled, or itself) over the rows that run."""
+
         def wrapped(*args: Any, **kwargs: Any) -> Any:
             current = self._pass
             if current is None:
@@ -167,7 +183,7 @@ class DeepCacheHooks:
             present = current.present
             running = [index for index in present if not current.groups[index].replays(key)]
             if len(running) == len(present):
-                output = forward(*args, **kwargs)
+                output = region(*args, **kwargs)
                 self._keep(key, output, current)
                 return output
             ran = None
@@ -176,7 +192,7 @@ class DeepCacheHooks:
                 current.present = running
                 try:
                     with current.sub_batch_rows(running):
-                        ran = forward(*taken(args), **taken(kwargs))
+                        ran = region(*taken(args), **taken(kwargs))
                 finally:
                     current.present = present
                 self._keep(key, ran, current, running)
@@ -252,6 +268,15 @@ def _modules(unet: Any) -> Iterator[tuple[Key, torch.nn.Module]]:
         for upsampler in getattr(block, "upsamplers", None) or []:
             yield ("up", "upsampler", block_i, 0), upsampler
         yield ("up", "block", block_i, 0), block
+
+
+def _is_region(key: Key) -> bool:
+    """Whether a wrapped module runs compiled apart on a compiled UNet: an attention layer (a
+    ``Transformer2DModel``, diffusers' repeated blocks with the projections around them) or the mid
+    block. The resnets and samplers run eagerly: they share a code per kind but differ in their
+    weights' shapes, a graph per width, past dynamo's recompile limit."""
+    block_type, kind, _, _ = key
+    return kind == "attentions" or block_type == "mid"
 
 
 def _rows(output: Any, start: int, rows: int, copy: bool = True) -> Any:

@@ -19,6 +19,10 @@ The decision is the one value a step with first-block-cached rows reads on the h
 as one vector (diffusers reads one a forward too); steps without such rows read none. Threshold 0
 skips nothing (a change of exactly 0 aside), so it equals no cache.
 
+On a compiled transformer (``regions``), a forward with first-block-cached rows runs the
+transformer's own forward eagerly and each block as a graph of its own (compiled once per shape:
+the blocks share one code); a forward without such rows runs the whole-model graph as ever.
+
 diffusers' hook keeps the encoder hidden states' residual of the last block too, which fails on SD 3
 (its last block is ``context_pre_only``: it returns no encoder hidden states); the model discards
 them after that block, so only the hidden states' residual is kept here.
@@ -33,7 +37,7 @@ from typing import Any
 
 import torch
 
-from handler.families.base import RowBlocks, SubBatchRows
+from handler.families.base import RegionCompiler, RowBlocks, SubBatchRows, eager_call
 
 
 @dataclass
@@ -50,6 +54,10 @@ class FirstBlockCache:
         (``FBCHeadBlockHook._should_compute_remaining_blocks``)."""
         assert self.head is not None
         return (head - self.head).abs().mean() / self.head.abs().mean()
+
+    def release(self) -> None:
+        """Drop what it keeps (the job is done denoising; its count stays)."""
+        self.head = self.tail = None
 
 
 def kept_row_elements(transformer: Any, latent: tuple[int, int, int]) -> int:
@@ -89,13 +97,16 @@ class FirstBlockHooks:
     """Wrappers on an SD 3 transformer's blocks, acting per row inside ``forward``; outside it every
     block runs as it is."""
 
-    def __init__(self, transformer: torch.nn.Module):
+    def __init__(self, transformer: torch.nn.Module, regions: RegionCompiler | None = None):
         blocks = list(transformer.transformer_blocks)  # type: ignore[arg-type]  # a ModuleList
+        self._transformer = transformer
+        self.compiled = regions is not None  # its blocks run compiled apart in a cached forward
         self._pass: _Pass | None = None
         self._others = blocks[1:]
-        blocks[0].forward = self._first(blocks[0].forward)
+        compiled = regions or (lambda forward: forward)
+        blocks[0].forward = self._first(blocks[0].forward, compiled(blocks[0].forward))
         for block in self._others:
-            block.forward = self._passing(block.forward)
+            block.forward = self._passing(block.forward, compiled(block.forward))
 
     @contextlib.contextmanager
     def forward(
@@ -106,29 +117,38 @@ class FirstBlockHooks:
         keep their residuals when the forward went through (a retried one decides afresh)."""
         self._pass = current = _Pass(jobs, sub_batch_rows)
         try:
-            yield
+            with eager_call(self._transformer):
+                yield
             current.keep()
         finally:
             self._pass = None
 
-    def _first(self, forward: Callable[..., Any]) -> Callable[..., Any]:
+    def _first(self, forward: Callable[..., Any], region: Callable[..., Any]) -> Callable[..., Any]:
+        """The first block: ``forward`` outside a cached forward; inside, ``region`` (it compiled, or
+        itself), then the others or the kept residual per job."""
+
         def first(**kwargs: Any) -> Any:
             current = self._pass
             if current is None:
                 return forward(**kwargs)
-            encoder, hidden = forward(**kwargs)
+            encoder, hidden = region(**kwargs)
             hidden = self._others_or_kept(current, kwargs, encoder, hidden)
             current.done = True
             return encoder, hidden
 
         return first
 
-    def _passing(self, forward: Callable[..., Any]) -> Callable[..., Any]:
+    def _passing(self, forward: Callable[..., Any], region: Callable[..., Any]) -> Callable[..., Any]:
+        """A block after the first: ``forward`` outside a cached forward; inside, ``region`` where
+        the first block runs it, else its inputs."""
+
         def passing(**kwargs: Any) -> Any:
             current = self._pass
-            if current is not None and current.done:  # FBCBlockHook's skip: its inputs unchanged
+            if current is None:
+                return forward(**kwargs)
+            if current.done:  # FBCBlockHook's skip: its inputs unchanged
                 return kwargs["encoder_hidden_states"], kwargs["hidden_states"]
-            return forward(**kwargs)
+            return region(**kwargs)
 
         return passing
 

@@ -1,6 +1,6 @@
 """torch.compile in serving: a worker persists inductor's cache in ``compile.cache_dir``, and the
 worker TorchServe starts after a crash loads the compiled graphs from it instead of compiling; LoRAs
-on a compiled UNet equal diffusers and recompile nothing."""
+on a compiled UNet equal diffusers and recompile nothing; step caching on it equals the DeepCache helper."""
 
 from __future__ import annotations
 
@@ -75,7 +75,8 @@ SLOTS_LOG = re.compile(r"LoRA slots: (\d+) free; graphs compiled so far: (\d+)")
 def test_loras_on_a_compiled_unet_equal_diffusers_and_recompile_nothing(tmp_path):
     """The compiled UNet's LoRA slots (handler.adapters.lora_slots) behind a real TorchServe: warm-up compiles
     both graphs of the served shape, then LoRA requests, a new adapter and an eviction (two slots,
-    three LoRAs) compile nothing, and each image equals diffusers' call with the LoRA."""
+    three LoRAs) compile nothing, and each image equals diffusers' call with the LoRA; a DeepCache
+    request with a LoRA equals diffusers' call under the DeepCache helper."""
     loras = tmp_path / "loras"
     loras.mkdir()
     shutil.copy(ROOT / "loras" / "outline.safetensors", loras)
@@ -93,6 +94,11 @@ def test_loras_on_a_compiled_unet_equal_diffusers_and_recompile_nothing(tmp_path
             assert_same_image(ours, np.asarray(theirs.images[0]))
             assert_moved(ours, plain, f"LoRA {name} at {scale}")
         assert client.predict({**body, "loras": [{"name": "outline", "scale": 2.0}]}).status_code == 200
+        # a cached request runs the step cache's regions, which warm-up compiled
+        ours = client.image(**body, loras=[{"name": "outline", "scale": 1.0}], cache={"mode": "deep", "interval": 2})
+        outline = [(loras / "outline.safetensors", 1.0)]
+        theirs = reference(body["prompt"], body["seed"], 64, 64, 4, loras=outline, deep_cache=(2, 0))
+        assert_same_image(ours, np.asarray(theirs.images[0]))
         loads = SLOTS_LOG.findall(server.console_log.read_text(errors="replace"))
     assert len(loads) == 5, loads  # random, outline, unet-only (evicting random), random (evicting outline), outline
     graphs = {int(count) for _, count in loads}

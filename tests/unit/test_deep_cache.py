@@ -105,7 +105,7 @@ def test_the_deep_blocks_run_only_on_the_rows_at_a_full_step_in_the_steps_one_fo
 @pytest.mark.parametrize("branch", [0, 2, 5])
 def test_a_cached_job_keeps_one_hidden_state_of_its_own_rows(engines, branch):
     """Of the kept outputs, only the one a cached step's running layers read holds values (the
-    job's rows' own copy); the others are shapes. The job holds them: they go with it."""
+    job's rows' own copy); the others are shapes. The job holds them until it is done denoising."""
     engine = engines["sd1"]
     (job,) = engine.start([spec(steps=4, cache=deep(3, branch))])
     engine.step([job])
@@ -115,6 +115,9 @@ def test_a_cached_job_keeps_one_hidden_state_of_its_own_rows(engines, branch):
     (hidden,) = _tensors(next(iter(held.values())))
     assert hidden.shape[0] == job.rows and hidden._base is None  # a copy, not a view of the batch's output
     assert engine.deep_cache is not None and engine.deep_cache._pass is None
+    while not job.done:
+        engine.step([job])
+    assert job.cache.outputs == {} and job.cached_steps == 2, "a job done denoising still keeps its outputs"
 
 
 def _tensors(output):
@@ -211,7 +214,11 @@ def test_a_forms_cache_is_json_text():
 def test_bench_cache_times_every_workload_against_no_cache_and_plots_it(tmp_path):
     from bench import cache as bench_cache
 
-    result = bench_cache.measure(bench_cache.Model("tiny", TINY_MODEL_DIRS["sd1"], 32, 3), steps=3, repeats=1)
+    model = bench_cache.Model("tiny", TINY_MODEL_DIRS["sd1"], 32, 3)
+    result = bench_cache.measure(model, steps=3, repeats=1, compiled=True)  # the compiled UNet's regions
+    assert result["model"] == "tiny compiled" and result["graphs_warm_up_round"] > 0
+    assert result["graphs_after_it"] == 0, "the measured round compiled more"
+    assert "graphs compiled: " in bench_cache.table([result])
     rows = {row["workload"]: row for row in result["rows"]}
     assert list(rows) == list(bench_cache.WORKLOADS)
     assert rows[bench_cache.NONE]["ratio"] == 1.0 and rows[bench_cache.NONE]["psnr_db"] is None

@@ -2,10 +2,13 @@
 with different sets share forwards and each image equals diffusers' ``load_lora_weights`` +
 ``set_adapters`` call; loading, evicting and reloading adapters recompiles nothing; what the slots
 cannot hold is refused by name, and a full set of slots in use is busy, not broken. A LyCORIS LoHa
-on the transformer blocks fits the slots as its exact LoRA; one on convolutions is refused by name."""
+on the transformer blocks fits the slots as its exact LoRA; one on convolutions is refused by name.
+Step caches on a compiled denoiser (its regions compiled apart) equal the references beside
+uncached jobs, and compile a bounded few graphs."""
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -13,8 +16,8 @@ from torch._dynamo.utils import counters
 
 from bench.reference import Reference
 from handler.adapters.library import Busy, EntryError
-from handler.adapters.lora_slots import SlotLinear
-from handler.config import HandlerSettings
+from handler.adapters.lora_slots import SlotLinear, compiled_graphs
+from handler.config import HandlerSettings, StepCache
 from handler.engine.loading import load_engine
 from model_making.make_lora import write_lora, write_lycoris
 from server.paths import TINY_MODEL_DIRS
@@ -130,6 +133,47 @@ def test_a_loha_in_the_slots_beside_a_lora_equals_its_delta_merged(engine, lora_
     assert_moved(decoded[0].images[0], expected(reference, jobs[0][1]).images[0], "the LoHa")
 
 
+def region_codes(denoiser) -> int:
+    """The codes a compiled denoiser's step cache compiles apart: its attention layers' and mid
+    block's (a UNet), its transformer blocks' (SD 3)."""
+    if hasattr(denoiser, "transformer_blocks"):
+        return 1
+    attentions = [
+        attention
+        for block in [*denoiser.down_blocks, *denoiser.up_blocks]
+        for attention in getattr(block, "attentions", None) or []
+    ]
+    return len({type(module) for module in [*attentions, denoiser.mid_block]})
+
+
+def test_cached_jobs_on_the_compiled_unet_equal_the_helper_beside_uncached_ones_in_a_few_graphs(engine, lora_dir):
+    """DeepCache rows (two intervals and branches, one with a LoRA set in the slots) and uncached
+    rows share the compiled UNet's forwards, each equal to diffusers' call under the DeepCache
+    helper. The regions compile at most four graphs a code (with and without LoRA rows, each
+    static, then with the rows' count dynamic), so other row counts and branches add none, and
+    forwards without cached rows keep the whole-model graph."""
+    assert "step_cache=deep(compiled regions)" in engine.description
+    uncached = [(0, (("attention", 0.5),)), (0, ())]
+    run(engine, jobs_of(engine, uncached))  # the whole-model graphs of this shape compiled
+    before = compiled_graphs()
+    sets = [(0, (("attention", 0.8),)), (0, ()), (1, ()), (1, (("attention", 0.5),))]
+    caches = [StepCache(mode="deep", interval=2), StepCache(mode="deep", interval=3, branch=1), None, None]
+    jobs = [
+        (joins, replace(job, cache=cache)) for (joins, job), cache in zip(jobs_of(engine, sets), caches, strict=True)
+    ]
+    reference = Reference(MODEL)
+    for (_, job), (_, lora_set), image in zip(jobs, sets, run(engine, jobs), strict=True):
+        files = [(lora_dir / f"{name}.safetensors", weight) for name, weight in lora_set]
+        assert_same_images(image, expected(reference, job, files))
+    others = replace(jobs[0][1], seeds=(7, 8), cache=StepCache(mode="deep", interval=4, branch=2))
+    run(engine, [(0, others), (1, jobs[1][1]), (2, jobs[2][1])])
+    regions = compiled_graphs() - before
+    assert 0 < regions <= 4 * region_codes(engine.family.denoiser), regions
+    run(engine, jobs)
+    run(engine, jobs_of(engine, uncached))
+    assert compiled_graphs() - before == regions, "the same forwards again, or an uncached one, compiled more"
+
+
 def test_every_slot_in_use_is_busy(engine):
     held = {adapter for adapter, _ in engine.loras.acquire([("attention", 1.0), ("feed-forward", 1.0)], in_use=())}
     held |= {adapter for adapter, _ in engine.loras.acquire([("kohya", 1.0)], in_use=held)}
@@ -161,7 +205,8 @@ def held_attention(engine, held: set[str]) -> str:
 
 @pytest.mark.parametrize(("family", "scheduler"), [("sdxl", "euler"), ("sd3", "flow_match_euler")])
 def test_other_families_mixed_sets_in_compiled_forwards_equal_diffusers(family, scheduler, tmp_path):
-    """SDXL's UNet (linear projections, two text encoders) and SD 3's transformer (MMDiT blocks)."""
+    """SDXL's UNet (linear projections, two text encoders) and SD 3's transformer (MMDiT blocks), with
+    a job of the family's step cache joining mid-flight."""
     model = TINY_MODEL_DIRS[family]
     write_lora(model, tmp_path / "attention.safetensors", seed=1)
     write_lora(model, tmp_path / "feed-forward.safetensors", seed=2, layers=("feed_forward",), spread=0.1)
@@ -171,10 +216,20 @@ def test_other_families_mixed_sets_in_compiled_forwards_equal_diffusers(family, 
         "loras": {"dir": str(tmp_path), "max_loaded": 2, "slot_rank": 4},
     }
     engine = load_engine(HandlerSettings.model_validate(settings), "/unused")
-    sets = [(0, ()), (0, (("attention", 0.8),)), (0, (("feed-forward", 1.0), ("attention", -0.5)))]
-    jobs = lora_set_jobs(engine, sets, steps=3, scheduler=scheduler)
+    sets = [
+        (0, ()),
+        (0, (("attention", 0.8),)),
+        (0, (("feed-forward", 1.0), ("attention", -0.5))),
+        (1, (("attention", 0.8),)),
+    ]
+    jobs = lora_set_jobs(engine, sets, steps=4, scheduler=scheduler)
+    cache = StepCache(mode="deep", interval=2) if family == "sdxl" else StepCache(mode="first_block", threshold=0.3)
+    jobs[-1] = (1, replace(jobs[-1][1], cache=cache))  # joins mid-flight: its regions beside the others' rows
+    before = compiled_graphs()
+    images = run(engine, jobs)
+    assert 0 < compiled_graphs() - before <= 4 * region_codes(engine.family.denoiser) + 2  # + the whole model's
     reference = Reference(model)
-    for (_, job), (_, lora_set), decoded in zip(jobs, sets, run(engine, jobs), strict=True):
+    for (_, job), (_, lora_set), decoded in zip(jobs, sets, images, strict=True):
         files = [(tmp_path / f"{name}.safetensors", weight) for name, weight in lora_set]
         assert_same_images(decoded, expected(reference, job, files))
         if lora_set:

@@ -114,6 +114,10 @@ def test_a_cached_job_keeps_its_own_rows_residuals_as_admission_counts_them(engi
     assert cache.head.shape[0] == cache.tail.shape[0] == cached.rows == 4
     assert cache.head._base is None  # a copy, not a view of the batch's residual
     assert engine.kept_bytes(cached_spec) == cache.head.nbytes + cache.tail.nbytes
+    while not cached.done:
+        engine.step([cached])
+    assert cache.head is None and cache.tail is None, "a job done denoising still keeps its residuals"
+    assert cached.cached_steps == 3
 
 
 def test_a_step_with_cached_rows_reads_their_changes_once(tmp_path):
