@@ -143,8 +143,9 @@ def measure(model: Model, steps: int, repeats: int, compiled: bool = False) -> d
     """Images/s per workload, paired with no cache's, on one model (``compiled``: its denoiser
     compiled, with the graphs compiled in the warm-up round and after it)."""
     model_dir = model.model_dir or sd15.ensure_model()
-    compile_ = {"enabled": True, "targets": ["unet"]} if compiled else {}
-    engine = load_engine(HandlerSettings.model_validate({"model_path": str(model_dir), "compile": compile_}), "/unused")
+    compile_settings = {"enabled": True, "targets": ["unet"]} if compiled else {}
+    settings = HandlerSettings.model_validate({"model_path": str(model_dir), "compile": compile_settings})
+    engine = load_engine(settings, "/unused")
     graphs = [compiled_graphs()]
     seconds: dict[str, list[float]] = {name: [] for name in model.workloads}
     ratios: dict[str, list[float]] = {name: [] for name in model.workloads if name != NONE}

@@ -170,20 +170,20 @@ def _apply_compile(family: Family, settings: HandlerSettings) -> None:
 
 
 def _region_compiler(options: CompileSettings) -> RegionCompiler | None:
-    """How a compiled denoiser's step caches compile its regions (None: the denoiser is eager): with
-    the configured options, but no CUDA graphs (regions run between eager Python, on sub-batches of
-    any row count: a graph per count would be recorded).
+    """How a compiled denoiser's step caches compile its regions (None: the denoiser is eager): in
+    the configured mode without CUDA graphs, with shapes static until they change (regions run
+    between eager Python, on sub-batches of any row count: a graph per count would be recorded),
+    and never a full graph (a region past its limit runs eagerly rather than failing the forward).
 
     The blocks of one kind share one code, so one list of graphs: one per structure (SD 3.5's blocks
-    with a second attention, the last block without its text stream) and per width, then one with
-    the rows' count and one with the latents' size dynamic once they change. That can pass dynamo's
-    default limit of 8 a code (past which it runs the code eagerly), so regions get ``REGION_GRAPHS``."""
+    with a second attention, the last block without its text stream) and per width, with and without
+    LoRA rows, then one with the rows' count and one with the latents' size dynamic once they change.
+    That can pass dynamo's default limit of 8 a code, so regions get ``REGION_GRAPHS``."""
     if not options.denoiser:
         return None
     mode = {"reduce-overhead": "default", "max-autotune": "max-autotune-no-cudagraphs"}.get(options.mode, options.mode)
-    compile_ = functools.partial(torch.compile, mode=mode, fullgraph=options.fullgraph, dynamic=options.dynamic)
-    limit = torch._dynamo.config.patch(recompile_limit=REGION_GRAPHS)
-    return lambda forward: limit(compile_(forward))
+    dynamic = None if options.dynamic is False else options.dynamic
+    return functools.partial(torch.compile, mode=mode, dynamic=dynamic, recompile_limit=REGION_GRAPHS)
 
 
 def compile_cache_summary() -> str:

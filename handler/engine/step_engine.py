@@ -93,7 +93,7 @@ class StepEngine:
 
     def warm_up_cache(self) -> StepCache | None:
         """A step cache whose job compiles a compiled denoiser's regions at warm-up (None: it is
-        eager, or serves no cache): interval 2 runs a full step, then a cached one."""
+        eager, or serves no cache): interval 2 runs a full step, then (2 steps or more) a cached one."""
         hooks = self.deep_cache or self.first_block
         if hooks is None or not hooks.compiled:
             return None
@@ -229,7 +229,8 @@ class StepEngine:
         the least of ``row_counts`` at or above them (the compiled denoiser's CUDA graphs: copies of
         the last row with its LoRA set, without ControlNet, dropped after). Jobs at a DeepCache
         cached step skip the deep blocks (``handler.families.deep_cache``); jobs with a first-block
-        cache decide inside the forward (``handler.families.first_block_cache``).
+        cache decide inside the forward (``handler.families.first_block_cache``). A forward with a
+        step cache runs the denoiser's own forward (around its compiled regions), unpadded.
         All jobs must share a latent shape. Returns the ControlNet forwards run."""
         shapes = {job.latent_shape for job in jobs}
         if len(shapes) != 1:
@@ -257,7 +258,9 @@ class StepEngine:
             inputs.append(family.model_input(job.scheduler, job_rows, timestep))
             timesteps.append(timestep.float().expand(job.rows))
         rows = sum(job.rows for job in jobs)
-        padding = padded_count(rows, self.row_counts) - rows  # rows copying the last one, dropped after
+        whole_graph = all(job.cache is None for job in jobs)  # else a step cache's forward: any row count
+        padding = padded_count(rows, self.row_counts) - rows if whole_graph else 0  # copies of the last row
+        replays = self.cuda_graphs and whole_graph
         latents = padded_rows(torch.cat(inputs), padding)
         timestep_rows = padded_rows(torch.cat(timesteps), padding)
         conditioning = Conditioning.concat([job.conditioning for job in jobs]).padded(padding)
@@ -266,19 +269,19 @@ class StepEngine:
         )
         # The padding rows take the last job's LoRA set: a set every row shares stays one scalar weight.
         sets = [(job.spec.adapters, job.rows) for job in jobs] + [(jobs[-1].spec.adapters, padding)]
-        with self.loras.rows(sets, self.device), self._step_cache(jobs, padding, sets):
-            if self.cuda_graphs:  # each step a new run of the graphs: the last run's outputs are done with
+        with self.loras.rows(sets, self.device), self._step_cache(jobs, sets):
+            if replays:  # each step a new run of the graphs: the last run's outputs are done with
                 torch.compiler.cudagraph_mark_step_begin()
             noise = family.forward(latents, timestep_rows, conditioning, residuals)[:rows]
-        if self.cuda_graphs:  # the graph's next replay overwrites its output, which a scheduler may keep
+        if replays:  # the graph's next replay overwrites its output, which a scheduler may keep
             noise = noise.clone()
         return noise, control_forwards
 
     def _step_cache(
-        self, jobs: list[DenoiseJob], padding: int, sets: list[tuple[Adapters, int]]
+        self, jobs: list[DenoiseJob], sets: list[tuple[Adapters, int]]
     ) -> contextlib.AbstractContextManager[None]:
         """The step cache over a forward's rows, where a job in it has one (DeepCache or first-block
-        caching); a sub-batch of its jobs (by index, padding last) takes their LoRA sets (``sets``)."""
+        caching); a sub-batch of its jobs (by index) takes their LoRA sets (``sets``)."""
         if all(job.cache is None for job in jobs):
             return contextlib.nullcontext()
 
@@ -292,7 +295,7 @@ class StepEngine:
         rows = [
             CacheRows(job.cache if isinstance(job.cache, RowCache) else None, job.rows, job.cached_step) for job in jobs
         ]
-        return self.deep_cache.forward(rows, padding, sub_batch_rows)
+        return self.deep_cache.forward(rows, sub_batch_rows)
 
     def _advance(self, job: DenoiseJob, noise: torch.Tensor) -> None:
         """A job's guidance and ``scheduler.step`` on its rows' noise prediction (and, inpainting,

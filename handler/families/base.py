@@ -136,7 +136,7 @@ class Conditioning:
         return Conditioning(padded_rows(self.hidden_states, padding), added)
 
 
-# The LoRA rows of a sub-batch of a forward's jobs (by index; padding rows: the last), for the step
+# The LoRA rows of a sub-batch of a forward's jobs (by index), for the step
 # caches whose blocks run on some rows only.
 SubBatchRows = Callable[[list[int]], AbstractContextManager[Any]]
 

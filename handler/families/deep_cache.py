@@ -13,10 +13,9 @@ decides for its own rows, inside the step's one forward:
   (with their LoRA sets), and returns for the cached rows their kept output: the deep blocks run
   only on the rows at a full step, the shallow branch on every row.
 
-On a compiled denoiser (``regions``), a forward with cached rows runs the UNet's own forward and its
-blocks eagerly, and each layer (resnet, attention, down- and upsampler) and the mid block as a graph
-of its own, compiled once per layer kind and shape; a forward without cached rows runs the
-whole-model graph as ever.
+On a compiled denoiser (``regions``), a forward with a cached job (at any of its steps: a full step
+keeps outputs) runs the UNet's own forward eagerly, and its attention layers and mid block as
+graphs of their own (``_is_region``); a forward without one runs the whole-model graph as ever.
 
 Which block skips at a cached step, and how blocks are numbered, is the helper's
 (``DeepCacheSDHelper.is_skip_step`` and ``wrap_modules``, ``DeepCache`` 0.1.1), so a job alone
@@ -135,8 +134,8 @@ class CacheRows:
 
 @dataclass
 class _Pass:
-    """One forward's rows (the jobs', then padding rows that run every block), and the rows of the
-    module call in progress (indices into ``groups``)."""
+    """One forward's rows (the jobs'), and the rows of the module call in progress (indices into
+    ``groups``)."""
 
     groups: list[CacheRows]
     sub_batch_rows: SubBatchRows
@@ -158,11 +157,11 @@ class DeepCacheHooks:
             module.forward = self._wrapped(key, module.forward, region)
 
     @contextlib.contextmanager
-    def forward(self, jobs: Sequence[CacheRows], padding: int, sub_batch_rows: SubBatchRows) -> Iterator[None]:
-        """Within it, the UNet's forward over these rows (then ``padding`` rows) records what the
-        cached jobs at a full step keep and replays it for those at a cached step;
-        ``sub_batch_rows`` gives a sub-batch of the jobs (by index; padding: the last) its LoRA rows."""
-        groups = [*jobs, *([CacheRows(None, padding)] if padding else [])]
+    def forward(self, jobs: Sequence[CacheRows], sub_batch_rows: SubBatchRows) -> Iterator[None]:
+        """Within it, the UNet's forward over these rows records what the cached jobs at a full
+        step keep and replays it for those at a cached step; ``sub_batch_rows`` gives a sub-batch of
+        the jobs (by index) its LoRA rows. The UNet runs its own forward (not its whole-model graph)."""
+        groups = list(jobs)
         self._pass = _Pass(groups, sub_batch_rows, list(range(len(groups))))
         try:
             with eager_call(self._unet):

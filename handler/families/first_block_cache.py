@@ -20,8 +20,8 @@ as one vector (diffusers reads one a forward too); steps without such rows read 
 skips nothing (a change of exactly 0 aside), so it equals no cache.
 
 On a compiled transformer (``regions``), a forward with first-block-cached rows runs the
-transformer's own forward eagerly and each block as a graph of its own (compiled once per shape:
-the blocks share one code); a forward without such rows runs the whole-model graph as ever.
+transformer's own forward eagerly and each block as a graph of its own (the blocks share one code);
+a forward without such rows runs the whole-model graph as ever.
 
 diffusers' hook keeps the encoder hidden states' residual of the last block too, which fails on SD 3
 (its last block is ``context_pre_only``: it returns no encoder hidden states); the model discards
@@ -71,8 +71,8 @@ def kept_row_elements(transformer: Any, latent: tuple[int, int, int]) -> int:
 
 @dataclass
 class _Pass:
-    """One forward's rows: each job's cache (None: none) and row count (padding rows after them),
-    and what the cached jobs keep once the forward went through."""
+    """One forward's rows: each job's cache (None: none) and row count, and what the cached jobs
+    keep once the forward went through."""
 
     jobs: Sequence[tuple[FirstBlockCache | None, int]]
     sub_batch_rows: SubBatchRows
@@ -103,18 +103,18 @@ class FirstBlockHooks:
         self.compiled = regions is not None  # its blocks run compiled apart in a cached forward
         self._pass: _Pass | None = None
         self._others = blocks[1:]
-        compiled = regions or (lambda forward: forward)
-        blocks[0].forward = self._first(blocks[0].forward, compiled(blocks[0].forward))
+        region_of = regions or (lambda forward: forward)
+        blocks[0].forward = self._first(blocks[0].forward, region_of(blocks[0].forward))
         for block in self._others:
-            block.forward = self._passing(block.forward, compiled(block.forward))
+            block.forward = self._passing(block.forward, region_of(block.forward))
 
     @contextlib.contextmanager
     def forward(
         self, jobs: Sequence[tuple[FirstBlockCache | None, int]], sub_batch_rows: SubBatchRows
     ) -> Iterator[None]:
-        """Within it, the transformer's forward over these rows (and padding rows after them) caches
-        per job; ``sub_batch_rows`` gives a sub-batch of the jobs (by index) its LoRA rows. The jobs
-        keep their residuals when the forward went through (a retried one decides afresh)."""
+        """Within it, the transformer's forward over these rows caches per job (its own forward, not
+        its whole-model graph); ``sub_batch_rows`` gives a sub-batch of the jobs (by index) its LoRA
+        rows. The jobs keep their residuals when the forward went through (a retried one decides afresh)."""
         self._pass = current = _Pass(jobs, sub_batch_rows)
         try:
             with eager_call(self._transformer):
@@ -180,7 +180,7 @@ class FirstBlockHooks:
         kwargs: dict[str, Any],
     ) -> torch.Tensor:
         """The other blocks over the rows of the jobs that compute (with their LoRA sets); the
-        others' rows, and padding rows, from the first block's output."""
+        others' rows from the first block's output and their kept residual."""
         running = [index for index, computed in enumerate(computes) if computed]
         ran: Iterator[torch.Tensor] = iter(())
         if running:
@@ -195,7 +195,7 @@ class FirstBlockHooks:
             next(ran) if computed else first[span] + _tail(cache)
             for (cache, _), computed, span in zip(current.jobs, computes, blocks.spans, strict=True)
         ]
-        return torch.cat([*pieces, first[blocks.rows :]])
+        return torch.cat(pieces)
 
     def _others_on(self, hidden: torch.Tensor, encoder: torch.Tensor, kwargs: dict[str, Any]) -> torch.Tensor:
         """The other blocks over these rows: the last one's hidden states."""

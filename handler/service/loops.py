@@ -27,7 +27,7 @@ from pathlib import Path
 
 from handler.api.policy import RequestPolicy
 from handler.api.protocol import IncomingRequest, Response
-from handler.config import HandlerSettings, WarmupShape
+from handler.config import HandlerSettings, StepCache, WarmupShape
 from handler.engine.jobs import JobSpec
 from handler.engine.loading import load_engine
 from handler.engine.scheduling import StepProfile
@@ -168,8 +168,9 @@ class DiffusionService:
     def warm_up(self, shapes: tuple[WarmupShape, ...]) -> float:
         """Profile each shape's step times, then run one job of it through start, steps and
         decode, so that the first request pays no allocation or compilation (in a compiled
-        denoiser: a cached job too, which compiles the step cache's regions; with LoRA slots, each
-        again with LoRA rows). Returns seconds."""
+        denoiser with LoRA slots, a second run compiles the graph with LoRA rows; with a step cache
+        served, each run then steps a cached job beside the plain one, which compiles the cache's
+        regions on all rows and on a sub-batch). Returns seconds."""
         started = time.perf_counter()
         cache = self.engine.warm_up_cache()
         for shape in shapes:
@@ -178,13 +179,10 @@ class DiffusionService:
             if not self.profile.fits_job(spec):
                 logger.warning("warm-up shape %s does not fit in memory; skipped", shape.model_dump())
                 continue
-            specs = [spec, *([dataclasses.replace(spec, cache=cache)] if cache is not None else [])]
-            for each in specs:
-                self._warm_up_job(each)
+            self._warm_up_jobs(spec, cache)
             if self.engine.loras.slots is not None:
                 with self.engine.loras.slots.lora_graph():
-                    for each in specs:
-                        self._warm_up_job(each)
+                    self._warm_up_jobs(spec, cache)
         return time.perf_counter() - started
 
     def _warm_up_spec(self, shape: WarmupShape) -> JobSpec:
@@ -200,11 +198,18 @@ class DiffusionService:
             defaults.guidance_scale,
         )
 
-    def _warm_up_job(self, spec: JobSpec) -> None:
-        (job,) = self.engine.start([spec])
-        while not job.done:
-            self.engine.step([job])
-        self.engine.decode(job.latents, spec.width, spec.height)
+    def _warm_up_jobs(self, spec: JobSpec, cache: StepCache | None) -> None:
+        """A job of ``spec`` to the end, then (``cache``) it and one with the cache stepped together."""
+        self._warm_up_together([spec])
+        if cache is not None:
+            self._warm_up_together([spec, dataclasses.replace(spec, cache=cache)])
+
+    def _warm_up_together(self, specs: list[JobSpec]) -> None:
+        jobs = self.engine.start(specs)
+        while not all(job.done for job in jobs):
+            self.engine.step([job for job in jobs if not job.done])
+        for job in jobs:
+            self.engine.decode(job.latents, job.spec.width, job.spec.height)
 
 
 def build_service(

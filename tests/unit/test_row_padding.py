@@ -1,6 +1,7 @@
 """Forwards padded to a captured row count (``handler.compile.pad_rows``, for the compiled
 denoiser's CUDA graphs) give the same images as unpadded ones: every family, with LoRA rows,
-ControlNets, an image-to-image and an inpainting job in the forward; the padding rows are dropped."""
+ControlNets, an image-to-image and an inpainting job in the forward; the padding rows are dropped.
+A forward with a step cache is not padded."""
 
 from __future__ import annotations
 
@@ -57,16 +58,23 @@ FIRST_ROWS = {"sd1": 15, "sdxl": 15, "sd3": 13}
 
 
 @pytest.mark.parametrize("family", ["sd1", "sdxl", "sd3"])
-def test_padded_forwards_give_the_unpadded_images(family, tmp_path):
-    """Padding rows run every block beside rows that skip some (DeepCache of two branches in
-    different blocks, one with a LoRA and a ControlNet; first-block caching with a LoRA), and are dropped."""
+def test_padded_forwards_give_the_unpadded_images_and_a_step_caches_forward_is_not_padded(family, tmp_path):
+    """Padding rows (copies of the last, with its LoRA set) beside LoRA, ControlNet, image-to-image
+    and inpainting rows are dropped; a forward with a step cache (DeepCache of two branches in
+    different blocks, one with a LoRA and a ControlNet; first-block caching with a LoRA) runs the
+    denoiser's own forward, never a captured graph, so it is not padded."""
     engine = engine_with_adapters(family, tmp_path)
     padded = dataclasses.replace(engine, row_counts=(4, 16))
     scheduler = engine.family.rules.own_scheduler
-    plain, plain_rows = decoded(engine, jobs_of_every_kind(engine, scheduler, cached=True, first_block=True))
-    ours, padded_rows_seen = decoded(padded, jobs_of_every_kind(padded, scheduler, cached=True, first_block=True))
-    assert plain_rows[0] == FIRST_ROWS[family]  # then fewer where a job finishes first: all padded to 16
+    plain, _ = decoded(engine, jobs_of_every_kind(engine, scheduler))
+    ours, padded_rows_seen = decoded(padded, jobs_of_every_kind(padded, scheduler))
     assert set(padded_rows_seen) == {16}
+    for theirs, mine in zip(plain, ours, strict=True):
+        assert_same_images(mine, theirs)
+    cached = {"cached": True, "first_block": True}
+    plain, plain_rows = decoded(engine, jobs_of_every_kind(engine, scheduler, **cached))
+    ours, rows_seen = decoded(padded, jobs_of_every_kind(padded, scheduler, **cached))
+    assert plain_rows[0] == FIRST_ROWS[family] and rows_seen == plain_rows
     for theirs, mine in zip(plain, ours, strict=True):
         assert_same_images(mine, theirs)
 
