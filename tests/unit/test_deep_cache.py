@@ -29,7 +29,9 @@ from tests.harness.engine_runs import (
     spec,
     tiny_engine,
 )
+from tests.harness.images import assert_same_image, decode_json_images, decode_png
 from tests.harness.stand_ins import batch, make_service
+from tests.harness.stand_ins import run as run_service
 
 FAMILIES = ("sd1", "sd2", "sdxl")
 SIDE = {"sd1": 64, "sd2": 96, "sdxl": 64}  # each tiny model's native size
@@ -162,6 +164,22 @@ def test_the_caches_in_flight_are_bounded_by_max_kept_mib(engines):
     assert again.status == 200
 
 
+def test_a_streaming_cached_request_gets_previews_and_the_image_it_gets_without_a_stream(engines):
+    """Continuous batching on the tiny SD 1.x engine: a cached request streamed with previews,
+    joined mid-flight by an uncached one, ends with the image the same request gets unstreamed."""
+    service = make_service(engines["sd1"])
+    cached = {"prompt": "p", "seed": 4, "num_inference_steps": 6, "cache": {"mode": "deep", "interval": 2}}
+    streamed = IncomingRequest({**cached, "stream": True, "partial_images": 2}, "application/json")
+    beside = IncomingRequest({"prompt": "q", "seed": 5, "num_inference_steps": 3}, "application/json")
+    parts = run_service(service, {0: {"s": streamed}, 1: {"u": beside}})
+    events = [json.loads(line) for part in parts["s"] for line in part.body.decode().splitlines()]
+    assert [event["step"] for event in events[:-1] if "images" in event] == [2, 4]
+    (plain,) = batch(service, IncomingRequest(cached, "application/json"))
+    (image,) = decode_json_images(events[-1])
+    assert_same_image(image, decode_png(plain.body))
+    assert parts["u"][-1].status == 200
+
+
 def test_branches_skip_as_the_helper_does():
     """``DeepCacheSDHelper.is_skip_step`` for branch 0 and 4 (block 1, layer 1), and what is kept."""
     shallow, middle = Branch.of(0), Branch.of(4)
@@ -214,11 +232,10 @@ def test_a_forms_cache_is_json_text():
 def test_bench_cache_times_every_workload_against_no_cache_and_plots_it(tmp_path):
     from bench import cache as bench_cache
 
-    model = bench_cache.Model("tiny", TINY_MODEL_DIRS["sd1"], 32, 3)
-    result = bench_cache.measure(model, steps=3, repeats=1, compiled=True)  # the compiled UNet's regions
-    assert result["model"] == "tiny compiled" and result["graphs_warm_up_round"] > 0
-    assert result["graphs_after_it"] == 0, "the measured round compiled more"
-    assert "graphs compiled: " in bench_cache.table([result])
+    result = bench_cache.measure(bench_cache.Model("tiny", TINY_MODEL_DIRS["sd1"], 32, 3), steps=3, repeats=1)
+    assert result["graphs_warm_up_round"] is None and "graphs compiled" not in bench_cache.table([result])
+    compiled = {**result, "model": "tiny compiled", "graphs_warm_up_round": 5, "graphs_after_it": 0}  # --compile's
+    assert "paired rounds; graphs compiled: 5 in the warm-up round, 0 after it)" in bench_cache.table([compiled])
     rows = {row["workload"]: row for row in result["rows"]}
     assert list(rows) == list(bench_cache.WORKLOADS)
     assert rows[bench_cache.NONE]["ratio"] == 1.0 and rows[bench_cache.NONE]["psnr_db"] is None
