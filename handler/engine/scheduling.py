@@ -19,7 +19,7 @@ from collections.abc import Callable
 
 import torch
 
-from handler.config import SchedulerName
+from handler.config import SchedulerName, StepCache
 from handler.engine.costs import Cost, RowCosts
 from handler.engine.jobs import DenoiseJob, JobSpec
 from handler.engine.loading import release_cached_memory, synchronize
@@ -60,8 +60,7 @@ class StepProfile:
         shape = self.engine.latent_shape(width, height)
         timings: dict[int, float] = {}
         for size in self.sizes():
-            spec = JobSpec("profile", None, tuple(range(size)), width, height, 2, self.scheduler, 7.5)
-            (job,) = self.engine.start([spec])
+            job = self._job(size, width, height)
             self.costs.count(job)
             if not self._timed_steps(job, timings):
                 release_cached_memory()  # outside the except block: the failed forward's tensors are gone
@@ -75,6 +74,30 @@ class StepProfile:
             self.cap(shape),
         )
         return timings
+
+    def step_each_size(self, width: int, height: int, cache: StepCache | None = None) -> None:
+        """Each size ``measure`` stepped at this image size, untimed, run to its end (with ``cache``:
+        its jobs cached, a full step then a cached one): a compiled denoiser compiles the graphs those
+        rows take (under ``LoraSlots.lora_graph``, its graph with LoRA rows; with a cache, its
+        regions) for the row counts the profile compiled the plain graph for, so that no request
+        compiles. Stops at a size that runs out of memory."""
+        measured = len(self.seconds.get(self.engine.latent_shape(width, height), {}))  # the first sizes
+        for size in self.sizes()[:measured]:
+            job = self._job(size, width, height, cache)
+            try:
+                while not job.done:
+                    self.engine.step([job])
+            except torch.OutOfMemoryError:
+                break
+        else:
+            return
+        release_cached_memory()  # outside the except block: the failed forward's tensors are gone
+
+    def _job(self, size: int, width: int, height: int, cache: StepCache | None = None) -> DenoiseJob:
+        """A profile job: ``size`` guided images of two steps."""
+        spec = JobSpec("profile", None, tuple(range(size)), width, height, 2, self.scheduler, 7.5, cache=cache)
+        (job,) = self.engine.start([spec])
+        return job
 
     def _timed_steps(self, job: DenoiseJob, timings: dict[int, float]) -> bool:
         """Time the second of two steps of ``job`` into ``timings`` (by rows); False when out of memory."""

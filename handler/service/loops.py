@@ -167,10 +167,11 @@ class DiffusionService:
 
     def warm_up(self, shapes: tuple[WarmupShape, ...]) -> float:
         """Profile each shape's step times, then run one job of it through start, steps and
-        decode, so that the first request pays no allocation or compilation (in a compiled
-        denoiser with LoRA slots, a second run compiles the graph with LoRA rows; with a step cache
-        served, each run then steps a cached job beside the plain one, which compiles the cache's
-        regions on all rows and on a sub-batch). Returns seconds."""
+        decode, so that the first request pays no allocation or compilation. The profile's steps
+        at 1, 2, 4, ... images compile a compiled denoiser for each row count; in one with LoRA
+        slots, the same runs again with LoRA rows; with a step cache served, each run also steps
+        a cached job beside the plain one and cached jobs of the profile's sizes, which compiles
+        the cache's regions on all rows and on a sub-batch. Returns seconds."""
         started = time.perf_counter()
         cache = self.engine.warm_up_cache()
         for shape in shapes:
@@ -182,6 +183,7 @@ class DiffusionService:
             self._warm_up_jobs(spec, cache)
             if self.engine.loras.slots is not None:
                 with self.engine.loras.slots.lora_graph():
+                    self.profile.step_each_size(shape.width, shape.height)  # the profile's, with LoRA rows
                     self._warm_up_jobs(spec, cache)
         return time.perf_counter() - started
 
@@ -199,10 +201,12 @@ class DiffusionService:
         )
 
     def _warm_up_jobs(self, spec: JobSpec, cache: StepCache | None) -> None:
-        """A job of ``spec`` to the end, then (``cache``) it and one with the cache stepped together."""
+        """A job of ``spec`` to the end, then (``cache``) it and one with the cache stepped
+        together, and cached jobs of the profile's sizes."""
         self._warm_up_together([spec])
         if cache is not None:
             self._warm_up_together([spec, dataclasses.replace(spec, cache=cache)])
+            self.profile.step_each_size(spec.width, spec.height, cache)
 
     def _warm_up_together(self, specs: list[JobSpec]) -> None:
         jobs = self.engine.start(specs)

@@ -17,6 +17,7 @@ from handler.engine.jobs import DenoiseJob, JobSpec
 from handler.engine.loading import load_engine
 from handler.engine.step_engine import StepEngine
 from handler.families import Decoded
+from handler.service.loops import build_service
 from model_making.make_controlnet import write_controlnet
 from model_making.make_lora import write_lora
 from server.paths import TINY_MODEL_DIRS
@@ -160,12 +161,17 @@ def engine_with_adapters(family: str, directory: Path, device: str = "auto", **m
 
 
 def lora_set_jobs(
-    engine: StepEngine, sets: Sequence[tuple[int, tuple[tuple[str, float], ...]]], steps: int, scheduler: str = "ddim"
+    engine: StepEngine,
+    sets: Sequence[tuple[int, tuple[tuple[str, float], ...]]],
+    steps: int,
+    scheduler: str = "ddim",
+    side: int = 32,
 ) -> list[tuple[int, JobSpec]]:
-    """(joins at iteration, job) for each ``(joins, LoRA set)`` of ``sets``: job ``index`` a 32x32
-    red circle of seed ``index`` with its set's adapters, acquired from the engine's LoRA library."""
+    """(joins at iteration, job) for each ``(joins, LoRA set)`` of ``sets``: job ``index`` a
+    ``side`` x ``side`` red circle of seed ``index`` with its set's adapters, acquired from the
+    engine's LoRA library."""
     return [
-        (joins, spec(f"a red circle {index}", index, side=32, steps=steps, scheduler=scheduler, adapters=adapters))
+        (joins, spec(f"a red circle {index}", index, side=side, steps=steps, scheduler=scheduler, adapters=adapters))
         for index, (joins, lora_set) in enumerate(sets)
         for adapters in [engine.loras.acquire(list(lora_set), in_use=())]
     ]
@@ -226,3 +232,26 @@ def jobs_of_every_kind(
             *cached_specs,
         ]
     )
+
+
+def compiled_lora_slots(lora_dir: Path) -> dict:
+    """``handler`` settings of a worker with its UNet compiled and two LoRA slots (the step cache
+    served, as by default), over the default model: tests/integration/test_compile_cache.py serves
+    it, tests/unit/test_engine_lora_slots.py builds it in-process. The same settings and warm-up
+    compile the same graphs, so the second finds them in the run's inductor cache. At most 4 images
+    a forward: the warm-up steps 2 to 8 rows, which this CPU's convolutions take in one graph of
+    each kind (16 rows or more take another)."""
+    return {
+        "compile": {"enabled": True, "targets": ["unet"]},
+        "loras": {"dir": str(lora_dir), "max_loaded": 2},
+        "max_images_per_call": 4,
+    }
+
+
+def warmed_engine(model_dir: Path, **settings) -> StepEngine:
+    """The engine of a worker over ``model_dir`` (``settings``: other handler settings), built and
+    warmed up as a worker builds and warms it."""
+    handler = HandlerSettings.model_validate({"model_path": str(model_dir), **settings})
+    service, handler = build_service(handler, "/unused", lambda *_: None)
+    service.warm_up(handler.warmup_shapes())
+    return service.engine
