@@ -76,21 +76,22 @@ class StepProfile:
         return timings
 
     def step_each_size(self, width: int, height: int, cache: StepCache | None = None) -> None:
-        """Each size ``measure`` stepped at this image size, untimed, run to its end (with ``cache``:
-        its jobs cached, a full step then a cached one): a compiled denoiser compiles the graphs those
-        rows take (under ``LoraSlots.lora_graph``, its graph with LoRA rows; with a cache, its
-        regions) for the row counts the profile compiled the plain graph for, so that no request
-        compiles. Stops at a size that runs out of memory."""
-        measured = len(self.seconds.get(self.engine.latent_shape(width, height), {}))  # the first sizes
-        for size in self.sizes()[:measured]:
-            job = self._job(size, width, height, cache)
+        """Step a two-step job at each size the profile measured for this image size (cached with
+        ``cache``: a full step, then a cached one), untimed, so that a compiled denoiser compiles
+        the graphs of those row counts now rather than for a request: under
+        ``LoraSlots.lora_graph`` its graph with LoRA rows, with a cache its regions."""
+        shape = self.engine.latent_shape(width, height)
+        for rows in list(self.seconds.get(shape, {})):
+            job = self._job(rows // 2, width, height, cache)
             try:
                 while not job.done:
                     self.engine.step([job])
             except torch.OutOfMemoryError:
+                logger.warning("warm-up: %d rows ran out of memory; larger row counts compile on first use", rows)
                 break
         else:
             return
+        del job  # its kept outputs too
         release_cached_memory()  # outside the except block: the failed forward's tensors are gone
 
     def _job(self, size: int, width: int, height: int, cache: StepCache | None = None) -> DenoiseJob:

@@ -51,7 +51,7 @@ SLOTS_LOG = re.compile(r"LoRA slots: (\d+) free; graphs compiled so far: (\d+)")
 
 
 def test_a_compiled_unet_with_lora_slots_equals_diffusers_and_a_restarted_worker_loads_its_graphs(
-    tmp_path, record_property
+    tmp_path, record_property, monkeypatch
 ):
     """The compiled UNet with LoRA slots (handler.adapters.lora_slots) and the step cache behind a real
     TorchServe. Its warm-up compiles every graph into ``compile.cache_dir``, and the worker TorchServe
@@ -61,6 +61,8 @@ def test_a_compiled_unet_with_lora_slots_equals_diffusers_and_a_restarted_worker
     equals diffusers' call with the LoRA; a DeepCache request with a LoRA equals diffusers' call
     under the DeepCache helper."""
     cache = Path(os.environ["TORCHINDUCTOR_CACHE_DIR"])
+    elsewhere = tmp_path / "inherited-cache"  # what the server inherits: compile.cache_dir overrides it
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(elsewhere))
     loras = tmp_path / "loras"
     loras.mkdir()
     shutil.copy(ROOT / "loras" / "outline.safetensors", loras)
@@ -96,10 +98,14 @@ def test_a_compiled_unet_with_lora_slots_equals_diffusers_and_a_restarted_worker
         outline = [(loras / "outline.safetensors", 1.0)]
         theirs = reference(body["prompt"], body["seed"], 64, 64, 4, loras=outline, deep_cache=(2, 0))
         assert_same_image(ours, np.asarray(theirs.images[0]))
+        assert client.predict({**body, "loras": [{"name": "unet-only", "scale": 1.0}]}).status_code == 200
         log = server.console_log.read_text(errors="replace")
-    # the restarted worker's loads: outline, random, unet-only (evicting outline), random (hit)...
+    assert not any(elsewhere.rglob("*")), "the worker compiled into the inherited directory, not compile.cache_dir"
+    # The restarted worker's loads into its two slots, least recently used evicted: outline, random,
+    # unet-only (evicting random), random (evicting outline), outline (evicting unet-only), then after
+    # the cached request unet-only (evicting random). Each logs the graphs compiled so far.
     loads = [int(count) for _, count in SLOTS_LOG.findall(log[log.rindex("compile cache: ") :])]
-    assert len(loads) >= 4 and len(set(loads)) == 1 and loads[0] > 0, f"graphs compiled at each LoRA load: {loads}"
+    assert len(loads) == 6 and len(set(loads)) == 1 and loads[0] > 0, f"graphs compiled at each LoRA load: {loads}"
     record_property("compile_cold_warmup_s", cold["warmup_s"])
     record_property("compile_warm_warmup_s", warm["warmup_s"])
     print(

@@ -6,8 +6,8 @@ sets share forwards and each image equals diffusers' ``load_lora_weights`` + ``s
 loading, evicting and reloading adapters recompiles nothing; what the slots cannot hold is refused
 by name, and a full set of slots in use is busy, not broken. A LyCORIS LoHa on the transformer
 blocks fits the slots as its exact LoRA; one on convolutions is refused by name. DeepCache jobs on
-the compiled UNet (its regions compiled apart) equal the helper beside uncached jobs. SDXL's and SD
-3's tiny models with LoRA slots (and SD 3's first-block cache) equal diffusers too."""
+the compiled UNet (its regions compiled apart) equal the helper beside uncached jobs. SDXL and SD 3:
+tests/unit/test_engine_lora_slots_families.py."""
 
 from __future__ import annotations
 
@@ -20,11 +20,10 @@ import torch
 from bench.reference import Reference
 from handler.adapters.library import Busy, EntryError
 from handler.adapters.lora_slots import SlotLinear, compiled_graphs
-from handler.config import HandlerSettings, StepCache
-from handler.engine.loading import load_engine
+from handler.config import StepCache
 from handler.engine.step_engine import StepEngine
 from model_making.make_lora import write_lora, write_lycoris
-from server.paths import DEFAULT_MODEL_DIR, TINY_MODEL_DIRS
+from server.paths import DEFAULT_MODEL_DIR
 from tests.harness.engine_runs import (
     assert_same_images,
     compiled_lora_slots,
@@ -36,7 +35,7 @@ from tests.harness.engine_runs import (
 )
 from tests.harness.images import assert_moved
 
-pytestmark = pytest.mark.slow  # compiles (or loads from the run's cache) the UNets' graphs
+pytestmark = pytest.mark.slow  # compiles the UNet's graphs (or loads them from the run's cache)
 
 MODEL = DEFAULT_MODEL_DIR
 SIDE = 64  # the worker's warm-up shape: the default model's native size
@@ -69,6 +68,7 @@ def lora_dir(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def warmed(lora_dir) -> tuple[StepEngine, int]:
     """The worker's engine after its warm-up, and the graphs compiled by then."""
+    torch._dynamo.reset()  # a worker's process: nothing learnt from other models' compiles
     engine = warmed_engine(MODEL, **compiled_lora_slots(lora_dir))
     return engine, compiled_graphs()
 
@@ -185,37 +185,3 @@ def held_attention(engine, held: set[str]) -> str:
     """The id of the loaded ``attention`` LoRA, one of ``held``."""
     (adapter,) = [adapter for adapter, _ in engine.loras.acquire([("attention", 1.0)], in_use=held)]
     return adapter
-
-
-@pytest.mark.parametrize(("family", "scheduler"), [("sdxl", "euler"), ("sd3", "flow_match_euler")])
-def test_other_families_mixed_sets_in_compiled_forwards_equal_diffusers(family, scheduler, tmp_path):
-    """SDXL's UNet (linear projections, two text encoders) and SD 3's transformer (MMDiT blocks, with
-    a first-block cached job joining mid-flight: its blocks compiled apart)."""
-    # A worker compiles one model: what dynamo learnt of the shared forward code from the default
-    # model above (its rows dynamic) would make this one compile dynamic, and slower.
-    torch._dynamo.reset()
-    model = TINY_MODEL_DIRS[family]
-    write_lora(model, tmp_path / "attention.safetensors", seed=1)
-    write_lora(model, tmp_path / "feed-forward.safetensors", seed=2, layers=("feed_forward",), spread=0.1)
-    settings = {
-        "model_path": str(model),
-        "compile": {"enabled": True, "targets": ["unet"]},
-        "loras": {"dir": str(tmp_path), "max_loaded": 2, "slot_rank": 4},
-    }
-    engine = load_engine(HandlerSettings.model_validate(settings), "/unused")
-    sets = [(0, ()), (0, (("attention", 0.8),)), (0, (("feed-forward", 1.0), ("attention", -0.5)))]
-    if family == "sd3":  # a first-block cached job joins mid-flight: the transformer's blocks compiled apart
-        sets.append((1, (("attention", 0.8),)))
-    jobs = lora_set_jobs(engine, sets, steps=3, scheduler=scheduler)
-    if family == "sd3":
-        jobs[-1] = (1, replace(jobs[-1][1], cache=StepCache(mode="first_block", threshold=0.3)))
-    before = compiled_graphs()
-    images = run(engine, jobs)
-    if family == "sd3":  # the whole model's (with LoRA rows), then the blocks' (one code: at most 4 graphs)
-        assert 0 < compiled_graphs() - before <= 1 + 4
-    reference = Reference(model)
-    for (_, job), (_, lora_set), decoded in zip(jobs, sets, images, strict=True):
-        files = [(tmp_path / f"{name}.safetensors", weight) for name, weight in lora_set]
-        assert_same_images(decoded, expected(reference, job, files))
-        if lora_set:
-            assert_moved(decoded.images[0], expected(reference, job).images[0], f"LoRA set {lora_set}")

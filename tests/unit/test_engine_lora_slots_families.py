@@ -1,0 +1,55 @@
+"""LoRA sets in the compiled denoisers of SDXL's and SD 3's tiny models (``handler.adapters.lora_slots``,
+inductor on the CPU): jobs with different sets share forwards and each image equals diffusers'
+``load_lora_weights`` + ``set_adapters`` call; a first-block cached job joining SD 3's forwards
+mid-flight (its blocks compiled apart) equals diffusers' First Block Cache in a few graphs. SD 1.x:
+tests/unit/test_engine_lora_slots.py."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+import torch
+
+from bench.reference import Reference
+from handler.adapters.lora_slots import compiled_graphs
+from handler.config import HandlerSettings, StepCache
+from handler.engine.loading import load_engine
+from model_making.make_lora import write_lora
+from server.paths import TINY_MODEL_DIRS
+from tests.harness.engine_runs import assert_same_images, expected, lora_set_jobs, run
+from tests.harness.images import assert_moved
+
+pytestmark = pytest.mark.slow  # compiles the tiny denoisers (about 40 s each here)
+
+
+@pytest.mark.parametrize(("family", "scheduler"), [("sdxl", "euler"), ("sd3", "flow_match_euler")])
+def test_other_families_mixed_sets_in_compiled_forwards_equal_diffusers(family, scheduler, tmp_path):
+    """SDXL's UNet (linear projections, two text encoders) and SD 3's transformer (MMDiT blocks, with
+    a first-block cached job joining mid-flight: its blocks compiled apart)."""
+    torch._dynamo.reset()  # a worker's process: nothing learnt from other models' compiles (dynamic rows)
+    model = TINY_MODEL_DIRS[family]
+    write_lora(model, tmp_path / "attention.safetensors", seed=1)
+    write_lora(model, tmp_path / "feed-forward.safetensors", seed=2, layers=("feed_forward",), spread=0.1)
+    settings = {
+        "model_path": str(model),
+        "compile": {"enabled": True, "targets": ["unet"]},
+        "loras": {"dir": str(tmp_path), "max_loaded": 2, "slot_rank": 4},
+    }
+    engine = load_engine(HandlerSettings.model_validate(settings), "/unused")
+    sets = [(0, ()), (0, (("attention", 0.8),)), (0, (("feed-forward", 1.0), ("attention", -0.5)))]
+    if family == "sd3":  # a first-block cached job joins mid-flight: the transformer's blocks compiled apart
+        sets.append((1, (("attention", 0.8),)))
+    jobs = lora_set_jobs(engine, sets, steps=3, scheduler=scheduler)
+    if family == "sd3":
+        jobs[-1] = (1, replace(jobs[-1][1], cache=StepCache(mode="first_block", threshold=0.3)))
+    before = compiled_graphs()
+    images = run(engine, jobs)
+    if family == "sd3":  # the whole model's (with LoRA rows), then the blocks' (one code: at most 4 graphs)
+        assert 0 < compiled_graphs() - before <= 1 + 4
+    reference = Reference(model)
+    for (_, job), (_, lora_set), decoded in zip(jobs, sets, images, strict=True):
+        files = [(tmp_path / f"{name}.safetensors", weight) for name, weight in lora_set]
+        assert_same_images(decoded, expected(reference, job, files))
+        if lora_set:
+            assert_moved(decoded.images[0], expected(reference, job).images[0], f"LoRA set {lora_set}")
