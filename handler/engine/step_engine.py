@@ -28,7 +28,8 @@ own (4- or 16-channel) denoiser; a job with ControlNets mirrors ``StableDiffusio
   tensor value on the host (``handler.families.schedules``): on a GPU, nothing in it waits for the
   device; first-block caching's decision is the one exception, a step with such jobs reads one vector.
 - ``decode``: the end of ``__call__``: VAE decode, the safety checker (SD, where the model has one)
-  or the watermark (SDXL), PIL images.
+  or the watermark (SDXL), PIL images; ``decode_later`` queues the VAE decode and the pixels' copy
+  to the host and leaves the rest to whoever asks for the images (``handler.engine.decoding``).
 
 Left out, because no request can ask for it: ``guidance_rescale``, ``clip_skip``,
 ``cross_attention_kwargs`` and LoRA scales, IP-Adapter images, caller-supplied latents, embeddings,
@@ -58,11 +59,14 @@ from handler.adapters.controlnets import Control, ControlNetLibrary
 from handler.adapters.embeddings import EmbeddingLibrary
 from handler.adapters.loras import Adapters, LoraLibrary
 from handler.config import FamilyRules, FaultInjection, StepCache
+from handler.engine.decoding import DecodeFailed, LaterDecode
 from handler.engine.jobs import DenoiseJob, Inpainting, JobSpec
+from handler.engine.timing import Span
 from handler.families import Conditioning, Decoded, Family, Pipeline, Scheduler, schedules
 from handler.families.base import padded_rows, steps_by_index
 from handler.families.deep_cache import Branch, CacheRows, DeepCacheHooks, RowCache, branches, kept_row_shape
 from handler.families.first_block_cache import FirstBlockCache, FirstBlockHooks, kept_row_elements
+from handler.families.transfer import to_host
 
 
 @dataclass
@@ -319,14 +323,26 @@ class StepEngine:
             job.latents = job.inpainting.blend(self.family, job.scheduler, job.latents, next_timestep)
 
     def decode(self, latents: torch.Tensor, width: int, height: int, tiled: bool = False) -> Decoded:
-        """The end of ``__call__`` for finished latents of one shape (``tiled``: the VAE decodes in
-        overlapping tiles, which needs less memory and may differ slightly at the seams)."""
+        """The end of ``__call__`` for finished latents of one shape, waited for (``tiled``: the
+        VAE decodes in overlapping tiles, which needs less memory and may differ slightly at the
+        seams)."""
+        try:
+            return self.decode_later(latents, width, height, tiled).result()[0]
+        except DecodeFailed as failed:
+            raise failed.error from None  # as if made here (an out of memory retried as such)
+
+    def decode_later(self, latents: torch.Tensor, width: int, height: int, tiled: bool = False) -> LaterDecode:
+        """``decode`` in two parts: the VAE decode and the copy of its pixels to the host queued
+        on the device now (its out of memory raised here), the family's host part (safety checker
+        or watermark, PIL images) run by whoever first asks for the images (``LaterDecode``)."""
         if not tiled:
             self._simulate_out_of_memory(
                 "VAE decode", latents.shape[0] * width * height, self.fault_injection.vae_out_of_memory_above_pixels
             )
+        span = Span(self.device)
         with torch.inference_mode():
-            return self.family.postprocess(self.family.vae_decode(latents, tiled))
+            pixels = to_host(self.family.vae_decode(latents, tiled))
+        return LaterDecode.queued(pixels, span.end(), self.family.postprocess)
 
     @staticmethod
     def _simulate_out_of_memory(stage: str, pixels: int, limit: int | None) -> None:

@@ -208,6 +208,12 @@ class TextEmbedding:
         return TextEmbedding(hidden, torch.cat(pooled) if pooled else None)
 
 
+def row_slices(sizes: Sequence[int]) -> list[slice]:
+    """The rows of consecutive parts of ``sizes`` rows each."""
+    ends = itertools.accumulate(sizes)
+    return [slice(end - size, end) for end, size in zip(ends, sizes, strict=True)]
+
+
 @dataclass(frozen=True)
 class Decoded:
     """Images of one decode, and per image whether the safety checker flagged it (None: no
@@ -217,12 +223,12 @@ class Decoded:
     nsfw_content_detected: list[bool] | None
 
     def split(self, sizes: list[int]) -> list[Decoded]:
-        parts, start = [], 0
-        for size in sizes:
-            flags = None if self.nsfw_content_detected is None else self.nsfw_content_detected[start : start + size]
-            parts.append(Decoded(self.images[start : start + size], flags))
-            start += size
-        return parts
+        return [self.rows(rows) for rows in row_slices(sizes)]
+
+    def rows(self, rows: slice) -> Decoded:
+        """The images ``rows`` selects, with their flags."""
+        flags = None if self.nsfw_content_detected is None else self.nsfw_content_detected[rows]
+        return Decoded(self.images[rows], flags)
 
     @staticmethod
     def join(parts: list[Decoded]) -> Decoded:

@@ -18,6 +18,7 @@ from diffusers import StableDiffusionXLPipeline
 
 from handler.families.base import Conditioning, Decoded, Family, Pipeline, PromptSpec, TextEmbedding
 from handler.families.sd import StableDiffusionFamily
+from handler.families.transfer import to_device
 
 
 class StableDiffusionXLFamily(StableDiffusionFamily):
@@ -99,7 +100,7 @@ class StableDiffusionXLFamily(StableDiffusionFamily):
         if mean is None or std is None:
             return None
         return tuple(  # type: ignore[return-value]  # two
-            torch.tensor(values).view(1, 4, 1, 1).to(like.device, like.dtype) for values in (mean, std)
+            to_device(torch.tensor(values).view(1, 4, 1, 1), like.device, like.dtype) for values in (mean, std)
         )
 
     def postprocess(self, image: torch.Tensor) -> Decoded:

@@ -10,8 +10,9 @@ from concurrent.futures import Future
 from dataclasses import dataclass, replace
 from typing import Any
 
-from handler.api.protocol import Response, internal_error
-from handler.families import Decoded
+from handler.api.protocol import Api, Response, internal_error
+from handler.api.request import GenerationRequest
+from handler.engine.decoding import DecodeFailed, LaterDecode
 from handler.metrics import DiffusionMetrics
 from handler.service.flights import Flight, Flights
 
@@ -20,10 +21,12 @@ logger = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class Encoding:
-    """A request's answer to encode (``run``) and the metadata it reports (``run`` adds ``encode_s``)."""
+    """A request's answer to make (``run``: its images from ``decode``, then encoded) and the
+    metadata it reports (``run`` fills in the flags and the decode's and the encoding's seconds)."""
 
     run: Callable[[], Response]
     metadata: dict[str, Any]
+    decode: LaterDecode
 
 
 class Answers:
@@ -36,28 +39,34 @@ class Answers:
         # (arrived, encode seconds; None for a failure) of the requests answered since the last delivery
         self._answered: list[tuple[float, float | None]] = []
 
-    def encoding(self, rid: str, decoded: Decoded, decode_seconds: float) -> Encoding:
-        """The encoding of a request's images in its API's answer, with the metadata it reports:
-        ``Encoding.run`` touches nothing shared, so an encoder thread runs it."""
+    def encoding(self, rid: str, decode: LaterDecode, rows: slice) -> Encoding:
+        """The encoding of a request's images (``rows`` of ``decode``) in its API's answer, with the
+        metadata it reports: an encoder thread runs ``Encoding.run``, which touches nothing the
+        service shares but the decode (the first of its requests to run makes its images)."""
         flight = self.flights[rid]
         metadata: dict[str, Any] = {
             "seed": flight.request.seed,
             "parameters": flight.request.parameters(),
-            "nsfw_content_detected": decoded.nsfw_content_detected,
+            "nsfw_content_detected": None,
             "batch": {"requests": flight.admitted_with, "max_step_images": flight.max_step_images},
             "timings": {
                 "admission_s": round(flight.admitted - flight.arrived, 6),
                 "denoise_s": round(flight.denoised - flight.admitted, 6),
-                "vae_decode_s": round(decode_seconds, 6),
+                "vae_decode_s": None,
             },
         }
-        return Encoding(functools.partial(flight.api.success, flight.request, decoded.images, metadata), metadata)
+        run = functools.partial(_answer, flight.api, flight.request, decode, rows, metadata)
+        return Encoding(run, metadata, decode)
 
     def succeed(self, rid: str, encoding: Encoding, encoded: Future[Response]) -> Response:
-        """A request's answer from its finished encoding (a failed one: a 500 naming the encoding)."""
+        """A request's answer from its finished encoding: where its images could not be made, a
+        500 (507 out of memory) naming the VAE decode; where the encoding failed, a 500 naming it."""
         flight = self.flights[rid]
         try:
             response = encoded.result()
+        except DecodeFailed as failed:
+            logger.error("request %s: its images could not be made", rid, exc_info=failed.error)
+            return self.fail(rid, internal_error("VAE decode", failed.error))
         except Exception as error:
             logger.exception("request %s could not be encoded", rid, exc_info=error)
             return self.fail(rid, internal_error("encoding", error))
@@ -97,3 +106,14 @@ class Answers:
 def joined(earlier: Response, later: Response) -> Response:
     """Two parts of one request's answer from one call as one: the first's status and headers."""
     return replace(earlier, body=earlier.body + later.body, final=later.final)
+
+
+def _answer(
+    api: Api, request: GenerationRequest, decode: LaterDecode, rows: slice, metadata: dict[str, Any]
+) -> Response:
+    """A request's answer: its ``rows`` of ``decode`` (made here where no one has), encoded."""
+    decoded, seconds = decode.result()  # DecodeFailed where the images could not be made
+    images = decoded.rows(rows)
+    metadata["nsfw_content_detected"] = images.nsfw_content_detected
+    metadata["timings"]["vae_decode_s"] = round(seconds, 6)
+    return api.success(request, images.images, metadata)

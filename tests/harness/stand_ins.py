@@ -3,6 +3,8 @@ the fuzzing tests (``tests/unit/test_request_fuzz.py``)."""
 
 from __future__ import annotations
 
+import functools
+import threading
 from types import SimpleNamespace
 
 import torch
@@ -13,8 +15,10 @@ from handler.adapters.loras import LoraLibrary
 from handler.api.policy import RequestPolicy
 from handler.api.protocol import IncomingRequest
 from handler.config import CacheSettings, FamilyRules, RequestDefaults
+from handler.engine.decoding import LaterDecode
 from handler.engine.jobs import DenoiseJob, JobSpec
 from handler.engine.scheduling import StepProfile
+from handler.engine.timing import Span
 from handler.families import Conditioning, Decoded
 from handler.metrics import DiffusionMetrics, MetricSpec
 from handler.service.loops import DiffusionService
@@ -48,6 +52,8 @@ class SolidColorEngine:
         self.starts: list[list[str]] = []  # prompts of the jobs in each start call
         self.steps: list[list[str]] = []  # prompts of the jobs in each forward
         self.decodes: list[tuple[int, bool]] = []  # (images, tiled)
+        self.images_made_on: list[str] = []  # the threads that made each decode's images
+        self.images_fail_for_seed: int | None = None  # making the images of a decode with this seed fails
 
     def latent_shape(self, width: int, height: int) -> tuple[int, int, int]:
         return 4, height // 8, width // 8
@@ -83,10 +89,20 @@ class SolidColorEngine:
         return 0  # ControlNet forwards
 
     def decode(self, latents: torch.Tensor, width: int, height: int, tiled: bool = False) -> Decoded:
+        return self.decode_later(latents, width, height, tiled).result()[0]
+
+    def decode_later(self, latents: torch.Tensor, width: int, height: int, tiled: bool = False) -> LaterDecode:
         self.decodes.append((latents.shape[0], tiled))
         if tiled and self.tiles_fail or not tiled and latents.shape[0] > self.decode_out_of_memory_above_images:
             raise torch.OutOfMemoryError("CUDA out of memory")
+        return LaterDecode.queued(latents, Span(self.device).end(), functools.partial(self._images, width, height))
+
+    def _images(self, width: int, height: int, latents: torch.Tensor) -> Decoded:
+        """The host part of a decode (the thread it ran on recorded)."""
+        self.images_made_on.append(threading.current_thread().name)
         levels = [int(value) for value in latents[:, 0, 0, 0]]
+        if self.images_fail_for_seed in levels:
+            raise RuntimeError("safety checker broke")
         images = [Image.new("RGB", (width, height), (level,) * 3) for level in levels]
         flags = None if self.flagged_seeds is None else [level in self.flagged_seeds for level in levels]
         return Decoded(images, flags)

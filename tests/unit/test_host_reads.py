@@ -17,7 +17,7 @@ from handler.config import HandlerSettings
 from handler.engine.loading import load_engine
 from handler.engine.step_engine import StepEngine
 from server.paths import TINY_MODEL_DIRS
-from tests.harness.engine_runs import engine_with_adapters, jobs_of_every_kind, spec
+from tests.harness.engine_runs import assert_same_images, engine_with_adapters, jobs_of_every_kind, spec
 from tests.harness.host_reads import HostReads
 
 SIDE = 32
@@ -70,6 +70,9 @@ def test_a_step_reads_no_value_on_the_host_for_every_scheduler(engine):
                 engine.step([job for job in first + second if not job.done])
         assert reads.reads == [], f"{engine.family.name}, {scheduler}: a step read values on the host: {reads.reads}"
         assert DeviceTimesteps.reads == [], f"{engine.family.name}, {scheduler}: a step read a device timestep"
+    with HostReads() as reads:
+        engine.decode_later(torch.cat([job.latents for job in first]), SIDE, SIDE)
+    assert reads.reads == [], f"{engine.family.name}: queuing a decode read values on the host: {reads.reads}"
 
 
 def test_the_check_finds_a_read():
@@ -87,16 +90,25 @@ def test_the_check_finds_a_read():
 @pytest.mark.parametrize("family", ["sd1", "sd2", "sdxl", "sd3"])
 def test_on_a_gpu_a_step_never_synchronizes(family, tmp_path):
     """What the dispatch count stands for, on the device itself: CUDA refuses a synchronization (a
-    value read, a blocking copy) in any step, a joining job's first included."""
+    value read, a blocking copy) in any step, a joining job's first included, and in queuing the
+    finished jobs' decode."""
     engine = engine_with_adapters(family, tmp_path, device="cuda")
     for scheduler in engine.family.rules.schedulers:
         first = jobs_of_every_kind(engine, scheduler, cached=True)
         engine.step(first)  # the engine's first forwards: cuDNN and cuBLAS set up their handles
         second = jobs_of_every_kind(engine, scheduler, cached=True)
+        latents = torch.cat([job.latents for job in first + second])
+        engine.decode(latents, SIDE, SIDE)  # the VAE's first call
         torch.cuda.synchronize()
         torch.cuda.set_sync_debug_mode("error")
         try:
             while not all(job.done for job in first + second):
                 engine.step([job for job in first + second if not job.done])
+            latents = torch.cat([job.latents for job in first + second])
+            decode = engine.decode_later(latents, SIDE, SIDE)
         finally:
             torch.cuda.set_sync_debug_mode("default")
+        # The host part on the pixels' host copy makes the images it makes on the device.
+        with torch.inference_mode():
+            on_device = engine.family.postprocess(engine.family.vae_decode(latents, False))
+        assert_same_images(decode.result()[0], on_device, tolerance=0)

@@ -171,6 +171,9 @@ def test_decode_out_of_memory_retries_image_by_image_then_in_tiles():
     )
     assert [response.status for response in responses] == [200, 200]
     assert engine.decodes[-4:] == [(3, False), (1, False), (1, False), (1, False)]
+    pair = [grey(base64.b64decode(image)) for image in json.loads(responses[0].body)["images"]]
+    assert pair == [1, 2] and grey(responses[1].body) == 5
+    assert sink.values("sd_pipeline_calls_total") == [1] and sink.values("sd_images_total") == [3]  # one decode
     engine = SolidColorEngine(decode_out_of_memory_above_images=0)
     responses = batch(make_service(engine, sink, streaming=False), body(seed=1), body(seed=5))
     assert [grey(response.body) for response in responses] == [1, 5]
@@ -605,26 +608,29 @@ def test_encoding_collected_after_the_next_forward_gives_the_same_answers_in_bot
 
 
 def test_a_finished_request_is_encoded_while_the_next_forward_steps_the_others(monkeypatch):
-    """With overlap, the encoding of a finished request waits for the next forward (of a request
-    still denoising), which comes before the service collects the answer: no deadlock, no wait."""
+    """With overlap, the first forward after a request finished (of a request still denoising)
+    runs while that request is encoded, before the service collects the answer: no deadlock, no
+    wait."""
     import handler.api.protocol
 
     engine = SolidColorEngine()
-    stepped = threading.Event()
+    encoding, stepped = threading.Event(), threading.Event()
     real_step, real_encode = engine.step, handler.api.protocol.encode_images
 
     def step(jobs):
-        stepped.set()
+        if all(job.spec.seeds != (1,) for job in jobs):  # the request with seed 1 has finished
+            encoding.wait(timeout=10)
+            stepped.set()
         return real_step(jobs)
 
-    def encode_after_a_forward(request, images, metadata):
+    def encode_during_a_forward(request, images, metadata):
         if request.seed == 1:  # the request that finishes first
-            stepped.clear()
+            encoding.set()
             metadata["stepped_meanwhile"] = stepped.wait(timeout=10)
         return real_encode(request, images, metadata)
 
     monkeypatch.setattr(engine, "step", step)
-    monkeypatch.setattr(handler.api.protocol, "encode_images", encode_after_a_forward)
+    monkeypatch.setattr(handler.api.protocol, "encode_images", encode_during_a_forward)
     responses = batch(
         make_service(engine, streaming=False, overlap_encoding=True),
         body(seed=1, num_inference_steps=2, response_format="json"),
@@ -632,6 +638,7 @@ def test_a_finished_request_is_encoded_while_the_next_forward_steps_the_others(m
     )
     assert [response.status for response in responses] == [200, 200]
     assert json.loads(responses[0].body)["stepped_meanwhile"] is True
+    assert engine.images_made_on and all(thread.startswith("sd-encode") for thread in engine.images_made_on)
 
 
 @pytest.mark.parametrize("overlap", [True, False])
@@ -654,3 +661,25 @@ def test_an_encoding_that_fails_fails_only_its_request(monkeypatch, overlap):
     assert [response.status for response in responses] == [500, 200]
     assert "encoding failed: ValueError: encoder broke" in json.loads(responses[0].body)["message"]
     assert grey(responses[1].body) == 8
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+def test_a_decode_whose_images_cannot_be_made_fails_only_its_requests_naming_the_vae_decode(overlap):
+    """The host part of a decode (the safety checker, PIL images) runs on an encoder thread with
+    overlap, on the stepping thread without; where it fails, the requests of that decode get a 500
+    naming the VAE decode, the others their images, and the decode metrics count only the decode
+    that made its images."""
+    sink, engine = RecordingSink(), SolidColorEngine()
+    engine.images_fail_for_seed = 9
+    responses = batch(
+        make_service(engine, sink, streaming=False, overlap_encoding=overlap),
+        body(seed=9),
+        body(seed=3),
+        body(seed=8, width=128, num_inference_steps=5),
+    )
+    assert [response.status for response in responses] == [500, 500, 200]
+    assert "VAE decode failed: RuntimeError: safety checker broke" in json.loads(responses[0].body)["message"]
+    assert grey(responses[2].body) == 8
+    assert len(sink.values("sd_vae_decode_seconds")) == 1
+    maker = "sd-encode" if overlap else threading.main_thread().name  # the CPU makes them on the stepping thread
+    assert len(engine.images_made_on) == 2 and all(thread.startswith(maker) for thread in engine.images_made_on)
