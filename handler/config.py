@@ -485,9 +485,9 @@ class HandlerSettings(_Section):
         4,
         ge=1,
         le=64,
-        description="threads that make finished requests' images from their decode (safety checker or watermark, "
-        "PIL images) and encode them (PNG, JPEG, WebP, base64) side by side; on a GPU the next denoiser forward "
-        "runs meanwhile, and the answers are collected after it is queued",
+        description="threads that encode finished requests' images (PNG, JPEG, WebP, base64) side by side; on a GPU "
+        "they also make the images from the queued decode (safety checker or watermark, PIL images), the next "
+        "denoiser forward runs meanwhile, and the answers are collected after it is queued",
     )
     request_timeout_s: float | None = Field(
         None,
