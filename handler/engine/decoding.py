@@ -1,9 +1,10 @@
 """A decode in two parts, so that finished requests stay off the step's path: the VAE decode and
 the copy of its pixels to the host are queued on the device (``StepEngine.decode_later``), and the
-rest of the pipeline's end (the safety checker or the watermark, PIL images) runs when the images
-are first asked for, on whichever thread asks (an encoder thread), once. On a GPU the thread that
-asks waits for the copy, never the thread that steps; the safety checker's CLIP runs on that
-thread's own CUDA stream, so its reads wait for its own work, not for the forwards queued since."""
+rest of the pipeline's end (the safety checker or the watermark, PIL images) runs once, on the
+thread that first asks for the images or calls ``make`` (the service: an encoder thread on a GPU,
+the stepping thread on the CPU). On a GPU that thread waits for the copy, never the thread that
+steps; the safety checker's CLIP runs on that thread's own CUDA stream, so its reads wait for its
+own work, not for the forwards queued since."""
 
 from __future__ import annotations
 
