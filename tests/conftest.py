@@ -5,7 +5,10 @@ Each test bounds its own ``max_examples``; no deadline, since a loaded CI machin
 Every ``torch.compile`` of the run, in this process and in the servers and benchmarks it starts,
 shares one inductor cache directory made fresh for the run (``TORCHINDUCTOR_CACHE_DIR``), so a graph
 two tests compile alike is compiled once; tests that measure a cold compile set a directory of
-their own.
+their own. Inductor's CPU kernels are compiled without vector instructions
+(``TORCHINDUCTOR_VEC_ISA_OK=0``, unless set): scalar C++ compiles in about a third less time here
+(docs/benchmarks.md), and the images stay within the tests' rounding tolerance. It changes nothing
+on a GPU, whose kernels are Triton's.
 
 ``--suite-time-limit SECONDS`` (``make test`` passes 35 minutes) fails a run that took longer, so
 a change that makes the suite slow is noticed when it is made, not when CI's limit is reached."""
@@ -26,6 +29,7 @@ settings.load_profile("ci")
 STARTED = pytest.StashKey[float]()
 INDUCTOR_CACHE = pytest.StashKey[str]()
 INDUCTOR_CACHE_ENV = "TORCHINDUCTOR_CACHE_DIR"
+INDUCTOR_VECTORS_ENV = "TORCHINDUCTOR_VEC_ISA_OK"
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -39,6 +43,7 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 
 def pytest_configure(config: pytest.Config) -> None:
     config.stash[INDUCTOR_CACHE] = os.environ[INDUCTOR_CACHE_ENV] = tempfile.mkdtemp(prefix="sd-tests-inductor-")
+    os.environ.setdefault(INDUCTOR_VECTORS_ENV, "0")  # read when inductor's config is first imported
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:
