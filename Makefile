@@ -142,9 +142,10 @@ scale:
 	@test -n "$(WORKERS)" || { echo "usage: make scale WORKERS=N"; exit 2; }
 	$(PY) -m server.cli scale $(WORKERS) --workdir runtime
 
-# The whole suite within 35 minutes on the 2-core development machine (it fails past that), with the
-# slowest tests listed (docs/benchmarks.md, "The test suite's time").
-SUITE_TIME_LIMIT_S ?= 2100
+# The whole suite fails past 50 minutes, with the slowest tests listed: the goal is 25 minutes, but the
+# 2-core development machine's speed moves by a third and more between days, so the limit catches a
+# change that slows the suite, not a slow day (docs/benchmarks.md, "The test suite's time").
+SUITE_TIME_LIMIT_S ?= 3000
 
 test: venv model system-deps
 	$(PY) -m pytest tests --suite-time-limit=$(SUITE_TIME_LIMIT_S) --durations=30 $(PYTEST_ARGS)
