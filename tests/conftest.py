@@ -6,7 +6,7 @@ Every ``torch.compile`` of the run, in this process and in the servers and bench
 shares one inductor cache directory made fresh for the run (``TORCHINDUCTOR_CACHE_DIR``), so a graph
 two tests compile alike is compiled once; tests that measure a cold compile set a directory of
 their own. Inductor's CPU kernels are compiled without vector instructions
-(``TORCHINDUCTOR_VEC_ISA_OK=0``, unless set): scalar C++ compiles in about a third less time here
+(``TORCHINDUCTOR_VEC_ISA_OK=0``, unless set): scalar C++ compiles in a fifth to a third less time here
 (docs/benchmarks.md), and the images stay within the tests' rounding tolerance. It changes nothing
 on a GPU, whose kernels are Triton's.
 
