@@ -3,6 +3,7 @@ bound to it and its keys, metric values, requests batched behind a busy worker, 
 
 from __future__ import annotations
 
+import gzip
 import os
 import time
 from collections.abc import Iterator
@@ -83,6 +84,16 @@ def worker_processes(server: TorchServe) -> list[tuple[str, int, str]]:
     workers = server.describe()["workers"]
     assert workers and all(worker["status"] == "READY" for worker in workers), workers
     return sorted((worker["id"], worker["pid"], worker["startTime"]) for worker in workers)
+
+
+def server_log(server: TorchServe, name: str) -> str:
+    """What the server wrote to ``logs/<name>.log`` (``ts_log``, ``model_log``, ...), with what log4j2
+    rolled over from it (server/log4j2.xml: daily, or past 100 MB, gzipped): a run that crosses
+    midnight has its lines in both."""
+    logs = server.workdir / "logs"
+    rolled = sorted(logs.glob(f"{name}.*.log.gz"), key=lambda path: path.stat().st_mtime)
+    older = "".join(gzip.decompress(path.read_bytes()).decode(errors="replace") for path in rolled)
+    return older + (logs / f"{name}.log").read_text(errors="replace")
 
 
 def value(samples, name: str, **labels) -> float:

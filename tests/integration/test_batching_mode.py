@@ -22,6 +22,7 @@ from tests.harness.serving import (
     Client,
     eventually,
     gauge,
+    server_log,
     serving,
     value,
     wait_until_denoising,
@@ -78,7 +79,7 @@ def test_scaling_up_continuous_batching_refuses_the_second_worker_and_stalls_not
     assert refused.status_code == 500 and "Failed to start workers" in refused.text
     statuses = {worker["pid"]: worker["status"] for worker in scaled.describe()["workers"]}
     assert statuses[first.pid] == "READY" and list(statuses.values()).count("READY") == 1
-    log = (scaled.workdir / "logs" / "model_log.log").read_text()
+    log = server_log(scaled, "model_log")
     assert "runs continuous batching, and another worker of it is already serving" in log
     assert "min_worker=1&max_worker=1" in log and "continuousBatching: false" in log
     assert client.predict({"prompt": "still serving", **FAST}).status_code == 200

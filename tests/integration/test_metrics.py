@@ -4,26 +4,16 @@ against the traffic sent."""
 from __future__ import annotations
 
 import base64
-import gzip
 import io
-from pathlib import Path
 
 import pytest
 from PIL import Image
 
 from handler.metrics import METRICS
-from tests.harness.serving import SHIPPED_CONFIG, Client, eventually, run_behind_blocker, value
+from tests.harness.serving import SHIPPED_CONFIG, Client, eventually, run_behind_blocker, server_log, value
 
 # What TorchServe's default logging writes per request and server/log4j2.xml leaves out.
 PER_REQUEST_NOISE = ("result=[METRICS]", "Flushing req.cmd", "Waiting time ns")
-
-
-def frontend_log(logs: Path) -> str:
-    """What the frontend wrote to ts_log.log, with what log4j2 rolled over from it (server/log4j2.xml:
-    daily, or past 100 MB, gzipped): a run that crosses midnight has its lines in both."""
-    rolled = sorted(logs.glob("ts_log.*.log.gz"), key=lambda path: path.stat().st_mtime)
-    older = "".join(gzip.decompress(path.read_bytes()).decode(errors="replace") for path in rolled)
-    return older + (logs / "ts_log.log").read_text(errors="replace")
 
 
 def black_png() -> str:
@@ -48,14 +38,13 @@ def test_every_declared_metric_is_exported_after_traffic_in_both_modes(request, 
         assert exported in names, f"{spec.name} is not exported ({mode})"
     # server/log4j2.xml: metric lines parsed, not echoed into the log; no per-request DEBUG lines; each
     # line written once (to the console, then to ts_log.log: compared once both have it)
-    logs = server.workdir / "logs"
-    log = frontend_log(logs)
+    log = server_log(server, "ts_log")
     assert not [line for line in PER_REQUEST_NOISE if line in log]
     assert log.count("Backend response time") >= 3
 
     def written_once() -> bool:
         once = server.console_log.read_text(errors="replace").count("Backend response time")
-        return frontend_log(logs).count("Backend response time") == once
+        return server_log(server, "ts_log").count("Backend response time") == once
 
     eventually(written_once, "each frontend line written once to ts_log.log", timeout=10)
 
