@@ -5,8 +5,8 @@ Time: a plain row costs 1. Each ControlNet acting on a row adds its share; a row
 cached step costs its shallow branch's share instead of 1; a first-block row costs 1 (it decides
 inside the forward whether it runs the blocks after the first). A share is floating-point
 operations per row against the denoiser's, counted once per latent shape (and ControlNet) by
-``FlopCounterMode`` on fake tensors (attention by its math path, so CPU and GPU count alike):
-nothing is computed or allocated.
+``FlopCounterMode`` on fake tensors (attention as its two matrix products, whichever kernel the
+device picks, so CPU and GPU count alike): nothing is computed or allocated.
 
 Memory: the time cost, but never less than the rows. A ControlNet's activations come on top of the
 UNet's, as its operations do; a cached step's shallow branch runs at full resolution, where most
@@ -27,8 +27,7 @@ from typing import Any, NamedTuple
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
-from torch.nn.attention import SDPBackend, sdpa_kernel
-from torch.utils.flop_counter import FlopCounterMode
+from torch.utils.flop_counter import FlopCounterMode, sdpa_flop_count
 
 from handler.engine.jobs import DenoiseJob, JobSpec
 from handler.engine.step_engine import StepEngine
@@ -132,16 +131,25 @@ class RowCosts:
         return costs.controlnets[net_id]
 
 
+def _fused_attention_flops(query_shape, key_shape, value_shape, *args, out_shape=None, **kwargs) -> int:
+    """The CPU's fused attention kernel, which ``FlopCounterMode`` has no formula for, counted as
+    its formula for the GPU's kernels counts them (the math path's two matrix products)."""
+    return sdpa_flop_count(query_shape, key_shape, value_shape)
+
+
+# Counted whichever kernel a call picks, so counting changes no process-wide attention setting: on a
+# GPU the encoder threads' safety checkers run attention while the stepping thread counts.
+ATTENTION_FORMULAS = {torch.ops.aten._scaled_dot_product_flash_attention_for_cpu: _fused_attention_flops}
+
+
 def _flops(call: Callable[[], Any]) -> tuple[float, dict[str, float]]:
     """The operations of ``call`` on fake tensors (its real inputs and weights stand in as fakes), in
-    all and per module; a compiled module runs its eager code, attention its math path (the fused
-    kernels of the CPU count none)."""
+    all and per module; a compiled module runs its eager code."""
     with (
         torch.compiler.set_stance("force_eager"),
-        sdpa_kernel(SDPBackend.MATH),
         torch.inference_mode(),
         FakeTensorMode(allow_non_fake_inputs=True),
-        FlopCounterMode(display=False) as counter,
+        FlopCounterMode(display=False, custom_mapping=ATTENTION_FORMULAS) as counter,
     ):
         call()
     by_module = {name: float(sum(ops.values())) for name, ops in counter.get_flop_counts().items()}

@@ -6,10 +6,14 @@ by its row count."""
 from __future__ import annotations
 
 import pytest
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.utils.flop_counter import FlopCounterMode
 
 from handler.adapters.controlnets import ControlSpec
 from handler.config import StepCache
-from handler.engine.costs import Cost, RowCosts
+from handler.engine.costs import ATTENTION_FORMULAS, Cost, RowCosts
 from handler.engine.scheduling import StepProfile, choose
 from tests.harness.engine_runs import engine_with_adapters, picture, spec
 
@@ -43,6 +47,43 @@ def test_a_controlnet_row_costs_more_and_a_cached_step_less(engine):
     engine.step([plain, controlled, shallow, deeper])  # their step 1 reuses the deep blocks
     assert 0 < costs.of(shallow).time < costs.of(deeper).time < 2
     assert costs.of(shallow).memory == costs.of(deeper).memory == 2, "its memory does not shrink"
+
+
+def attention_settings() -> tuple[bool, ...]:
+    """The process-wide switches of scaled_dot_product_attention's kernels."""
+    backends = torch.backends.cuda
+    return (
+        backends.flash_sdp_enabled(),
+        backends.mem_efficient_sdp_enabled(),
+        backends.math_sdp_enabled(),
+        backends.cudnn_sdp_enabled(),
+    )
+
+
+def test_counting_changes_no_attention_setting_another_thread_sees(engine):
+    """On a GPU the encoder threads' safety checkers run attention while the stepping thread counts
+    a new shape's operations: the count leaves the kernels' process-wide switches as they were."""
+    (job,) = engine.start([spec(side=SIDE + 8, steps=4)])
+    during = []
+    hook = engine.family.denoiser.register_forward_pre_hook(lambda *_: during.append(attention_settings()))
+    try:
+        RowCosts(engine).count(job)
+    finally:
+        hook.remove()
+    assert during == [attention_settings()]
+
+
+def test_the_fused_attention_kernel_counts_as_its_math_path():
+    """The CPU's fused kernel (no formula in FlopCounterMode) counts the math path's matrix products."""
+
+    def count(backend: SDPBackend) -> int:
+        counter = FlopCounterMode(display=False, custom_mapping=ATTENTION_FORMULAS)
+        with sdpa_kernel(backend), FakeTensorMode(), counter:
+            query, key, value = torch.empty(2, 5, 64, 8), torch.empty(2, 5, 77, 8), torch.empty(2, 5, 77, 8)
+            torch.nn.functional.scaled_dot_product_attention(query, key, value)
+        return counter.get_total_flops()
+
+    assert count(SDPBackend.FLASH_ATTENTION) == count(SDPBackend.MATH) == 2 * (2 * 2 * 5 * 64 * 77 * 8)
 
 
 def test_a_first_block_row_and_an_sd3_row_cost_their_rows(tmp_path):
