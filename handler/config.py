@@ -129,6 +129,12 @@ class RequestDefaults(_Section):
         0.8, gt=0, le=1, description="image-to-image: how much of the schedule the image goes through"
     )
 
+    @property
+    def guided(self) -> bool:
+        """Whether a request that leaves ``guidance_scale`` out gets classifier-free guidance (two
+        rows an image), as the pipelines decide it: above 1."""
+        return self.guidance_scale > 1
+
 
 def absolute_dir(value: str | None, setting: str, why: str) -> str | None:
     """A directory setting with ``~`` and ``$VARIABLES`` expanded, which must then be absolute."""
@@ -302,10 +308,17 @@ class CompileSettings(_Section):
         """Whether the compiled denoiser replays CUDA graphs on this device."""
         return self.denoiser and self.mode in ("reduce-overhead", "max-autotune") and device_type == "cuda"
 
-    def row_counts(self, device_type: str) -> tuple[int, ...]:
-        """The row counts forwards are padded to on this device (none: unpadded)."""
+    def row_counts(self, device_type: str, one_row: bool = True) -> tuple[int, ...]:
+        """The row counts forwards are padded to on this device (none: unpadded). A compiled denoiser
+        that steps no single row (``one_row`` false: the model's defaults are guided, so its warm-up
+        compiles two rows an image) pads one row to the least count above it, 2 where none is
+        padded: dynamo compiles a size of 1 apart, so one unguided image would compile while
+        serving."""
         pad = self.pad_rows == "on" or self.pad_rows == "auto" and self.cuda_graphs(device_type)
-        return tuple(sorted(set(self.graph_rows))) if pad else ()
+        counts = tuple(sorted(set(self.graph_rows))) if pad else ()
+        if one_row or not self.denoiser:
+            return counts
+        return tuple(count for count in counts if count > 1) or (2,)
 
     @field_validator("cache_dir")
     @classmethod

@@ -270,7 +270,7 @@ def load_engine(settings: HandlerSettings, model_dir: str | Path, gpu_id: int | 
     deep_cache = DeepCacheHooks(family.denoiser, regions) if is_unet(family.denoiser) else None
     first_block = FirstBlockHooks(family.denoiser, regions) if is_transformer(family.denoiser) else None
     _apply_compile(family, settings)
-    row_counts = settings.compile.row_counts(device.type)
+    row_counts = settings.compile.row_counts(device.type, one_row=not settings.defaults.guided)
     text_encoder_3 = (
         "" if not hasattr(pipeline, "text_encoder_3") else f" text_encoder_3={pipeline.text_encoder_3 is not None}"
     )

@@ -230,8 +230,9 @@ class StepEngine:
     def step(self, jobs: list[DenoiseJob]) -> int:
         """Advance every job one step with ONE denoiser forward, each job's rows with its own LoRA set
         and ControlNet residuals (each ControlNet run once over the rows acting with it), padded to
-        the least of ``row_counts`` at or above them (the compiled denoiser's CUDA graphs: copies of
-        the last row with its LoRA set, without ControlNet, dropped after). Jobs at a DeepCache
+        the least of ``row_counts`` at or above them (the compiled denoiser's CUDA graphs, or its
+        graphs of two rows and more for a single row: copies of the last row with its LoRA set,
+        without ControlNet, dropped after). Jobs at a DeepCache
         cached step skip the deep blocks (``handler.families.deep_cache``); jobs with a first-block
         cache decide inside the forward (``handler.families.first_block_cache``). A forward with a
         step cache runs the denoiser's own forward (around its compiled regions), unpadded.

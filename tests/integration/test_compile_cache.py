@@ -101,6 +101,7 @@ def test_a_compiled_unet_with_lora_slots_equals_diffusers_and_a_restarted_worker
         assert client.predict({**body, "loras": [{"name": "unet-only", "scale": 1.0}]}).status_code == 200
         log = server.console_log.read_text(errors="replace")
     assert not any(elsewhere.rglob("*")), "the worker compiled into the inherited directory, not compile.cache_dir"
+    assert " pad_rows=2 " in log, "a compiled worker of a guided model runs a single row as two"
     # The restarted worker's loads into its two slots, least recently used evicted: outline, random,
     # unet-only (evicting random), random (evicting outline), outline (evicting unet-only), then after
     # the cached request unet-only (evicting random). Each logs the graphs compiled so far.

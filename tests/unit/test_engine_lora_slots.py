@@ -1,13 +1,13 @@
 """LoRA sets in a compiled denoiser (``handler.adapters.lora_slots``, inductor on the CPU), on the
 engine of a worker serving the default model with its UNet compiled and two LoRA slots, warmed up
 as the worker warms it (the graphs that tests/integration/test_compile_cache.py's worker compiled,
-found in the run's inductor cache): after the warm-up no job compiles anything. Jobs with different
-sets share forwards and each image equals diffusers' ``load_lora_weights`` + ``set_adapters`` call;
-loading, evicting and reloading adapters recompiles nothing; what the slots cannot hold is refused
-by name, and a full set of slots in use is busy, not broken. A LyCORIS LoHa on the transformer
-blocks fits the slots as its exact LoRA; one on convolutions is refused by name. DeepCache jobs on
-the compiled UNet (its regions compiled apart) equal the helper beside uncached jobs. SDXL and SD 3:
-tests/unit/test_engine_lora_slots_families.py."""
+found in the run's inductor cache): after the warm-up no job compiles anything, one unguided image
+(a single row, run as two) included. Jobs with different sets share forwards and each image equals
+diffusers' ``load_lora_weights`` + ``set_adapters`` call; loading, evicting and reloading adapters
+recompiles nothing; what the slots cannot hold is refused by name, and a full set of slots in use is
+busy, not broken. A LyCORIS LoHa on the transformer blocks fits the slots as its exact LoRA; one on
+convolutions is refused by name. DeepCache jobs on the compiled UNet (its regions compiled apart)
+equal the helper beside uncached jobs. SDXL and SD 3: tests/unit/test_engine_lora_slots_families.py."""
 
 from __future__ import annotations
 
@@ -103,6 +103,18 @@ def test_mixed_sets_share_compiled_forwards_and_each_equals_diffusers(engine, lo
         assert_same_images(decoded, expected(reference, job, files))
         if lora_set:  # the slots added each set's deltas: the image is not the one without LoRA
             assert_moved(decoded.images[0], expected(reference, job).images[0], f"LoRA set {lora_set}")
+
+
+def test_a_single_unguided_image_compiles_nothing_and_equals_diffusers(engine, lora_dir):
+    """The worker's defaults are guided, so its warm-up compiled two rows an image and up: one
+    unguided image (one row) runs as two, alone and with a LoRA, and compiles nothing."""
+    reference = Reference(MODEL)
+    for lora_set in ((), (("attention", 0.8),)):
+        adapters = engine.loras.acquire(list(lora_set), in_use=())
+        job = spec("a red circle", 5, side=SIDE, steps=3, guidance=0.0, adapters=adapters)
+        (decoded,) = run(engine, [(0, job)])
+        files = [(lora_dir / f"{name}.safetensors", weight) for name, weight in lora_set]
+        assert_same_images(decoded, expected(reference, job, files))
 
 
 def test_a_new_adapter_and_an_eviction_recompile_nothing(engine, lora_dir):

@@ -37,6 +37,20 @@ def test_padding_is_on_where_the_compiled_denoiser_replays_cuda_graphs():
     assert not CompileSettings(enabled=True, mode="max-autotune-no-cudagraphs").cuda_graphs("cuda")
 
 
+def test_a_compiled_denoiser_of_a_guided_model_runs_a_single_row_as_two():
+    """Warm-up compiles what the model's defaults step: two rows an image when they are guided, so a
+    single row (one unguided image) pads up instead of compiling while serving; an unguided model's
+    warm-up compiles one row, and an eager denoiser compiles nothing."""
+    graphs = CompileSettings(enabled=True, mode="reduce-overhead")
+    assert graphs.row_counts("cuda", one_row=False) == (2, 4, 8, 16, 24, 32)
+    assert graphs.row_counts("cuda", one_row=True) == (1, 2, 4, 8, 16, 24, 32)
+    assert CompileSettings(enabled=True).row_counts("cpu", one_row=False) == (2,)
+    assert CompileSettings(enabled=True).row_counts("cpu", one_row=True) == ()
+    assert CompileSettings(enabled=True, graph_rows=(1,), pad_rows="on").row_counts("cpu", one_row=False) == (2,)
+    assert CompileSettings(enabled=True, targets=["vae_decoder"]).row_counts("cpu", one_row=False) == ()
+    assert CompileSettings().row_counts("cuda", one_row=False) == ()
+
+
 def decoded(engine, jobs):
     """Step the jobs together to the end, counting the denoiser's rows per forward; each job decoded."""
     rows, forward = [], engine.family.forward
