@@ -129,11 +129,11 @@ class RequestDefaults(_Section):
         0.8, gt=0, le=1, description="image-to-image: how much of the schedule the image goes through"
     )
 
-    @property
-    def guided(self) -> bool:
-        """Whether a request that leaves ``guidance_scale`` out gets classifier-free guidance (two
-        rows an image), as the pipelines decide it: above 1."""
-        return self.guidance_scale > 1
+
+def guided_at(guidance_scale: float) -> bool:
+    """Classifier-free guidance (two denoiser rows an image) at this scale, as the pipelines decide
+    it: above 1."""
+    return guidance_scale > 1
 
 
 def absolute_dir(value: str | None, setting: str, why: str) -> str | None:
@@ -286,7 +286,7 @@ class CompileSettings(_Section):
         description="pad each denoiser forward's rows to the least of graph_rows at or above them (the padding rows "
         "dropped from the result), so the compiled denoiser keeps one CUDA graph per latent shape and count instead "
         "of one per distinct row count; auto: where it replays CUDA graphs (modes reduce-overhead and max-autotune "
-        "on CUDA)",
+        "on CUDA); either way a compiled denoiser of a model whose defaults are guided pads a single row to two",
     )
     graph_rows: tuple[PositiveInt, ...] = Field(
         (1, 2, 4, 8, 16, 24, 32),
@@ -308,15 +308,13 @@ class CompileSettings(_Section):
         """Whether the compiled denoiser replays CUDA graphs on this device."""
         return self.denoiser and self.mode in ("reduce-overhead", "max-autotune") and device_type == "cuda"
 
-    def row_counts(self, device_type: str, one_row: bool = True) -> tuple[int, ...]:
-        """The row counts forwards are padded to on this device (none: unpadded). A compiled denoiser
-        that steps no single row (``one_row`` false: the model's defaults are guided, so its warm-up
-        compiles two rows an image) pads one row to the least count above it, 2 where none is
-        padded: dynamo compiles a size of 1 apart, so one unguided image would compile while
-        serving."""
+    def row_counts(self, device_type: str, guided: bool = False) -> tuple[int, ...]:
+        """The row counts forwards are padded to on this device (none: unpadded). Where the model's
+        defaults are ``guided``, warm-up steps two rows an image, so a compiled denoiser pads one row
+        to the least count above it (2 where none is): dynamo compiles a size of 1 apart."""
         pad = self.pad_rows == "on" or self.pad_rows == "auto" and self.cuda_graphs(device_type)
         counts = tuple(sorted(set(self.graph_rows))) if pad else ()
-        if one_row or not self.denoiser:
+        if not guided or not self.denoiser:
             return counts
         return tuple(count for count in counts if count > 1) or (2,)
 

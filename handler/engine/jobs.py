@@ -11,7 +11,7 @@ from PIL.Image import Image
 
 from handler.adapters.controlnets import Control, ControlSpec
 from handler.adapters.loras import Adapters
-from handler.config import SchedulerName, StepCache
+from handler.config import SchedulerName, StepCache, guided_at
 from handler.families import Conditioning, Family, Scheduler, schedules
 from handler.families.deep_cache import RowCache
 from handler.families.first_block_cache import FirstBlockCache
@@ -44,7 +44,7 @@ class JobSpec:
     @property
     def guided(self) -> bool:
         """Classifier-free guidance, as the pipeline decides it."""
-        return self.guidance_scale > 1
+        return guided_at(self.guidance_scale)
 
     @property
     def rows(self) -> int:

@@ -23,7 +23,7 @@ from handler.adapters.embeddings import EmbeddingLibrary
 from handler.adapters.lora_slots import SlotLoras
 from handler.adapters.loras import LoraLibrary
 from handler.checkpoints.single_file import checkpoint_file, load_single_file, load_vae_file
-from handler.config import CompileSettings, HandlerSettings
+from handler.config import CompileSettings, HandlerSettings, guided_at
 from handler.engine.step_engine import StepEngine
 from handler.families import Family, Pipeline, StableDiffusion3Family, family_of
 from handler.families.base import RegionCompiler
@@ -270,7 +270,7 @@ def load_engine(settings: HandlerSettings, model_dir: str | Path, gpu_id: int | 
     deep_cache = DeepCacheHooks(family.denoiser, regions) if is_unet(family.denoiser) else None
     first_block = FirstBlockHooks(family.denoiser, regions) if is_transformer(family.denoiser) else None
     _apply_compile(family, settings)
-    row_counts = settings.compile.row_counts(device.type, one_row=not settings.defaults.guided)
+    row_counts = settings.compile.row_counts(device.type, guided_at(settings.defaults.guidance_scale))
     text_encoder_3 = (
         "" if not hasattr(pipeline, "text_encoder_3") else f" text_encoder_3={pipeline.text_encoder_3 is not None}"
     )

@@ -232,11 +232,11 @@ class StepEngine:
         and ControlNet residuals (each ControlNet run once over the rows acting with it), padded to
         the least of ``row_counts`` at or above them (the compiled denoiser's CUDA graphs, or its
         graphs of two rows and more for a single row: copies of the last row with its LoRA set,
-        without ControlNet, dropped after). Jobs at a DeepCache
-        cached step skip the deep blocks (``handler.families.deep_cache``); jobs with a first-block
-        cache decide inside the forward (``handler.families.first_block_cache``). A forward with a
-        step cache runs the denoiser's own forward (around its compiled regions), unpadded.
-        All jobs must share a latent shape. Returns the ControlNet forwards run."""
+        without ControlNet, dropped after). Jobs at a DeepCache cached step skip the deep blocks
+        (``handler.families.deep_cache``); jobs with a first-block cache decide inside the forward
+        (``handler.families.first_block_cache``). A forward with a step cache runs the denoiser's
+        own forward (around its compiled regions), unpadded. All jobs must share a latent shape.
+        Returns the ControlNet forwards run."""
         shapes = {job.latent_shape for job in jobs}
         if len(shapes) != 1:
             raise ValueError(f"one denoiser forward needs one latent shape, got {sorted(shapes)}")

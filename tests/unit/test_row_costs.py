@@ -63,7 +63,7 @@ def attention_settings() -> tuple[bool, ...]:
 def test_counting_changes_no_attention_setting_another_thread_sees(engine):
     """On a GPU the encoder threads' safety checkers run attention while the stepping thread counts
     a new shape's operations: the count leaves the kernels' process-wide switches as they were."""
-    (job,) = engine.start([spec(side=SIDE + 8, steps=4)])
+    (job,) = engine.start([spec(side=SIDE, steps=4)])
     during = []
     hook = engine.family.denoiser.register_forward_pre_hook(lambda *_: during.append(attention_settings()))
     try:

@@ -42,13 +42,13 @@ def test_a_compiled_denoiser_of_a_guided_model_runs_a_single_row_as_two():
     single row (one unguided image) pads up instead of compiling while serving; an unguided model's
     warm-up compiles one row, and an eager denoiser compiles nothing."""
     graphs = CompileSettings(enabled=True, mode="reduce-overhead")
-    assert graphs.row_counts("cuda", one_row=False) == (2, 4, 8, 16, 24, 32)
-    assert graphs.row_counts("cuda", one_row=True) == (1, 2, 4, 8, 16, 24, 32)
-    assert CompileSettings(enabled=True).row_counts("cpu", one_row=False) == (2,)
-    assert CompileSettings(enabled=True).row_counts("cpu", one_row=True) == ()
-    assert CompileSettings(enabled=True, graph_rows=(1,), pad_rows="on").row_counts("cpu", one_row=False) == (2,)
-    assert CompileSettings(enabled=True, targets=["vae_decoder"]).row_counts("cpu", one_row=False) == ()
-    assert CompileSettings().row_counts("cuda", one_row=False) == ()
+    assert graphs.row_counts("cuda", guided=True) == (2, 4, 8, 16, 24, 32)
+    assert graphs.row_counts("cuda", guided=False) == (1, 2, 4, 8, 16, 24, 32)
+    assert CompileSettings(enabled=True).row_counts("cpu", guided=True) == (2,)
+    assert CompileSettings(enabled=True).row_counts("cpu", guided=False) == ()
+    assert CompileSettings(enabled=True, graph_rows=(1,), pad_rows="on").row_counts("cpu", guided=True) == (2,)
+    assert CompileSettings(enabled=True, targets=["vae_decoder"]).row_counts("cpu", guided=True) == ()
+    assert CompileSettings().row_counts("cuda", guided=True) == ()
 
 
 def decoded(engine, jobs):
