@@ -22,12 +22,12 @@ from pathlib import Path
 import numpy as np
 import torch
 from diffusers import SD3Transformer2DModel, UNet2DConditionModel
-from diffusers.models.attention_processor import AttnProcessor
 from torch.utils.flop_counter import FlopCounterMode
 
 from bench.jobs import generate
 from bench.variants import by_name
 from handler.config import HandlerSettings
+from handler.engine.costs import ATTENTION_FORMULAS
 from handler.engine.jobs import JobSpec
 from handler.engine.loading import load_engine
 from handler.engine.step_engine import StepEngine
@@ -110,11 +110,10 @@ def _status_kib(field: str) -> int:
 
 def unet_flops(config: dict, rows: int, latent_height: int, latent_width: int, text_tokens: int) -> int:
     """FLOPs of one call of the UNet described by ``config``, counted with FlopCounterMode on the
-    meta device (no weights, no arithmetic). Attention goes through the vanilla processor: the
-    arithmetic is the same for SDPA, whose CPU kernel the counter has no formula for."""
+    meta device (no weights, no arithmetic); attention as its two matrix products, as the worker's
+    row costs count it (``ATTENTION_FORMULAS``)."""
     with torch.device("meta"):
         unet = UNet2DConditionModel.from_config(config)
-    unet.set_attn_processor(AttnProcessor())
     latents = torch.empty(rows, unet.config.in_channels, latent_height, latent_width, device="meta")
     text = torch.empty(rows, text_tokens, unet.config.cross_attention_dim, device="meta")
     added = None
@@ -125,14 +124,14 @@ def unet_flops(config: dict, rows: int, latent_height: int, latent_width: int, t
             "text_embeds": torch.empty(rows, pooled, device="meta"),
             "time_ids": torch.empty(rows, time_ids, device="meta"),
         }
-    with FlopCounterMode(display=False) as counter:
+    with FlopCounterMode(display=False, custom_mapping=ATTENTION_FORMULAS) as counter:
         unet(latents, torch.zeros(rows, device="meta"), text, added_cond_kwargs=added)
     return counter.get_total_flops()
 
 
 def transformer_flops(config: dict, rows: int, latent_height: int, latent_width: int, text_tokens: int) -> int:
     """FLOPs of one call of the SD 3 transformer described by ``config``, counted as ``unet_flops``
-    counts (on the meta device its joint attention's SDPA runs as matmuls, which the counter counts)."""
+    counts."""
     with torch.device("meta"):
         transformer = SD3Transformer2DModel.from_config(config)
         inputs = {
@@ -141,7 +140,7 @@ def transformer_flops(config: dict, rows: int, latent_height: int, latent_width:
             "encoder_hidden_states": torch.empty(rows, text_tokens, transformer.config.joint_attention_dim),
             "pooled_projections": torch.empty(rows, transformer.config.pooled_projection_dim),
         }
-    with FlopCounterMode(display=False) as counter:
+    with FlopCounterMode(display=False, custom_mapping=ATTENTION_FORMULAS) as counter:
         transformer(**inputs)
     return counter.get_total_flops()
 
