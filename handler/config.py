@@ -422,6 +422,12 @@ class FaultInjection(_Section):
         ge=1,
         description="raise out-of-memory for an untiled VAE decode whose images x width x height exceed this",
     )
+    postprocess_out_of_memory_above_pixels: int | None = Field(
+        None,
+        ge=1,
+        description="raise out-of-memory for a decode's postprocess (safety checker, watermark, PIL images) whose "
+        "images x width x height exceed this",
+    )
 
 
 def continuous_batching(model_yaml_config: dict[str, Any] | None) -> bool:

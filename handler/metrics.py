@@ -77,7 +77,7 @@ OOM_RETRIES = MetricSpec(
     "retries after running out of memory, by stage: a step split in halves, a VAE decode per image or in tiles",
     ("stage",),
 )
-OOM_STAGES = ("step", "vae_decode")
+OOM_STAGES = ("step", "vae_decode", "postprocess")
 WORKER_WARMUP = MetricSpec(
     "sd_worker_warmup_seconds", "gauge", "s", "worker start: load, optimization, compile, warm-up and step profile"
 )

@@ -4,22 +4,36 @@ rest of the pipeline's end (the safety checker or the watermark, PIL images) run
 thread that first asks for the images or calls ``make`` (the service: an encoder thread on a GPU,
 the stepping thread on the CPU). On a GPU that thread waits for the copy, never the thread that
 steps; the safety checker's CLIP runs on that thread's own CUDA stream, so its reads wait for its
-own work, not for the forwards queued since."""
+own work, not for the forwards queued since. A safety checker that runs out of memory on a decode's
+images runs again image by image (``Made.out_of_memory_retries``)."""
 
 from __future__ import annotations
 
 import contextlib
 import functools
+import logging
 import threading
 import time
 import traceback
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
+from handler.engine.memory import release_cached_memory
 from handler.engine.timing import Span
 from handler.families import Decoded
+
+logger = logging.getLogger(__name__)
+
+
+class Made(NamedTuple):
+    """A decode's images, the seconds it took to make them, and how often making them ran out of
+    memory and was redone image by image."""
+
+    decoded: Decoded
+    seconds: float
+    out_of_memory_retries: int = 0
 
 
 class DecodeFailed(Exception):
@@ -33,10 +47,10 @@ class DecodeFailed(Exception):
 class LaterDecode:
     """A decode's images, made by ``make`` when first asked for (on any thread, once)."""
 
-    def __init__(self, make: Callable[[], tuple[Decoded, float]]):
-        self._make: Callable[[], tuple[Decoded, float]] | None = make
+    def __init__(self, make: Callable[[], Made]):
+        self._make: Callable[[], Made] | None = make
         self._lock = threading.Lock()
-        self._outcome: tuple[Decoded, float] | Exception | None = None
+        self._outcome: Made | Exception | None = None
 
     @classmethod
     def queued(cls, pixels: torch.Tensor, span: Span, postprocess: Callable[[torch.Tensor], Decoded]) -> LaterDecode:
@@ -45,9 +59,9 @@ class LaterDecode:
         return cls(functools.partial(_on_host, pixels, span, postprocess))
 
     @classmethod
-    def made(cls, decoded: Decoded, seconds: float) -> LaterDecode:
+    def ready(cls, decoded: Decoded, seconds: float) -> LaterDecode:
         """Images made already, in ``seconds``."""
-        return cls(lambda: (decoded, seconds))
+        return cls(lambda: Made(decoded, seconds))
 
     @property
     def resolved(self) -> bool:
@@ -55,9 +69,9 @@ class LaterDecode:
         return self._outcome is not None
 
     @property
-    def seconds(self) -> float | None:
-        """The seconds it took to make the images, once made; None before, or where that failed."""
-        return self._outcome[1] if isinstance(self._outcome, tuple) else None
+    def made(self) -> Made | None:
+        """The images, once made; None before, or where that failed."""
+        return self._outcome if isinstance(self._outcome, Made) else None
 
     def make(self) -> None:
         """Make the images on this thread, where no one has; a failure is kept for ``result``."""
@@ -70,7 +84,7 @@ class LaterDecode:
                     self._outcome = error
                 self._make = None  # and with it the pixels' memory
 
-    def result(self) -> tuple[Decoded, float]:
+    def result(self) -> Made:
         """The images and the seconds it took to make them; the first caller makes them, later
         ones reuse them. ``DecodeFailed`` (a new one for each caller) where that failed."""
         self.make()
@@ -80,14 +94,22 @@ class LaterDecode:
         return self._outcome
 
 
-def _on_host(pixels: torch.Tensor, span: Span, postprocess: Callable[[torch.Tensor], Decoded]) -> tuple[Decoded, float]:
-    """Wait for the pixels' copy, then run the family's ``postprocess`` on them: the images and
-    the seconds of the device's decode and copy plus the postprocess."""
+def _on_host(pixels: torch.Tensor, span: Span, postprocess: Callable[[torch.Tensor], Decoded]) -> Made:
+    """Wait for the pixels' copy, then run the family's ``postprocess`` on them (out of memory:
+    again image by image): the images and the seconds of the device's decode and copy plus the
+    postprocess."""
     device_seconds = span.seconds()
     started = time.perf_counter()
     with torch.inference_mode(), _own_stream(span.device):  # the thread's own mode and stream
-        decoded = postprocess(pixels)
-    return decoded, device_seconds + time.perf_counter() - started
+        try:
+            return Made(postprocess(pixels), device_seconds + time.perf_counter() - started)
+        except torch.OutOfMemoryError as error:
+            if pixels.shape[0] == 1:
+                raise
+            logger.warning("out of memory making %d images (%s); making them one at a time", pixels.shape[0], error)
+        release_cached_memory()  # outside the except block, whose traceback holds the failed attempt's tensors
+        decoded = Decoded.join([postprocess(image) for image in pixels.split(1)])
+    return Made(decoded, device_seconds + time.perf_counter() - started, out_of_memory_retries=1)
 
 
 _streams = threading.local()

@@ -22,7 +22,8 @@ import torch
 from handler.config import SchedulerName, StepCache
 from handler.engine.costs import Cost, RowCosts
 from handler.engine.jobs import DenoiseJob, JobSpec
-from handler.engine.loading import release_cached_memory, synchronize
+from handler.engine.loading import synchronize
+from handler.engine.memory import release_cached_memory
 from handler.engine.step_engine import StepEngine
 
 logger = logging.getLogger(__name__)

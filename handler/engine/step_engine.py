@@ -48,6 +48,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -328,7 +329,7 @@ class StepEngine:
         VAE decodes in overlapping tiles, which needs less memory and may differ slightly at the
         seams)."""
         try:
-            return self.decode_later(latents, width, height, tiled).result()[0]
+            return self.decode_later(latents, width, height, tiled).result().decoded
         except DecodeFailed as failed:
             raise failed.error from None  # as if made here (an out of memory retried as such)
 
@@ -343,7 +344,15 @@ class StepEngine:
         span = Span(self.device)
         with torch.inference_mode():
             pixels = to_host(self.family.vae_decode(latents, tiled))
-        return LaterDecode.queued(pixels, span.end(), self.family.postprocess)
+        return LaterDecode.queued(pixels, span.end(), functools.partial(self._postprocess, width * height))
+
+    def _postprocess(self, image_pixels: int, pixels: torch.Tensor) -> Decoded:
+        """The family's end of the pipeline on decoded pixels (``LaterDecode`` makes them again
+        image by image where it runs out of memory)."""
+        self._simulate_out_of_memory(
+            "postprocess", pixels.shape[0] * image_pixels, self.fault_injection.postprocess_out_of_memory_above_pixels
+        )
+        return self.family.postprocess(pixels)
 
     @staticmethod
     def _simulate_out_of_memory(stage: str, pixels: int, limit: int | None) -> None:

@@ -112,8 +112,8 @@ def _answer(
     api: Api, request: GenerationRequest, decode: LaterDecode, rows: slice, metadata: dict[str, Any]
 ) -> Response:
     """A request's answer: its ``rows`` of ``decode`` (made here where no one has), encoded."""
-    decoded, seconds = decode.result()  # DecodeFailed where the images could not be made
-    images = decoded.rows(rows)
+    made = decode.result()  # DecodeFailed where the images could not be made
+    images = made.decoded.rows(rows)
     metadata["nsfw_content_detected"] = images.nsfw_content_detected
-    metadata["timings"]["vae_decode_s"] = round(seconds, 6)
+    metadata["timings"]["vae_decode_s"] = round(made.seconds, 6)
     return api.success(request, images.images, metadata)

@@ -25,7 +25,7 @@ import torch
 from handler.api.protocol import Response, internal_error
 from handler.engine.decoding import LaterDecode
 from handler.engine.jobs import DenoiseJob
-from handler.engine.loading import release_cached_memory
+from handler.engine.memory import release_cached_memory
 from handler.engine.step_engine import StepEngine
 from handler.families import Decoded
 from handler.families.base import row_slices
@@ -120,7 +120,7 @@ class Finishing:
             else:
                 decoded[rid] = alone
         if made:
-            decode = LaterDecode.made(Decoded.join(list(made.values())), time.perf_counter() - started)
+            decode = LaterDecode.ready(Decoded.join(list(made.values())), time.perf_counter() - started)
             decoded.update(self._shared(decode, {rid: len(alone.images) for rid, alone in made.items()}))
         return decoded
 
@@ -157,14 +157,17 @@ class Finishing:
         return Decoded.join(parts)
 
     def _record_decodes(self) -> None:
-        """Record the decodes whose images were made; forget those that failed (their requests'
-        answers say so) and those whose requests were all dropped."""
+        """Record the decodes whose images were made (and their postprocess's retries after running
+        out of memory); forget those that failed (their requests' answers say so) and those whose
+        requests were all dropped."""
         awaited = {encoding.decode for encoding, _ in self._encodings.values()}
         left = []
         for decode, images in self._decodes:
             if decode.resolved:
-                if decode.seconds is not None:
-                    self.metrics.decoded(images, decode.seconds)
+                if decode.made is not None:
+                    self.metrics.decoded(images, decode.made.seconds)
+                    for _ in range(decode.made.out_of_memory_retries):
+                        self.metrics.out_of_memory_retry("postprocess")
             elif decode in awaited:
                 left.append((decode, images))
         self._decodes = left

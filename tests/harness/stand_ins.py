@@ -41,11 +41,13 @@ class SolidColorEngine:
         self,
         out_of_memory_above_images: int = 1000,
         decode_out_of_memory_above_images: int = 1000,
+        images_out_of_memory_above: int = 1000,
         tiles_fail: bool = False,
         flagged_seeds: set[int] | None = None,
     ):
         self.out_of_memory_above_images = out_of_memory_above_images
         self.decode_out_of_memory_above_images = decode_out_of_memory_above_images
+        self.images_out_of_memory_above = images_out_of_memory_above  # the host part (a safety checker's place)
         self.tiles_fail = tiles_fail
         self.flagged_seeds = flagged_seeds
         self.broken = False  # every step fails while set
@@ -89,7 +91,7 @@ class SolidColorEngine:
         return 0  # ControlNet forwards
 
     def decode(self, latents: torch.Tensor, width: int, height: int, tiled: bool = False) -> Decoded:
-        return self.decode_later(latents, width, height, tiled).result()[0]
+        return self.decode_later(latents, width, height, tiled).result().decoded
 
     def decode_later(self, latents: torch.Tensor, width: int, height: int, tiled: bool = False) -> LaterDecode:
         self.decodes.append((latents.shape[0], tiled))
@@ -100,6 +102,8 @@ class SolidColorEngine:
     def _images(self, width: int, height: int, latents: torch.Tensor) -> Decoded:
         """The host part of a decode (the thread it ran on recorded)."""
         self.images_made_on.append(threading.current_thread().name)
+        if latents.shape[0] > self.images_out_of_memory_above:
+            raise torch.OutOfMemoryError("CUDA out of memory")
         levels = [int(value) for value in latents[:, 0, 0, 0]]
         if self.images_fail_for_seed in levels:
             raise RuntimeError("safety checker broke")

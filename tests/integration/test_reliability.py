@@ -33,8 +33,13 @@ from tests.harness.serving import (
 RESPONSE_TIMEOUT_S = 5
 JOB_QUEUE_SIZE = 4
 # A UNet forward of up to 3 images of 64x64 fits, 4 do not (the step profile finds it at start);
-# a VAE decode of more than one 64x64 image runs out of memory.
-FAULTS = {"out_of_memory_above_pixels": 3 * 64 * 64, "vae_out_of_memory_above_pixels": 64 * 64}
+# a VAE decode of more than two 64x64 images runs out of memory, and so does the postprocess (the
+# safety checker's place) of more than one.
+FAULTS = {
+    "out_of_memory_above_pixels": 3 * 64 * 64,
+    "vae_out_of_memory_above_pixels": 2 * 64 * 64,
+    "postprocess_out_of_memory_above_pixels": 64 * 64,
+}
 SHORT_BLOCKER = {"prompt": "keep the worker busy", "num_inference_steps": 30, "seed": 0}
 # Well past RESPONSE_TIMEOUT_S (about 10 s of work here; SD's schedulers take fewer than 1000 steps)
 # without tripping the OOM injection; the servers with the short response timeout allow this many steps.
@@ -76,13 +81,20 @@ def test_concurrent_requests_are_stepped_within_the_measured_memory_cap(fault_cl
     )
 
 
-def test_a_decode_that_runs_out_of_memory_is_retried_image_by_image(fault_client, fault_server, client):
+@pytest.mark.parametrize(("images", "stage"), [(3, "vae_decode"), (2, "postprocess")])
+def test_a_decode_that_runs_out_of_memory_is_retried_image_by_image(fault_client, fault_server, client, images, stage):
+    """Out of memory in the VAE decode (3 images), or after it in the postprocess, where a safety
+    checker runs (2 images): retried image by image, counted by stage, the images unchanged."""
     before = fault_server.metric_samples()
-    body = {"prompt": "two at once", "seed": 9, "num_images_per_prompt": 2, "response_format": "json", **FAST}
+    body = {"prompt": "at once", "seed": 9, "num_images_per_prompt": images, "response_format": "json", **FAST}
     response = fault_client.predict(body)
     assert response.status_code == 200, response.text
-    retries = value(fault_server.metric_samples(), "sd_oom_retries_total", stage="vae_decode")
-    assert retries - value(before, "sd_oom_retries_total", stage="vae_decode") == 1
+    after = fault_server.metric_samples()
+    retries = {
+        name: value(after, "sd_oom_retries_total", stage=name) - value(before, "sd_oom_retries_total", stage=name)
+        for name in ("vae_decode", "postprocess")
+    }
+    assert retries == {name: int(name == stage) for name in retries}
     for retried, expected in zip(
         decode_json_images(response.json()), decode_json_images(client.predict(body).json()), strict=True
     ):

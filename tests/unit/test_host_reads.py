@@ -111,4 +111,4 @@ def test_on_a_gpu_a_step_never_synchronizes(family, tmp_path):
         # The host part on the pixels' host copy makes the images it makes on the device.
         with torch.inference_mode():
             on_device = engine.family.postprocess(engine.family.vae_decode(latents, False))
-        assert_same_images(decode.result()[0], on_device, tolerance=0)
+        assert_same_images(decode.result().decoded, on_device, tolerance=0)

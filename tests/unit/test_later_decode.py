@@ -12,6 +12,7 @@ import pytest
 import torch
 from PIL import Image
 
+from handler.config import FaultInjection
 from handler.engine.decoding import DecodeFailed, LaterDecode
 from handler.engine.timing import Span
 from handler.families import Decoded
@@ -27,14 +28,14 @@ def test_images_are_made_once_whoever_asks_first():
         return Decoded([Image.new("L", (1, 1), int(value)) for value in pixels], None)
 
     decode = LaterDecode.queued(torch.tensor([3.0, 4.0]), Span(torch.device("cpu")).end(), postprocess)
-    assert not decode.resolved and decode.seconds is None
+    assert not decode.resolved and decode.made is None
     with ThreadPoolExecutor(4) as threads:
         asked = [threads.submit(decode.result) for _ in range(4)]
         release.set()
         results = [future.result() for future in asked]
-    assert len(made) == 1 and decode.resolved and decode.seconds is not None and decode.seconds >= 0
+    assert len(made) == 1 and decode.resolved and decode.made is not None and decode.made.seconds >= 0
     assert all(result is results[0] for result in results)
-    assert [image.getpixel((0, 0)) for image in results[0][0].rows(slice(1, 2)).images] == [4]
+    assert [image.getpixel((0, 0)) for image in results[0].decoded.rows(slice(1, 2)).images] == [4]
 
 
 def test_an_error_making_the_images_reaches_every_asker():
@@ -49,7 +50,52 @@ def test_an_error_making_the_images_reaches_every_asker():
         with pytest.raises(DecodeFailed, match="RuntimeError: safety checker broke") as failed:
             decode.result()
         assert isinstance(failed.value.error, RuntimeError)
-    assert calls == [1] and decode.resolved and decode.seconds is None
+    assert calls == [1] and decode.resolved and decode.made is None
+
+
+def test_images_that_run_out_of_memory_together_are_made_one_at_a_time():
+    """A safety checker out of memory on a decode's images (its CLIP on the device) makes them
+    again image by image, the retry counted; an image out of memory alone fails the decode."""
+    made = []
+
+    def postprocess(pixels: torch.Tensor) -> Decoded:
+        if pixels.shape[0] > 1:
+            raise torch.OutOfMemoryError("CUDA out of memory")
+        made.append(int(pixels[0]))
+        return Decoded([Image.new("L", (1, 1), int(value)) for value in pixels], [int(value) == 4 for value in pixels])
+
+    decode = LaterDecode.queued(torch.tensor([3.0, 4.0, 5.0]), Span(torch.device("cpu")).end(), postprocess)
+    decoded, _, retries = decode.result()
+    assert made == [3, 4, 5] and retries == 1 and decode.made is not None and decode.made.out_of_memory_retries == 1
+    assert [image.getpixel((0, 0)) for image in decoded.images] == [3, 4, 5]
+    assert decoded.nsfw_content_detected == [False, True, False]
+
+    def never_fits(pixels: torch.Tensor) -> Decoded:
+        made.append(pixels.shape[0])
+        raise torch.OutOfMemoryError("CUDA out of memory")
+
+    made.clear()
+    alone = LaterDecode.queued(torch.tensor([6.0]), Span(torch.device("cpu")).end(), never_fits)
+    with pytest.raises(DecodeFailed, match="OutOfMemoryError"):
+        alone.result()
+    assert made == [1], "one image that does not fit is not tried again"
+
+
+def test_a_safety_checker_out_of_memory_makes_the_images_and_flags_of_the_whole_decode():
+    """The tiny SD 1 model's safety checker out of memory on two images (fault injection): made
+    one at a time, level for level and flag for flag what the pipeline's end makes at once."""
+    engine = tiny_engine("sd1-safety")
+    (job,) = engine.start([spec(side=64, steps=2, images=2)])
+    while not job.done:
+        engine.step([job])
+    with torch.inference_mode():
+        expected = engine.family.postprocess(engine.family.vae_decode(job.latents, False))
+    engine.fault_injection = FaultInjection(postprocess_out_of_memory_above_pixels=64 * 64)
+    decoded, _, retries = engine.decode_later(job.latents, 64, 64).result()
+    assert expected.nsfw_content_detected is not None, "the checker ran"
+    assert retries == 1 and decoded.nsfw_content_detected == expected.nsfw_content_detected
+    for ours, theirs in zip(decoded.images, expected.images, strict=True):
+        assert np.array_equal(np.asarray(ours), np.asarray(theirs))
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -64,7 +110,7 @@ def test_on_a_gpu_the_two_part_decode_makes_the_images_and_flags_the_device_make
         expected = engine.family.postprocess(engine.family.vae_decode(job.latents, False))
     decode = engine.decode_later(job.latents, 64, 64)
     with ThreadPoolExecutor(1, thread_name_prefix="sd-encode") as thread:
-        decoded, seconds = thread.submit(decode.result).result()
-    assert seconds > 0 and decoded.nsfw_content_detected == expected.nsfw_content_detected
+        decoded, seconds, retries = thread.submit(decode.result).result()
+    assert seconds > 0 and retries == 0 and decoded.nsfw_content_detected == expected.nsfw_content_detected
     for ours, theirs in zip(decoded.images, expected.images, strict=True):
         assert np.array_equal(np.asarray(ours), np.asarray(theirs))

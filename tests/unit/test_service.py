@@ -182,6 +182,23 @@ def test_decode_out_of_memory_retries_image_by_image_then_in_tiles():
     assert {labels for name, _, labels in sink.records if name == "sd_oom_retries_total"} == {("vae_decode",)}
 
 
+@pytest.mark.parametrize("overlap", [False, True])
+def test_images_out_of_memory_together_are_made_one_at_a_time_and_the_retry_is_counted(overlap):
+    """The host part of a decode (where a safety checker runs) out of memory, on the stepping
+    thread or an encoder thread: every request still gets its images, one retry is counted."""
+    sink, engine = RecordingSink(), SolidColorEngine(images_out_of_memory_above=1)
+    service = make_service(engine, sink, streaming=False, overlap_encoding=overlap)
+    responses = batch(service, body(seed=1, num_images_per_prompt=2, response_format="json"), body(seed=5))
+    assert [response.status for response in responses] == [200, 200]
+    pair = [grey(base64.b64decode(image)) for image in json.loads(responses[0].body)["images"]]
+    assert pair == [1, 2] and grey(responses[1].body) == 5
+    assert engine.decodes == [(3, False)] and len(engine.images_made_on) == 1 + 3
+    assert [labels for name, value, labels in sink.records if name == "sd_oom_retries_total" and value] == [
+        ("postprocess",)
+    ]
+    assert sink.values("sd_pipeline_calls_total") == [1] and sink.values("sd_images_total") == [3]
+
+
 def test_a_decode_that_fails_even_in_tiles_fails_only_its_requests():
     engine = SolidColorEngine(decode_out_of_memory_above_images=0, tiles_fail=True)
     service = make_service(engine, streaming=False)
