@@ -65,7 +65,7 @@ class StepProfile:
             self.costs.count(job)
             if not self._timed_steps(job, timings):
                 release_cached_memory()  # outside the except block: the failed forward's tensors are gone
-                self.ran_out_of_memory(shape, job.rows, alone=True)
+                self.ran_out_of_memory(shape, job.rows, alone=True, padding=self.engine.padding([job]))
                 break
         self.seconds[shape] = timings
         logger.info(
@@ -139,10 +139,16 @@ class StepProfile:
         shape = self.engine.latent_shape(spec.width, spec.height)
         return self.fits(shape, self.costs.at_start(spec, shape))
 
-    def ran_out_of_memory(self, shape: Shape, rows: float, alone: bool) -> None:
-        """``rows`` rows (plain rows: costs) of this shape did not fit in one forward: never step
-        more than half as many again; ``alone``: a single job of that cost cannot be stepped at all."""
-        half = max(1.0, rows / 2)
+    def ran_out_of_memory(self, shape: Shape, rows: float, alone: bool, padding: int = 0) -> None:
+        """``rows`` rows (plain rows: costs) of this shape, run with ``padding`` rows more (the
+        engine's padding to its row counts), did not fit in one forward: never step more than half
+        as many again, and below the largest row count no more than a row count (a forward of fewer
+        rows is padded up to it); ``alone``: a single job of that cost (before padding, as admission
+        counts) cannot be stepped at all."""
+        half = max(1.0, (rows + padding) / 2)
+        counts = self.engine.row_counts
+        if counts and half < counts[-1]:
+            half = max((count for count in counts if count <= half), default=half)
         self.memory_caps[shape] = min(half, self.memory_caps.get(shape, half))
         if alone:
             self.too_large[shape] = min(rows, self.too_large.get(shape, rows))

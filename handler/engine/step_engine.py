@@ -263,10 +263,8 @@ class StepEngine:
             job_rows = torch.cat([job.latents] * 2) if job.guided else job.latents
             inputs.append(family.model_input(job.scheduler, job_rows, timestep))
             timesteps.append(timestep.float().expand(job.rows))
-        rows = sum(job.rows for job in jobs)
-        whole_graph = all(job.cache is None for job in jobs)  # else a step cache's forward: any row count
-        padding = padded_count(rows, self.row_counts) - rows if whole_graph else 0  # copies of the last row
-        replays = self.cuda_graphs and whole_graph
+        rows, padding = sum(job.rows for job in jobs), self.padding(jobs)
+        replays = self.cuda_graphs and all(job.cache is None for job in jobs)
         latents = padded_rows(torch.cat(inputs), padding)
         timestep_rows = padded_rows(torch.cat(timesteps), padding)
         conditioning = Conditioning.concat([job.conditioning for job in jobs]).padded(padding)
@@ -282,6 +280,14 @@ class StepEngine:
         if replays:  # the graph's next replay overwrites its output, which a scheduler may keep
             noise = noise.clone()
         return noise, control_forwards
+
+    def padding(self, jobs: list[DenoiseJob]) -> int:
+        """The rows a forward of ``jobs`` runs beyond theirs: copies of the last row up to the least
+        of ``row_counts`` at or above them; none with a step cache (its forward runs any count)."""
+        if any(job.cache is not None for job in jobs):
+            return 0
+        rows = sum(job.rows for job in jobs)
+        return padded_count(rows, self.row_counts) - rows
 
     def _step_cache(
         self, jobs: list[DenoiseJob], sets: list[tuple[Adapters, int]]

@@ -117,7 +117,9 @@ class Stepping:
         # Retried outside the except block, whose traceback would keep the failed forward's tensors alive.
         release_cached_memory()
         pending = [rid for rid, job, step in zip(chosen, jobs, steps_before, strict=True) if job.step == step]
-        self.profile.ran_out_of_memory(jobs[0].latent_shape, rows, alone=len(chosen) == 1)
+        self.profile.ran_out_of_memory(
+            jobs[0].latent_shape, rows, alone=len(chosen) == 1, padding=self.engine.padding(jobs)
+        )
         if len(chosen) == 1:
             logger.error("request %s does not fit in memory even alone: %s", chosen[0], out_of_memory)
             return {chosen[0]: self.answers.fail(chosen[0], does_not_fit(self.flights[chosen[0]].request))}

@@ -36,6 +36,10 @@ class SolidColorEngine:
     # no ControlNet directory, for any family that takes ControlNets
     controlnets = ControlNetLibrary(SimpleNamespace(rules=FamilyRules()), None, 1, torch.device("cpu"), torch.float32)
     embeddings = None  # no embedding directory
+    row_counts: tuple[int, ...] = ()  # no padding
+
+    def padding(self, jobs: list[DenoiseJob]) -> int:
+        return 0
 
     def __init__(
         self,

@@ -18,6 +18,7 @@ from PIL import Image
 from handler.adapters.library import Busy, EntryError
 from handler.api.protocol import NSFW_HEADER, STREAM_CONTENT_TYPE, IncomingRequest
 from handler.engine.jobs import DenoiseJob
+from handler.engine.step_engine import StepEngine
 from tests.harness.stand_ins import SHAPE, Clock, RecordingSink, SolidColorEngine, batch, make_service, run
 
 
@@ -148,6 +149,23 @@ def test_out_of_memory_halves_the_forward_until_it_fits_and_lowers_the_cap():
     assert [len(prompts) for prompts in engine.steps[:5]] == [3, 1, 2, 1, 1]
     assert sink.values("sd_oom_retries_total") == [1, 1] and service.profile.cap(SHAPE) == 2  # rows: one guided image
     assert {labels for name, _, labels in sink.records if name == "sd_oom_retries_total"} == {("step",)}
+
+
+class PaddingEngine(SolidColorEngine):
+    """Pads a forward's rows to row counts as a compiled denoiser does (the step engine's rule)."""
+
+    row_counts = (2, 4, 8, 16)
+    padding = StepEngine.padding
+
+
+def test_a_padded_forward_out_of_memory_caps_the_shape_by_the_rows_it_ran():
+    """Five guided images (10 rows, padded to 16) do not fit: the cap is 8 rows, half of what ran, so
+    the retried halves (4 and 6 rows, padded to 4 and 8) go through and later forwards carry 4 images."""
+    engine = PaddingEngine(out_of_memory_above_images=4)
+    service = make_service(engine, streaming=False)
+    responses = batch(service, *(body(seed=seed) for seed in range(5)))
+    assert [response.status for response in responses] == [200] * 5
+    assert [len(prompts) for prompts in engine.steps[:3]] == [5, 2, 3] and service.profile.cap(SHAPE) == 8
 
 
 def test_only_a_request_too_large_alone_fails_and_the_next_like_it_is_refused_at_admission():
