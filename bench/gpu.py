@@ -63,8 +63,7 @@ from bench.measure import PROMPTS, Workload, error_text
 from bench.pipeline import Runner, environment, summary
 from bench.report import number_text
 from bench.variants import by_name, select
-from handler.engine.loading import resolve_device
-from handler.engine.memory import release_cached_memory
+from handler.engine.loading import release_cached_memory, resolve_device
 from loadtest.client import closed_loop
 from loadtest.results import server_figures
 from server import console_script, serve_archive, write_model_config

@@ -74,7 +74,8 @@ OOM_RETRIES = MetricSpec(
     "sd_oom_retries_total",
     "counter",
     "retries",
-    "retries after running out of memory, by stage: a step split in halves, a VAE decode per image or in tiles",
+    "retries after running out of memory, by stage: a step split in halves, a VAE decode per image or in tiles, "
+    "a postprocess (safety checker) per image",
     ("stage",),
 )
 OOM_STAGES = ("step", "vae_decode", "postprocess")

@@ -20,7 +20,6 @@ from typing import Any, NamedTuple
 
 import torch
 
-from handler.engine.memory import release_cached_memory
 from handler.engine.timing import Span
 from handler.families import Decoded
 
@@ -38,6 +37,8 @@ class Made(NamedTuple):
 
 class DecodeFailed(Exception):
     """Making a decode's images failed (``error``, shared by every request of the decode)."""
+
+    stage = "postprocess (safety checker or watermark, PIL images)"  # what failed, as answers name it
 
     def __init__(self, error: Exception):
         super().__init__(f"{type(error).__name__}: {error}")
@@ -107,7 +108,9 @@ def _on_host(pixels: torch.Tensor, span: Span, postprocess: Callable[[torch.Tens
             if pixels.shape[0] == 1:
                 raise
             logger.warning("out of memory making %d images (%s); making them one at a time", pixels.shape[0], error)
-        release_cached_memory()  # outside the except block, whose traceback holds the failed attempt's tensors
+        # Retried outside the except block, whose traceback holds the failed attempt's tensors. No
+        # empty_cache here: the stepping thread may be capturing a CUDA graph, and the allocator frees
+        # its cached blocks itself before it reports out of memory.
         decoded = Decoded.join([postprocess(image) for image in pixels.split(1)])
     return Made(decoded, device_seconds + time.perf_counter() - started, out_of_memory_retries=1)
 

@@ -200,6 +200,12 @@ def synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def release_cached_memory() -> None:
+    """Hand cached blocks back to the device after running out of memory, before a retry."""
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
 def _apply_safety_checker(pipeline: Pipeline, settings: HandlerSettings) -> str:
     """Keep the model's safety checker unless ``handler.safety_checker`` is false; say which."""
     if getattr(pipeline, "safety_checker", None) is None:

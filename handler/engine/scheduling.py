@@ -22,8 +22,7 @@ import torch
 from handler.config import SchedulerName, StepCache
 from handler.engine.costs import Cost, RowCosts
 from handler.engine.jobs import DenoiseJob, JobSpec
-from handler.engine.loading import synchronize
-from handler.engine.memory import release_cached_memory
+from handler.engine.loading import release_cached_memory, synchronize
 from handler.engine.step_engine import StepEngine
 
 logger = logging.getLogger(__name__)
@@ -139,16 +138,12 @@ class StepProfile:
         shape = self.engine.latent_shape(spec.width, spec.height)
         return self.fits(shape, self.costs.at_start(spec, shape))
 
-    def ran_out_of_memory(self, shape: Shape, rows: float, alone: bool, padding: int = 0) -> None:
-        """``rows`` rows (plain rows: costs) of this shape, run with ``padding`` rows more (the
-        engine's padding to its row counts), did not fit in one forward: never step more than half
-        as many again, and below the largest row count no more than a row count (a forward of fewer
-        rows is padded up to it); ``alone``: a single job of that cost (before padding, as admission
+    def ran_out_of_memory(self, shape: Shape, rows: float, *, alone: bool, padding: int) -> None:
+        """``rows`` rows (plain rows: costs) of this shape, run with ``padding`` plain rows more (the
+        engine's copies up to its row counts), did not fit in one forward: never step more than half
+        as many as ran again; ``alone``: a single job of ``rows`` (before padding, as admission
         counts) cannot be stepped at all."""
         half = max(1.0, (rows + padding) / 2)
-        counts = self.engine.row_counts
-        if counts and half < counts[-1]:
-            half = max((count for count in counts if count <= half), default=half)
         self.memory_caps[shape] = min(half, self.memory_caps.get(shape, half))
         if alone:
             self.too_large[shape] = min(rows, self.too_large.get(shape, rows))

@@ -264,7 +264,7 @@ class StepEngine:
             inputs.append(family.model_input(job.scheduler, job_rows, timestep))
             timesteps.append(timestep.float().expand(job.rows))
         rows, padding = sum(job.rows for job in jobs), self.padding(jobs)
-        replays = self.cuda_graphs and all(job.cache is None for job in jobs)
+        replays = self.cuda_graphs and not _cached(jobs)
         latents = padded_rows(torch.cat(inputs), padding)
         timestep_rows = padded_rows(torch.cat(timesteps), padding)
         conditioning = Conditioning.concat([job.conditioning for job in jobs]).padded(padding)
@@ -284,7 +284,7 @@ class StepEngine:
     def padding(self, jobs: list[DenoiseJob]) -> int:
         """The rows a forward of ``jobs`` runs beyond theirs: copies of the last row up to the least
         of ``row_counts`` at or above them; none with a step cache (its forward runs any count)."""
-        if any(job.cache is not None for job in jobs):
+        if _cached(jobs):
             return 0
         rows = sum(job.rows for job in jobs)
         return padded_count(rows, self.row_counts) - rows
@@ -294,7 +294,7 @@ class StepEngine:
     ) -> contextlib.AbstractContextManager[None]:
         """The step cache over a forward's rows, where a job in it has one (DeepCache or first-block
         caching); a sub-batch of its jobs (by index) takes their LoRA sets (``sets``)."""
-        if all(job.cache is None for job in jobs):
+        if not _cached(jobs):
             return contextlib.nullcontext()
 
         def sub_batch_rows(running: list[int]) -> contextlib.AbstractContextManager[None]:
@@ -367,6 +367,12 @@ class StepEngine:
             raise torch.OutOfMemoryError(
                 f"simulated out of memory: {pixels} pixels in one {stage}, fault_injection allows {limit}"
             )
+
+
+def _cached(jobs: list[DenoiseJob]) -> bool:
+    """Whether a job of a forward has a step cache: the forward then runs the denoiser's own forward
+    around its compiled regions, at any row count."""
+    return any(job.cache is not None for job in jobs)
 
 
 def padded_count(rows: int, counts: Sequence[int]) -> int:

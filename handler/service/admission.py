@@ -29,7 +29,7 @@ from handler.api.protocol import (
 from handler.api.request import GenerationRequest
 from handler.api.routes import route
 from handler.engine.jobs import DenoiseJob, JobSpec
-from handler.engine.memory import release_cached_memory
+from handler.engine.loading import release_cached_memory
 from handler.engine.scheduling import StepProfile
 from handler.engine.step_engine import StepEngine
 from handler.metrics import DiffusionMetrics

@@ -60,13 +60,13 @@ class Answers:
 
     def succeed(self, rid: str, encoding: Encoding, encoded: Future[Response]) -> Response:
         """A request's answer from its finished encoding: where its images could not be made, a
-        500 (507 out of memory) naming the VAE decode; where the encoding failed, a 500 naming it."""
+        500 (507 out of memory) naming the postprocess; where the encoding failed, a 500 naming it."""
         flight = self.flights[rid]
         try:
             response = encoded.result()
         except DecodeFailed as failed:
             logger.error("request %s: its images could not be made", rid, exc_info=failed.error)
-            return self.fail(rid, internal_error("VAE decode", failed.error))
+            return self.fail(rid, internal_error(DecodeFailed.stage, failed.error))
         except Exception as error:
             logger.exception("request %s could not be encoded", rid, exc_info=error)
             return self.fail(rid, internal_error("encoding", error))

@@ -1,6 +1,6 @@
 """Finishing: the jobs that are done are decoded together, one VAE call per latent shape (out of
-memory: image by image, then in tiles), their images made and encoded on encoder threads, and
-answered.
+memory: image by image, then in tiles), their images made (the safety checker out of memory:
+image by image, ``LaterDecode``) and encoded on encoder threads, and answered.
 
 The VAE decode and the copy of its pixels to the host are queued on the device
 (``StepEngine.decode_later``). On a GPU (``overlap``) an encoder thread waits for the copy, makes
@@ -23,9 +23,9 @@ from concurrent.futures import Executor, Future
 import torch
 
 from handler.api.protocol import Response, internal_error
-from handler.engine.decoding import LaterDecode
+from handler.engine.decoding import DecodeFailed, LaterDecode
 from handler.engine.jobs import DenoiseJob
-from handler.engine.memory import release_cached_memory
+from handler.engine.loading import release_cached_memory
 from handler.engine.step_engine import StepEngine
 from handler.families import Decoded
 from handler.families.base import row_slices
@@ -112,16 +112,16 @@ class Finishing:
         logger.warning("out of memory decoding requests %s together; decoding one image at a time", rids)
         started = time.perf_counter()
         decoded: dict[str, tuple[LaterDecode, slice] | Response] = {}
-        made: dict[str, Decoded] = {}
+        images: dict[str, Decoded] = {}
         for rid, job in zip(rids, jobs, strict=True):
             alone = self._decode_alone(job)
             if isinstance(alone, Decoded):
-                made[rid] = alone
+                images[rid] = alone
             else:
                 decoded[rid] = alone
-        if made:
-            decode = LaterDecode.ready(Decoded.join(list(made.values())), time.perf_counter() - started)
-            decoded.update(self._shared(decode, {rid: len(alone.images) for rid, alone in made.items()}))
+        if images:
+            decode = LaterDecode.ready(Decoded.join(list(images.values())), time.perf_counter() - started)
+            decoded.update(self._shared(decode, {rid: len(alone.images) for rid, alone in images.items()}))
         return decoded
 
     def _shared(self, decode: LaterDecode, images: dict[str, int]) -> dict[str, tuple[LaterDecode, slice]]:
@@ -131,15 +131,20 @@ class Finishing:
         return {rid: (decode, rows) for rid, rows in zip(images, row_slices(list(images.values())), strict=True)}
 
     def _decode_alone(self, job: DenoiseJob) -> Decoded | Response:
-        """A job's images decoded one by one (waited for), each in tiles when it does not fit whole."""
+        """A job's images decoded one by one (waited for), each in tiles when it does not fit whole;
+        a postprocess that fails (out of memory included) fails the job, the VAE not tried again."""
         parts = []
         for latents in job.latents.split(1):
             for tiled in (False, True):
                 try:
-                    parts.append(self.engine.decode(latents, job.spec.width, job.spec.height, tiled=tiled))
+                    decode = self.engine.decode_later(latents, job.spec.width, job.spec.height, tiled)
+                    parts.append(decode.result().decoded)
                     break
                 except torch.OutOfMemoryError as error:
                     failure = error
+                except DecodeFailed as failed:
+                    logger.error("the postprocess of one image failed", exc_info=failed.error)
+                    return internal_error(DecodeFailed.stage, failed.error)
                 except Exception as error:
                     logger.exception("VAE decode of one image failed")
                     return internal_error("VAE decode", error)

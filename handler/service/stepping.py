@@ -12,7 +12,7 @@ from collections.abc import Callable
 import torch
 
 from handler.api.protocol import Preview, Response, deadline_exceeded, does_not_fit, internal_error, shutting_down
-from handler.engine.memory import release_cached_memory
+from handler.engine.loading import release_cached_memory
 from handler.engine.scheduling import StepProfile, choose, slack
 from handler.engine.step_engine import StepEngine
 from handler.engine.timing import StepTimer

@@ -79,20 +79,26 @@ def test_images_that_run_out_of_memory_together_are_made_one_at_a_time():
     with pytest.raises(DecodeFailed, match="OutOfMemoryError"):
         alone.result()
     assert made == [1], "one image that does not fit is not tried again"
+    made.clear()
+    several = LaterDecode.queued(torch.tensor([6.0, 7.0]), Span(torch.device("cpu")).end(), never_fits)
+    with pytest.raises(DecodeFailed, match="OutOfMemoryError") as failed:
+        several.result()
+    assert made == [2, 1] and failed.value.error.__context__ is None, "the first attempt's error is let go"
 
 
 def test_a_safety_checker_out_of_memory_makes_the_images_and_flags_of_the_whole_decode():
-    """The tiny SD 1 model's safety checker out of memory on two images (fault injection): made
-    one at a time, level for level and flag for flag what the pipeline's end makes at once."""
+    """The tiny SD 1 model's safety checker out of memory on two images (fault injection), the
+    first the one it flags: made one at a time, level for level and flag for flag what the
+    pipeline's end makes at once."""
     engine = tiny_engine("sd1-safety")
-    (job,) = engine.start([spec(side=64, steps=2, images=2)])
+    (job,) = engine.start([spec("flag this picture", seed=0, side=64, steps=4, images=2)])  # its calibration
     while not job.done:
         engine.step([job])
     with torch.inference_mode():
         expected = engine.family.postprocess(engine.family.vae_decode(job.latents, False))
     engine.fault_injection = FaultInjection(postprocess_out_of_memory_above_pixels=64 * 64)
     decoded, _, retries = engine.decode_later(job.latents, 64, 64).result()
-    assert expected.nsfw_content_detected is not None, "the checker ran"
+    assert expected.nsfw_content_detected == [True, False]
     assert retries == 1 and decoded.nsfw_content_detected == expected.nsfw_content_detected
     for ours, theirs in zip(decoded.images, expected.images, strict=True):
         assert np.array_equal(np.asarray(ours), np.asarray(theirs))

@@ -3,8 +3,6 @@ forward."""
 
 from __future__ import annotations
 
-from types import SimpleNamespace
-
 import torch
 
 from handler.engine.costs import Cost
@@ -15,11 +13,8 @@ from handler.families import Conditioning
 SMALL, LARGE = (4, 8, 8), (4, 16, 16)
 
 
-def profile(
-    timings: dict[int, float] | None = None, max_images: int = 16, row_counts: tuple[int, ...] = ()
-) -> StepProfile:
-    """A profile of an engine that pads a forward's rows to ``row_counts``."""
-    measured = StepProfile(engine=SimpleNamespace(row_counts=row_counts), max_images=max_images)
+def profile(timings: dict[int, float] | None = None, max_images: int = 16) -> StepProfile:
+    measured = StepProfile(engine=None, max_images=max_images)
     if timings is not None:
         measured.seconds[SMALL] = timings
     return measured
@@ -47,38 +42,30 @@ def test_the_cap_is_the_fewest_rows_within_five_percent_of_the_best_per_row_time
 
 
 def test_without_the_step_time_cap_only_memory_caps_a_forward():
-    measured = StepProfile(engine=SimpleNamespace(row_counts=()), max_images=16, time_cap=False)
+    measured = StepProfile(engine=None, max_images=16, time_cap=False)
     measured.seconds[SMALL] = {2: 1.0, 4: 2.0, 8: 4.0}  # no gain from batching: the time cap would be 2 rows
     assert measured.cap(SMALL) == 32
-    measured.ran_out_of_memory(SMALL, 16, alone=False)
+    measured.ran_out_of_memory(SMALL, 16, alone=False, padding=0)
     assert measured.cap(SMALL) == 8
 
 
 def test_running_out_of_memory_caps_the_shape_and_remembers_what_cannot_run_alone():
     measured = profile({2: 1.0, 4: 1.0, 8: 1.0, 16: 1.0})
-    measured.ran_out_of_memory(SMALL, 16, alone=False)
+    measured.ran_out_of_memory(SMALL, 16, alone=False, padding=0)
     assert measured.cap(SMALL) == 8 and measured.fits(SMALL, 16)
-    measured.ran_out_of_memory(SMALL, 6, alone=True)  # three guided images, or six unguided
+    measured.ran_out_of_memory(SMALL, 6, alone=True, padding=0)  # three guided images, or six unguided
     assert measured.cap(SMALL) == 3 and not measured.fits(SMALL, 6) and not measured.fits(SMALL, 8)
     assert measured.fits(SMALL, 4) and measured.fits(LARGE, 100)
 
 
-def test_a_padded_forward_that_ran_out_of_memory_caps_the_shape_at_a_row_count_under_half_its_padded_rows():
-    """9 rows padded to 16 did not fit: forwards of up to 8 rows (padded to 8 at most), not 4.5;
-    admission still refuses a job by its own rows."""
-    measured = profile({2: 1.0, 4: 1.0, 8: 1.0, 16: 1.0, 32: 1.0}, row_counts=(2, 4, 8, 16, 24, 32))
+def test_a_padded_forward_that_ran_out_of_memory_caps_the_shape_at_half_the_rows_it_ran():
+    """9 rows padded to 16 did not fit: forwards of up to 8 rows, not 4.5; admission still refuses
+    a job by its own rows."""
+    measured = profile({2: 1.0, 4: 1.0, 8: 1.0, 16: 1.0, 32: 1.0})
     measured.ran_out_of_memory(SMALL, 9, alone=False, padding=7)
     assert measured.cap(SMALL) == 8
-    measured.ran_out_of_memory(SMALL, 6, alone=False, padding=2)  # half of 8 rows: 4, a row count
-    assert measured.cap(SMALL) == 4
-    measured.ran_out_of_memory(SMALL, 3, alone=True, padding=1)  # half of 4: 2, the least row count
+    measured.ran_out_of_memory(SMALL, 3, alone=True, padding=1)  # one row copied: four ran
     assert measured.cap(SMALL) == 2 and not measured.fits(SMALL, 3) and measured.fits(SMALL, 2)
-    past = profile({2: 1.0, 64: 1.0}, max_images=32, row_counts=(2, 4, 8))
-    past.ran_out_of_memory(SMALL, 40, alone=False)  # past the largest row count: forwards run unpadded
-    assert past.cap(SMALL) == 20
-    between = profile({2: 1.0, 16: 1.0}, row_counts=(2, 4, 8))
-    between.ran_out_of_memory(SMALL, 5, alone=False, padding=1)  # half of 6: 3 rows would pad to 4
-    assert between.cap(SMALL) == 2
 
 
 def test_step_seconds_come_from_the_nearest_measured_size_at_or_above():

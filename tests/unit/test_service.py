@@ -166,6 +166,7 @@ def test_a_padded_forward_out_of_memory_caps_the_shape_by_the_rows_it_ran():
     responses = batch(service, *(body(seed=seed) for seed in range(5)))
     assert [response.status for response in responses] == [200] * 5
     assert [len(prompts) for prompts in engine.steps[:3]] == [5, 2, 3] and service.profile.cap(SHAPE) == 8
+    assert max(len(prompts) for prompts in engine.steps[3:]) == 4
 
 
 def test_only_a_request_too_large_alone_fails_and_the_next_like_it_is_refused_at_admission():
@@ -215,6 +216,19 @@ def test_images_out_of_memory_together_are_made_one_at_a_time_and_the_retry_is_c
         ("postprocess",)
     ]
     assert sink.values("sd_pipeline_calls_total") == [1] and sink.values("sd_images_total") == [3]
+
+
+@pytest.mark.parametrize("vae_fits", [True, False])
+def test_images_that_do_not_fit_the_postprocess_alone_fail_their_requests_with_507_naming_it(vae_fits):
+    """Out of memory in the host part of a decode even for one image, after a decode of both
+    requests or after the VAE decoded image by image: 507 naming the postprocess, the VAE not run
+    again in tiles."""
+    engine = SolidColorEngine(decode_out_of_memory_above_images=2 if vae_fits else 1, images_out_of_memory_above=0)
+    responses = batch(make_service(engine, streaming=False), body(seed=1), body(seed=2))
+    assert [response.status for response in responses] == [507, 507]
+    message = json.loads(responses[0].body)["message"]
+    assert message == "the accelerator ran out of memory during postprocess (safety checker or watermark, PIL images)"
+    assert engine.decodes == ([(2, False)] if vae_fits else [(2, False), (1, False), (1, False)])
 
 
 def test_a_decode_that_fails_even_in_tiles_fails_only_its_requests():
@@ -699,10 +713,10 @@ def test_an_encoding_that_fails_fails_only_its_request(monkeypatch, overlap):
 
 
 @pytest.mark.parametrize("overlap", [True, False])
-def test_a_decode_whose_images_cannot_be_made_fails_only_its_requests_naming_the_vae_decode(overlap):
+def test_a_decode_whose_images_cannot_be_made_fails_only_its_requests_naming_the_postprocess(overlap):
     """The host part of a decode (the safety checker, PIL images) runs on an encoder thread with
     overlap, on the stepping thread without; where it fails, the requests of that decode get a 500
-    naming the VAE decode, the others their images, and the decode metrics count only the decode
+    naming the postprocess, the others their images, and the decode metrics count only the decode
     that made its images."""
     sink, engine = RecordingSink(), SolidColorEngine()
     engine.images_fail_for_seed = 9
@@ -713,7 +727,8 @@ def test_a_decode_whose_images_cannot_be_made_fails_only_its_requests_naming_the
         body(seed=8, width=128, num_inference_steps=5),
     )
     assert [response.status for response in responses] == [500, 500, 200]
-    assert "VAE decode failed: RuntimeError: safety checker broke" in json.loads(responses[0].body)["message"]
+    message = json.loads(responses[0].body)["message"]
+    assert message == "postprocess (safety checker or watermark, PIL images) failed: RuntimeError: safety checker broke"
     assert grey(responses[2].body) == 8
     assert len(sink.values("sd_vae_decode_seconds")) == 1
     maker = "sd-encode" if overlap else threading.main_thread().name  # the CPU makes them on the stepping thread
