@@ -1,8 +1,8 @@
 """Jobs with different ControlNets (or none) in one UNet forward, per family (tiny random-weight SD
 1.x, SD 2.x and SDXL with random ControlNets): one ControlNet, two at once, a window, an input image,
 a LoRA, plain jobs beside them, joining mid-flight; each image equals the same job alone and
-diffusers' ControlNet pipelines; each ControlNet runs once per step over its rows, and only in its
-window. The library refuses what it cannot serve before the forward. A ControlNet written as one
+diffusers' ControlNet pipelines (a DeepCache job: under the DeepCache helper); each ControlNet runs
+once per step over its rows, and only in its window. The library refuses what it cannot serve before the forward. A ControlNet written as one
 file (A1111's LDM keys, or diffusers' keys) serves its directory's images; another family's file, a
 LoRA file and a truncated one are refused by name."""
 
@@ -19,7 +19,7 @@ from safetensors.torch import load_file, save_file
 from bench.reference import ControlNetCall, Reference
 from handler.adapters.controlnets import ControlSpec
 from handler.adapters.library import EntryError
-from handler.config import HandlerSettings
+from handler.config import HandlerSettings, StepCache
 from handler.engine.loading import load_engine
 from model_making.make_controlnet import write_controlnet
 from model_making.make_lora import write_lora
@@ -91,6 +91,36 @@ def test_jobs_with_other_controlnets_share_forwards_and_each_equals_diffusers(fa
         if controls:  # and the ControlNets changed the image
             plain = np.asarray(expected(reference, job, files).images[0], dtype=np.int16)
             assert np.abs(np.asarray(theirs.images[0], dtype=np.int16) - plain).max() > 8
+
+
+def test_a_deepcache_job_with_controlnets_equals_the_helper_on_the_controlnet_pipeline(family_engine):
+    """DeepCache with two ControlNets acting (one over every step, one in a window) and a LoRA,
+    beside an uncached job with one of them in the same forwards: each ControlNet runs at every
+    step and its residuals reach the shallow branch at a cached step, as under the ``DeepCache``
+    package's helper on diffusers' ControlNet pipeline."""
+    family, engine, directory, loras, reference = family_engine
+    edges, depth = engine.controlnets.acquire(["edges", "depth"], in_use=())
+    lora = engine.loras.acquire([("attention", 0.8)], in_use=())
+    common = dict(side=SIDE, steps=STEPS, scheduler=SCHEDULERS[family])
+    maps = [picture(SIDE, seed) for seed in (4, 5)]
+    controls = (ControlSpec(edges, maps[0], 0.9), ControlSpec(depth, maps[1], 1.2, 0.0, 0.5))
+    cached = spec(
+        "a red circle", 5, controls=controls, adapters=lora, cache=StepCache(mode="deep", interval=2), **common
+    )
+    beside = spec("a blue square", 6, controls=controls[:1], **common)
+    together = run(engine, [(0, cached), (0, beside)])
+    calls = [
+        ControlNetCall(directory / name, c.image, c.scale, c.start, c.end)
+        for name, c in zip(("edges", "depth"), controls, strict=True)
+    ]
+    files = [(loras / "attention.safetensors", 0.8)]
+    helper = expected(reference, cached, files, calls)
+    assert_same_images(together[0], helper)
+    assert_same_images(together[1], expected(reference, beside, [], calls[:1]))
+    helper_pixels = np.asarray(helper.images[0], np.int16)
+    for other in (replace(cached, cache=None), replace(cached, controls=())):  # both the cache and the nets matter
+        theirs = expected(reference, other, files, calls if other.controls else [])
+        assert np.abs(helper_pixels - np.asarray(theirs.images[0], np.int16)).max() > 2
 
 
 def test_each_controlnet_runs_once_per_step_over_its_rows_and_only_in_its_window(family_engine):
