@@ -133,6 +133,12 @@ class StepProfile:
         """What one forward of this shape may cost: the cap in time, what memory has held."""
         return Cost(self.cap(shape), self.memory_caps.get(shape, self.max_rows))
 
+    def padding(self, jobs: list[DenoiseJob]) -> int:
+        """The rows the engine pads a forward of ``jobs`` by, as their shape's memory limit counts
+        them: once the shape ran out of memory (that limit is then what memory held, padding
+        included); before, the limit is the configured most images, which padding rows are not."""
+        return self.engine.padding(jobs) if jobs[0].latent_shape in self.memory_caps else 0
+
     def fits_job(self, spec: JobSpec) -> bool:
         """False when a job like ``spec`` (its rows, with its ControlNets) already ran out of memory alone."""
         shape = self.engine.latent_shape(spec.width, spec.height)
@@ -141,8 +147,8 @@ class StepProfile:
     def ran_out_of_memory(self, shape: Shape, rows: float, *, alone: bool, padding: int) -> None:
         """``rows`` rows (plain rows: costs) of this shape, run with ``padding`` plain rows more (the
         engine's copies up to its row counts), did not fit in one forward: never step more than half
-        as many as ran again; ``alone``: a single job of ``rows`` (before padding, as admission
-        counts) cannot be stepped at all."""
+        as many as ran again, padding included (``choose`` counts it); ``alone``: a single job of
+        ``rows`` (before padding, as admission counts) cannot be stepped at all."""
         half = max(1.0, (rows + padding) / 2)
         self.memory_caps[shape] = min(half, self.memory_caps.get(shape, half))
         if alone:
@@ -175,10 +181,12 @@ def choose(
     slacks: dict[str, float],
     limits: Callable[[Shape], Cost],
     cost: Callable[[DenoiseJob], Cost] = lambda job: Cost.rows(job.rows),
+    padding: Callable[[list[DenoiseJob]], int] = lambda jobs: 0,
 ) -> list[str]:
     """The jobs (by id) that take the next forward: the latent shape of the least-slack job, then in
     slack order every job of that shape (whatever its LoRA set) whose cost still fits the shape's
-    limits in time and memory (the least-slack job goes even when it alone is over them)."""
+    limits in time and memory, in memory with the rows the forward would be padded by (the engine's
+    ``padding``); the least-slack job goes even when it alone is over them."""
     if not waiting:
         return []
     order = sorted(waiting, key=lambda name: slacks[name])
@@ -189,7 +197,8 @@ def choose(
         job, job_cost = waiting[name], cost(waiting[name])
         if job.latent_shape != shape:
             continue
-        if chosen and (time + job_cost.time > limit.time or memory + job_cost.memory > limit.memory):
+        padded = padding([waiting[other] for other in chosen] + [job])
+        if chosen and (time + job_cost.time > limit.time or memory + job_cost.memory + padded > limit.memory):
             continue
         chosen.append(name)
         time, memory = time + job_cost.time, memory + job_cost.memory

@@ -337,7 +337,7 @@ class StepEngine:
         try:
             return self.decode_later(latents, width, height, tiled).result().decoded
         except DecodeFailed as failed:
-            raise failed.error from None  # as if made here (an out of memory retried as such)
+            raise failed.error from None  # as if made here: its callers (warm-up, previews) see the error itself
 
     def decode_later(self, latents: torch.Tensor, width: int, height: int, tiled: bool = False) -> LaterDecode:
         """``decode`` in two parts: the VAE decode and the copy of its pixels to the host queued

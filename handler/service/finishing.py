@@ -112,16 +112,16 @@ class Finishing:
         logger.warning("out of memory decoding requests %s together; decoding one image at a time", rids)
         started = time.perf_counter()
         decoded: dict[str, tuple[LaterDecode, slice] | Response] = {}
-        images: dict[str, Decoded] = {}
+        decoded_alone: dict[str, Decoded] = {}
         for rid, job in zip(rids, jobs, strict=True):
             alone = self._decode_alone(job)
             if isinstance(alone, Decoded):
-                images[rid] = alone
+                decoded_alone[rid] = alone
             else:
                 decoded[rid] = alone
-        if images:
-            decode = LaterDecode.ready(Decoded.join(list(images.values())), time.perf_counter() - started)
-            decoded.update(self._shared(decode, {rid: len(alone.images) for rid, alone in images.items()}))
+        if decoded_alone:
+            decode = LaterDecode.ready(Decoded.join(list(decoded_alone.values())), time.perf_counter() - started)
+            decoded.update(self._shared(decode, {rid: len(alone.images) for rid, alone in decoded_alone.items()}))
         return decoded
 
     def _shared(self, decode: LaterDecode, images: dict[str, int]) -> dict[str, tuple[LaterDecode, slice]]:
@@ -141,7 +141,7 @@ class Finishing:
                     parts.append(decode.result().decoded)
                     break
                 except torch.OutOfMemoryError as error:
-                    failure = error
+                    failure = error.with_traceback(None)  # its frames hold the failed decode's tensors
                 except DecodeFailed as failed:
                     logger.error("the postprocess of one image failed", exc_info=failed.error)
                     return internal_error(DecodeFailed.stage, failed.error)

@@ -87,7 +87,7 @@ class Stepping:
         if waiting:
             now = self.clock()
             slacks = {rid: slack(job, self.flights[rid].deadline, now, self.profile) for rid, job in waiting.items()}
-            chosen = choose(waiting, slacks, self.profile.limits, self.profile.cost)
+            chosen = choose(waiting, slacks, self.profile.limits, self.profile.cost, self.profile.padding)
             responses = self.step(chosen)
         self.flights.waiting = len(waiting) - len(chosen)
         return responses

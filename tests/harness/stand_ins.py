@@ -15,7 +15,7 @@ from handler.adapters.loras import LoraLibrary
 from handler.api.policy import RequestPolicy
 from handler.api.protocol import IncomingRequest
 from handler.config import CacheSettings, FamilyRules, RequestDefaults
-from handler.engine.decoding import LaterDecode
+from handler.engine.decoding import DecodeFailed, LaterDecode
 from handler.engine.jobs import DenoiseJob, JobSpec
 from handler.engine.scheduling import StepProfile
 from handler.engine.timing import Span
@@ -95,7 +95,10 @@ class SolidColorEngine:
         return 0  # ControlNet forwards
 
     def decode(self, latents: torch.Tensor, width: int, height: int, tiled: bool = False) -> Decoded:
-        return self.decode_later(latents, width, height, tiled).result().decoded
+        try:
+            return self.decode_later(latents, width, height, tiled).result().decoded
+        except DecodeFailed as failed:
+            raise failed.error from None  # as the step engine's decode raises it
 
     def decode_later(self, latents: torch.Tensor, width: int, height: int, tiled: bool = False) -> LaterDecode:
         self.decodes.append((latents.shape[0], tiled))

@@ -3,11 +3,14 @@ forward."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import torch
 
 from handler.engine.costs import Cost
 from handler.engine.jobs import DenoiseJob, JobSpec
 from handler.engine.scheduling import StepProfile, choose, slack
+from handler.engine.step_engine import padded_count
 from handler.families import Conditioning
 
 SMALL, LARGE = (4, 8, 8), (4, 16, 16)
@@ -98,3 +101,29 @@ def test_choose_keeps_a_forward_within_the_time_and_the_memory_limits():
     cheap = lambda one: Cost(0.1 * one.rows, one.rows)  # noqa: E731
     assert choose(waiting, slacks, lambda shape: Cost(4, 100), cheap) == ["a", "b", "c"]
     assert choose(waiting, slacks, lambda shape: Cost(4, 8), cheap) == ["a", "b"]
+
+
+def test_choose_counts_the_rows_a_forward_is_padded_by_against_the_memory_limit():
+    """Row counts 2, 8, 32 (a gap over twice): after 4 rows padded to 8 ran out of memory (limit 4),
+    a second guided image would be padded to 8 rows again, so a forward takes one; at a limit of 8,
+    two, three (6 rows padded to 8) and four images fit, a fifth (10 rows padded to 32) does not."""
+    waiting = {name: job(1) for name in "abcde"}  # 2 rows each
+    slacks = {name: float(index) for index, name in enumerate(waiting)}
+
+    def padding(jobs: list[DenoiseJob]) -> int:
+        rows = sum(one.rows for one in jobs)
+        return padded_count(rows, (2, 8, 32)) - rows
+
+    measured = profile({2: 1.0, 4: 1.0, 8: 1.0, 16: 1.0, 32: 1.0})
+    measured.ran_out_of_memory(SMALL, 4, alone=False, padding=4)
+    assert choose(waiting, slacks, measured.limits, padding=padding) == ["a"]
+    assert choose(waiting, slacks, lambda shape: Cost.rows(8), padding=padding) == ["a", "b", "c", "d"]
+    assert choose(waiting, slacks, lambda shape: Cost.rows(4)) == ["a", "b"], "unpadded: the rows alone"
+
+
+def test_the_profile_counts_padding_against_memory_once_the_shape_ran_out_of_memory():
+    """Before, a shape's memory limit is the configured most images, which padding rows are not."""
+    measured = StepProfile(engine=SimpleNamespace(padding=lambda jobs: 6), max_images=16)
+    assert measured.padding([job(1)]) == 0
+    measured.ran_out_of_memory(SMALL, 10, alone=False, padding=6)
+    assert measured.padding([job(1)]) == 6 and measured.padding([job(1, side=128)]) == 0
