@@ -185,21 +185,24 @@ def choose(
 ) -> list[str]:
     """The jobs (by id) that take the next forward: the latent shape of the least-slack job, then in
     slack order every job of that shape (whatever its LoRA set) whose cost still fits the shape's
-    limits in time and memory, in memory with the rows the forward would be padded by (the engine's
-    ``padding``); the least-slack job goes even when it alone is over them."""
+    limits in time and memory, in memory with the rows the forward would be padded by (``padding``:
+    ``StepProfile.padding``); the least-slack job goes even when it alone is over them."""
     if not waiting:
         return []
     order = sorted(waiting, key=lambda name: slacks[name])
     shape = waiting[order[0]].latent_shape
     limit, time, memory = limits(shape), 0.0, 0.0
     chosen: list[str] = []
+    jobs: list[DenoiseJob] = []
     for name in order:
         job, job_cost = waiting[name], cost(waiting[name])
         if job.latent_shape != shape:
             continue
-        padded = padding([waiting[other] for other in chosen] + [job])
-        if chosen and (time + job_cost.time > limit.time or memory + job_cost.memory + padded > limit.memory):
+        if chosen and (
+            time + job_cost.time > limit.time or memory + job_cost.memory + padding([*jobs, job]) > limit.memory
+        ):
             continue
         chosen.append(name)
+        jobs.append(job)
         time, memory = time + job_cost.time, memory + job_cost.memory
     return chosen

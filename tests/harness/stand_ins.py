@@ -18,6 +18,7 @@ from handler.config import CacheSettings, FamilyRules, RequestDefaults
 from handler.engine.decoding import DecodeFailed, LaterDecode
 from handler.engine.jobs import DenoiseJob, JobSpec
 from handler.engine.scheduling import StepProfile
+from handler.engine.step_engine import StepEngine
 from handler.engine.timing import Span
 from handler.families import Conditioning, Decoded
 from handler.metrics import DiffusionMetrics, MetricSpec
@@ -37,9 +38,7 @@ class SolidColorEngine:
     controlnets = ControlNetLibrary(SimpleNamespace(rules=FamilyRules()), None, 1, torch.device("cpu"), torch.float32)
     embeddings = None  # no embedding directory
     row_counts: tuple[int, ...] = ()  # no padding
-
-    def padding(self, jobs: list[DenoiseJob]) -> int:
-        return 0
+    padding = StepEngine.padding  # the step engine's rule
 
     def __init__(
         self,

@@ -18,7 +18,6 @@ from PIL import Image
 from handler.adapters.library import Busy, EntryError
 from handler.api.protocol import NSFW_HEADER, STREAM_CONTENT_TYPE, IncomingRequest
 from handler.engine.jobs import DenoiseJob
-from handler.engine.step_engine import StepEngine
 from tests.harness.stand_ins import SHAPE, Clock, RecordingSink, SolidColorEngine, batch, make_service, run
 
 
@@ -155,7 +154,6 @@ class PaddingEngine(SolidColorEngine):
     """Pads a forward's rows to row counts as a compiled denoiser does (the step engine's rule)."""
 
     row_counts = (2, 4, 8, 16)
-    padding = StepEngine.padding
 
 
 def test_a_padded_forward_out_of_memory_caps_the_shape_by_the_rows_it_ran():
