@@ -120,6 +120,28 @@ def eventually(condition, what: str, timeout: float = RECOVERY_TIMEOUT_S) -> Non
         time.sleep(0.05)
 
 
+def settled_samples(server: TorchServe, quiet_s: float = 0.5) -> dict[tuple[str, frozenset], float]:
+    """The server's metric samples once the answers already sent are recorded: a worker records a
+    request's latency after its answer left, and the frontend parses that line apart from the answer.
+    Settled: no request in flight and no latency recorded over ``quiet_s``."""
+    last: tuple[float, float] | None = None
+    samples: dict[tuple[str, frozenset], float] = {}
+
+    def quiet() -> bool:
+        nonlocal last, samples
+        samples = server.metric_samples()
+        in_flight = sum(sample for (name, _), sample in samples.items() if name == "sd_in_flight_requests")
+        now = (in_flight, value(samples, "sd_request_latency_seconds_count"))
+        if now == last and in_flight == 0:
+            return True
+        last = now
+        time.sleep(quiet_s)
+        return False
+
+    eventually(quiet, "no request in flight and no latency recorded")
+    return samples
+
+
 def wait_until_denoising(server: TorchServe, requests_in_flight: int = 1) -> None:
     """Until the worker holds this many requests in its denoising loop."""
     eventually(lambda: gauge(server, "sd_in_flight_requests") == requests_in_flight, "requests in the denoising loop")

@@ -45,7 +45,7 @@ from server import write_model_config as model_config
 from server.paths import TINY_MODEL_DIRS
 from tests.harness.images import decode_png
 from tests.harness.readme import run_example
-from tests.harness.serving import Client, eventually, serving, value, wait_until_denoising
+from tests.harness.serving import Client, eventually, serving, settled_samples, value, wait_until_denoising
 
 MODES = ("dynamic", "continuous")
 FAMILIES = {"sd1-safety": 64, "sd2": 96, "sdxl": 64, "sd3": 64}  # native sides
@@ -592,7 +592,7 @@ def test_the_safety_checker_flags_as_diffusers_does_and_says_so(served, referenc
 
 
 def test_metrics_move_by_what_was_sent_in_both_modes(served):
-    before = served.server.metric_samples()
+    before = settled_samples(served.server)  # the test before's last latency is not counted here
     bodies = [
         {"prompt": "a", "seed": 1, "num_inference_steps": 5},
         {"prompt": "b", "seed": 2, "num_inference_steps": 3, "num_images_per_prompt": 2},
@@ -617,7 +617,11 @@ def test_metrics_move_by_what_was_sent_in_both_modes(served):
             "sd_vae_decode_seconds_count"
         )
 
-    eventually(settled, "the metrics of the requests sent", timeout=30)
+    try:
+        eventually(settled, "the metrics of the requests sent", timeout=30)
+    except AssertionError as error:
+        names = ("sd_request_latency_seconds_count", "sd_pipeline_calls_total", "sd_vae_decode_seconds_count")
+        raise AssertionError(f"{error}: { ({name: delta(name) for name in names}) }") from None
     after = scraped["after"]
 
     assert delta("sd_iteration_batch_size_sum") == 5 * 1 + 3 * 2  # image-steps, however they were batched

@@ -10,7 +10,15 @@ import pytest
 from PIL import Image
 
 from handler.metrics import METRICS
-from tests.harness.serving import SHIPPED_CONFIG, Client, eventually, run_behind_blocker, server_log, value
+from tests.harness.serving import (
+    SHIPPED_CONFIG,
+    Client,
+    eventually,
+    run_behind_blocker,
+    server_log,
+    settled_samples,
+    value,
+)
 
 # What TorchServe's default logging writes per request and server/log4j2.xml leaves out.
 PER_REQUEST_NOISE = ("result=[METRICS]", "Flushing req.cmd", "Waiting time ns")
@@ -50,7 +58,7 @@ def test_every_declared_metric_is_exported_after_traffic_in_both_modes(request, 
 
 
 def test_metric_values_match_the_traffic_of_a_dynamic_batch(dynamic_client, dynamic_server):
-    before = dynamic_server.metric_samples()
+    before = settled_samples(dynamic_server)
     bodies = [
         {"prompt": "a", "num_inference_steps": 3, "seed": 1},
         {"prompt": "b", "num_inference_steps": 3, "seed": 2, "num_images_per_prompt": 2},
@@ -58,7 +66,7 @@ def test_metric_values_match_the_traffic_of_a_dynamic_batch(dynamic_client, dyna
     ]
     responses = run_behind_blocker(dynamic_client, bodies)
     assert [response.status_code for response in responses] == [200, 200, 400]
-    after = dynamic_server.metric_samples()
+    after = settled_samples(dynamic_server)
 
     def delta(name: str, **labels) -> float:
         return value(after, name, **labels) - value(before, name, **labels)
