@@ -13,6 +13,9 @@ In a denoising step (``residuals``), each ControlNet runs ONCE over the rows of 
 it in their start/end window, each row with its own control image and scale; its residuals are
 added into zero tensors for all rows of the UNet forward, so rows without a ControlNet get zeros
 (exact: ``x + 0 == x``) and a row with several gets their sum, as diffusers' ``MultiControlNetModel``.
+With a compiled UNet (``every_forward``), a forward no row of which uses a ControlNet takes zero
+residuals too: one graph serves forwards with and without ControlNets, so warm-up compiles it and no
+request compiles it while serving.
 """
 
 from __future__ import annotations
@@ -81,12 +84,15 @@ class ControlNetLibrary(Library):
         max_loaded: int,
         device: torch.device,
         dtype: torch.dtype,
+        every_forward: bool = False,
     ):
         off_because = None if family.rules.controlnets else f"{family.rules.family} models take no ControlNets"
         super().__init__(directory, max_loaded, off_because)
         self.family = family
         self.device = device
         self.dtype = dtype
+        # Residuals in every forward (zeros where no row uses a ControlNet), where ControlNets are served.
+        self.every_forward = every_forward and directory is not None and off_because is None
         self._nets: dict[str, torch.nn.Module] = {}  # id -> the loaded ControlNetModel
 
     def acquire(self, names: Sequence[str], in_use: Iterable[str]) -> list[str]:
@@ -146,8 +152,8 @@ class ControlNetLibrary(Library):
     ) -> tuple[Residuals | None, int]:
         """The residuals for one UNet forward whose consecutive blocks of rows are jobs: ``uses``
         holds each job's acting ControlNets and its rows, in row order. Each ControlNet runs once over
-        the rows that use it. Returns the residuals (None: no row uses a ControlNet) and the ControlNet
-        forwards run."""
+        the rows that use it. Returns the residuals (where no row uses a ControlNet: None, or zeros
+        with ``every_forward``) and the ControlNet forwards run."""
         rows_of: dict[str, list[tuple[torch.Tensor, Control]]] = {}
         offset = 0
         for controls, rows in uses:
@@ -156,7 +162,7 @@ class ControlNetLibrary(Library):
                 rows_of.setdefault(control.spec.net, []).append((index, control))
             offset += rows
         if not rows_of:
-            return None, 0
+            return (self.family.control_zeros(latents, self.dtype) if self.every_forward else None), 0
         down: list[torch.Tensor] = []
         mid = torch.empty(0)
         for net_id, parts in rows_of.items():

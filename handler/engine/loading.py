@@ -289,8 +289,17 @@ def load_engine(settings: HandlerSettings, model_dir: str | Path, gpu_id: int | 
     )
     loras = LoraLibrary(pipeline, family.denoiser, directory, settings.loras.max_loaded, off_because, slots)
     controlnets = ControlNetLibrary(
-        family, settings.controlnets.directory(), settings.controlnets.max_loaded, device, dtype
+        family,
+        settings.controlnets.directory(),
+        settings.controlnets.max_loaded,
+        device,
+        dtype,
+        every_forward=settings.compile.denoiser,
     )
+    if controlnets.every_forward:
+        logger.info(
+            "ControlNets on the compiled %s: every forward takes residuals (zeros without one)", family.denoiser_name
+        )
     embeddings = EmbeddingLibrary(
         pipeline, settings.embeddings.directory(), settings.embeddings.max_loaded, _embeddings_off(pipeline)
     )

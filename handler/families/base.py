@@ -448,6 +448,12 @@ class Family(ABC):
         """One ControlNet call over rows (scale 1): its down-block and mid-block residuals."""
         raise NotImplementedError(f"{self.name} models take no ControlNets")
 
+    def control_zeros(self, latents: torch.Tensor, dtype: torch.dtype) -> Residuals:
+        """Residuals that add nothing to any row of a forward over ``latents``: what a compiled
+        denoiser serving ControlNets takes in every forward, so one graph serves forwards with and
+        without them."""
+        raise NotImplementedError(f"{self.name} models take no ControlNets")
+
     def preprocess_control(self, image: Image, width: int, height: int) -> torch.Tensor:
         """A control image as the ControlNet pipelines' ``prepare_image`` takes it: ``(1, 3, height,
         width)`` in [0, 1], resized by their control image processor where its size differs."""

@@ -159,6 +159,26 @@ class StableDiffusionFamily(Family):
         )
         return list(down), mid
 
+    def control_zeros(self, latents: torch.Tensor, dtype: torch.dtype) -> Residuals:
+        """Zeros shaped as the UNet's down-block outputs (``conv_in``'s, each resnet's, each
+        downsampler's, which halves the sides rounding up) and its mid block's."""
+        unet = self.pipeline.unet.config
+        channels = list(unet.block_out_channels)
+        layers = unet.layers_per_block
+        layers = [layers] * len(channels) if isinstance(layers, int) else list(layers)
+        rows, _, height, width = latents.shape
+
+        def zeros(depth: int) -> torch.Tensor:
+            return torch.zeros((rows, depth, height, width), dtype=dtype, device=latents.device)
+
+        down = [zeros(channels[0])]
+        for index, (depth, count) in enumerate(zip(channels, layers, strict=True)):
+            down += [zeros(depth) for _ in range(count)]
+            if index < len(channels) - 1:
+                height, width = -(-height // 2), -(-width // 2)
+                down.append(zeros(depth))
+        return down, zeros(channels[-1])
+
     def encode_image(self, pixels: torch.Tensor, generators: list[torch.Generator], inpaint: bool) -> torch.Tensor:
         return self.pipeline.vae.config.scaling_factor * self._vae_encode(pixels, generators)
 

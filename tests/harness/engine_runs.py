@@ -20,7 +20,7 @@ from handler.families import Decoded
 from handler.service.loops import build_service
 from model_making.make_controlnet import write_controlnet
 from model_making.make_lora import write_lora
-from server.paths import TINY_MODEL_DIRS
+from server.paths import CONTROLNET_DIR, TINY_MODEL_DIRS
 
 # Jobs stepped together and alone differ by float rounding only; in 8 bits an image may differ by
 # this much per channel value (0-255).
@@ -235,15 +235,16 @@ def jobs_of_every_kind(
 
 
 def compiled_lora_slots(lora_dir: Path) -> dict:
-    """``handler`` settings of a worker with its UNet compiled and two LoRA slots (the step cache
-    served, as by default), over the default model: tests/integration/test_compile_cache.py serves
-    it, tests/unit/test_engine_lora_slots.py builds it in-process. The same settings and warm-up
-    compile the same graphs, so the second finds them in the run's inductor cache. At most 4 images
-    a forward: the warm-up steps 2 to 8 rows, which this CPU's convolutions take in one graph of
-    each kind (16 rows or more take another)."""
+    """``handler`` settings of a worker with its UNet compiled, two LoRA slots and the shipped
+    ControlNets (the step cache served, as by default), over the default model:
+    tests/integration/test_compile_cache.py serves it, tests/unit/test_engine_lora_slots.py builds
+    it in-process. The same settings and warm-up compile the same graphs, so the second finds them
+    in the run's inductor cache. At most 4 images a forward: the warm-up steps 2 to 8 rows, which
+    this CPU's convolutions take in one graph of each kind (16 rows or more take another)."""
     return {
         "compile": {"enabled": True, "targets": ["unet"]},
         "loras": {"dir": str(lora_dir), "max_loaded": 2},
+        "controlnets": {"dir": str(CONTROLNET_DIR)},
         "max_images_per_call": 4,
     }
 

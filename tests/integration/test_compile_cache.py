@@ -1,10 +1,13 @@
 """torch.compile in serving, on one worker with its UNet compiled, LoRA slots and the step cache: it
 persists inductor's cache in ``compile.cache_dir``, and the worker TorchServe starts after a crash
 loads the compiled graphs from it instead of compiling; LoRAs on the compiled UNet equal diffusers
-and recompile nothing; step caching on it equals the DeepCache helper."""
+and recompile nothing; step caching on it equals the DeepCache helper; a ControlNet on it equals
+diffusers' ControlNet pipeline and compiles nothing."""
 
 from __future__ import annotations
 
+import base64
+import io
 import os
 import re
 import shutil
@@ -13,11 +16,12 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from PIL import Image, ImageDraw
 
-from bench.reference import Reference
+from bench.reference import ControlNetCall, Reference
 from model_making.make_lora import write_lora
 from server import write_model_config as model_config
-from server.paths import DEFAULT_MODEL_DIR, ROOT
+from server.paths import CONTROLNET_DIR, DEFAULT_MODEL_DIR, ROOT
 from tests.harness.engine_runs import compiled_lora_slots
 from tests.harness.images import assert_moved, assert_same_image
 from tests.harness.serving import Client, serving, wait_until_serving, workers
@@ -59,7 +63,8 @@ def test_a_compiled_unet_with_lora_slots_equals_diffusers_and_a_restarted_worker
     tests/unit/test_engine_lora_slots.py finds them too) and gives the same image. Then LoRA
     requests, a new adapter, an eviction (two slots, three LoRAs) and one unguided image compile
     nothing, and each image equals diffusers' call with the LoRA; a DeepCache request with a LoRA
-    equals diffusers' call under the DeepCache helper."""
+    equals diffusers' call under the DeepCache helper, and a ControlNet request with a LoRA
+    diffusers' ControlNet pipeline."""
     cache = Path(os.environ["TORCHINDUCTOR_CACHE_DIR"])
     elsewhere = tmp_path / "inherited-cache"  # what the server inherits: compile.cache_dir overrides it
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(elsewhere))
@@ -98,6 +103,17 @@ def test_a_compiled_unet_with_lora_slots_equals_diffusers_and_a_restarted_worker
         outline = [(loras / "outline.safetensors", 1.0)]
         theirs = reference(body["prompt"], body["seed"], 64, 64, 4, loras=outline, deep_cache=(2, 0))
         assert_same_image(ours, np.asarray(theirs.images[0]))
+        # a ControlNet with a LoRA: the graphs warm-up compiled take ControlNet residuals (zeros before)
+        mask = Image.new("RGB", (64, 64))
+        ImageDraw.Draw(mask).ellipse((6, 30, 30, 54), fill="white")
+        buffer = io.BytesIO()
+        mask.save(buffer, format="PNG")
+        controlnet = {"name": "shapes-mask", "image": base64.b64encode(buffer.getvalue()).decode()}
+        ours = client.image(**body, loras=[{"name": "outline", "scale": 1.0}], controlnets=[controlnet])
+        calls = [ControlNetCall(CONTROLNET_DIR / "shapes-mask", mask)]
+        theirs = reference(body["prompt"], body["seed"], 64, 64, 4, loras=outline, controlnets=calls)
+        assert_same_image(ours, np.asarray(theirs.images[0]))
+        assert_moved(ours, np.asarray(reference(body["prompt"], body["seed"], 64, 64, 4, loras=outline).images[0]))
         # one unguided image: one row, which warm-up did not compile (the load after it counts the graphs)
         assert client.predict({**body, "guidance_scale": 1.0}).status_code == 200
         assert client.predict({**body, "loras": [{"name": "unet-only", "scale": 1.0}]}).status_code == 200
@@ -105,8 +121,8 @@ def test_a_compiled_unet_with_lora_slots_equals_diffusers_and_a_restarted_worker
     assert not any(elsewhere.rglob("*")), "the worker compiled into the inherited directory, not compile.cache_dir"
     # The restarted worker's loads into its two slots, least recently used evicted: outline, random,
     # unet-only (evicting random), random (evicting outline), outline (evicting unet-only), then after
-    # the cached and the unguided requests unet-only (evicting random). Each logs the graphs compiled
-    # so far.
+    # the cached, the ControlNet and the unguided requests unet-only (evicting random). Each logs the
+    # graphs compiled so far.
     loads = [int(count) for _, count in SLOTS_LOG.findall(log[log.rindex("compile cache: ") :])]
     assert len(loads) == 6 and len(set(loads)) == 1 and loads[0] > 0, f"graphs compiled at each LoRA load: {loads}"
     record_property("compile_cold_warmup_s", cold["warmup_s"])

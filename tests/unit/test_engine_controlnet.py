@@ -155,6 +155,41 @@ def test_each_controlnet_runs_once_per_step_over_its_rows_and_only_in_its_window
     assert sorted(calls[2:4]) == sorted([(edges, 4), (depth, 2)])
 
 
+def test_a_compiled_unets_zero_residuals_fit_every_block_and_change_no_image(family_engine, monkeypatch):
+    """``every_forward`` (a compiled UNet serving ControlNets: one graph for forwards with and
+    without them): a forward no row of which uses a ControlNet takes zeros shaped as a ControlNet's
+    residuals, also where the downsamplers round an odd side up (72x56: 9x7 latents), and every
+    image stays the same bit for bit, a ControlNet job's beside them too."""
+    family, engine, *_ = family_engine
+    (edges,) = engine.controlnets.acquire(["edges"], in_use=())
+    plain = replace(spec("a blue square", 3, steps=2, scheduler=SCHEDULERS[family]), width=72, height=56)
+    controlled = replace(plain, prompt="a red circle", controls=(ControlSpec(edges, picture(72)),))
+    residuals_taken = []  # per forward, whether the UNet took residuals
+    forward = engine.family.forward
+    monkeypatch.setattr(
+        engine.family, "forward", lambda *args: residuals_taken.append(args[3] is not None) or forward(*args)
+    )
+
+    def images(every_forward: bool) -> list[np.ndarray]:
+        residuals_taken.clear()
+        monkeypatch.setattr(engine.controlnets, "every_forward", every_forward)
+        return [np.asarray(image) for decoded in run(engine, [(0, plain), (1, controlled)]) for image in decoded.images]
+
+    assert all(np.array_equal(a, b) for a, b in zip(images(True), images(False), strict=True))
+    assert residuals_taken == [False, True, True]  # the plain job's first forward took none
+    images(True)
+    assert residuals_taken == [True, True, True]
+    net = engine.controlnets._nets[edges]
+    job = engine.start([controlled])[0]
+    latents = torch.cat([job.latents] * 2)
+    down, mid = engine.family.control_forward(
+        net, latents, job.timesteps[:1].expand(2), job.conditioning, torch.zeros(2, 3, 56, 72, dtype=engine.dtype)
+    )
+    zero_down, zero_mid = engine.family.control_zeros(latents, engine.dtype)
+    assert [sample.shape for sample in [*zero_down, zero_mid]] == [sample.shape for sample in [*down, mid]]
+    assert not any(sample.any() for sample in [*zero_down, zero_mid])
+
+
 def test_the_library_refuses_bad_names_pickles_and_other_families_controlnets(family_engine, tmp_path):
     family, engine, directory, *_ = family_engine
     other = "sd1" if family == "sdxl" else "sdxl"

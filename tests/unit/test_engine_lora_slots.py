@@ -7,7 +7,9 @@ diffusers' ``load_lora_weights`` + ``set_adapters`` call; loading, evicting and 
 recompiles nothing; what the slots cannot hold is refused by name, and a full set of slots in use is
 busy, not broken. A LyCORIS LoHa on the transformer blocks fits the slots as its exact LoRA; one on
 convolutions is refused by name. DeepCache jobs on the compiled UNet (its regions compiled apart)
-equal the helper beside uncached jobs. SDXL and SD 3: tests/unit/test_engine_lora_slots_families.py."""
+equal the helper beside uncached jobs; ControlNet jobs (with a LoRA set, in DeepCache's cached
+steps) equal diffusers' ControlNet pipeline in the same graphs. SDXL and SD 3:
+tests/unit/test_engine_lora_slots_families.py."""
 
 from __future__ import annotations
 
@@ -17,18 +19,20 @@ from pathlib import Path
 import pytest
 import torch
 
-from bench.reference import Reference
+from bench.reference import ControlNetCall, Reference
+from handler.adapters.controlnets import ControlSpec
 from handler.adapters.library import Busy, EntryError
 from handler.adapters.lora_slots import SlotLinear, compiled_graphs
 from handler.config import StepCache
 from handler.engine.step_engine import StepEngine
 from model_making.make_lora import write_lora, write_lycoris
-from server.paths import DEFAULT_MODEL_DIR
+from server.paths import CONTROLNET_DIR, DEFAULT_MODEL_DIR
 from tests.harness.engine_runs import (
     assert_same_images,
     compiled_lora_slots,
     expected,
     lora_set_jobs,
+    picture,
     run,
     spec,
     warmed_engine,
@@ -170,6 +174,38 @@ def test_cached_jobs_on_the_compiled_unet_equal_the_helper_beside_uncached_ones(
     for (_, job), (_, lora_set), image in zip(jobs, [*sets, (2, ())], run(engine, jobs), strict=True):
         files = [(lora_dir / f"{name}.safetensors", weight) for name, weight in lora_set]
         assert_same_images(image, expected(reference, job, files))
+
+
+def test_controlnet_jobs_on_the_compiled_unet_equal_diffusers_and_compile_nothing(engine, lora_dir):
+    """A compiled UNet serving ControlNets takes residuals in every forward (zeros where no row uses
+    a ControlNet), so the graphs warm-up compiled serve ControlNet jobs: one with a LoRA set in the
+    slots, one in a window and DeepCache's cached steps, beside a plain job, each equal to diffusers'
+    ControlNet pipeline (the cached one under the DeepCache helper)."""
+    (mask,) = engine.controlnets.acquire(["shapes-mask"], in_use=())
+    maps = [picture(SIDE, seed) for seed in (1, 2)]
+    lora = engine.loras.acquire([("attention", 0.8)], in_use=())
+    common = dict(side=SIDE, steps=4)
+    jobs = [
+        (0, spec("a red circle", 1, adapters=lora, controls=(ControlSpec(mask, maps[0], 0.9),), **common)),
+        (0, spec("a blue square", 2, **common)),
+        (
+            1,
+            spec(
+                "a green triangle",
+                3,
+                controls=(ControlSpec(mask, maps[1], 1.2, 0.25, 0.75),),
+                cache=StepCache(mode="deep", interval=2),
+                **common,
+            ),
+        ),
+    ]
+    reference = Reference(MODEL)
+    files = [[(lora_dir / "attention.safetensors", 0.8)], [], []]
+    for (_, job), decoded, job_files in zip(jobs, run(engine, jobs), files, strict=True):
+        calls = [ControlNetCall(CONTROLNET_DIR / "shapes-mask", c.image, c.scale, c.start, c.end) for c in job.controls]
+        assert_same_images(decoded, expected(reference, job, job_files, calls))
+        if calls:
+            assert_moved(decoded.images[0], expected(reference, job, job_files).images[0], "the ControlNet")
 
 
 def test_every_slot_in_use_is_busy(engine):
