@@ -20,6 +20,7 @@ from diffusers import (
     PNDMScheduler,
     StableDiffusionPipeline,
 )
+from diffusers.models.downsampling import Downsample2D
 
 from handler.config import SchedulerName
 from handler.families.base import (
@@ -56,6 +57,16 @@ CONTROLNET_FIT = (
     "addition_time_embed_dim",
     "projection_class_embeddings_input_dim",
 )
+
+
+def _downsampled(sampler: torch.nn.Module, side: int) -> int:
+    """A side after a down block's downsampler: ``Downsample2D``'s stride-2 convolution (padding 1
+    rounds up; padding 0 pads one on the far side, which rounds down) or pooling (rounds down)."""
+    conv = getattr(sampler, "conv", None)
+    if not isinstance(sampler, Downsample2D) or not isinstance(conv, torch.nn.Conv2d):
+        return side // 2
+    padded = side + 2 * int(conv.padding[0]) + (1 if sampler.padding == 0 else 0)
+    return (padded - conv.kernel_size[0]) // conv.stride[0] + 1
 
 
 def _setting(config: Any, key: str) -> Any:
@@ -161,23 +172,20 @@ class StableDiffusionFamily(Family):
 
     def control_zeros(self, latents: torch.Tensor, dtype: torch.dtype) -> Residuals:
         """Zeros shaped as the UNet's down-block outputs (``conv_in``'s, each resnet's, each
-        downsampler's, which halves the sides rounding up) and its mid block's."""
-        unet = self.pipeline.unet.config
-        channels = list(unet.block_out_channels)
-        layers = unet.layers_per_block
-        layers = [layers] * len(channels) if isinstance(layers, int) else list(layers)
+        downsampler's) and its mid block's, read from its modules."""
+        unet = self.pipeline.unet
         rows, _, height, width = latents.shape
 
-        def zeros(depth: int) -> torch.Tensor:
-            return torch.zeros((rows, depth, height, width), dtype=dtype, device=latents.device)
+        def zeros(channels: int, height: int, width: int) -> torch.Tensor:
+            return torch.zeros((rows, channels, height, width), dtype=dtype, device=latents.device)
 
-        down = [zeros(channels[0])]
-        for index, (depth, count) in enumerate(zip(channels, layers, strict=True)):
-            down += [zeros(depth) for _ in range(count)]
-            if index < len(channels) - 1:
-                height, width = -(-height // 2), -(-width // 2)
-                down.append(zeros(depth))
-        return down, zeros(channels[-1])
+        down = [zeros(unet.conv_in.out_channels, height, width)]
+        for block in unet.down_blocks:
+            down += [zeros(resnet.out_channels, height, width) for resnet in block.resnets]
+            for sampler in block.downsamplers or ():
+                height, width = _downsampled(sampler, height), _downsampled(sampler, width)
+                down.append(zeros(sampler.out_channels, height, width))
+        return down, zeros(down[-1].shape[1], height, width)
 
     def encode_image(self, pixels: torch.Tensor, generators: list[torch.Generator], inpaint: bool) -> torch.Tensor:
         return self.pipeline.vae.config.scaling_factor * self._vae_encode(pixels, generators)

@@ -14,6 +14,7 @@ from dataclasses import replace
 import numpy as np
 import pytest
 import torch
+from diffusers.models.downsampling import Downsample2D
 from safetensors.torch import load_file, save_file
 
 from bench.reference import ControlNetCall, Reference
@@ -21,6 +22,7 @@ from handler.adapters.controlnets import ControlSpec
 from handler.adapters.library import EntryError
 from handler.config import HandlerSettings, StepCache
 from handler.engine.loading import load_engine
+from handler.families.sd import _downsampled
 from model_making.make_controlnet import write_controlnet
 from model_making.make_lora import write_lora
 from model_making.single_file import write_controlnet_file
@@ -188,6 +190,14 @@ def test_a_compiled_unets_zero_residuals_fit_every_block_and_change_no_image(fam
     zero_down, zero_mid = engine.family.control_zeros(latents, engine.dtype)
     assert [sample.shape for sample in [*zero_down, zero_mid]] == [sample.shape for sample in [*down, mid]]
     assert not any(sample.any() for sample in [*zero_down, zero_mid])
+
+
+@pytest.mark.parametrize(("use_conv", "padding"), [(True, 1), (True, 0), (False, 1)])
+def test_zero_residuals_take_the_sides_a_downsampler_makes(use_conv, padding):
+    """Odd sides: padding 1 rounds up, padding 0 (one pixel padded on the far side) and pooling down."""
+    sampler = Downsample2D(4, use_conv=use_conv, padding=padding)
+    for side in range(2, 12):
+        assert _downsampled(sampler, side) == sampler(torch.zeros(1, 4, side, side)).shape[-1]
 
 
 def test_the_library_refuses_bad_names_pickles_and_other_families_controlnets(family_engine, tmp_path):

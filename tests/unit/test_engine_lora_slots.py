@@ -178,29 +178,23 @@ def test_cached_jobs_on_the_compiled_unet_equal_the_helper_beside_uncached_ones(
 
 def test_controlnet_jobs_on_the_compiled_unet_equal_diffusers_and_compile_nothing(engine, lora_dir):
     """A compiled UNet serving ControlNets takes residuals in every forward (zeros where no row uses
-    a ControlNet), so the graphs warm-up compiled serve ControlNet jobs: one with a LoRA set in the
-    slots, one in a window and DeepCache's cached steps, beside a plain job, each equal to diffusers'
-    ControlNet pipeline (the cached one under the DeepCache helper)."""
+    a ControlNet), so the graphs warm-up compiled serve ControlNet jobs beside a plain job: one with
+    a LoRA set in the slots, one in a window (the whole-model graph, three forwards), then one in
+    DeepCache's cached steps (its regions), each equal to diffusers' ControlNet pipeline (the cached
+    one under the DeepCache helper)."""
     (mask,) = engine.controlnets.acquire(["shapes-mask"], in_use=())
-    maps = [picture(SIDE, seed) for seed in (1, 2)]
+    maps = [picture(SIDE, seed) for seed in (1, 2, 3)]
     lora = engine.loras.acquire([("attention", 0.8)], in_use=())
     common = dict(side=SIDE, steps=4)
+    deep = StepCache(mode="deep", interval=2)
     jobs = [
         (0, spec("a red circle", 1, adapters=lora, controls=(ControlSpec(mask, maps[0], 0.9),), **common)),
         (0, spec("a blue square", 2, **common)),
-        (
-            1,
-            spec(
-                "a green triangle",
-                3,
-                controls=(ControlSpec(mask, maps[1], 1.2, 0.25, 0.75),),
-                cache=StepCache(mode="deep", interval=2),
-                **common,
-            ),
-        ),
+        (1, spec("a green triangle", 3, controls=(ControlSpec(mask, maps[1], 1.2, 0.25, 0.75),), **common)),
+        (3, spec("a red square", 4, controls=(ControlSpec(mask, maps[2]),), cache=deep, **common)),
     ]
     reference = Reference(MODEL)
-    files = [[(lora_dir / "attention.safetensors", 0.8)], [], []]
+    files = [[(lora_dir / "attention.safetensors", 0.8)], [], [], []]
     for (_, job), decoded, job_files in zip(jobs, run(engine, jobs), files, strict=True):
         calls = [ControlNetCall(CONTROLNET_DIR / "shapes-mask", c.image, c.scale, c.start, c.end) for c in job.controls]
         assert_same_images(decoded, expected(reference, job, job_files, calls))
