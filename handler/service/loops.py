@@ -170,8 +170,9 @@ class DiffusionService:
         decode, so that the first request pays no allocation or compilation. The profile's steps
         at 1, 2, 4, ... images compile a compiled denoiser for each row count; in one with LoRA
         slots, the same runs again with LoRA rows; with a step cache served, each run also steps
-        a cached job beside the plain one and cached jobs of the profile's sizes, which compiles
-        the cache's regions on all rows and on a sub-batch. Returns seconds."""
+        a cached job beside the plain one, cached jobs of the profile's sizes and a cached single
+        row, which compiles the cache's regions on all rows, on a sub-batch and on one row. Returns
+        seconds."""
         started = time.perf_counter()
         cache = self.engine.warm_up_cache()
         for shape in shapes:
@@ -202,11 +203,16 @@ class DiffusionService:
 
     def _warm_up_jobs(self, spec: JobSpec, cache: StepCache | None) -> None:
         """A job of ``spec`` to the end, then (``cache``) it and one with the cache stepped
-        together, and cached jobs of the profile's sizes."""
+        together, cached jobs of the profile's sizes, and a cached single unguided image: a cached
+        forward is not padded, so its one row compiles the regions at one row (dynamo compiles a
+        size of 1 apart), here rather than in the first such request."""
         self._warm_up_together([spec])
         if cache is not None:
-            self._warm_up_together([spec, dataclasses.replace(spec, cache=cache)])
+            cached = dataclasses.replace(spec, cache=cache)
+            self._warm_up_together([spec, cached])
             self.profile.step_each_size(spec.width, spec.height, cache)
+            if spec.rows > 1:
+                self._warm_up_together([dataclasses.replace(cached, seeds=spec.seeds[:1], guidance_scale=1.0)])
 
     def _warm_up_together(self, specs: list[JobSpec]) -> None:
         jobs = self.engine.start(specs)

@@ -61,10 +61,10 @@ def test_a_compiled_unet_with_lora_slots_equals_diffusers_and_a_restarted_worker
     TorchServe. Its warm-up compiles every graph into ``compile.cache_dir``, and the worker TorchServe
     starts after a crash loads them all from there (the run's inductor cache, where
     tests/unit/test_engine_lora_slots.py finds them too) and gives the same image. Then LoRA
-    requests, a new adapter, an eviction (two slots, three LoRAs) and one unguided image compile
-    nothing, and each image equals diffusers' call with the LoRA; a DeepCache request with a LoRA
-    equals diffusers' call under the DeepCache helper, and a ControlNet request with a LoRA
-    diffusers' ControlNet pipeline."""
+    requests, a new adapter, an eviction (two slots, three LoRAs) and one unguided image, cached or
+    not, compile nothing, and each image equals diffusers' call with the LoRA; a DeepCache request
+    with a LoRA equals diffusers' call under the DeepCache helper, and a ControlNet request with a
+    LoRA diffusers' ControlNet pipeline."""
     cache = Path(os.environ["TORCHINDUCTOR_CACHE_DIR"])
     elsewhere = tmp_path / "inherited-cache"  # what the server inherits: compile.cache_dir overrides it
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(elsewhere))
@@ -114,8 +114,12 @@ def test_a_compiled_unet_with_lora_slots_equals_diffusers_and_a_restarted_worker
         theirs = reference(body["prompt"], body["seed"], 64, 64, 4, loras=outline, controlnets=calls)
         assert_same_image(ours, np.asarray(theirs.images[0]))
         assert_moved(ours, np.asarray(reference(body["prompt"], body["seed"], 64, 64, 4, loras=outline).images[0]))
-        # one unguided image: one row, which warm-up did not compile (the load after it counts the graphs)
+        # one unguided image: one row, run as two; with a step cache, one row through the regions,
+        # which warm-up compiled apart (the load after them counts the graphs)
         assert client.predict({**body, "guidance_scale": 1.0}).status_code == 200
+        assert (
+            client.predict({**body, "guidance_scale": 1.0, "cache": {"mode": "deep", "interval": 2}}).status_code == 200
+        )
         assert client.predict({**body, "loras": [{"name": "unet-only", "scale": 1.0}]}).status_code == 200
         log = server.console_log.read_text(errors="replace")
     assert not any(elsewhere.rglob("*")), "the worker compiled into the inherited directory, not compile.cache_dir"

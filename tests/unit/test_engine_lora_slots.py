@@ -109,13 +109,16 @@ def test_mixed_sets_share_compiled_forwards_and_each_equals_diffusers(engine, lo
             assert_moved(decoded.images[0], expected(reference, job).images[0], f"LoRA set {lora_set}")
 
 
-def test_a_single_unguided_image_compiles_nothing_and_equals_diffusers(engine, lora_dir):
+@pytest.mark.parametrize("cache", [None, StepCache(mode="deep", interval=2)], ids=["uncached", "deep"])
+def test_a_single_unguided_image_compiles_nothing_and_equals_diffusers(engine, lora_dir, cache):
     """The worker's defaults are guided, so its warm-up compiled two rows an image and up: one
-    unguided image (one row) runs as two, alone and with a LoRA, and compiles nothing."""
+    unguided image (one row) runs as two, alone and with a LoRA, and compiles nothing. With a step
+    cache its forward is not padded: warm-up compiled the cache's regions at one row too (equal to
+    the DeepCache helper's images)."""
     reference = Reference(MODEL)
     for lora_set in ((), (("attention", 0.8),)):
         adapters = engine.loras.acquire(list(lora_set), in_use=())
-        job = spec("a red circle", 5, side=SIDE, steps=3, guidance=0.0, adapters=adapters)
+        job = spec("a red circle", 5, side=SIDE, steps=3, guidance=0.0, adapters=adapters, cache=cache)
         (decoded,) = run(engine, [(0, job)])
         files = [(lora_dir / f"{name}.safetensors", weight) for name, weight in lora_set]
         assert_same_images(decoded, expected(reference, job, files))
