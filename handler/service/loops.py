@@ -203,16 +203,15 @@ class DiffusionService:
 
     def _warm_up_jobs(self, spec: JobSpec, cache: StepCache | None) -> None:
         """A job of ``spec`` to the end, then (``cache``) it and one with the cache stepped
-        together, cached jobs of the profile's sizes, and a cached single unguided image: a cached
-        forward is not padded, so its one row compiles the regions at one row (dynamo compiles a
-        size of 1 apart), here rather than in the first such request."""
+        together, cached jobs of the profile's sizes, and a cached single unguided image alone: a
+        cached forward is not padded, so its one row compiles the regions at one row (dynamo
+        compiles a size of 1 apart), here rather than in the first such request."""
         self._warm_up_together([spec])
         if cache is not None:
             cached = dataclasses.replace(spec, cache=cache)
             self._warm_up_together([spec, cached])
             self.profile.step_each_size(spec.width, spec.height, cache)
-            if spec.rows > 1:
-                self._warm_up_together([dataclasses.replace(cached, seeds=spec.seeds[:1], guidance_scale=1.0)])
+            self._warm_up_together([dataclasses.replace(cached, seeds=spec.seeds[:1], guidance_scale=1.0)])
 
     def _warm_up_together(self, specs: list[JobSpec]) -> None:
         jobs = self.engine.start(specs)

@@ -120,25 +120,23 @@ def eventually(condition, what: str, timeout: float = RECOVERY_TIMEOUT_S) -> Non
         time.sleep(0.05)
 
 
-def settled_samples(server: TorchServe, quiet_s: float = 0.5) -> dict[tuple[str, frozenset], float]:
-    """The server's metric samples once the answers already sent are recorded: a worker records a
-    request's latency after its answer left, and the frontend parses that line apart from the answer.
-    Settled: no request in flight and no latency recorded over ``quiet_s``."""
-    last: tuple[float, float] | None = None
+def settled_samples(client: Client) -> dict[tuple[str, frozenset], float]:
+    """The server's metric samples once every line its worker wrote before now is parsed: the
+    frontend parses a worker's metric lines apart from its answers, and a worker records a request's
+    latency after its answer left. The barrier is a request the worker refuses, whose line follows
+    theirs; it adds one to ``ts_inference_requests_total`` and to ``sd_invalid_requests_total``
+    under ``num_inference_steps``. One worker: another's lines are not behind the barrier."""
+    field = {"field": "num_inference_steps"}
+    refused = value(client.server.metric_samples(), "sd_invalid_requests_total", **field)
+    response = client.predict({"prompt": "a metrics barrier", "num_inference_steps": 0})
+    assert response.status_code == 400, response.text
     samples: dict[tuple[str, frozenset], float] = {}
 
-    def quiet() -> bool:
-        nonlocal last, samples
-        samples = server.metric_samples()
-        in_flight = sum(sample for (name, _), sample in samples.items() if name == "sd_in_flight_requests")
-        now = (in_flight, value(samples, "sd_request_latency_seconds_count"))
-        if now == last and in_flight == 0:
-            return True
-        last = now
-        time.sleep(quiet_s)
-        return False
+    def parsed() -> bool:
+        samples.update(client.server.metric_samples())
+        return value(samples, "sd_invalid_requests_total", **field) > refused
 
-    eventually(quiet, "no request in flight and no latency recorded")
+    eventually(parsed, "the barrier request's refusal in the metrics", timeout=30)
     return samples
 
 

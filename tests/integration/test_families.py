@@ -592,7 +592,7 @@ def test_the_safety_checker_flags_as_diffusers_does_and_says_so(served, referenc
 
 
 def test_metrics_move_by_what_was_sent_in_both_modes(served):
-    before = settled_samples(served.server)  # the test before's last latency is not counted here
+    before = settled_samples(served.client)  # the test before's last latency is not counted here
     bodies = [
         {"prompt": "a", "seed": 1, "num_inference_steps": 5},
         {"prompt": "b", "seed": 2, "num_inference_steps": 3, "num_images_per_prompt": 2},
@@ -611,16 +611,20 @@ def test_metrics_move_by_what_was_sent_in_both_modes(served):
 
     def settled() -> bool:
         """The frontend reads the worker's metric lines apart from its answers: the requests'
-        latencies are the last lines recorded for them."""
+        latencies and encodings are the last lines recorded for them."""
         scraped["after"] = served.server.metric_samples()
-        return delta("sd_request_latency_seconds_count") == 2 and delta("sd_pipeline_calls_total") == delta(
-            "sd_vae_decode_seconds_count"
-        )
+        answered = delta("sd_request_latency_seconds_count") == delta("sd_encode_seconds_count") == 2
+        return answered and delta("sd_pipeline_calls_total") == delta("sd_vae_decode_seconds_count")
 
     try:
         eventually(settled, "the metrics of the requests sent", timeout=30)
     except AssertionError as error:
-        names = ("sd_request_latency_seconds_count", "sd_pipeline_calls_total", "sd_vae_decode_seconds_count")
+        names = (
+            "sd_request_latency_seconds_count",
+            "sd_encode_seconds_count",
+            "sd_pipeline_calls_total",
+            "sd_vae_decode_seconds_count",
+        )
         raise AssertionError(f"{error}: { ({name: delta(name) for name in names}) }") from None
     after = scraped["after"]
 

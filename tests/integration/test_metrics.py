@@ -58,7 +58,7 @@ def test_every_declared_metric_is_exported_after_traffic_in_both_modes(request, 
 
 
 def test_metric_values_match_the_traffic_of_a_dynamic_batch(dynamic_client, dynamic_server):
-    before = settled_samples(dynamic_server)
+    before = settled_samples(dynamic_client)
     bodies = [
         {"prompt": "a", "num_inference_steps": 3, "seed": 1},
         {"prompt": "b", "num_inference_steps": 3, "seed": 2, "num_images_per_prompt": 2},
@@ -66,10 +66,17 @@ def test_metric_values_match_the_traffic_of_a_dynamic_batch(dynamic_client, dyna
     ]
     responses = run_behind_blocker(dynamic_client, bodies)
     assert [response.status_code for response in responses] == [200, 200, 400]
-    after = settled_samples(dynamic_server)
+    after: dict = {}
 
     def delta(name: str, **labels) -> float:
         return value(after, name, **labels) - value(before, name, **labels)
+
+    def answered() -> bool:
+        """The frontend parses the worker's metric lines apart from its answers."""
+        after.update(dynamic_server.metric_samples())
+        return delta("sd_request_latency_seconds_count") == delta("sd_encode_seconds_count") == 3
+
+    eventually(answered, "the latencies and encodings of the requests sent", timeout=30)
 
     blocker_steps = 100
     assert delta("sd_batch_size_count") == 2  # the blocker's batch, then the three followers together

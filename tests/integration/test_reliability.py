@@ -21,6 +21,7 @@ from tests.harness.serving import (
     FAST,
     SHIPPED_CONTINUOUS,
     Client,
+    eventually,
     group_processes,
     run_behind_blocker,
     server_log,
@@ -89,11 +90,18 @@ def test_a_decode_that_runs_out_of_memory_is_retried_image_by_image(fault_client
     body = {"prompt": "at once", "seed": 9, "num_images_per_prompt": images, "response_format": "json", **FAST}
     response = fault_client.predict(body)
     assert response.status_code == 200, response.text
-    after = fault_server.metric_samples()
-    retries = {
-        name: value(after, "sd_oom_retries_total", stage=name) - value(before, "sd_oom_retries_total", stage=name)
-        for name in ("vae_decode", "postprocess")
-    }
+    retries: dict[str, float] = {}
+
+    def counted() -> bool:
+        """The frontend parses the worker's metric lines apart from its answers."""
+        after = fault_server.metric_samples()
+        for name in ("vae_decode", "postprocess"):
+            retries[name] = value(after, "sd_oom_retries_total", stage=name) - value(
+                before, "sd_oom_retries_total", stage=name
+            )
+        return sum(retries.values()) > 0
+
+    eventually(counted, "the retry counted", timeout=30)
     assert retries == {name: int(name == stage) for name in retries}
     for retried, expected in zip(
         decode_json_images(response.json()), decode_json_images(client.predict(body).json()), strict=True
@@ -165,11 +173,13 @@ def test_a_request_past_its_time_limit_is_cancelled_and_the_worker_keeps_serving
     assert error["type"] == "DeadlineExceeded" and "handler.request_timeout_s" in error["message"], error
     assert response.status_code == (504 if mode == "dynamic" else 200)
     assert [process.pid for process in workers(client.server)] == [worker.pid], "the worker was not killed"
-    cancelled = [
-        value(samples, "sd_cancelled_requests_total", reason="deadline")
-        for samples in (before, client.server.metric_samples())
-    ]
-    assert cancelled[1] == cancelled[0] + 1
+    cancelled = value(before, "sd_cancelled_requests_total", reason="deadline")
+    eventually(
+        lambda: value(client.server.metric_samples(), "sd_cancelled_requests_total", reason="deadline") > cancelled,
+        "the cancel counted",
+        timeout=30,
+    )
+    assert value(client.server.metric_samples(), "sd_cancelled_requests_total", reason="deadline") == cancelled + 1
     assert client.predict({"prompt": "served next", **FAST}).status_code == 200
     print(f"time limit, {mode} batching: {response.status_code}, {error['message']}")
 

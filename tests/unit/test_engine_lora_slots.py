@@ -109,19 +109,24 @@ def test_mixed_sets_share_compiled_forwards_and_each_equals_diffusers(engine, lo
             assert_moved(decoded.images[0], expected(reference, job).images[0], f"LoRA set {lora_set}")
 
 
-@pytest.mark.parametrize("cache", [None, StepCache(mode="deep", interval=2)], ids=["uncached", "deep"])
-def test_a_single_unguided_image_compiles_nothing_and_equals_diffusers(engine, lora_dir, cache):
+@pytest.mark.parametrize("case", ["uncached", "cached", "beside a cached job"])
+def test_a_single_unguided_image_compiles_nothing_and_equals_diffusers(engine, lora_dir, case):
     """The worker's defaults are guided, so its warm-up compiled two rows an image and up: one
-    unguided image (one row) runs as two, alone and with a LoRA, and compiles nothing. With a step
-    cache its forward is not padded: warm-up compiled the cache's regions at one row too (equal to
-    the DeepCache helper's images)."""
+    unguided image (one row) runs as two, alone and with a LoRA, and compiles nothing. A forward with
+    a step cache is not padded: warm-up compiled the cache's regions at one row too, which a cached
+    single image runs, and an uncached one beside a cached job at its cached steps (the deep blocks
+    on its row alone); each equals diffusers' call (cached: under the DeepCache helper)."""
+    deep = StepCache(mode="deep", interval=2)
     reference = Reference(MODEL)
     for lora_set in ((), (("attention", 0.8),)):
         adapters = engine.loras.acquire(list(lora_set), in_use=())
-        job = spec("a red circle", 5, side=SIDE, steps=3, guidance=0.0, adapters=adapters, cache=cache)
-        (decoded,) = run(engine, [(0, job)])
+        job = spec("a red circle", 5, side=SIDE, steps=3, guidance=0.0, adapters=adapters)
+        jobs = [(0, replace(job, cache=deep) if case == "cached" else job)]
+        if case == "beside a cached job":
+            jobs.append((0, spec("a blue square", 6, side=SIDE, steps=3, cache=deep)))
         files = [(lora_dir / f"{name}.safetensors", weight) for name, weight in lora_set]
-        assert_same_images(decoded, expected(reference, job, files))
+        for (_, ran), decoded, ran_files in zip(jobs, run(engine, jobs), [files, []], strict=False):
+            assert_same_images(decoded, expected(reference, ran, ran_files))
 
 
 def test_a_new_adapter_and_an_eviction_recompile_nothing(engine, lora_dir):
