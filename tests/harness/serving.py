@@ -130,14 +130,14 @@ def settled_samples(client: Client) -> dict[tuple[str, frozenset], float]:
     refused = value(client.server.metric_samples(), "sd_invalid_requests_total", **field)
     response = client.predict({"prompt": "a metrics barrier", "num_inference_steps": 0})
     assert response.status_code == 400, response.text
-    samples: dict[tuple[str, frozenset], float] = {}
+    latest: dict[str, dict[tuple[str, frozenset], float]] = {}
 
     def parsed() -> bool:
-        samples.update(client.server.metric_samples())
-        return value(samples, "sd_invalid_requests_total", **field) > refused
+        latest["samples"] = client.server.metric_samples()
+        return value(latest["samples"], "sd_invalid_requests_total", **field) > refused
 
     eventually(parsed, "the barrier request's refusal in the metrics", timeout=30)
-    return samples
+    return latest["samples"]
 
 
 def wait_until_denoising(server: TorchServe, requests_in_flight: int = 1) -> None:

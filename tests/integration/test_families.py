@@ -625,7 +625,8 @@ def test_metrics_move_by_what_was_sent_in_both_modes(served):
             "sd_pipeline_calls_total",
             "sd_vae_decode_seconds_count",
         )
-        raise AssertionError(f"{error}: { ({name: delta(name) for name in names}) }") from None
+        counted = {name: delta(name) for name in names}
+        raise AssertionError(f"{error}: {counted}") from None
     after = scraped["after"]
 
     assert delta("sd_iteration_batch_size_sum") == 5 * 1 + 3 * 2  # image-steps, however they were batched
