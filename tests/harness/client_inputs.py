@@ -5,9 +5,7 @@ ones send them over HTTP."""
 
 from __future__ import annotations
 
-import base64
 import codecs
-import io
 import json
 import math
 from typing import Any, get_args
@@ -17,19 +15,14 @@ from PIL import Image
 
 from handler.api.request import GenerationRequest
 from handler.config import MAX_SEED, OutputFormat, RequestLimits, ResponseFormat, SchedulerName
+from tests.harness.images import png_base64
 
 FIELDS = tuple(GenerationRequest.model_fields)
 
 
-def _png_base64(image: Image.Image) -> str:
-    buffer = io.BytesIO()
-    image.save(buffer, format="PNG")
-    return base64.b64encode(buffer.getvalue()).decode("ascii")
-
-
 # Input images as JSON carries them: a picture, and a mask transparent in one corner.
-PICTURE = _png_base64(Image.new("RGB", (64, 64), (200, 30, 30)))
-MASK = _png_base64(Image.new("RGBA", (64, 64), (0, 0, 0, 0)).crop((0, 0, 64, 64)))
+PICTURE = png_base64(Image.new("RGB", (64, 64), (200, 30, 30)))
+MASK = png_base64(Image.new("RGBA", (64, 64), (0, 0, 0, 0)).crop((0, 0, 64, 64)))
 BASE_FIELDS = {"prompt": "a red circle", "num_inference_steps": 2}
 
 # Every code point, lone surrogates included: JSON carries them as \ud800 escapes.

@@ -1,4 +1,4 @@
-"""Images as the tests read them back, and the equality the tests allow across batch sizes."""
+"""Images as the tests send them and read them back, and the equality the tests allow across batch sizes."""
 
 from __future__ import annotations
 
@@ -7,6 +7,13 @@ import io
 
 import numpy as np
 from PIL import Image
+
+
+def png_base64(image: Image.Image) -> str:
+    """A picture as JSON requests carry it: base64 PNG."""
+    buffer = io.BytesIO()
+    image.save(buffer, format="PNG")
+    return base64.b64encode(buffer.getvalue()).decode("ascii")
 
 
 def decode_png(data: bytes) -> np.ndarray:

@@ -6,8 +6,6 @@ diffusers' ControlNet pipeline and compiles nothing."""
 
 from __future__ import annotations
 
-import base64
-import io
 import os
 import re
 import shutil
@@ -23,7 +21,7 @@ from model_making.make_lora import write_lora
 from server import write_model_config as model_config
 from server.paths import CONTROLNET_DIR, DEFAULT_MODEL_DIR, ROOT
 from tests.harness.engine_runs import compiled_lora_slots
-from tests.harness.images import assert_moved, assert_same_image
+from tests.harness.images import assert_moved, assert_same_image, png_base64
 from tests.harness.serving import Client, serving, wait_until_serving, workers
 
 pytestmark = pytest.mark.slow
@@ -106,9 +104,7 @@ def test_a_compiled_unet_with_lora_slots_equals_diffusers_and_a_restarted_worker
         # a ControlNet with a LoRA: the graphs warm-up compiled take ControlNet residuals (zeros before)
         mask = Image.new("RGB", (64, 64))
         ImageDraw.Draw(mask).ellipse((6, 30, 30, 54), fill="white")
-        buffer = io.BytesIO()
-        mask.save(buffer, format="PNG")
-        controlnet = {"name": "shapes-mask", "image": base64.b64encode(buffer.getvalue()).decode()}
+        controlnet = {"name": "shapes-mask", "image": png_base64(mask)}
         ours = client.image(**body, loras=[{"name": "outline", "scale": 1.0}], controlnets=[controlnet])
         calls = [ControlNetCall(CONTROLNET_DIR / "shapes-mask", mask)]
         theirs = reference(body["prompt"], body["seed"], 64, 64, 4, loras=outline, controlnets=calls)

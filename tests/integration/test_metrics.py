@@ -3,13 +3,11 @@ against the traffic sent."""
 
 from __future__ import annotations
 
-import base64
-import io
-
 import pytest
 from PIL import Image
 
 from handler.metrics import METRICS
+from tests.harness.images import png_base64
 from tests.harness.serving import (
     SHIPPED_CONFIG,
     Client,
@@ -24,13 +22,6 @@ from tests.harness.serving import (
 PER_REQUEST_NOISE = ("result=[METRICS]", "Flushing req.cmd", "Waiting time ns")
 
 
-def black_png() -> str:
-    """A control map with no shape on it, base64 PNG."""
-    buffer = io.BytesIO()
-    Image.new("RGB", (64, 64)).save(buffer, format="PNG")
-    return base64.b64encode(buffer.getvalue()).decode("ascii")
-
-
 @pytest.mark.parametrize("mode", ["dynamic_server", "continuous_server"])
 def test_every_declared_metric_is_exported_after_traffic_in_both_modes(request, mode):
     server = request.getfixturevalue(mode)
@@ -38,7 +29,7 @@ def test_every_declared_metric_is_exported_after_traffic_in_both_modes(request, 
     assert client.predict({"prompt": "x", "width": 100}).status_code == 400
     assert client.predict({"prompt": "x", "num_inference_steps": 2}).status_code == 200
     assert client.predict({"prompt": "x", "num_inference_steps": 2, "loras": [{"name": "outline"}]}).status_code == 200
-    control = {"name": "shapes-mask", "image": black_png()}
+    control = {"name": "shapes-mask", "image": png_base64(Image.new("RGB", (64, 64)))}  # no shape
     assert client.predict({"prompt": "x", "num_inference_steps": 2, "controlnets": [control]}).status_code == 200
     names = {name for name, _ in server.metric_samples()}
     for spec in METRICS:
