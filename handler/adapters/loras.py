@@ -153,10 +153,15 @@ class LoraLibrary(Library):
         self._active = adapters
 
     @contextmanager
-    def rows(self, sets: Sequence[tuple[Adapters, int]], device: torch.device) -> Iterator[None]:
+    def rows(self, sets: Sequence[tuple[Adapters, int]], device: torch.device) -> Iterator[torch.Tensor | None]:
         """During the block, the denoiser's forwards give each consecutive block of rows its set:
-        ``sets`` holds (set, rows) pairs in row order (nested: a sub-batch of the forward)."""
+        ``sets`` holds (set, rows) pairs in row order (nested: a sub-batch of the forward). Yields
+        the compiled denoiser's slot weights per row (None: no LoRA rows, or an eager denoiser)."""
         if self._active is None:  # after a load or a failure: every component's LoRA layers off first
             self.activate(())
-        with self.row_loras.rows(sets, device) if self.slots is None else self.slots.rows(sets, device):
-            yield
+        if self.slots is None:
+            with self.row_loras.rows(sets, device):
+                yield None
+        else:
+            with self.slots.rows(sets, device) as weights:
+                yield weights

@@ -317,4 +317,7 @@ def load_engine(settings: HandlerSettings, model_dir: str | Path, gpu_id: int | 
         deep_cache,
         first_block,
         embeddings,
+        dynamic_rows=settings.compile.denoiser
+        and settings.compile.dynamic is None
+        and settings.max_images_per_call > 1,
     )

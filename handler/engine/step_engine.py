@@ -63,7 +63,7 @@ from handler.config import FamilyRules, FaultInjection, StepCache
 from handler.engine.decoding import DecodeFailed, LaterDecode
 from handler.engine.jobs import DenoiseJob, Inpainting, JobSpec
 from handler.engine.timing import Span
-from handler.families import Conditioning, Decoded, Family, Pipeline, Scheduler, schedules
+from handler.families import Conditioning, Decoded, Family, Pipeline, Residuals, Scheduler, schedules
 from handler.families.base import padded_rows, steps_by_index
 from handler.families.deep_cache import Branch, CacheRows, DeepCacheHooks, RowCache, branches, kept_row_shape
 from handler.families.first_block_cache import FirstBlockCache, FirstBlockHooks, kept_row_elements
@@ -87,6 +87,7 @@ class StepEngine:
     deep_cache: DeepCacheHooks | None = None  # DeepCache per row (a UNet); None: not served
     first_block: FirstBlockHooks | None = None  # first-block caching per row (a transformer); None: not served
     embeddings: EmbeddingLibrary | None = None  # textual-inversion embeddings prompts name; None: none served
+    dynamic_rows: bool = False  # the compiled denoiser's first graph of a shape takes any row count (2 or more)
 
     @property
     def rules(self) -> FamilyRules:
@@ -273,7 +274,9 @@ class StepEngine:
         )
         # The padding rows take the last job's LoRA set: a set every row shares stays one scalar weight.
         sets = [(job.spec.adapters, job.rows) for job in jobs] + [(jobs[-1].spec.adapters, padding)]
-        with self.loras.rows(sets, self.device), self._step_cache(jobs, sets):
+        with self.loras.rows(sets, self.device) as slot_weights, self._step_cache(jobs, sets):
+            if self.dynamic_rows:
+                rows_dynamic(latents, timestep_rows, conditioning, residuals, slot_weights)
             if replays:  # each step a new run of the graphs: the last run's outputs are done with
                 torch.compiler.cudagraph_mark_step_begin()
             noise = family.forward(latents, timestep_rows, conditioning, residuals)[:rows]
@@ -297,7 +300,7 @@ class StepEngine:
         if not _cached(jobs):
             return contextlib.nullcontext()
 
-        def sub_batch_rows(running: list[int]) -> contextlib.AbstractContextManager[None]:
+        def sub_batch_rows(running: list[int]) -> contextlib.AbstractContextManager[torch.Tensor | None]:
             return self.loras.rows([sets[index] for index in running], self.device)
 
         if self.first_block is not None:
@@ -367,6 +370,28 @@ class StepEngine:
             raise torch.OutOfMemoryError(
                 f"simulated out of memory: {pixels} pixels in one {stage}, fault_injection allows {limit}"
             )
+
+
+def rows_dynamic(
+    latents: torch.Tensor,
+    timesteps: torch.Tensor,
+    conditioning: Conditioning,
+    residuals: Residuals | None,
+    slot_weights: torch.Tensor | None,
+) -> None:
+    """Mark the rows of a compiled denoiser's inputs dynamic, so that dynamo compiles a shape's
+    first forward of two rows or more for every such count at once. Unmarked, it compiles that
+    count alone, then every count again at the next one (torch's automatic dynamic shapes): a
+    second compile of the whole denoiser per graph kind, at warm-up or while serving. One row
+    stays a graph apart (dynamo specializes a size of 1)."""
+    rows = latents.shape[0]
+    if rows < 2:
+        return
+    down, mid = residuals or ([], None)
+    tensors = [latents, timesteps, conditioning.hidden_states, *conditioning.added.values(), *down, mid, slot_weights]
+    for tensor in tensors:
+        if tensor is not None and tensor.shape[0] == rows:
+            torch._dynamo.maybe_mark_dynamic(tensor, 0)
 
 
 def _cached(jobs: list[DenoiseJob]) -> bool:

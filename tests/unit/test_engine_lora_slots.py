@@ -1,7 +1,8 @@
 """LoRA sets in a compiled denoiser (``handler.adapters.lora_slots``, inductor on the CPU), on the
 engine of a worker serving the default model with its UNet compiled and two LoRA slots, warmed up
 as the worker warms it (the graphs that tests/integration/test_compile_cache.py's worker compiled,
-found in the run's inductor cache): after the warm-up no job compiles anything, one unguided image
+found in the run's inductor cache): warm-up compiles the whole UNet once plain and once with LoRA
+rows, each for every row count from 2, and after it no job compiles anything, one unguided image
 (a single row, run as two) included. Jobs with different sets share forwards and each image equals
 diffusers' ``load_lora_weights`` + ``set_adapters`` call; loading, evicting and reloading adapters
 recompiles nothing; what the slots cannot hold is refused by name, and a full set of slots in use is
@@ -18,6 +19,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from torch._dynamo.eval_frame import _debug_get_cache_entry_list
 
 from bench.reference import ControlNetCall, Reference
 from handler.adapters.controlnets import ControlSpec
@@ -73,7 +75,9 @@ def lora_dir(tmp_path_factory) -> Path:
 def warmed(lora_dir) -> tuple[StepEngine, int]:
     """The worker's engine after its warm-up, and the graphs compiled by then."""
     torch._dynamo.reset()  # a worker's process: nothing learnt from other models' compiles
-    engine = warmed_engine(MODEL, **compiled_lora_slots(lora_dir))
+    # nor from the shapes other processes of the run saw (dynamo's profile in the run's cache): a cold worker
+    with torch._dynamo.config.patch(automatic_dynamic_local_pgo=False):
+        engine = warmed_engine(MODEL, **compiled_lora_slots(lora_dir))
     return engine, compiled_graphs()
 
 
@@ -93,6 +97,8 @@ def test_mixed_sets_share_compiled_forwards_and_each_equals_diffusers(engine, lo
     unet = engine.pipeline.unet  # compiled in place: still the pipeline's model, for diffusers' LoRA loading
     assert type(unet).__name__ == "UNet2DConditionModel" and unet._compiled_call_impl is not None
     assert "compile=default(unet)" in engine.description
+    # warm-up compiled the whole UNet once per kind (plain, with LoRA rows), for every row count from 2
+    assert len(_debug_get_cache_entry_list(type(unet).forward.__code__)) == 2
     assert engine.loras.slots is not None and all(
         isinstance(module, SlotLinear) for module in engine.loras.slots.layers.values()
     )

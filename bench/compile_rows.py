@@ -1,0 +1,168 @@
+"""`make bench-compile-rows`: what a compiled denoiser's first compile costs with its rows marked
+dynamic (``StepEngine.dynamic_rows``, the worker's default) against rows left static until they
+change (torch's automatic dynamic shapes: the first count alone, then every count again).
+
+Per tiny model (random weights, made by ``make model``), per setting, one process with a fresh
+inductor cache loads the engine with the denoiser compiled (``compile.targets: [unet]``) and steps
+one guided job of 3 images (6 rows), then one of 2 (4 rows): the seconds of each and the graphs
+compiled after each. The settings alternate per model, ``--repeats`` times. Prints the table with
+the ratio marked / static of the median total and writes ``reports/compile_rows/compile_rows.{json,md,png}``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import logging
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import matplotlib.pyplot as plt
+
+from bench.pipeline import environment
+from bench.report import markdown_table, publish
+from server.paths import REPORTS, ROOT, TINY_MODEL_DIRS
+
+logger = logging.getLogger("bench.compile_rows")
+
+MODELS = ("sd1", "sdxl", "sd3")
+SCHEDULERS = {"sd1": "ddim", "sdxl": "euler", "sd3": "flow_match_euler"}
+SETTINGS = ("static", "marked")  # rows left static until they change; rows marked dynamic
+IMAGES = (3, 2)  # the two jobs stepped one after the other, guided: 6 rows, then 4
+
+
+def measure_once(family: str, marked: bool) -> dict:
+    """In this process: the engine's first job and the next, each timed, with the graphs compiled."""
+    import torch
+
+    from handler.adapters.lora_slots import compiled_graphs
+    from handler.config import HandlerSettings
+    from handler.engine.jobs import JobSpec
+    from handler.engine.loading import load_engine
+
+    settings = {"model_path": str(TINY_MODEL_DIRS[family]), "compile": {"enabled": True, "targets": ["unet"]}}
+    engine = dataclasses.replace(load_engine(HandlerSettings.model_validate(settings), "/unused"), dynamic_rows=marked)
+    jobs = []
+    for images in IMAGES:
+        spec = JobSpec("a red circle", None, tuple(range(images)), 64, 64, 1, SCHEDULERS[family], 7.5)
+        started = time.perf_counter()
+        (job,) = engine.start([spec])
+        while not job.done:
+            engine.step([job])
+        engine.decode(job.latents, spec.width, spec.height)
+        jobs.append({"images": images, "seconds": time.perf_counter() - started, "graphs": compiled_graphs()})
+    return {"family": family, "setting": SETTINGS[marked], "torch": torch.__version__, "jobs": jobs}
+
+
+def measure(family: str, marked: bool) -> dict:
+    """``measure_once`` in a fresh process and inductor cache."""
+    with tempfile.TemporaryDirectory(prefix="bench-compile-rows-") as cache:
+        env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": cache, "PYTHONPATH": str(ROOT)}
+        env.setdefault("TORCHINDUCTOR_VEC_ISA_OK", "0")  # as the test suite compiles on the CPU
+        command = [sys.executable, "-m", "bench.compile_rows", "--child", family, str(int(marked))]
+        done = subprocess.run(command, env=env, cwd=ROOT, capture_output=True, text=True, check=True)
+    return json.loads(done.stdout.splitlines()[-1])
+
+
+def summary(runs: list[dict]) -> list[dict]:
+    """Per model and setting: the median seconds of each job and of both, the graphs after each."""
+    rows = []
+    for family in dict.fromkeys(run["family"] for run in runs):
+        for setting in SETTINGS:
+            mine = [run for run in runs if run["family"] == family and run["setting"] == setting]
+            rows.append(
+                {
+                    "family": family,
+                    "setting": setting,
+                    "runs": len(mine),
+                    "seconds": [statistics.median(run["jobs"][job]["seconds"] for run in mine) for job in range(2)],
+                    "total_s": statistics.median(sum(job["seconds"] for job in run["jobs"]) for run in mine),
+                    "graphs": [job["graphs"] for job in mine[0]["jobs"]],
+                }
+            )
+    return rows
+
+
+def table(rows: list[dict]) -> str:
+    static = {row["family"]: row["total_s"] for row in rows if row["setting"] == "static"}
+    header = ["model", "rows", *(f"{n} images (s)" for n in IMAGES), "both (s)", "graphs after each", "marked / static"]
+    cells = [
+        [
+            row["family"],
+            row["setting"],
+            *(f"{seconds:.1f}" for seconds in row["seconds"]),
+            f"{row['total_s']:.1f}",
+            ", ".join(map(str, row["graphs"])),
+            f"{row['total_s'] / static[row['family']]:.2f}x" if row["setting"] == "marked" else "—",
+        ]
+        for row in rows
+    ]
+    return markdown_table(header, cells)
+
+
+def plot(rows: list[dict], path: Path) -> None:
+    families = list(dict.fromkeys(row["family"] for row in rows))
+    figure, axis = plt.subplots(figsize=(7, 4))
+    width = 0.38
+    for index, setting in enumerate(SETTINGS):
+        mine = {row["family"]: row for row in rows if row["setting"] == setting}
+        positions = [position + index * width for position in range(len(families))]
+        bottoms = [0.0] * len(families)
+        for job, images in enumerate(IMAGES):
+            heights = [mine[family]["seconds"][job] for family in families]
+            axis.bar(positions, heights, width, bottom=bottoms, label=f"{setting}: job of {images} images")
+            bottoms = [bottom + height for bottom, height in zip(bottoms, heights, strict=True)]
+    axis.set_xticks([position + width / 2 for position in range(len(families))], families)
+    axis.set_ylabel("seconds (compile included)")
+    axis.set_title("First two row counts of a compiled denoiser")
+    axis.legend(fontsize=8)
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
+    plt.close(figure)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--models", nargs="+", choices=MODELS, default=list(MODELS))
+    parser.add_argument("--repeats", type=int, default=1)
+    parser.add_argument("--output", type=Path, default=REPORTS / "compile_rows")
+    parser.add_argument("--child", nargs=2, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child:
+        family, marked = args.child
+        print(json.dumps(measure_once(family, marked == "1")))
+        return
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
+    runs = []
+    for family in args.models:
+        for repeat in range(args.repeats):
+            for marked in (False, True):
+                runs.append(measure(family, marked))
+                jobs = runs[-1]["jobs"]
+                logger.info(
+                    "%s %s (%d/%d): %s",
+                    family,
+                    SETTINGS[marked],
+                    repeat + 1,
+                    args.repeats,
+                    ", ".join(f"{job['images']} images {job['seconds']:.1f} s, {job['graphs']} graphs" for job in jobs),
+                )
+    rows = summary(runs)
+    data = {"environment": environment_cpu(), "runs": runs, "rows": rows}
+    publish(data, table(rows), lambda path: plot(rows, path), args.output, "compile_rows")
+
+
+def environment_cpu() -> dict:
+    import torch
+
+    return environment(torch.device("cpu"))
+
+
+if __name__ == "__main__":
+    main()
