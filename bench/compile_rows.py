@@ -5,7 +5,7 @@ change (torch's automatic dynamic shapes: the first count alone, then every coun
 Per tiny model (random weights, made by ``make model``), per setting, one process with a fresh
 inductor cache loads the engine with the denoiser compiled (``compile.targets: [unet]``) and steps
 one guided job of 3 images (6 rows), then one of 2 (4 rows): the seconds of each and the graphs
-compiled after each. The settings alternate per model, ``--repeats`` times. Prints the table with
+compiled after each. Per model, static then marked, ``--repeats`` times. Prints the table with
 the ratio marked / static of the median total and writes ``reports/compile_rows/compile_rows.{json,md,png}``.
 """
 
@@ -17,15 +17,14 @@ import json
 import logging
 import os
 import statistics
-import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 import matplotlib.pyplot as plt
+import torch
 
-from bench.pipeline import environment
+from bench.pipeline import environment, python_module
 from bench.report import markdown_table, publish
 from server.paths import REPORTS, ROOT, TINY_MODEL_DIRS
 
@@ -39,8 +38,6 @@ IMAGES = (3, 2)  # the two jobs stepped one after the other, guided: 6 rows, the
 
 def measure_once(family: str, marked: bool) -> dict:
     """In this process: the engine's first job and the next, each timed, with the graphs compiled."""
-    import torch
-
     from handler.adapters.lora_slots import compiled_graphs
     from handler.config import HandlerSettings
     from handler.engine.jobs import JobSpec
@@ -60,13 +57,14 @@ def measure_once(family: str, marked: bool) -> dict:
     return {"family": family, "setting": SETTINGS[marked], "torch": torch.__version__, "jobs": jobs}
 
 
-def measure(family: str, marked: bool) -> dict:
+def measure(family: str, marked: bool, timeout: float) -> dict:
     """``measure_once`` in a fresh process and inductor cache."""
     with tempfile.TemporaryDirectory(prefix="bench-compile-rows-") as cache:
-        env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": cache, "PYTHONPATH": str(ROOT)}
-        env.setdefault("TORCHINDUCTOR_VEC_ISA_OK", "0")  # as the test suite compiles on the CPU
-        command = [sys.executable, "-m", "bench.compile_rows", "--child", family, str(int(marked))]
-        done = subprocess.run(command, env=env, cwd=ROOT, capture_output=True, text=True, check=True)
+        env = {"TORCHINDUCTOR_CACHE_DIR": cache, "PYTHONPATH": str(ROOT)}
+        env["TORCHINDUCTOR_VEC_ISA_OK"] = os.environ.get("TORCHINDUCTOR_VEC_ISA_OK", "0")  # as the suite compiles
+        done = python_module("bench.compile_rows", ["--child", family, str(int(marked))], env, timeout)
+    if done.returncode:
+        raise RuntimeError(f"{family}, rows {SETTINGS[marked]}: exit {done.returncode}\n{done.stdout[-4000:]}")
     return json.loads(done.stdout.splitlines()[-1])
 
 
@@ -132,6 +130,7 @@ def main() -> None:
     parser.add_argument("--models", nargs="+", choices=MODELS, default=list(MODELS))
     parser.add_argument("--repeats", type=int, default=1)
     parser.add_argument("--output", type=Path, default=REPORTS / "compile_rows")
+    parser.add_argument("--timeout", type=float, default=900, help="seconds one measuring process may take")
     parser.add_argument("--child", nargs=2, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
@@ -143,7 +142,7 @@ def main() -> None:
     for family in args.models:
         for repeat in range(args.repeats):
             for marked in (False, True):
-                runs.append(measure(family, marked))
+                runs.append(measure(family, marked, args.timeout))
                 jobs = runs[-1]["jobs"]
                 logger.info(
                     "%s %s (%d/%d): %s",
@@ -154,14 +153,8 @@ def main() -> None:
                     ", ".join(f"{job['images']} images {job['seconds']:.1f} s, {job['graphs']} graphs" for job in jobs),
                 )
     rows = summary(runs)
-    data = {"environment": environment_cpu(), "runs": runs, "rows": rows}
+    data = {"environment": environment(torch.device("cpu")), "runs": runs, "rows": rows}
     publish(data, table(rows), lambda path: plot(rows, path), args.output, "compile_rows")
-
-
-def environment_cpu() -> dict:
-    import torch
-
-    return environment(torch.device("cpu"))
 
 
 if __name__ == "__main__":

@@ -18,12 +18,15 @@ section file there (``bench.gpu_report``), so sections can run in separate calls
    rows padded to the graphs' row counts: ``handler.compile.pad_rows``).
 4. ``served``: TorchServe on this GPU (one worker), dynamic and continuous batching, 25 steps, a
    closed loop at concurrency 1, 4, 8 and 16: images/s, p50, p95, against the in-process ceiling
-   (the eager pipeline at the same batch, measured in the same run).
+   (the eager pipeline at the same batch, measured in the same run), and the worker's own profile
+   of 10 served forwards at concurrency 16 (``handler.profiler``: kernels against the wall time of
+   the worker's loop, host syncs and kernel launches per step), per batching mode.
 5. ``sdxl``: SDXL 1024x1024, 30 steps, batch 1: eager and the fastest compile mode of ``variants``.
 6. ``sd35``: SD 3.5 Medium (T5 included) 1024x1024, 28 flow-matching steps, guidance 7.5, eager at
    batch 1 and 4: transformer it/s (the ``unet_it_s`` figure), seconds per call, peak memory.
 7. ``sd35_served``: SD 3.5 Medium through TorchServe with continuous batching (what packaging ships
-   for one GPU), closed loop at concurrency 1 and 4, against ``sd35``'s in-process figures.
+   for one GPU), closed loop at concurrency 1 and 4, against ``sd35``'s in-process figures, and
+   the worker's profile of 10 served forwards at concurrency 4.
 8. ``lora``: SD 1.5, 512x512, 8 requests with no LoRA, one LoRA, 8 different LoRAs and 8 sets of 3
    (rank 16, attention and feed-forward) in one forward, per design of the row-wise LoRA path
    (``bench.loras``): step time over no LoRA, and which design ``auto`` took per layer.
@@ -125,6 +128,11 @@ class Plan:
     # UNet is checked against diffusers in tests/unit/test_engine_lora_slots.py, and its cold
     # compile is half a minute of the suite.
     sdxl_compiled: bool = True
+    # The served step's profile (handler.profiler): this many forwards, from the first of more guided
+    # images than the second-highest concurrency (in the highest's warm-up loop); the quick plan's from
+    # the first forward (its one-step requests may never share one).
+    served_profile_steps: int = 10
+    served_profile_first_forward: bool = False
 
 
 FULL = Plan(
@@ -189,6 +197,8 @@ QUICK = Plan(
     cache_sd35_steps=4,  # the tiny model's first block changes by more than 0.3 at its second step
     cache_repeats=1,
     sdxl_compiled=False,
+    served_profile_steps=1,
+    served_profile_first_forward=True,
 )
 
 
@@ -394,10 +404,12 @@ class GpuBench:
                 logger.info("in-process ceiling, batch %d: %s", concurrency, summary(row))
             result["ceiling_images_per_s"][concurrency] = ceiling
         for mode, frontend in modes.items():
-            workdir = self.scratch / f"{section}-{mode}"
+            workdir = (self.scratch / f"{section}-{mode}").resolve()
+            profiles = workdir / "profile"
+            shutil.rmtree(profiles, ignore_errors=True)
             config = write_model_config(
                 workdir,
-                handler={"model_path": str(model_dir(model))},
+                handler={"model_path": str(model_dir(model)), "profiler": self.profiler(concurrencies, profiles)},
                 minWorkers=1,
                 maxWorkers=1,
                 batchSize=max(concurrencies),
@@ -434,7 +446,17 @@ class GpuBench:
                         figures.mean_step_images,
                     )
                     self.save(section, result)
+            written = sorted(profiles.glob("step-profile-*.json"))
+            result.setdefault("profiles", {})[mode] = json.loads(written[-1].read_text()) if written else None
+            self.save(section, result)
         return result
+
+    def profiler(self, concurrencies: tuple[int, ...], directory: Path) -> dict:
+        """The served worker's ``handler.profiler``: the plan's forwards, from the first of more guided
+        images than the second-highest concurrency (or from the first forward)."""
+        below = sorted(concurrencies)[-2] if len(concurrencies) > 1 else 0
+        min_rows = 1 if self.plan.served_profile_first_forward else 2 * below + 1
+        return {"steps": self.plan.served_profile_steps, "min_rows": min_rows, "dir": str(directory)}
 
     def bodies(self, count: int, side: int, steps: int) -> list[dict]:
         """``count`` requests of the served workload (the server's default scheduler, guidance 7.5)."""

@@ -111,19 +111,29 @@ def _profile_lines(rows: list[dict]) -> list[str]:
     profiled = next((row["profile"] for row in rows if row.get("profile")), None)
     if not profiled:
         return []
-    lines = [
-        "",
+    heading = (
         f"Where an eager call's {profiled['latency_s']:.3f} s go (torch.profiler, {profiled['measure']}; "
-        f"{profiled['wall_s']:.3f} s while profiled):",
-    ]
+        f"{profiled['wall_s']:.3f} s while profiled):"
+    )
+    return _profile_block(
+        profiled,
+        heading,
+        "the call",
+        "the step clock adds one event wait per call: CUDA events",
+        "the call's, start and decode included",
+    )
+
+
+def _profile_block(profiled: dict, heading: str, whole: str, sync_note: str, launch_note: str) -> list[str]:
+    """A profile's kernel share, syncs and launches per step (on CUDA) and its top kernels or operators."""
+    lines = ["", heading]
     if "device_busy_fraction" in profiled:
         syncs = ", ".join(f"{name} {count}" for name, count in profiled["host_syncs"].items()) or "none"
         lines.append(
-            f"the GPU ran kernels {profiled['device_busy_fraction']:.0%} of the call "
-            f"({profiled['device_busy_s']:.3f} s); "
-            f"host synchronizations: {syncs} (the step clock adds one event wait per call: CUDA events); "
+            f"the GPU ran kernels {profiled['device_busy_fraction']:.0%} of {whole} "
+            f"({profiled['device_busy_s']:.3f} s); host synchronizations: {syncs} ({sync_note}); "
             f"per denoising step {profiled.get('syncs_per_step', 0):.1f} synchronizations and "
-            f"{profiled.get('launches_per_step', 0):.0f} kernel launches (the call's, start and decode included)."
+            f"{profiled.get('launches_per_step', 0):.0f} kernel launches ({launch_note})."
         )
     lines += [
         "",
@@ -132,6 +142,24 @@ def _profile_lines(rows: list[dict]) -> list[str]:
             [[f"`{op['name'][:80]}`", str(op["calls"]), f"{op['seconds']:.4f}"] for op in profiled["top_operators"]],
         ),
     ]
+    return lines
+
+
+def _served_profiles(section: dict) -> list[str]:
+    """The worker's own profile of a window of served forwards, per batching mode (``handler.profiler``)."""
+    lines = []
+    for mode, profiled in section.get("profiles", {}).items():
+        if profiled is None:
+            lines += ["", f"The served step, {mode} batching: no profile (no forward reached the window's rows)."]
+            continue
+        heading = (
+            f"The served step, {mode} batching: {profiled['steps']} forwards of {profiled['rows_per_step']:.1f} rows "
+            f"in {profiled['wall_s']:.3f} s while profiled, the worker's loop between them included "
+            f"(`handler.profiler`, {profiled['measure']}):"
+        )
+        lines += _profile_block(
+            profiled, heading, "the window", "one at the window's end, to close it", "the window's, decodes included"
+        )
     return lines
 
 
@@ -269,7 +297,7 @@ def _served(section: dict) -> list[str]:
             "images per denoiser forward",
         ],
         rows,
-    )
+    ) + _served_profiles(section)
 
 
 def _sdxl(section: dict) -> list[str]:

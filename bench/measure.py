@@ -30,6 +30,7 @@ from handler.config import HandlerSettings
 from handler.engine.costs import ATTENTION_FORMULAS
 from handler.engine.jobs import JobSpec
 from handler.engine.loading import load_engine
+from handler.engine.profiling import activities, summarize
 from handler.engine.step_engine import StepEngine
 
 logger = logging.getLogger(__name__)
@@ -188,52 +189,16 @@ def largest_batch(engine: StepEngine, workload: Workload) -> dict:
     return {"max_batch": fitting, "max_batch_bounded_by_limit": False}
 
 
-# The runtime and driver calls that launch a kernel (a CUDA graph's replay launches its kernels in one call).
-KERNEL_LAUNCHES = {"cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel", "cuLaunchKernelEx", "cudaGraphLaunch"}
-
-
 def profile(engine: StepEngine, specs: list[JobSpec], latency_s: float, top: int = 8) -> dict:
-    """Where one call's time goes (torch.profiler): on CUDA the kernels' share of the unprofiled
-    call's ``latency_s`` (the rest is launch gaps, host synchronization and the Python loop), the
-    host syncs (the step clock adds one event wait at the end of the call), and the kernels taking
-    the most time; on a CPU the operators taking the most CPU time."""
-    cuda = engine.device.type == "cuda"
-    activities = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if cuda else [])
-    with torch.profiler.profile(activities=activities) as profiler:
+    """Where one call's time goes (``handler.engine.profiling``): on CUDA the kernels' share of the
+    unprofiled call's ``latency_s``, the host syncs (the step clock adds one event wait at the end of
+    the call) and the kernels taking the most time; on a CPU the operators taking the most CPU time."""
+    with torch.profiler.profile(activities=activities(engine.device)) as profiler:
         started = time.perf_counter()
         generate(engine, specs)
         wall_s = time.perf_counter() - started
-    events = profiler.key_averages()
-    if cuda:  # kernel rows only: a CPU operator's self device time repeats its kernels'
-        timed = [
-            (event, event.self_device_time_total)
-            for event in events
-            if event.device_type == torch.autograd.DeviceType.CUDA and not getattr(event, "is_user_annotation", False)
-        ]
-    else:
-        timed = [(event, event.self_cpu_time_total) for event in events]
-    ranked = sorted((pair for pair in timed if pair[1] > 0), key=lambda pair: pair[1], reverse=True)
-    result = {
-        "wall_s": wall_s,
-        "latency_s": latency_s,
-        "measure": "kernel time" if cuda else "self CPU time",
-        "top_operators": [
-            {"name": event.key, "calls": event.count, "seconds": seconds / 1e6} for event, seconds in ranked[:top]
-        ],
-    }
-    if cuda:
-        kernel_s = sum(seconds for _, seconds in timed) / 1e6
-        syncs = {event.key: event.count for event in events if "Synchronize" in event.key}
-        launches = sum(event.count for event in events if event.key in KERNEL_LAUNCHES)
-        steps = specs[0].num_inference_steps
-        result |= {
-            "device_busy_s": kernel_s,
-            "device_busy_fraction": kernel_s / latency_s,
-            "host_syncs": syncs,
-            "syncs_per_step": sum(syncs.values()) / steps,
-            "launches_per_step": launches / steps,
-        }
-    return result
+    summary = summarize(profiler, engine.device, latency_s, specs[0].num_inference_steps, top)
+    return summary | {"wall_s": wall_s, "latency_s": latency_s}
 
 
 def _out_of_memory(error: Exception) -> bool:

@@ -52,7 +52,7 @@ def image_distance(images: np.ndarray, baseline: np.ndarray) -> dict:
     }
 
 
-def _python_module(
+def python_module(
     module: str, arguments: list[str], env: dict[str, str], timeout: float
 ) -> subprocess.CompletedProcess:
     return subprocess.run(
@@ -119,7 +119,7 @@ class Runner:
             *extra,
         ]
         try:
-            finished = _python_module("bench.measure", arguments, env, self.timeout)
+            finished = python_module("bench.measure", arguments, env, self.timeout)
         except subprocess.TimeoutExpired:
             return {"status": "failed", "error": f"timed out after {self.timeout:.0f} s"}
         if not result_path.is_file():
@@ -340,7 +340,7 @@ def main(argv: list[str] | None = None) -> None:
         results = runner.variants(variants, device)
         logger.info("attention micro-benchmark at SD 1.5 shapes")
         attention_path = scratch / "attention.json"
-        _python_module(
+        python_module(
             "bench.attention",
             ["--device", str(device), "--repeats", str(args.attention_repeats), "--result", str(attention_path)],
             {},

@@ -411,6 +411,24 @@ class MetricsSettings(_Section):
     latency_sla_seconds: float = Field(10.0, gt=0, description="request latency SLA, published as a gauge")
 
 
+class ProfilerSettings(_Section):
+    """``torch.profiler`` over a window of the worker's served steps (``handler.engine.profiling``)."""
+
+    steps: int = Field(0, ge=0, description="denoiser forwards to profile, once per worker; 0: off")
+    min_rows: int = Field(
+        1, ge=1, description="the window opens at the first forward of at least this many rows (under load)"
+    )
+    dir: str | None = Field(
+        None,
+        description="absolute directory the summary is written to as step-profile-<pid>.json; None: the log only",
+    )
+
+    @field_validator("dir")
+    @classmethod
+    def _dir_is_absolute(cls, value: str | None) -> str | None:
+        return absolute_dir(value, "profiler.dir", "a worker runs in the archive's temporary unpack directory")
+
+
 class FaultInjection(_Section):
     """For tests on machines without an accelerator: make failure paths reachable. Off by default."""
 
@@ -517,6 +535,7 @@ class HandlerSettings(_Section):
         "does not reach the worker)",
     )
     metrics: MetricsSettings = MetricsSettings()
+    profiler: ProfilerSettings = ProfilerSettings()
     log_prompts: bool = Field(False, description="log each request's parameters, prompt included, at INFO")
     fault_injection: FaultInjection = FaultInjection()
     defaults: RequestDefaults = RequestDefaults()

@@ -275,7 +275,7 @@ class StepEngine:
         # The padding rows take the last job's LoRA set: a set every row shares stays one scalar weight.
         sets = [(job.spec.adapters, job.rows) for job in jobs] + [(jobs[-1].spec.adapters, padding)]
         with self.loras.rows(sets, self.device) as slot_weights, self._step_cache(jobs, sets):
-            if self.dynamic_rows:
+            if self.dynamic_rows and not _cached(jobs):  # a cached forward's regions compile apart
                 rows_dynamic(latents, timestep_rows, conditioning, residuals, slot_weights)
             if replays:  # each step a new run of the graphs: the last run's outputs are done with
                 torch.compiler.cudagraph_mark_step_begin()

@@ -30,6 +30,7 @@ from handler.api.protocol import IncomingRequest, Response
 from handler.config import HandlerSettings, StepCache, WarmupShape
 from handler.engine.jobs import JobSpec
 from handler.engine.loading import load_engine
+from handler.engine.profiling import StepsProfiler
 from handler.engine.scheduling import StepProfile
 from handler.engine.step_engine import StepEngine
 from handler.metrics import DiffusionMetrics, MetricSink
@@ -60,6 +61,7 @@ class DiffusionService:
         drain_left: Callable[[], float | None] = lambda: None,
         encode_threads: int = 4,
         overlap_encoding: bool | None = None,
+        profiler: StepsProfiler | None = None,
     ):
         self.engine = engine
         self.policy = policy
@@ -92,6 +94,7 @@ class DiffusionService:
             clock,
             request_timeout_seconds,
             drain_left,
+            profiler,
         )
         # overlap_encoding, None: on CUDA, where the forward queued before the encodings runs meanwhile
         overlap = engine.device.type == "cuda" if overlap_encoding is None else overlap_encoding
@@ -255,7 +258,7 @@ def build_service(
             settings.cache.default.model_dump(),
             rules.served_caches(),
         )
-    sla = settings.metrics.latency_sla_seconds
+    sla, options = settings.metrics.latency_sla_seconds, settings.profiler
     service = DiffusionService(
         engine,
         policy,
@@ -268,5 +271,6 @@ def build_service(
         batch_size,
         drain_left=drain_left,
         encode_threads=settings.encode_threads,
+        profiler=StepsProfiler(engine.device, options.steps, options.min_rows, options.dir) if options.steps else None,
     )
     return service, settings

@@ -13,6 +13,7 @@ import torch
 
 from handler.api.protocol import Preview, Response, deadline_exceeded, does_not_fit, internal_error, shutting_down
 from handler.engine.loading import release_cached_memory
+from handler.engine.profiling import StepsProfiler
 from handler.engine.scheduling import StepProfile, choose, slack
 from handler.engine.step_engine import StepEngine
 from handler.engine.timing import StepTimer
@@ -36,6 +37,7 @@ class Stepping:
         clock: Callable[[], float],
         request_timeout_seconds: float,
         drain_left: Callable[[], float | None],
+        profiler: StepsProfiler | None = None,
     ):
         self.engine = engine
         self.profile = profile
@@ -46,6 +48,7 @@ class Stepping:
         self.timer = StepTimer(engine.device)  # step times off the step's path: no wait for the device
         self.request_timeout = request_timeout_seconds
         self.drain_left = drain_left
+        self.profiler = profiler  # handler.profiler's window over served forwards (None: off)
 
     def cancel_expired(self) -> dict[str, Response]:
         """For the unfinished jobs whose next step (by the profile's estimate) would end past their
@@ -100,6 +103,8 @@ class Stepping:
         steps_before = [job.step for job in jobs]
         rows = sum(self.profile.cost(job).memory for job in jobs)  # plain rows: a ControlNet's count more
         cached_before = [job.cached_steps for job in jobs]
+        if self.profiler:
+            self.profiler.before(sum(job.rows for job in jobs))
         started = self.timer.start()
         try:
             control_forwards = self.engine.step(jobs)
@@ -114,6 +119,9 @@ class Stepping:
             return self._stepped(
                 chosen, control_forwards, sum(job.images for job, before in cached if job.cached_steps > before)
             )
+        finally:
+            if self.profiler:
+                self.profiler.after()
         # Retried outside the except block, whose traceback would keep the failed forward's tensors alive.
         release_cached_memory()
         pending = [rid for rid, job, step in zip(chosen, jobs, steps_before, strict=True) if job.step == step]

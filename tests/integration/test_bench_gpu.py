@@ -113,6 +113,12 @@ def test_served_points_in_both_modes_have_no_errors_and_a_ceiling(report):
         assert 1 <= point["mean_step_images"] <= point["concurrency"]  # the server's own figure, from its metrics
     eager = next(row for row in report["variants"]["variants"] if row["name"] == "eager")
     assert served["ceiling_images_per_s"]["1"] == eager["images_per_s"], "batch 1 is the variants section's eager"
+    # the worker's own profile of its first served forwards (handler.profiler), per mode
+    assert list(served["profiles"]) == list(SERVED_MODES)
+    for mode, profiled in served["profiles"].items():
+        assert profiled["steps"] == QUICK.served_profile_steps and profiled["rows_per_step"] >= 2, mode
+        assert profiled["measure"] == "self CPU time" and profiled["top_operators"] and profiled["device"] == "cpu"
+        assert f"The served step, {mode} batching: {QUICK.served_profile_steps} forwards of" in report["markdown"]
 
 
 def test_sdxl_runs_eager_and_the_full_plan_also_compiled(report):

@@ -73,6 +73,9 @@ def test_the_request_timeout_defaults_to_its_share_of_the_response_timeout_unles
         {"limits": {"max_images_per_request": 8}, "max_images_per_call": 4},
         {"compile": {"enabled": True, "cache_dir": "relative/cache"}},
         {"compile": {"mode": "fastest"}},
+        {"profiler": {"steps": 10, "dir": "relative/profiles"}},
+        {"profiler": {"steps": -1}},
+        {"profiler": {"min_rows": 0}},
     ],
 )
 def test_bad_settings_fail_at_load(handler):

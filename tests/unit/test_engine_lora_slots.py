@@ -75,9 +75,7 @@ def lora_dir(tmp_path_factory) -> Path:
 def warmed(lora_dir) -> tuple[StepEngine, int]:
     """The worker's engine after its warm-up, and the graphs compiled by then."""
     torch._dynamo.reset()  # a worker's process: nothing learnt from other models' compiles
-    # nor from the shapes other processes of the run saw (dynamo's profile in the run's cache): a cold worker
-    with torch._dynamo.config.patch(automatic_dynamic_local_pgo=False):
-        engine = warmed_engine(MODEL, **compiled_lora_slots(lora_dir))
+    engine = warmed_engine(MODEL, **compiled_lora_slots(lora_dir))
     return engine, compiled_graphs()
 
 

@@ -18,6 +18,7 @@ from PIL import Image
 from handler.adapters.library import Busy, EntryError
 from handler.api.protocol import NSFW_HEADER, STREAM_CONTENT_TYPE, IncomingRequest
 from handler.engine.jobs import DenoiseJob
+from handler.engine.profiling import StepsProfiler
 from tests.harness.stand_ins import SHAPE, Clock, RecordingSink, SolidColorEngine, batch, make_service, run
 
 
@@ -731,3 +732,22 @@ def test_a_decode_whose_images_cannot_be_made_fails_only_its_requests_naming_the
     assert len(sink.values("sd_vae_decode_seconds")) == 1
     maker = "sd-encode" if overlap else threading.main_thread().name  # the CPU makes them on the stepping thread
     assert len(engine.images_made_on) == 2 and all(thread.startswith(maker) for thread in engine.images_made_on)
+
+
+def test_the_profiler_window_opens_at_its_rows_and_summarizes_its_steps(tmp_path, caplog):
+    """``handler.profiler``: a lone guided image (2 rows) opens no window of at least 4 rows; two
+    together do, and the window closes after 2 forwards with its summary logged and written."""
+    profiler = StepsProfiler(torch.device("cpu"), steps=2, min_rows=4, directory=str(tmp_path))
+    service = make_service(streaming=False, profiler=profiler)
+    assert [response.status for response in batch(service, body(num_inference_steps=3))] == [200]
+    assert profiler.summary is None and not any(tmp_path.iterdir())
+    caplog.set_level(logging.INFO, logger="handler.engine.profiling")
+    assert [response.status for response in batch(service, body(), body(seed=2))] == [200, 200]
+    summary = profiler.summary
+    assert summary is not None and summary["steps"] == 2 and summary["rows_per_step"] == 4
+    assert summary["measure"] == "self CPU time" and summary["wall_s"] > 0 and "device_busy_fraction" not in summary
+    (written,) = tmp_path.iterdir()
+    assert written.name.startswith("step-profile-") and json.loads(written.read_text()) == summary
+    assert "step profile: 2 steps of 4.0 rows" in caplog.text
+    assert [response.status for response in batch(service, body(), body(seed=2))] == [200, 200]
+    assert profiler.summary is summary, "one window a worker"
