@@ -18,9 +18,9 @@ section file there (``bench.gpu_report``), so sections can run in separate calls
    rows padded to the graphs' row counts: ``handler.compile.pad_rows``).
 4. ``served``: TorchServe on this GPU (one worker), dynamic and continuous batching, 25 steps, a
    closed loop at concurrency 1, 4, 8 and 16: images/s, p50, p95, against the in-process ceiling
-   (the eager pipeline at the same batch, measured in the same run), and the worker's own profile
-   of 10 served forwards at concurrency 16 (``handler.profiler``: kernels against the wall time of
-   the worker's loop, host syncs and kernel launches per step), per batching mode.
+   (the eager pipeline at the same batch, measured in the same run), and, on a server of its own,
+   the worker's profile of 10 served forwards at concurrency 16 (``handler.profiler``: kernels
+   against the wall time of the worker's loop, host syncs and kernel launches per step), per mode.
 5. ``sdxl``: SDXL 1024x1024, 30 steps, batch 1: eager and the fastest compile mode of ``variants``.
 6. ``sd35``: SD 3.5 Medium (T5 included) 1024x1024, 28 flow-matching steps, guidance 7.5, eager at
    batch 1 and 4: transformer it/s (the ``unet_it_s`` figure), seconds per call, peak memory.
@@ -53,6 +53,7 @@ import logging
 import shutil
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -128,9 +129,9 @@ class Plan:
     # UNet is checked against diffusers in tests/unit/test_engine_lora_slots.py, and its cold
     # compile is half a minute of the suite.
     sdxl_compiled: bool = True
-    # The served step's profile (handler.profiler): this many forwards, from the first of more guided
-    # images than the second-highest concurrency (in the highest's warm-up loop); the quick plan's from
-    # the first forward (its one-step requests may never share one).
+    # The served step's profile (handler.profiler, on a server of its own): this many forwards, from
+    # the first of more guided images than the second-highest concurrency; the quick plan's from the
+    # first forward (its one-step requests may never share one).
     served_profile_steps: int = 10
     served_profile_first_forward: bool = False
 
@@ -197,7 +198,7 @@ QUICK = Plan(
     cache_sd35_steps=4,  # the tiny model's first block changes by more than 0.3 at its second step
     cache_repeats=1,
     sdxl_compiled=False,
-    served_profile_steps=1,
+    served_profile_steps=2,  # over two TorchServe calls in continuous batching: each 1-step request ends one
     served_profile_first_forward=True,
 )
 
@@ -403,21 +404,12 @@ class GpuBench:
                 ceiling = row.get("images_per_s")
                 logger.info("in-process ceiling, batch %d: %s", concurrency, summary(row))
             result["ceiling_images_per_s"][concurrency] = ceiling
+        bodies = functools.partial(self.bodies, side=side, steps=steps)
         for mode, frontend in modes.items():
             workdir = (self.scratch / f"{section}-{mode}").resolve()
-            profiles = workdir / "profile"
-            shutil.rmtree(profiles, ignore_errors=True)
-            config = write_model_config(
-                workdir,
-                handler={"model_path": str(model_dir(model)), "profiler": self.profiler(concurrencies, profiles)},
-                minWorkers=1,
-                maxWorkers=1,
-                batchSize=max(concurrencies),
-                **frontend,
-            )
+            config = served_config(workdir, model, concurrencies, frontend)
             with serve_archive(model_dir(model), config, workdir, gpus=1) as server:
                 for concurrency in concurrencies:
-                    bodies = functools.partial(self.bodies, side=side, steps=steps)
                     closed_loop(server, bodies(concurrency), concurrency)  # warm-up at this concurrency
                     before = server.metric_samples()
                     results, seconds = closed_loop(
@@ -446,17 +438,33 @@ class GpuBench:
                         figures.mean_step_images,
                     )
                     self.save(section, result)
-            written = sorted(profiles.glob("step-profile-*.json"))
-            result.setdefault("profiles", {})[mode] = json.loads(written[-1].read_text()) if written else None
+            profile = self.served_profile(
+                workdir.with_name(f"{workdir.name}-profile"), model, concurrencies, frontend, bodies
+            )
+            result.setdefault("profiles", {})[mode] = profile
             self.save(section, result)
         return result
 
-    def profiler(self, concurrencies: tuple[int, ...], directory: Path) -> dict:
-        """The served worker's ``handler.profiler``: the plan's forwards, from the first of more guided
-        images than the second-highest concurrency (or from the first forward)."""
+    def served_profile(
+        self, workdir: Path, model: str, concurrencies: tuple[int, ...], frontend: dict, bodies: Callable
+    ) -> dict | None:
+        """The worker's own profile of its served step (``handler.profiler``), on a server of its own
+        (no timed loop runs in a process that profiled): a closed loop of twice the highest
+        concurrency's requests, the window the plan's forwards from the first of more guided images
+        than the second-highest concurrency (or from the first forward). None where no window closed."""
+        shutil.rmtree(workdir, ignore_errors=True)
         below = sorted(concurrencies)[-2] if len(concurrencies) > 1 else 0
-        min_rows = 1 if self.plan.served_profile_first_forward else 2 * below + 1
-        return {"steps": self.plan.served_profile_steps, "min_rows": min_rows, "dir": str(directory)}
+        profiler = {
+            "steps": self.plan.served_profile_steps,
+            "min_rows": 1 if self.plan.served_profile_first_forward else 2 * below + 1,
+            "dir": str(workdir / "profiles"),
+        }
+        top = max(concurrencies)
+        config = served_config(workdir, model, concurrencies, frontend, profiler)
+        with serve_archive(model_dir(model), config, workdir, gpus=1) as server:
+            closed_loop(server, bodies(2 * top), top)
+        written = sorted((workdir / "profiles").glob("step-profile-*.json"), key=lambda path: path.stat().st_mtime)
+        return json.loads(written[-1].read_text()) if written else None
 
     def bodies(self, count: int, side: int, steps: int) -> list[dict]:
         """``count`` requests of the served workload (the server's default scheduler, guidance 7.5)."""
@@ -575,6 +583,19 @@ def check_serving_tools() -> None:
         console_script(command)
     if shutil.which("java") is None:
         raise FileNotFoundError("no java on PATH: TorchServe's frontend needs Java 17 or later (docs/performance.md)")
+
+
+def served_config(
+    workdir: Path, model: str, concurrencies: tuple[int, ...], frontend: dict, profiler: dict | None = None
+) -> Path:
+    """The model config of a served section's server: one worker, TorchServe's batch the highest
+    concurrency (``frontend``: the batching mode's settings), ``handler.profiler`` where given."""
+    handler: dict = {"model_path": str(model_dir(model))}
+    if profiler:
+        handler["profiler"] = profiler
+    return write_model_config(
+        workdir, handler=handler, minWorkers=1, maxWorkers=1, batchSize=max(concurrencies), **frontend
+    )
 
 
 def served_point(

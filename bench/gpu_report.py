@@ -153,12 +153,13 @@ def _served_profiles(section: dict) -> list[str]:
             lines += ["", f"The served step, {mode} batching: no profile (no forward reached the window's rows)."]
             continue
         heading = (
-            f"The served step, {mode} batching: {profiled['steps']} forwards of {profiled['rows_per_step']:.1f} rows "
+            f"The served step, {mode} batching: a window of {profiled['steps']} forwards, "
+            f"{profiled['rows_per_step']:.1f} rows each on average, "
             f"in {profiled['wall_s']:.3f} s while profiled, the worker's loop between them included "
             f"(`handler.profiler`, {profiled['measure']}):"
         )
         lines += _profile_block(
-            profiled, heading, "the window", "one at the window's end, to close it", "the window's, decodes included"
+            profiled, heading, "the window", "the window's end adds one, to close it", "the window's, decodes included"
         )
     return lines
 

@@ -414,7 +414,7 @@ class MetricsSettings(_Section):
 class ProfilerSettings(_Section):
     """``torch.profiler`` over a window of the worker's served steps (``handler.engine.profiling``)."""
 
-    steps: int = Field(0, ge=0, description="denoiser forwards to profile, once per worker; 0: off")
+    steps: int = Field(0, ge=0, le=1000, description="denoiser forwards to profile, once per worker; 0: off")
     min_rows: int = Field(
         1, ge=1, description="the window opens at the first forward of at least this many rows (under load)"
     )

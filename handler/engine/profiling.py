@@ -11,10 +11,13 @@ import json
 import logging
 import os
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
+
+from handler.engine.loading import synchronize
 
 logger = logging.getLogger(__name__)
 
@@ -91,7 +94,8 @@ class StepsProfiler:
             if rows < self.min_rows:
                 return
             self._profiler = torch.profiler.profile(activities=activities(self.device))
-            self._profiler.start()
+            if not self._guarded("start", self._profiler.start):
+                return
             self._started = time.perf_counter()
         self._rows += rows
 
@@ -100,10 +104,12 @@ class StepsProfiler:
         if self._profiler is None or self.summary is not None:
             return
         self._profiled += 1
-        if self._profiled < self.steps:
-            return
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
+        if self._profiled == self.steps:
+            self._guarded("close", self._close)
+
+    def _close(self) -> None:
+        assert self._profiler is not None
+        synchronize(self.device)  # the window's last kernels in it
         wall_s = time.perf_counter() - self._started
         self._profiler.stop()
         self.summary = summarize(self._profiler, self.device, wall_s, self._profiled) | {
@@ -112,7 +118,7 @@ class StepsProfiler:
         }
         self._profiler = None
         logger.info(
-            "step profile: %d steps of %.1f rows in %.3f s%s",
+            "step profile: %d forwards of %.1f rows in %.3f s%s",
             self._profiled,
             self.summary["rows_per_step"],
             wall_s,
@@ -123,6 +129,16 @@ class StepsProfiler:
         )
         if self.directory:
             self._write(Path(self.directory) / f"step-profile-{os.getpid()}.json")
+
+    def _guarded(self, what: str, action: Callable[[], None]) -> bool:
+        """``action``; where it fails, the profiler is off for good (logged), the forwards go on."""
+        try:
+            action()
+            return True
+        except Exception:
+            logger.exception("step profile: %s failed; the worker profiles no more", what)
+            self.summary, self._profiler = {"error": what}, None
+            return False
 
     def _write(self, path: Path) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)

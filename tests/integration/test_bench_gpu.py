@@ -118,7 +118,9 @@ def test_served_points_in_both_modes_have_no_errors_and_a_ceiling(report):
     for mode, profiled in served["profiles"].items():
         assert profiled["steps"] == QUICK.served_profile_steps and profiled["rows_per_step"] >= 2, mode
         assert profiled["measure"] == "self CPU time" and profiled["top_operators"] and profiled["device"] == "cpu"
-        assert f"The served step, {mode} batching: {QUICK.served_profile_steps} forwards of" in report["markdown"]
+        assert (
+            f"The served step, {mode} batching: a window of {QUICK.served_profile_steps} forwards" in report["markdown"]
+        )
 
 
 def test_sdxl_runs_eager_and_the_full_plan_also_compiled(report):

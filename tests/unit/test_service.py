@@ -748,6 +748,16 @@ def test_the_profiler_window_opens_at_its_rows_and_summarizes_its_steps(tmp_path
     assert summary["measure"] == "self CPU time" and summary["wall_s"] > 0 and "device_busy_fraction" not in summary
     (written,) = tmp_path.iterdir()
     assert written.name.startswith("step-profile-") and json.loads(written.read_text()) == summary
-    assert "step profile: 2 steps of 4.0 rows" in caplog.text
+    assert "step profile: 2 forwards of 4.0 rows" in caplog.text
     assert [response.status for response in batch(service, body(), body(seed=2))] == [200, 200]
     assert profiler.summary is summary, "one window a worker"
+
+
+def test_a_profile_that_cannot_be_written_fails_no_request_and_profiles_no_more(tmp_path, caplog):
+    taken = tmp_path / "a-file"
+    taken.write_text("")
+    profiler = StepsProfiler(torch.device("cpu"), steps=1, min_rows=1, directory=str(taken))  # not a directory
+    service = make_service(streaming=False, profiler=profiler)
+    assert [response.status for response in batch(service, body(), body(seed=2))] == [200, 200]
+    assert profiler.summary == {"error": "close"} and "step profile: close failed" in caplog.text
+    assert [response.status for response in batch(service, body())] == [200]
