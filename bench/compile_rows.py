@@ -24,8 +24,13 @@ from pathlib import Path
 import matplotlib.pyplot as plt
 import torch
 
+from bench.jobs import generate
 from bench.pipeline import environment, python_module
 from bench.report import markdown_table, publish
+from handler.adapters.lora_slots import compiled_graphs
+from handler.config import HandlerSettings
+from handler.engine.jobs import JobSpec
+from handler.engine.loading import load_engine
 from server.paths import REPORTS, ROOT, TINY_MODEL_DIRS
 
 logger = logging.getLogger("bench.compile_rows")
@@ -38,21 +43,13 @@ IMAGES = (3, 2)  # the two jobs stepped one after the other, guided: 6 rows, the
 
 def measure_once(family: str, marked: bool) -> dict:
     """In this process: the engine's first job and the next, each timed, with the graphs compiled."""
-    from handler.adapters.lora_slots import compiled_graphs
-    from handler.config import HandlerSettings
-    from handler.engine.jobs import JobSpec
-    from handler.engine.loading import load_engine
-
     settings = {"model_path": str(TINY_MODEL_DIRS[family]), "compile": {"enabled": True, "targets": ["unet"]}}
     engine = dataclasses.replace(load_engine(HandlerSettings.model_validate(settings), "/unused"), dynamic_rows=marked)
     jobs = []
     for images in IMAGES:
         spec = JobSpec("a red circle", None, tuple(range(images)), 64, 64, 1, SCHEDULERS[family], 7.5)
         started = time.perf_counter()
-        (job,) = engine.start([spec])
-        while not job.done:
-            engine.step([job])
-        engine.decode(job.latents, spec.width, spec.height)
+        generate(engine, [spec])
         jobs.append({"images": images, "seconds": time.perf_counter() - started, "graphs": compiled_graphs()})
     return {"family": family, "setting": SETTINGS[marked], "torch": torch.__version__, "jobs": jobs}
 
