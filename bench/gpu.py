@@ -64,7 +64,7 @@ from bench import controlnets, loras, sd15, sd35, sdxl
 from bench.engine import measure_model
 from bench.gpu_report import SECTION_RENDERERS, percent_text, render
 from bench.measure import PROMPTS, Workload, error_text
-from bench.pipeline import Runner, environment, summary
+from bench.pipeline import Runner, environment, summary, to_reference
 from bench.report import number_text
 from bench.variants import by_name, select
 from handler.engine.loading import release_cached_memory, resolve_device
@@ -77,6 +77,9 @@ logger = logging.getLogger("bench-gpu")
 
 SECTIONS = tuple(SECTION_RENDERERS)  # variants, scaling, ..., lora, controlnet, cache
 EAGER = "eager"
+# The SDXL section's reference: the same call in float32, to tell float16's rounding (eager as far
+# from it as a compiled variant) from a graph that computes something else (farther).
+FLOAT32 = "sdpa-fp32"
 SECTION_VARIANTS = (
     EAGER,
     "vanilla",
@@ -480,7 +483,10 @@ class GpuBench:
         ]
 
     def sdxl(self) -> dict:
+        """SDXL eager, in float32 and (the full plan) in the fastest compile mode of ``variants``:
+        UNet it/s, and each image's distance to eager's and to float32's (``to_reference``)."""
         workload = self.workload(self.plan.sdxl_model, self.plan.sdxl_side, self.plan.sdxl_steps)
+        scratch = self.scratch / "sdxl"
 
         def rows(results: dict[str, dict]) -> dict:
             return {
@@ -489,12 +495,15 @@ class GpuBench:
                 "variants": [
                     {"name": name, "summary": by_name(name).summary, **result} for name, result in results.items()
                 ],
+                "reference": FLOAT32,
+                "to_reference": to_reference(results, scratch, FLOAT32),
             }
 
-        runner = Runner(workload, self.scratch / "sdxl", self.timeout, baseline=EAGER, caches=self.caches)
+        names = [EAGER, FLOAT32, *([self.best_compiled()] if self.plan.sdxl_compiled else [])]
+        runner = Runner(workload, scratch, self.timeout, baseline=EAGER, caches=self.caches)
         return rows(
             runner.variants(
-                [by_name(EAGER), *([by_name(self.best_compiled())] if self.plan.sdxl_compiled else [])],
+                [by_name(name) for name in names],
                 self.device,
                 warm=False,
                 on_result=lambda partial: self.save("sdxl", rows(partial)),

@@ -198,18 +198,31 @@ def _warm_part(warm_result: dict) -> dict:
     return {key: warm_result[key] for key in WARM_KEYS} if warm_result["status"] == "ok" else warm_result
 
 
+def to_reference(results: dict[str, dict], scratch: Path, reference: str) -> dict[str, dict]:
+    """The image distance of each measured variant (``reference`` included) to ``reference``'s
+    images in ``scratch``; empty until ``reference`` measured."""
+    if results.get(reference, {}).get("status") != "ok":
+        return {}
+    images = np.load(scratch / f"{reference}.npy")
+    return {
+        name: image_distance(np.load(scratch / f"{name}.npy"), images)
+        for name, result in results.items()
+        if result["status"] == "ok"
+    }
+
+
 def compare_with_baseline(results: dict[str, dict], scratch: Path, baseline_name: str = BASELINE) -> None:
     """Speed-up, image distance and achieved TFLOP/s of each measured variant, in place."""
     baseline = results.get(baseline_name, {})
     if baseline.get("status") != "ok":
         return
-    baseline_images = np.load(scratch / f"{baseline_name}.npy")
+    distances = to_reference(results, scratch, baseline_name)
     flops = baseline.get("unet_call_flops")
     for name, result in results.items():
         if result["status"] != "ok":
             continue
         result["speedup"] = baseline["latency_s"] / result["latency_s"]
-        result.update(image_distance(np.load(scratch / f"{name}.npy"), baseline_images))
+        result.update(distances[name])
         if flops:
             result["unet_tflops"] = flops * result["unet_it_s"] / 1e12
 

@@ -47,6 +47,13 @@ def _psnr(result: dict) -> str:
     return "identical" if result["psnr_db"] is None else f"{result['psnr_db']:.1f}"
 
 
+def distance_text(distance: dict) -> str:
+    """An image distance (``bench.pipeline.image_distance``) in words."""
+    if distance["psnr_db"] is None:
+        return "identical"
+    return f"max abs diff {distance['max_abs_diff']}, PSNR {distance['psnr_db']:.1f} dB"
+
+
 def _variant_row(variant: dict) -> str:
     if variant["status"] != "ok":
         note = variant.get("reason") or variant.get("error", "")

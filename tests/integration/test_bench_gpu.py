@@ -123,11 +123,16 @@ def test_served_points_in_both_modes_have_no_errors_and_a_ceiling(report):
         )
 
 
-def test_sdxl_runs_eager_and_the_full_plan_also_compiled(report):
-    rows = {row["name"]: row for row in report["sdxl"]["variants"]}
-    assert list(rows) == ["eager"] and not QUICK.sdxl_compiled and FULL.sdxl_compiled
+def test_sdxl_runs_eager_and_float32_and_the_full_plan_also_compiled(report):
+    section = report["sdxl"]
+    rows = {row["name"]: row for row in section["variants"]}
+    assert list(rows) == ["eager", "sdpa-fp32"] and not QUICK.sdxl_compiled and FULL.sdxl_compiled
     assert all(row["status"] == "ok" and row["unet_it_s"] > 0 for row in rows.values())
     assert rows["eager"]["unet_call_flops"] > 0  # SDXL's UNet counted with its added conditioning
+    # on the CPU eager runs float32 too: the same image as the reference
+    assert section["reference"] == "sdpa-fp32" and set(section["to_reference"]) == set(rows)
+    assert section["to_reference"]["eager"]["max_abs_diff"] <= 1
+    assert "Against the same call in float32 (`sdpa-fp32`): eager, " in report["markdown"]
 
 
 def test_sd35_runs_in_process_at_each_batch_and_served_with_continuous_batching(report):
