@@ -12,8 +12,10 @@ pairs against materialized deltas). Designs of the forward
 (``handler.adapters.lora_rows``): ``grouped`` (one forward per LoRA set, as before requests with different
 sets shared forwards), ``segments``, ``stacked``, ``auto`` (what the server runs), and
 ``compiled``: the denoiser compiled (``torch.compile``, default mode) with LoRA slots
-(``handler.adapters.lora_slots``, what the server runs then), against the same compiled denoiser without
-LoRA, with the graphs compiled after the warm-up round counted (the goal: none). Every
+(``handler.adapters.lora_slots``, what the server runs then), each row gathering its own slots (the
+default ``loras.slot_design``), and ``compiled-stacked``: the same denoiser with every row multiplying
+by every slot, both against the same compiled denoiser without LoRA, with the graphs compiled after
+the warm-up round counted (the goal: none). Every
 workload and design steps the same 8 jobs from the same state; the figure is the median seconds of
 one step of all 8 (the sum of its forwards where grouped).
 Each case is timed right after the same jobs without LoRA (paired: the ratio is the median of the
@@ -38,7 +40,7 @@ from bench.pipeline import environment
 from bench.report import plot_design_ratios, run_per_model
 from handler.adapters.lora_rows import Adapters
 from handler.adapters.lora_slots import compiled_graphs
-from handler.config import HandlerSettings
+from handler.config import HandlerSettings, SlotDesign
 from handler.engine.jobs import DenoiseJob, JobSpec
 from handler.engine.loading import load_engine, synchronize
 from handler.engine.step_engine import StepEngine
@@ -47,7 +49,9 @@ from server.paths import DEFAULT_MODEL_DIR
 
 logger = logging.getLogger("bench-lora")
 
-DESIGNS = ("grouped", "segments", "stacked", "auto", "compiled")
+DESIGNS = ("grouped", "segments", "stacked", "auto", "compiled", "compiled-stacked")
+# design: the compiled denoiser's loras.slot_design
+COMPILED: dict[str, SlotDesign] = {"compiled": "gathered", "compiled-stacked": "stacked"}
 PLAIN = "no LoRA"
 LYCORIS = "8 LyCORIS files"
 LAYERS = ("attention", "feed_forward")
@@ -114,7 +118,10 @@ def step_seconds(engine: StepEngine, jobs: list[DenoiseJob], design: str) -> flo
     groups: dict[Adapters, list[DenoiseJob]] = {}
     for job in jobs:
         groups.setdefault(job.spec.adapters if design == "grouped" else (), []).append(job)
-    if design != "compiled":
+    if design in COMPILED:
+        assert engine.loras.slots is not None
+        engine.loras.slots.design = COMPILED[design]
+    else:
         engine.loras.row_loras.strategy = "auto" if design == "grouped" else design  # type: ignore[assignment]
     started = time.perf_counter()
     for group in groups.values():
@@ -175,7 +182,7 @@ def measure(model: Model, steps: int, repeats: int) -> dict:
         for workload in sets_of
         if workload != PLAIN
         for design in DESIGNS
-        if not (workload == LYCORIS and design == "compiled")
+        if not (workload == LYCORIS and design in COMPILED)
     ]
     started = {
         (compiled, workload): engines[compiled].start(
@@ -188,7 +195,7 @@ def measure(model: Model, steps: int, repeats: int) -> dict:
     designs = engine.loras.row_loras.designs
 
     def timed(workload: str, design: str) -> list[float]:
-        compiled = design == "compiled"
+        compiled = design in COMPILED
         jobs = copy.deepcopy(started[(compiled, workload)])
         if design == "auto":
             designs.clear()
@@ -207,10 +214,10 @@ def measure(model: Model, steps: int, repeats: int) -> dict:
         if round_ == 1:
             graphs = compiled_graphs()  # after the warm-up round
         for workload, design in cases:
-            plain_design = "compiled" if design == "compiled" else "auto"  # against the same denoiser
+            plain_design = design if design in COMPILED else "auto"  # against the same denoiser
             before, timings = timed(PLAIN, plain_design), timed(workload, design)  # paired: drift cancels
             if round_:
-                (compiled_plain if design == "compiled" else plain).extend(before)
+                (compiled_plain if design in COMPILED else plain).extend(before)
                 seconds[(workload, design)].extend(timings)
                 ratios[(workload, design)].append(statistics.median(timings) / statistics.median(before))
             logger.info(
@@ -222,9 +229,9 @@ def measure(model: Model, steps: int, repeats: int) -> dict:
                 design,
                 statistics.median(timings) / statistics.median(before),
             )
-    rows = [
-        {"workload": PLAIN, "design": "auto", "median_s": statistics.median(plain), "ratio": 1.0},
-        {"workload": PLAIN, "design": "compiled", "median_s": statistics.median(compiled_plain), "ratio": 1.0},
+    rows = [{"workload": PLAIN, "design": "auto", "median_s": statistics.median(plain), "ratio": 1.0}] + [
+        {"workload": PLAIN, "design": design, "median_s": statistics.median(compiled_plain), "ratio": 1.0}
+        for design in COMPILED
     ]
     rows += [
         {
@@ -276,7 +283,7 @@ def table(results: list[dict]) -> str:
             cells = []
             for design in DESIGNS:
                 row = by_case.get((workload, design)) or by_case.get((workload, "auto"))
-                if workload == LYCORIS and design == "compiled":
+                if workload == LYCORIS and design in COMPILED:
                     row = None  # refused by the slots, not measured
                 cells.append("refused" if row is None else f"{row['median_s'] * 1000:.1f} ms = {row['ratio']:.2f}x")
             lines.append(f"| {workload} | " + " | ".join(cells) + " |")

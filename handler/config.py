@@ -23,6 +23,7 @@ from pydantic import (
 SchedulerName = Literal["ddim", "euler", "euler_a", "dpmpp_2m", "pndm", "flow_match_euler"]
 UNET_SCHEDULERS: tuple[SchedulerName, ...] = ("ddim", "euler", "euler_a", "dpmpp_2m", "pndm")
 OutputFormat = Literal["png", "jpeg", "webp"]
+SlotDesign = Literal["gathered", "stacked"]  # handler.adapters.lora_slots
 ResponseFormat = Literal["image", "json"]
 
 # The largest seed a request may carry (and the range of seeds drawn for requests without one).
@@ -188,6 +189,11 @@ class LoraSettings(_ServedDirectory):
         le=1024,
         description="with a compiled denoiser: the largest LoRA rank served; every Linear layer of its transformer "
         "blocks holds max_loaded slots of this rank (memory: (in + out) x max_loaded x slot_rank per layer)",
+    )
+    slot_design: SlotDesign = Field(
+        "gathered",
+        description="with a compiled denoiser: gathered, each row multiplies by its own adapters' slots (at least "
+        "2, padded); stacked, every row by every slot (max_loaded x slot_rank ranks per row)",
     )
 
 

@@ -4,16 +4,24 @@
 dicts), which ``torch.compile`` would guard on and recompile for. Here, before the denoiser is
 compiled, every ``nn.Linear`` of its transformer blocks (attention, feed-forward, ``proj_in`` and
 ``proj_out``: where LoRAs go) becomes a ``SlotLinear``: the same weights, plus buffers for
-``slots`` adapters of rank up to ``rank`` each, A stacked (``slots x rank``, in) and B side by side
-(out, ``slots x rank``), zero where empty. A forward reads one tensor, rows x (slots x rank): each
-row's weight for each slot's rank columns. So the graph only ever sees the same modules and buffers
-of the same shapes, and there are two graphs per shape: with LoRA rows and without.
+``slots`` adapters of rank up to ``rank`` each, A stacked (``slots x rank``, in) and B transposed and
+stacked (``slots x rank``, out), zero where empty. A forward reads the rows' plan (``SlotRows``),
+tensors whose shapes depend on the rows (and, gathered, on the most slots a row holds: marked
+dynamic), so the graph only ever sees the same modules and buffers of the same shapes, and there are
+two graphs per shape: with LoRA rows and without.
+
+Two designs (``handler.loras.slot_design``):
+
+- ``gathered`` (punica's BGMV kernels for LLMs, in plain torch): each row gathers its own slots' A and B,
+  ``k`` of them (the most any row of the forward holds, at least 2, padded with weight 0), and
+  multiplies its tokens by them (``torch.bmm``): a row pays ``k x rank`` ranks.
+- ``stacked`` (the ``stacked`` design of ``handler.adapters.lora_rows`` over every slot): every row
+  multiplies by every slot, weighted per row: each row pays ``slots x rank`` ranks.
 
 An adapter is loaded by diffusers (``load_lora_weights``, every format and alpha it reads), then
 copied into a free slot with its scaling folded into B (``lora_alpha / r``, as ``set_adapters``
 computes it), and PEFT's layers are taken out of the denoiser again (``unload_lora``), leaving the
-modules it was compiled with. This is the ``stacked`` design of ``handler.adapters.lora_rows`` over every
-slot: each row pays ``slots x rank`` ranks on every slot layer in a forward with LoRA rows.
+modules it was compiled with.
 """
 
 from __future__ import annotations
@@ -21,6 +29,7 @@ from __future__ import annotations
 import re
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -28,6 +37,7 @@ from peft.tuners.lora import LoraLayer
 from torch._dynamo.utils import counters
 
 from handler.adapters.lora_rows import Adapters, base_scaling, beyond_plain_lora, weight
+from handler.config import SlotDesign
 from handler.families.transfer import to_device
 
 # Linear layers of transformer blocks (UNet and MMDiT alike) and the projections around them.
@@ -39,16 +49,26 @@ def compiled_graphs() -> int:
     return int(counters["stats"]["unique_graphs"])
 
 
+class SlotRows(NamedTuple):
+    """A forward's LoRA rows. ``gathered``: each row's slots (rows x k, long) and their weights
+    (rows x k). ``stacked``: ``slots`` None and each row's weight on every slot's rank columns
+    (rows x (slots x rank))."""
+
+    slots: torch.Tensor | None
+    weights: torch.Tensor
+
+
 class SlotState:
-    """What every slot layer of one denoiser reads in a forward: None, or rows x (slots x rank)."""
+    """What every slot layer of one denoiser reads in a forward: its rows' plan, or None (no LoRA rows)."""
 
     def __init__(self) -> None:
-        self.weights: torch.Tensor | None = None
+        self.rows: SlotRows | None = None
 
 
 class SlotLinear(torch.nn.Linear):
     """An ``nn.Linear`` (its own weight and bias) with fixed LoRA slots: the output is
-    ``base(x) + B((weights per row) * A(x))``, nothing added where the forward has no LoRA rows."""
+    ``base(x) + B((weights per row) * A(x))`` over each row's slots (``gathered``) or every slot
+    (``stacked``), nothing added where the forward has no LoRA rows."""
 
     slot_a: torch.Tensor
     slot_b: torch.Tensor
@@ -64,40 +84,56 @@ class SlotLinear(torch.nn.Linear):
             "slot_a", torch.zeros(slots * rank, base.in_features, dtype=dtype, device=device), persistent=False
         )
         self.register_buffer(
-            "slot_b", torch.zeros(base.out_features, slots * rank, dtype=dtype, device=device), persistent=False
+            "slot_b", torch.zeros(slots * rank, base.out_features, dtype=dtype, device=device), persistent=False
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         result = F.linear(x, self.weight, self.bias)
-        weights = self.state.weights
-        if weights is None:
+        rows = self.state.rows
+        if rows is None:
             return result
+        if rows.slots is None:
+            return result + self._stacked(x, rows.weights)
+        return result + self._gathered(x, rows.slots, rows.weights)
+
+    def _stacked(self, x: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """Every slot for every row, weighted per row (rows x (slots x rank))."""
         hidden = F.linear(x, self.slot_a)
         hidden = hidden * weights.view(weights.shape[0], *[1] * (hidden.dim() - 2), weights.shape[1])
-        return result + F.linear(hidden, self.slot_b)
+        return hidden @ self.slot_b
+
+    def _gathered(self, x: torch.Tensor, slots: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """Each row's own ``k`` slots (rows x k), weighted (rows x k): one batched product per side."""
+        rows = x.shape[0]
+        a = self.slot_a.view(-1, self.rank, self.in_features)[slots].flatten(1, 2)  # rows, k x rank, in
+        b = self.slot_b.view(-1, self.rank, self.out_features)[slots].flatten(1, 2)  # rows, k x rank, out
+        hidden = torch.bmm(x.reshape(rows, -1, self.in_features), a.transpose(1, 2))
+        hidden = (hidden.unflatten(2, (-1, self.rank)) * weights[:, None, :, None]).flatten(2)
+        return torch.bmm(hidden, b).view(*x.shape[:-1], self.out_features)
 
     @torch.no_grad()
     def fill(self, slot: int, a: torch.Tensor, b: torch.Tensor) -> None:
         """Slot ``slot`` holds A (rank, in) and B (out, rank), scaling folded in, zero-padded."""
-        columns = slice(slot * self.rank, (slot + 1) * self.rank)
+        ranks = slice(slot * self.rank, (slot + 1) * self.rank)
         self.clear(slot)
-        self.slot_a[columns][: a.shape[0]].copy_(a)
-        self.slot_b[:, columns][:, : b.shape[1]].copy_(b)
+        self.slot_a[ranks][: a.shape[0]].copy_(a)
+        self.slot_b[ranks][: b.shape[1]].copy_(b.T)
 
     @torch.no_grad()
     def clear(self, slot: int) -> None:
-        columns = slice(slot * self.rank, (slot + 1) * self.rank)
-        self.slot_a[columns].zero_()
-        self.slot_b[:, columns].zero_()
+        ranks = slice(slot * self.rank, (slot + 1) * self.rank)
+        self.slot_a[ranks].zero_()
+        self.slot_b[ranks].zero_()
 
 
 class SlotLoras:
-    """The slot layers of one denoiser, which adapter holds which slot, and the forward's weights."""
+    """The slot layers of one denoiser, which adapter holds which slot, and the forward's rows."""
 
-    def __init__(self, denoiser: torch.nn.Module, slots: int, rank: int):
+    def __init__(self, denoiser: torch.nn.Module, slots: int, rank: int, design: SlotDesign = "gathered"):
         self.denoiser = denoiser
         self.slots = slots
         self.rank = rank
+        self.design = design
         self.state = SlotState()
         self.layers: dict[str, SlotLinear] = {}
         for name, module in list(denoiser.named_modules()):
@@ -158,21 +194,31 @@ class SlotLoras:
             for layer in self.layers.values():
                 layer.clear(slot)
 
-    def weights(self, sets: Sequence[tuple[Adapters, int]], device: torch.device) -> torch.Tensor | None:
-        """Rows x (slots x rank): each row's weight on the rank columns of its adapters' slots; None
-        where no row holds a LoRA with a weight (the graph without LoRA)."""
-        rows: list[list[float]] = []
+    def plan(self, sets: Sequence[tuple[Adapters, int]], device: torch.device) -> SlotRows | None:
+        """Each row's weight per slot of its adapters, as the design reads it; None where no row
+        holds a LoRA with a weight (the graph without LoRA)."""
+        rows: list[dict[int, float]] = []
         for adapter_set, count in sets:
-            row = [0.0] * self.slots
+            row: dict[int, float] = {}
             for adapter, scale in adapter_set:
                 if adapter in self._slot_of:
-                    row[self._slot_of[adapter]] += scale
+                    slot = self._slot_of[adapter]
+                    row[slot] = row.get(slot, 0.0) + scale
             rows.extend([row] * count)
-        if not any(any(row) for row in rows) and not self._lora_graph:
+        if not any(any(row.values()) for row in rows) and not self._lora_graph:
             return None
         dtype = next(iter(self.layers.values())).slot_a.dtype
-        weights = torch.tensor(rows, dtype=torch.float64).repeat_interleave(self.rank, dim=1)
-        return to_device(weights, device, dtype)
+        if self.design == "stacked":
+            every = [[row.get(slot, 0.0) for slot in range(self.slots)] for row in rows]
+            weights = torch.tensor(every, dtype=torch.float64)
+            return SlotRows(None, to_device(weights.repeat_interleave(self.rank, dim=1), device, dtype))
+        k = max(2, *(len(row) for row in rows))  # 2 at least: dynamo specializes a size of 1
+        slots = torch.tensor([[*row, *[0] * (k - len(row))] for row in rows], dtype=torch.long)
+        weights = torch.tensor([[*row.values(), *[0.0] * (k - len(row))] for row in rows], dtype=torch.float64)
+        gathered = SlotRows(to_device(slots, device), to_device(weights, device, dtype))
+        for tensor in gathered:  # one graph for every k, in every forward (a step cache's regions too)
+            torch._dynamo.maybe_mark_dynamic(tensor, 1)
+        return gathered
 
     @contextmanager
     def lora_graph(self) -> Iterator[None]:
@@ -185,11 +231,11 @@ class SlotLoras:
             self._lora_graph = False
 
     @contextmanager
-    def rows(self, sets: Sequence[tuple[Adapters, int]], device: torch.device) -> Iterator[torch.Tensor | None]:
+    def rows(self, sets: Sequence[tuple[Adapters, int]], device: torch.device) -> Iterator[SlotRows | None]:
         """During the block, the denoiser's forwards give each consecutive block of rows its set
-        (the weights before it are back after it)."""
-        outer, self.state.weights = self.state.weights, self.weights(sets, device)
+        (the plan before it is back after it)."""
+        outer, self.state.rows = self.state.rows, self.plan(sets, device)
         try:
-            yield self.state.weights
+            yield self.state.rows
         finally:
-            self.state.weights = outer
+            self.state.rows = outer

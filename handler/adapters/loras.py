@@ -23,7 +23,7 @@ from safetensors.torch import load_file
 
 from handler.adapters.library import Busy, Entry, Kind, Library
 from handler.adapters.lora_rows import Adapters, RowLoras
-from handler.adapters.lora_slots import SlotLoras, compiled_graphs
+from handler.adapters.lora_slots import SlotLoras, SlotRows, compiled_graphs
 from handler.adapters.lycoris import as_lora, holds_lycoris
 
 logger = logging.getLogger(__name__)
@@ -153,15 +153,15 @@ class LoraLibrary(Library):
         self._active = adapters
 
     @contextmanager
-    def rows(self, sets: Sequence[tuple[Adapters, int]], device: torch.device) -> Iterator[torch.Tensor | None]:
+    def rows(self, sets: Sequence[tuple[Adapters, int]], device: torch.device) -> Iterator[SlotRows | None]:
         """During the block, the denoiser's forwards give each consecutive block of rows its set:
         ``sets`` holds (set, rows) pairs in row order (nested: a sub-batch of the forward). Yields
-        the compiled denoiser's slot weights per row (None: no LoRA rows, or an eager denoiser)."""
+        the compiled denoiser's slot rows (None: no LoRA rows, or an eager denoiser)."""
         if self._active is None:  # after a load or a failure: every component's LoRA layers off first
             self.activate(())
         if self.slots is None:
             with self.row_loras.rows(sets, device):
                 yield None
         else:
-            with self.slots.rows(sets, device) as weights:
-                yield weights
+            with self.slots.rows(sets, device) as slot_rows:
+                yield slot_rows

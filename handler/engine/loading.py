@@ -256,12 +256,14 @@ def load_engine(settings: HandlerSettings, model_dir: str | Path, gpu_id: int | 
     off_because, directory = _loras_off(settings), settings.loras.directory()
     slots = None
     if settings.compile.denoiser and directory is not None and off_because is None:
-        slots = SlotLoras(family.denoiser, settings.loras.max_loaded, settings.loras.slot_rank)
+        lora_settings = settings.loras
+        slots = SlotLoras(family.denoiser, lora_settings.max_loaded, lora_settings.slot_rank, lora_settings.slot_design)
         logger.info(
-            "LoRA slots for the compiled %s: %d slots of rank %d on %d Linear layers, %.1f MiB",
+            "LoRA slots for the compiled %s: %d slots of rank %d (%s) on %d Linear layers, %.1f MiB",
             family.denoiser_name,
             slots.slots,
             slots.rank,
+            slots.design,
             len(slots.layers),
             slots.bytes() / 2**20,
         )

@@ -58,6 +58,7 @@ from diffusers.utils.torch_utils import randn_tensor
 
 from handler.adapters.controlnets import Control, ControlNetLibrary
 from handler.adapters.embeddings import EmbeddingLibrary
+from handler.adapters.lora_slots import SlotRows
 from handler.adapters.loras import Adapters, LoraLibrary
 from handler.config import FamilyRules, FaultInjection, StepCache
 from handler.engine.decoding import DecodeFailed, LaterDecode
@@ -274,9 +275,9 @@ class StepEngine:
         )
         # The padding rows take the last job's LoRA set: a set every row shares stays one scalar weight.
         sets = [(job.spec.adapters, job.rows) for job in jobs] + [(jobs[-1].spec.adapters, padding)]
-        with self.loras.rows(sets, self.device) as slot_weights, self._step_cache(jobs, sets):
+        with self.loras.rows(sets, self.device) as slot_rows, self._step_cache(jobs, sets):
             if self.dynamic_rows and not _cached(jobs):  # a cached forward's regions compile apart
-                rows_dynamic(latents, timestep_rows, conditioning, residuals, slot_weights)
+                rows_dynamic(latents, timestep_rows, conditioning, residuals, slot_rows)
             if replays:  # each step a new run of the graphs: the last run's outputs are done with
                 torch.compiler.cudagraph_mark_step_begin()
             noise = family.forward(latents, timestep_rows, conditioning, residuals)[:rows]
@@ -300,7 +301,7 @@ class StepEngine:
         if not _cached(jobs):
             return contextlib.nullcontext()
 
-        def sub_batch_rows(running: list[int]) -> contextlib.AbstractContextManager[torch.Tensor | None]:
+        def sub_batch_rows(running: list[int]) -> contextlib.AbstractContextManager[SlotRows | None]:
             return self.loras.rows([sets[index] for index in running], self.device)
 
         if self.first_block is not None:
@@ -377,7 +378,7 @@ def rows_dynamic(
     timesteps: torch.Tensor,
     conditioning: Conditioning,
     residuals: Residuals | None,
-    slot_weights: torch.Tensor | None,
+    slot_rows: SlotRows | None,
 ) -> None:
     """Mark the rows of a compiled denoiser's inputs dynamic, so that dynamo compiles a shape's
     first forward of two rows or more for every such count at once. Unmarked, it compiles that
@@ -388,7 +389,8 @@ def rows_dynamic(
     if rows < 2:
         return
     down, mid = residuals or ([], None)
-    tensors = [latents, timesteps, conditioning.hidden_states, *conditioning.added.values(), *down, mid, slot_weights]
+    slots, weights = slot_rows or (None, None)
+    tensors = [latents, timesteps, conditioning.hidden_states, *conditioning.added.values(), *down, mid, weights, slots]
     for tensor in tensors:
         if tensor is not None and tensor.shape[0] == rows:
             torch._dynamo.maybe_mark_dynamic(tensor, 0)

@@ -156,8 +156,9 @@ def test_lora_measures_every_design_against_no_lora_and_says_what_auto_took(repo
     assert section["status"] == "ok" and section["side"] == QUICK.lora_side and section["rank"] == QUICK.lora_rank
     cases = {(row["workload"], row["design"]) for row in section["rows"]}
     workloads = ("one LoRA, all 8", "8 different LoRAs", "8 sets of 3 LoRAs")
-    assert cases == {("no LoRA", "auto"), ("no LoRA", "compiled")} | {
-        (w, d) for w in workloads for d in ("grouped", "segments", "stacked", "auto", "compiled")
+    compiled = ("compiled", "compiled-stacked")  # the compiled denoiser's slots, gathered and stacked
+    assert cases == {("no LoRA", d) for d in ("auto", *compiled)} | {
+        (w, d) for w in workloads for d in ("grouped", "segments", "stacked", "auto", *compiled)
     }
     assert section["graphs_compiled_after_warm_up"] == 0, "a LoRA set changing recompiled the denoiser"
     assert all(row["ratio"] > 0 and row["median_s"] > 0 for row in section["rows"])

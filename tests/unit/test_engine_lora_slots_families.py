@@ -31,15 +31,18 @@ def test_other_families_mixed_sets_in_compiled_forwards_equal_diffusers(family, 
     model = TINY_MODEL_DIRS[family]
     write_lora(model, tmp_path / "attention.safetensors", seed=1)
     write_lora(model, tmp_path / "feed-forward.safetensors", seed=2, layers=("feed_forward",), spread=0.1)
+    write_lora(model, tmp_path / "both.safetensors", seed=3, layers=("attention", "feed_forward"), spread=0.1)
     settings = {
         "model_path": str(model),
         "compile": {"enabled": True, "targets": ["unet"]},
-        "loras": {"dir": str(tmp_path), "max_loaded": 2, "slot_rank": 4},
+        "loras": {"dir": str(tmp_path), "max_loaded": 3, "slot_rank": 4},
     }
     engine = load_engine(HandlerSettings.model_validate(settings), "/unused")
     sets = [(0, ()), (0, (("attention", 0.8),)), (0, (("feed-forward", 1.0), ("attention", -0.5)))]
     if family == "sd3":  # a first-block cached job joins mid-flight: the transformer's blocks compiled apart
         sets.append((1, (("attention", 0.8),)))
+    else:  # a job of three LoRAs joins mid-flight: each row gathers 3 slots, not 2, in the same graph
+        sets.append((1, (("both", 0.6), ("feed-forward", -0.7), ("attention", 0.3))))
     jobs = lora_set_jobs(engine, sets, steps=3, scheduler=scheduler)
     if family == "sd3":
         jobs[-1] = (1, replace(jobs[-1][1], cache=StepCache(mode="first_block", threshold=0.3)))
@@ -47,6 +50,8 @@ def test_other_families_mixed_sets_in_compiled_forwards_equal_diffusers(family, 
     images = run(engine, jobs)
     if family == "sd3":  # the whole model's (with LoRA rows), then the blocks' (one code: at most 4 graphs)
         assert 0 < compiled_graphs() - before <= 1 + 4
+    else:  # one graph with LoRA rows for every row count and every count of slots a row gathers
+        assert compiled_graphs() - before == 1
     reference = Reference(model)
     for (_, job), (_, lora_set), decoded in zip(jobs, sets, images, strict=True):
         files = [(tmp_path / f"{name}.safetensors", weight) for name, weight in lora_set]

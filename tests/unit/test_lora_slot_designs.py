@@ -1,0 +1,92 @@
+"""The two designs of a denoiser's LoRA slots (``handler.adapters.lora_slots``, ``loras.slot_design``)
+on the default model's UNet, uncompiled: each row of one forward gets the output of diffusers'
+``load_lora_weights`` + ``set_adapters`` with its own set, whether it gathers its own slots or
+multiplies by every slot, with sets of no, one, two and three LoRAs side by side. The compiled
+designs: tests/unit/test_engine_lora_slots.py (the default) and bench/loras.py (both)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import get_args
+
+import pytest
+import torch
+from diffusers import StableDiffusionPipeline
+
+from handler.adapters.lora_slots import SlotLinear, SlotLoras
+from handler.config import SlotDesign
+from model_making.make_lora import write_lora
+from server.paths import DEFAULT_MODEL_DIR
+
+LORAS = {  # name: how make_lora writes it
+    "attention": dict(seed=1, rank=4),
+    "feed-forward": dict(seed=2, rank=8, layers=("feed_forward",), spread=0.1),
+    "both": dict(seed=3, rank=2, layers=("attention", "feed_forward"), spread=0.1),
+}
+SETS = [  # (LoRA set, rows)
+    ((), 2),
+    ((("attention", 0.8),), 1),
+    ((("feed-forward", 1.0), ("attention", -0.5)), 2),
+    ((("both", 0.7), ("attention", 0.4), ("feed-forward", -1.2)), 1),
+]
+
+
+@pytest.fixture(scope="module")
+def lora_files(tmp_path_factory) -> dict[str, Path]:
+    directory = tmp_path_factory.mktemp("loras")
+    return {
+        name: write_lora(DEFAULT_MODEL_DIR, directory / f"{name}.safetensors", **recipe)
+        for name, recipe in LORAS.items()
+    }
+
+
+@pytest.fixture(scope="module")
+def inputs() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(0)
+    rows = sum(count for _, count in SETS)
+    latents = torch.randn(rows, 4, 8, 8, generator=generator)
+    hidden = torch.randn(rows, 77, 32, generator=generator)
+    return latents, torch.full((rows,), 500.0), hidden
+
+
+@pytest.fixture(scope="module")
+def expected(lora_files, inputs) -> torch.Tensor:
+    """Each set's rows through diffusers' UNet with PEFT's adapters set to it."""
+    pipeline = StableDiffusionPipeline.from_pretrained(DEFAULT_MODEL_DIR)
+    for name, path in lora_files.items():
+        pipeline.load_lora_weights(path, adapter_name=name)
+    latents, timesteps, hidden = inputs
+    outputs, start = [], 0
+    for adapter_set, count in SETS:
+        rows = slice(start, start + count)
+        start += count
+        if adapter_set:
+            pipeline.enable_lora()
+            pipeline.set_adapters([name for name, _ in adapter_set], [scale for _, scale in adapter_set])
+        else:
+            pipeline.disable_lora()
+        with torch.no_grad():
+            outputs.append(pipeline.unet(latents[rows], timesteps[rows], hidden[rows]).sample)
+    return torch.cat(outputs)
+
+
+@pytest.mark.parametrize("design", get_args(SlotDesign))
+def test_each_row_of_a_forward_gets_its_own_set(design, lora_files, inputs, expected):
+    pipeline = StableDiffusionPipeline.from_pretrained(DEFAULT_MODEL_DIR)
+    unet = pipeline.unet
+    slots = SlotLoras(unet, slots=4, rank=8, design=design)
+    for name, path in lora_files.items():  # as the LoRA library loads one into a compiled denoiser
+        pipeline.load_lora_weights(path, adapter_name=name)
+        slots.take(name)
+        unet.unload_lora()
+    assert any(isinstance(module, SlotLinear) for module in unet.modules()) and slots.free == 1
+    latents, timesteps, hidden = inputs
+    with torch.no_grad(), slots.rows(SETS, torch.device("cpu")) as plan:
+        assert plan is not None and (plan.slots is None) == (design == "stacked")
+        if design == "gathered":  # each row its own slots, the most any row holds
+            assert plan.slots.shape == (6, 3)
+        noise = unet(latents, timesteps, hidden).sample
+    torch.testing.assert_close(noise, expected, rtol=1e-4, atol=1e-5)
+    with torch.no_grad(), slots.rows([((), 6)], torch.device("cpu")) as plan:  # no LoRA row: the plain graph
+        assert plan is None
+        torch.testing.assert_close(unet(latents, timesteps, hidden).sample[:2], expected[:2], rtol=1e-4, atol=1e-5)
