@@ -51,6 +51,13 @@ def _ok(rows: list[dict]) -> dict[str, dict]:
     return {row["name"]: row for row in rows if row.get("status") == "ok"}
 
 
+def _serving(section: dict | None) -> dict[str, dict]:
+    """A section's measured variants in the serving dtype (not its float32 reference)."""
+    measured = _ok((section or {}).get("variants", []))
+    measured.pop((section or {}).get("reference"), None)
+    return measured
+
+
 def _standing(value: float | None, goal: float, higher_is_better: bool = True) -> str:
     if value is None:
         return "not measured"
@@ -64,10 +71,7 @@ def goals(sections: dict[str, dict]) -> list[str]:
     rows = ["| goal | target | measured | standing |", "| --- | --- | --- | --- |"]
 
     def best_unet(section: str) -> tuple[float | None, str]:
-        """The fastest variant in the serving dtype (not the float32 reference)."""
-        reference = sections.get(section, {}).get("reference")
-        measured = _ok(sections.get(section, {}).get("variants", []))
-        measured.pop(reference, None)
+        measured = _serving(sections.get(section))
         if not measured:
             return None, "—"
         name = max(measured, key=lambda key: measured[key]["unet_it_s"])
@@ -377,7 +381,7 @@ def _unet_bars(axis, section: dict | None, goal: float, anchors: dict[str, float
         else family,
         fontsize=10,
     )
-    measured = _ok((section or {}).get("variants", []))
+    measured = _serving(section)
     if not measured:
         axis.text(0.5, 0.5, "not measured", ha="center", va="center", transform=axis.transAxes)
         return

@@ -192,8 +192,9 @@ class LoraSettings(_ServedDirectory):
     )
     slot_design: SlotDesign = Field(
         "gathered",
-        description="with a compiled denoiser: gathered, each row multiplies by its own adapters' slots (at least "
-        "2, padded); stacked, every row by every slot (max_loaded x slot_rank ranks per row)",
+        description="with a compiled denoiser: gathered, each row multiplies by its own adapters' slots (the most "
+        "any row of a forward holds, at least 2; max_loras_per_request where the graphs are static); stacked, every "
+        "row by every slot (max_loaded x slot_rank ranks per row)",
     )
 
 

@@ -13,8 +13,9 @@ two graphs per shape: with LoRA rows and without.
 Two designs (``handler.loras.slot_design``):
 
 - ``gathered`` (punica's BGMV kernels for LLMs, in plain torch): each row gathers its own slots' A and B,
-  ``k`` of them (the most any row of the forward holds, at least 2, padded with weight 0), and
-  multiplies its tokens by them (``torch.bmm``): a row pays ``k x rank`` ranks.
+  ``k`` of them (the most any row of the forward holds, at least 2, padded with weight 0; where the
+  graphs are static, as many as a request may hold), and multiplies its tokens by them
+  (``torch.bmm``): a row pays ``k x rank`` ranks.
 - ``stacked`` (the ``stacked`` design of ``handler.adapters.lora_rows`` over every slot): every row
   multiplies by every slot, weighted per row: each row pays ``slots x rank`` ranks.
 
@@ -129,11 +130,21 @@ class SlotLinear(torch.nn.Linear):
 class SlotLoras:
     """The slot layers of one denoiser, which adapter holds which slot, and the forward's rows."""
 
-    def __init__(self, denoiser: torch.nn.Module, slots: int, rank: int, design: SlotDesign = "gathered"):
+    def __init__(
+        self,
+        denoiser: torch.nn.Module,
+        slots: int,
+        rank: int,
+        design: SlotDesign = "gathered",
+        per_row: int | None = None,
+    ):
+        """``per_row`` (``gathered``): every row's slots padded to this many, a static size; None:
+        to the most any row of the forward holds (at least 2), a size marked dynamic."""
         self.denoiser = denoiser
         self.slots = slots
         self.rank = rank
         self.design = design
+        self.per_row = per_row
         self.state = SlotState()
         self.layers: dict[str, SlotLinear] = {}
         for name, module in list(denoiser.named_modules()):
@@ -212,12 +223,15 @@ class SlotLoras:
             every = [[row.get(slot, 0.0) for slot in range(self.slots)] for row in rows]
             weights = torch.tensor(every, dtype=torch.float64)
             return SlotRows(None, to_device(weights.repeat_interleave(self.rank, dim=1), device, dtype))
-        k = max(2, *(len(row) for row in rows))  # 2 at least: dynamo specializes a size of 1
+        held = max((len(row) for row in rows), default=0)
+        # dynamic: 2 at least (dynamo specializes a size of 1)
+        k = max(2, held) if self.per_row is None else max(1, self.per_row, held)
         slots = torch.tensor([[*row, *[0] * (k - len(row))] for row in rows], dtype=torch.long)
         weights = torch.tensor([[*row.values(), *[0.0] * (k - len(row))] for row in rows], dtype=torch.float64)
         gathered = SlotRows(to_device(slots, device), to_device(weights, device, dtype))
-        for tensor in gathered:  # one graph for every k, in every forward (a step cache's regions too)
-            torch._dynamo.maybe_mark_dynamic(tensor, 1)
+        if self.per_row is None:  # one graph for every k, in every forward (a step cache's regions too)
+            for tensor in gathered:
+                torch._dynamo.maybe_mark_dynamic(tensor, 1)
         return gathered
 
     @contextmanager

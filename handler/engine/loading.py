@@ -235,6 +235,17 @@ def _without_t5(source: str, settings: HandlerSettings) -> dict[str, None]:
     return {"text_encoder_3": None, "tokenizer_3": None}
 
 
+def lora_slots(settings: HandlerSettings, denoiser: torch.nn.Module, device: torch.device) -> SlotLoras:
+    """The compiled denoiser's LoRA slots. Rows that gather their slots take the most any row of a
+    forward holds (a size marked dynamic: one graph for all), unless the denoiser's graphs are
+    static: CUDA graphs are recorded per size, and ``compile.dynamic: false`` asks for static
+    shapes. Then every row takes as many slots as a request may hold LoRAs (a size of its own)."""
+    loras = settings.loras
+    static = settings.compile.cuda_graphs(device.type) or settings.compile.dynamic is False
+    per_row = min(loras.max_loaded, settings.limits.max_loras_per_request) if static else None
+    return SlotLoras(denoiser, loras.max_loaded, loras.slot_rank, loras.slot_design, per_row)
+
+
 def load_engine(settings: HandlerSettings, model_dir: str | Path, gpu_id: int | None = None) -> StepEngine:
     """Load the pipeline (safetensors only), detect its family (refusing any other pipeline),
     apply the configured optimizations and return the step engine over it."""
@@ -256,8 +267,7 @@ def load_engine(settings: HandlerSettings, model_dir: str | Path, gpu_id: int | 
     off_because, directory = _loras_off(settings), settings.loras.directory()
     slots = None
     if settings.compile.denoiser and directory is not None and off_because is None:
-        lora_settings = settings.loras
-        slots = SlotLoras(family.denoiser, lora_settings.max_loaded, lora_settings.slot_rank, lora_settings.slot_design)
+        slots = lora_slots(settings, family.denoiser, device)
         logger.info(
             "LoRA slots for the compiled %s: %d slots of rank %d (%s) on %d Linear layers, %.1f MiB",
             family.denoiser_name,

@@ -14,7 +14,8 @@ import torch
 from diffusers import StableDiffusionPipeline
 
 from handler.adapters.lora_slots import SlotLinear, SlotLoras
-from handler.config import SlotDesign
+from handler.config import HandlerSettings, SlotDesign
+from handler.engine.loading import lora_slots
 from model_making.make_lora import write_lora
 from server.paths import DEFAULT_MODEL_DIR
 
@@ -70,11 +71,15 @@ def expected(lora_files, inputs) -> torch.Tensor:
     return torch.cat(outputs)
 
 
-@pytest.mark.parametrize("design", get_args(SlotDesign))
-def test_each_row_of_a_forward_gets_its_own_set(design, lora_files, inputs, expected):
+@pytest.mark.parametrize(
+    ("design", "per_row"),
+    [(design, None) for design in get_args(SlotDesign)] + [("gathered", 4)],
+    ids=["gathered", "stacked", "gathered-static"],
+)
+def test_each_row_of_a_forward_gets_its_own_set(design, per_row, lora_files, inputs, expected):
     pipeline = StableDiffusionPipeline.from_pretrained(DEFAULT_MODEL_DIR)
     unet = pipeline.unet
-    slots = SlotLoras(unet, slots=4, rank=8, design=design)
+    slots = SlotLoras(unet, slots=4, rank=8, design=design, per_row=per_row)
     for name, path in lora_files.items():  # as the LoRA library loads one into a compiled denoiser
         pipeline.load_lora_weights(path, adapter_name=name)
         slots.take(name)
@@ -83,10 +88,32 @@ def test_each_row_of_a_forward_gets_its_own_set(design, lora_files, inputs, expe
     latents, timesteps, hidden = inputs
     with torch.no_grad(), slots.rows(SETS, torch.device("cpu")) as plan:
         assert plan is not None and (plan.slots is None) == (design == "stacked")
-        if design == "gathered":  # each row its own slots, the most any row holds
-            assert plan.slots.shape == (6, 3)
+        if design == "gathered":  # each row its own slots: the most any row holds, or the static count
+            assert plan.slots.shape == (6, per_row or 3)
         noise = unet(latents, timesteps, hidden).sample
     torch.testing.assert_close(noise, expected, rtol=1e-4, atol=1e-5)
     with torch.no_grad(), slots.rows([((), 6)], torch.device("cpu")) as plan:  # no LoRA row: the plain graph
         assert plan is None
         torch.testing.assert_close(unet(latents, timesteps, hidden).sample[:2], expected[:2], rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize(
+    ("compile_settings", "device", "per_row"),
+    [
+        ({"mode": "default"}, "cuda", None),  # one graph for any count of slots a row gathers
+        ({"mode": "default"}, "cpu", None),
+        ({"mode": "reduce-overhead"}, "cuda", 3),  # CUDA graphs record each size: as many as a request holds
+        ({"mode": "reduce-overhead"}, "cpu", None),  # no CUDA graphs off CUDA
+        ({"mode": "default", "dynamic": False}, "cpu", 3),  # static shapes asked for
+        ({"mode": "max-autotune"}, "cuda", 3),
+    ],
+)
+def test_rows_gather_a_static_count_of_slots_where_the_graphs_are_static(compile_settings, device, per_row):
+    settings = HandlerSettings.model_validate(
+        {
+            "compile": {"enabled": True, "targets": ["unet"], **compile_settings},
+            "loras": {"max_loaded": 8},
+            "limits": {"max_loras_per_request": 3},
+        }
+    )
+    assert lora_slots(settings, torch.nn.Module(), torch.device(device)).per_row == per_row
