@@ -193,8 +193,8 @@ class LoraSettings(_ServedDirectory):
     slot_design: SlotDesign = Field(
         "gathered",
         description="with a compiled denoiser: gathered, each row multiplies by its own adapters' slots (the most "
-        "any row of a forward holds, at least 2; max_loras_per_request where the graphs are static); stacked, every "
-        "row by every slot (max_loaded x slot_rank ranks per row)",
+        "any row of a forward holds, at least 2; where the graphs are static, min(max_loaded, "
+        "max_loras_per_request)); stacked, every row by every slot (max_loaded x slot_rank ranks per row)",
     )
 
 

@@ -6,15 +6,16 @@ compiled, every ``nn.Linear`` of its transformer blocks (attention, feed-forward
 ``proj_out``: where LoRAs go) becomes a ``SlotLinear``: the same weights, plus buffers for
 ``slots`` adapters of rank up to ``rank`` each, A stacked (``slots x rank``, in) and B transposed and
 stacked (``slots x rank``, out), zero where empty. A forward reads the rows' plan (``SlotRows``),
-tensors whose shapes depend on the rows (and, gathered, on the most slots a row holds: marked
-dynamic), so the graph only ever sees the same modules and buffers of the same shapes, and there are
-two graphs per shape: with LoRA rows and without.
+tensors whose shapes depend on the rows (and, gathered, on the slots a row takes: the most a row
+of the forward holds, marked dynamic, or a static count), so the graph only ever sees the same
+modules and buffers of the same shapes, and there are two graphs per shape: with LoRA rows and
+without.
 
 Two designs (``handler.loras.slot_design``):
 
 - ``gathered`` (punica's BGMV kernels for LLMs, in plain torch): each row gathers its own slots' A and B,
   ``k`` of them (the most any row of the forward holds, at least 2, padded with weight 0; where the
-  graphs are static, as many as a request may hold), and multiplies its tokens by them
+  graphs are static, ``per_row``), and multiplies its tokens by them
   (``torch.bmm``): a row pays ``k x rank`` ranks.
 - ``stacked`` (the ``stacked`` design of ``handler.adapters.lora_rows`` over every slot): every row
   multiplies by every slot, weighted per row: each row pays ``slots x rank`` ranks.

@@ -239,7 +239,8 @@ def lora_slots(settings: HandlerSettings, denoiser: torch.nn.Module, device: tor
     """The compiled denoiser's LoRA slots. Rows that gather their slots take the most any row of a
     forward holds (a size marked dynamic: one graph for all), unless the denoiser's graphs are
     static: CUDA graphs are recorded per size, and ``compile.dynamic: false`` asks for static
-    shapes. Then every row takes as many slots as a request may hold LoRAs (a size of its own)."""
+    shapes. Then every row takes as many slots as a request may hold LoRAs, at most as many as are
+    loaded: ``min(max_loaded, max_loras_per_request)``."""
     loras = settings.loras
     static = settings.compile.cuda_graphs(device.type) or settings.compile.dynamic is False
     per_row = min(loras.max_loaded, settings.limits.max_loras_per_request) if static else None

@@ -1,8 +1,11 @@
 """The two designs of a denoiser's LoRA slots (``handler.adapters.lora_slots``, ``loras.slot_design``)
 on the default model's UNet, uncompiled: each row of one forward gets the output of diffusers'
-``load_lora_weights`` + ``set_adapters`` with its own set, whether it gathers its own slots or
-multiplies by every slot, with sets of no, one, two and three LoRAs side by side. The compiled
-designs: tests/unit/test_engine_lora_slots.py (the default) and bench/loras.py (both)."""
+``load_lora_weights`` + ``set_adapters`` with its own set, whether it gathers its own slots (as many
+as the forward's rows hold, a size marked dynamic; or a static count, as where the graphs are
+static) or multiplies by every slot, with sets of no, one, two and three LoRAs side by side; which
+compile settings take the static count. Compiled: tests/unit/test_engine_lora_slots.py and
+tests/unit/test_engine_lora_slots_families.py (the default, dynamic count), bench/loras.py (both
+designs)."""
 
 from __future__ import annotations
 
@@ -89,12 +92,19 @@ def test_each_row_of_a_forward_gets_its_own_set(design, per_row, lora_files, inp
     with torch.no_grad(), slots.rows(SETS, torch.device("cpu")) as plan:
         assert plan is not None and (plan.slots is None) == (design == "stacked")
         if design == "gathered":  # each row its own slots: the most any row holds, or the static count
-            assert plan.slots.shape == (6, per_row or 3)
+            assert plan.slots.shape == plan.weights.shape == (6, per_row or 3)
+            # dynamo's mark of a dynamic size (torch._dynamo.maybe_mark_dynamic): only where the count varies
+            marked = [getattr(tensor, "_dynamo_weak_dynamic_indices", set()) for tensor in plan]
+            assert marked == ([{1}, {1}] if per_row is None else [set(), set()])
         noise = unet(latents, timesteps, hidden).sample
     torch.testing.assert_close(noise, expected, rtol=1e-4, atol=1e-5)
     with torch.no_grad(), slots.rows([((), 6)], torch.device("cpu")) as plan:  # no LoRA row: the plain graph
         assert plan is None
         torch.testing.assert_close(unet(latents, timesteps, hidden).sample[:2], expected[:2], rtol=1e-4, atol=1e-5)
+    with slots.lora_graph(), slots.rows([((), 6)], torch.device("cpu")) as plan:  # warm-up's graph with LoRA rows
+        assert plan is not None and plan.weights.abs().sum() == 0
+        if design == "gathered":  # the shape served: the static count, or 2 (marked dynamic)
+            assert plan.slots.shape == (6, per_row or 2)
 
 
 @pytest.mark.parametrize(
@@ -106,14 +116,18 @@ def test_each_row_of_a_forward_gets_its_own_set(design, per_row, lora_files, inp
         ({"mode": "reduce-overhead"}, "cpu", None),  # no CUDA graphs off CUDA
         ({"mode": "default", "dynamic": False}, "cpu", 3),  # static shapes asked for
         ({"mode": "max-autotune"}, "cuda", 3),
+        ({"mode": "max-autotune-no-cudagraphs"}, "cuda", None),
+        ({"mode": "reduce-overhead", "dynamic": True}, "cuda", 3),  # a dynamic graph's CUDA graphs: per size
     ],
 )
 def test_rows_gather_a_static_count_of_slots_where_the_graphs_are_static(compile_settings, device, per_row):
-    settings = HandlerSettings.model_validate(
-        {
-            "compile": {"enabled": True, "targets": ["unet"], **compile_settings},
-            "loras": {"max_loaded": 8},
-            "limits": {"max_loras_per_request": 3},
-        }
-    )
-    assert lora_slots(settings, torch.nn.Module(), torch.device(device)).per_row == per_row
+    """As many slots as a request may hold LoRAs, and no more than are loaded."""
+    for max_loaded, expected_per_row in ((8, per_row), (2, per_row and 2)):
+        settings = HandlerSettings.model_validate(
+            {
+                "compile": {"enabled": True, "targets": ["unet"], **compile_settings},
+                "loras": {"max_loaded": max_loaded},
+                "limits": {"max_loras_per_request": 3},
+            }
+        )
+        assert lora_slots(settings, torch.nn.Module(), torch.device(device)).per_row == expected_per_row
