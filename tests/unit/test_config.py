@@ -76,6 +76,7 @@ def test_the_request_timeout_defaults_to_its_share_of_the_response_timeout_unles
         {"profiler": {"steps": 10, "dir": "relative/profiles"}},
         {"profiler": {"steps": -1}},
         {"profiler": {"min_rows": 0}},
+        {"loras": {"slot_design": "dense"}},
     ],
 )
 def test_bad_settings_fail_at_load(handler):
