@@ -26,7 +26,7 @@ from handler.checkpoints.single_file import checkpoint_file, load_single_file, l
 from handler.config import CompileSettings, HandlerSettings, guided_at
 from handler.engine.step_engine import StepEngine
 from handler.families import Family, Pipeline, StableDiffusion3Family, family_of
-from handler.families.base import RegionCompiler
+from handler.families.base import RegionCompiler, rows_marked
 from handler.families.deep_cache import DeepCacheHooks, is_unet
 from handler.families.first_block_cache import FirstBlockHooks, is_transformer
 
@@ -171,19 +171,21 @@ def _apply_compile(family: Family, settings: HandlerSettings) -> None:
 
 def _region_compiler(options: CompileSettings) -> RegionCompiler | None:
     """How a compiled denoiser's step caches compile its regions (None: the denoiser is eager): in
-    the configured mode without CUDA graphs, with shapes static until they change (regions run
-    between eager Python, on sub-batches of any row count: a graph per count would be recorded),
-    and never a full graph (a region past its limit runs eagerly rather than failing the forward).
+    the configured mode without CUDA graphs (regions run between eager Python, on sub-batches of any
+    row count: a graph per count would be recorded), with their rows dynamic from the first call of
+    two rows or more and other sizes static until they change, and never a full graph (a region past
+    its limit runs eagerly rather than failing the forward).
 
     The blocks of one kind share one code, so one list of graphs: one per structure (SD 3.5's blocks
     with a second attention, the last block without its text stream) and per width, with and without
-    LoRA rows, then one with the rows' count and one with the latents' size dynamic once they change.
+    LoRA rows, each for one row and for more, then one with the latents' size dynamic once it changes.
     That can pass dynamo's default limit of 8 a code, so regions get ``REGION_GRAPHS``."""
     if not options.denoiser:
         return None
     mode = {"reduce-overhead": "default", "max-autotune": "max-autotune-no-cudagraphs"}.get(options.mode, options.mode)
     dynamic = None if options.dynamic is False else options.dynamic
-    return functools.partial(torch.compile, mode=mode, dynamic=dynamic, recompile_limit=REGION_GRAPHS)
+    compile_ = functools.partial(torch.compile, mode=mode, dynamic=dynamic, recompile_limit=REGION_GRAPHS)
+    return lambda forward: rows_marked(compile_(forward))
 
 
 def compile_cache_summary() -> str:

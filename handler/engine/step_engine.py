@@ -50,7 +50,7 @@ import contextlib
 import dataclasses
 import functools
 import math
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -65,7 +65,7 @@ from handler.engine.decoding import DecodeFailed, LaterDecode
 from handler.engine.jobs import DenoiseJob, Inpainting, JobSpec
 from handler.engine.timing import Span
 from handler.families import Conditioning, Decoded, Family, Pipeline, Residuals, Scheduler, schedules
-from handler.families.base import padded_rows, steps_by_index
+from handler.families.base import mark_rows, padded_rows, steps_by_index
 from handler.families.deep_cache import Branch, CacheRows, DeepCacheHooks, RowCache, branches, kept_row_shape
 from handler.families.first_block_cache import FirstBlockCache, FirstBlockHooks, kept_row_elements
 from handler.families.transfer import to_host
@@ -276,7 +276,7 @@ class StepEngine:
         # The padding rows take the last job's LoRA set: a set every row shares stays one scalar weight.
         sets = [(job.spec.adapters, job.rows) for job in jobs] + [(jobs[-1].spec.adapters, padding)]
         with self.loras.rows(sets, self.device) as slot_rows, self._step_cache(jobs, sets):
-            if self.dynamic_rows and not _cached(jobs):  # a cached forward's regions compile apart
+            if self.dynamic_rows:
                 rows_dynamic(latents, timestep_rows, conditioning, residuals, slot_rows)
             if replays:  # each step a new run of the graphs: the last run's outputs are done with
                 torch.compiler.cudagraph_mark_step_begin()
@@ -301,8 +301,13 @@ class StepEngine:
         if not _cached(jobs):
             return contextlib.nullcontext()
 
-        def sub_batch_rows(running: list[int]) -> contextlib.AbstractContextManager[SlotRows | None]:
-            return self.loras.rows([sets[index] for index in running], self.device)
+        @contextlib.contextmanager
+        def sub_batch_rows(running: list[int]) -> Iterator[SlotRows | None]:
+            subset = [sets[index] for index in running]
+            with self.loras.rows(subset, self.device) as slot_rows:
+                if self.dynamic_rows:
+                    mark_rows(sum(rows for _, rows in subset), slot_rows or ())
+                yield slot_rows
 
         if self.first_block is not None:
             caches = [(job.cache if isinstance(job.cache, FirstBlockCache) else None, job.rows) for job in jobs]
@@ -380,20 +385,11 @@ def rows_dynamic(
     residuals: Residuals | None,
     slot_rows: SlotRows | None,
 ) -> None:
-    """Mark the rows of a compiled denoiser's inputs dynamic, so that dynamo compiles a shape's
-    first forward of two rows or more for every such count at once. Unmarked, it compiles that
-    count alone, then every count again at the next one (torch's automatic dynamic shapes): a
-    second compile of the whole denoiser per graph kind, at warm-up or while serving. One row
-    stays a graph apart (dynamo specializes a size of 1)."""
-    rows = latents.shape[0]
-    if rows < 2:
-        return
+    """Mark the rows of a compiled denoiser's inputs dynamic (``mark_rows``), the LoRA rows' plan
+    included: a step cache's regions read it too."""
     down, mid = residuals or ([], None)
-    slots, weights = slot_rows or (None, None)
-    tensors = [latents, timesteps, conditioning.hidden_states, *conditioning.added.values(), *down, mid, weights, slots]
-    for tensor in tensors:
-        if tensor is not None and tensor.shape[0] == rows:
-            torch._dynamo.maybe_mark_dynamic(tensor, 0)
+    tensors = [latents, timesteps, conditioning.hidden_states, *conditioning.added.values(), *down, mid]
+    mark_rows(latents.shape[0], [*tensors, *(slot_rows or ())])
 
 
 def _cached(jobs: list[DenoiseJob]) -> bool:

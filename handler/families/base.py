@@ -30,7 +30,7 @@ import inspect
 import itertools
 from abc import ABC, abstractmethod
 from collections import OrderedDict
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Literal, Protocol, TypeGuard
@@ -144,6 +144,34 @@ SubBatchRows = Callable[[list[int]], AbstractContextManager[Any]]
 # configured options): the blocks its wrappers call, each compiled apart, while a forward with cached
 # rows runs the Python between them (which rows run which block) eagerly.
 RegionCompiler = Callable[[Callable[..., Any]], Callable[..., Any]]
+
+
+def mark_rows(rows: int, tensors: Iterable[Any]) -> None:
+    """Mark dim 0 of the tensors among ``tensors`` that have ``rows`` rows dynamic, so that dynamo
+    compiles a compiled denoiser's (or region's) first call of two rows or more for every such
+    count at once. Unmarked, it compiles that count alone, then every count again at the next one
+    (torch's automatic dynamic shapes): a second compile per graph kind, at warm-up or while
+    serving. One row stays a graph apart (dynamo specializes a size of 1)."""
+    if rows < 2:
+        return
+    for tensor in tensors:
+        if isinstance(tensor, torch.Tensor) and tensor.dim() and tensor.shape[0] == rows:
+            torch._dynamo.maybe_mark_dynamic(tensor, 0)
+
+
+def rows_marked(region: Callable[..., Any]) -> Callable[..., Any]:
+    """``region`` (a compiled block: its rows lead its first argument) with its tensor arguments'
+    rows marked dynamic at each call (``mark_rows``)."""
+
+    @functools.wraps(region)
+    def marked(*args: Any, **kwargs: Any) -> Any:
+        arguments = [*args, *kwargs.values()]
+        first = next((value for value in arguments if isinstance(value, torch.Tensor) and value.dim()), None)
+        if first is not None:
+            mark_rows(first.shape[0], arguments)
+        return region(*args, **kwargs)
+
+    return marked
 
 
 @contextlib.contextmanager

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from diffusers.models.transformers.transformer_2d import Transformer2DModel
 from torch._dynamo.eval_frame import _debug_get_cache_entry_list
 
 from bench.reference import ControlNetCall, Reference
@@ -97,6 +98,10 @@ def test_mixed_sets_share_compiled_forwards_and_each_equals_diffusers(engine, lo
     assert "compile=default(unet)" in engine.description
     # warm-up compiled the whole UNet once per kind (plain, with LoRA rows), for every row count from 2
     assert len(_debug_get_cache_entry_list(type(unet).forward.__code__)) == 2
+    # and the step cache's regions (attention layers, mid block) once per kind for one row and once
+    # for every count from 2: their rows dynamic from the first call, not after a static graph
+    for region in (type(unet.mid_block), Transformer2DModel):
+        assert len(_debug_get_cache_entry_list(region.forward.__code__)) == 4, region.__name__
     assert engine.loras.slots is not None and all(
         isinstance(module, SlotLinear) for module in engine.loras.slots.layers.values()
     )
