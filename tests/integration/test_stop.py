@@ -20,10 +20,10 @@ from tests.harness.serving import Client, eventually, value
 from tests.harness.start_script import group_members, healthcheck, server_process_group, start_script
 
 IN_FLIGHT = 8
-# Long enough that the 8 are still denoising while the test checks the drain, a few seconds (the
-# default model steps 8 images of 64x64 about 70 times a second here: 7 s), short of the stop's
-# grace period.
-LONG = {"prompt": "a blue square", "num_inference_steps": 500}
+# Long enough that the 8 are still denoising while the test checks the drain, a few seconds (served,
+# the default model steps 8 images of 64x64 about 20 times a second here: 10 s; the late request is
+# refused about a second after they start), short of the stop's grace period.
+LONG = {"prompt": "a blue square", "num_inference_steps": 200}
 # Longer than the grace period of 4 s given to it (one image steps about 130 times a second here).
 LONGEST = {"prompt": "a red circle", "num_inference_steps": 990, "seed": 3}
 LIMITS = {"limits": {"max_inference_steps": LONGEST["num_inference_steps"]}}
