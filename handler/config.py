@@ -311,6 +311,11 @@ class CompileSettings(_Section):
         """Whether the denoiser is compiled."""
         return self.enabled and bool(DENOISER_TARGETS & set(self.targets))
 
+    @property
+    def decoder(self) -> bool:
+        """Whether the VAE's decode is compiled."""
+        return self.enabled and "vae_decoder" in self.targets
+
     def cuda_graphs(self, device_type: str) -> bool:
         """Whether the compiled denoiser replays CUDA graphs on this device."""
         return self.denoiser and self.mode in ("reduce-overhead", "max-autotune") and device_type == "cuda"

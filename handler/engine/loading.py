@@ -150,6 +150,15 @@ def _embeddings_off(pipeline: Pipeline) -> str | None:
     return None
 
 
+def dynamic_rows(settings: HandlerSettings) -> bool:
+    """Whether compiled graphs (the denoiser, its step cache's regions, the VAE decoder) take their
+    rows dynamic from their first call of two rows or more (``mark_rows``): where
+    ``compile.dynamic`` is unset and ``max_images_per_call`` is over 1. A dynamic graph costs more
+    to compile than a static one, so a worker that steps one guided image at a time keeps static
+    graphs."""
+    return settings.compile.dynamic is None and settings.max_images_per_call > 1
+
+
 def _apply_compile(family: Family, settings: HandlerSettings) -> None:
     options = settings.compile
     if not options.enabled:
@@ -165,16 +174,19 @@ def _apply_compile(family: Family, settings: HandlerSettings) -> None:
         # LoRA load changes nothing a guard checks.
         family.denoiser.requires_grad_(False)
         family.denoiser.compile(mode=options.mode, fullgraph=options.fullgraph, dynamic=options.dynamic)
-    if "vae_decoder" in options.targets:
-        family.pipeline.vae.decode = compile_(family.pipeline.vae.decode)
+    if options.decoder:
+        # The images of every job finishing in a step decode in one call: any count, one graph for
+        # two or more (warm-up decodes one image and two).
+        decode = compile_(family.pipeline.vae.decode)
+        family.pipeline.vae.decode = rows_marked(decode) if dynamic_rows(settings) else decode
 
 
-def _region_compiler(options: CompileSettings) -> RegionCompiler | None:
+def _region_compiler(options: CompileSettings, marked: bool) -> RegionCompiler | None:
     """How a compiled denoiser's step caches compile its regions (None: the denoiser is eager): in
     the configured mode without CUDA graphs (regions run between eager Python, on sub-batches of any
     row count: a graph per count would be recorded), with their rows dynamic from the first call of
-    two rows or more and other sizes static until they change, and never a full graph (a region past
-    its limit runs eagerly rather than failing the forward).
+    two rows or more (``marked``: ``dynamic_rows``) and other sizes static until they change, and
+    never a full graph (a region past its limit runs eagerly rather than failing the forward).
 
     The blocks of one kind share one code, so one list of graphs: one per structure (SD 3.5's blocks
     with a second attention, the last block without its text stream) and per width, with and without
@@ -185,7 +197,7 @@ def _region_compiler(options: CompileSettings) -> RegionCompiler | None:
     mode = {"reduce-overhead": "default", "max-autotune": "max-autotune-no-cudagraphs"}.get(options.mode, options.mode)
     dynamic = None if options.dynamic is False else options.dynamic
     compile_ = functools.partial(torch.compile, mode=mode, dynamic=dynamic, recompile_limit=REGION_GRAPHS)
-    return lambda forward: rows_marked(compile_(forward))
+    return (lambda forward: rows_marked(compile_(forward))) if marked else compile_
 
 
 def compile_cache_summary() -> str:
@@ -281,7 +293,7 @@ def load_engine(settings: HandlerSettings, model_dir: str | Path, gpu_id: int | 
             slots.bytes() / 2**20,
         )
     # Step caching per row wraps the denoiser's blocks; on a compiled denoiser, they run compiled apart.
-    regions = _region_compiler(settings.compile)
+    regions = _region_compiler(settings.compile, dynamic_rows(settings))
     deep_cache = DeepCacheHooks(family.denoiser, regions) if is_unet(family.denoiser) else None
     first_block = FirstBlockHooks(family.denoiser, regions) if is_transformer(family.denoiser) else None
     _apply_compile(family, settings)
@@ -332,7 +344,6 @@ def load_engine(settings: HandlerSettings, model_dir: str | Path, gpu_id: int | 
         deep_cache,
         first_block,
         embeddings,
-        dynamic_rows=settings.compile.denoiser
-        and settings.compile.dynamic is None
-        and settings.max_images_per_call > 1,
+        dynamic_rows=settings.compile.denoiser and dynamic_rows(settings),
+        compiled_decoder=settings.compile.decoder,
     )

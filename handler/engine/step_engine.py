@@ -88,7 +88,11 @@ class StepEngine:
     deep_cache: DeepCacheHooks | None = None  # DeepCache per row (a UNet); None: not served
     first_block: FirstBlockHooks | None = None  # first-block caching per row (a transformer); None: not served
     embeddings: EmbeddingLibrary | None = None  # textual-inversion embeddings prompts name; None: none served
-    dynamic_rows: bool = False  # the compiled denoiser's first graph of a shape takes any row count (2 or more)
+    # The compiled denoiser's first graph of a shape takes any row count (2 or more): its inputs' rows
+    # are marked dynamic, and the LoRA rows' plan of a cached forward and of its sub-batches (the
+    # regions mark their own arguments).
+    dynamic_rows: bool = False
+    compiled_decoder: bool = False  # the VAE's decode is compiled (warm-up decodes one image and two)
 
     @property
     def rules(self) -> FamilyRules:

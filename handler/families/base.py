@@ -160,8 +160,8 @@ def mark_rows(rows: int, tensors: Iterable[Any]) -> None:
 
 
 def rows_marked(region: Callable[..., Any]) -> Callable[..., Any]:
-    """``region`` (a compiled block: its rows lead its first argument) with its tensor arguments'
-    rows marked dynamic at each call (``mark_rows``)."""
+    """``region`` (a compiled block, or the VAE's decode: its rows lead its first tensor argument)
+    with its tensor arguments' rows marked dynamic at each call (``mark_rows``)."""
 
     @functools.wraps(region)
     def marked(*args: Any, **kwargs: Any) -> Any:

@@ -25,11 +25,13 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import torch
+
 from handler.api.policy import RequestPolicy
 from handler.api.protocol import IncomingRequest, Response
 from handler.config import HandlerSettings, StepCache, WarmupShape
-from handler.engine.jobs import JobSpec
-from handler.engine.loading import load_engine
+from handler.engine.jobs import DenoiseJob, JobSpec
+from handler.engine.loading import load_engine, release_cached_memory
 from handler.engine.profiling import StepsProfiler
 from handler.engine.scheduling import StepProfile
 from handler.engine.step_engine import StepEngine
@@ -169,13 +171,13 @@ class DiffusionService:
         return not full or any(flight.request.stream for flight in self.flights.values())
 
     def warm_up(self, shapes: tuple[WarmupShape, ...]) -> float:
-        """Profile each shape's step times, then run one job of it through start, steps and
-        decode, so that the first request pays no allocation or compilation. The profile's steps
-        at 1, 2, 4, ... images compile a compiled denoiser for each row count; in one with LoRA
-        slots, the same runs again with LoRA rows; with a step cache served, each run also steps
-        a cached job beside the plain one, cached jobs of the profile's sizes and a cached single
-        row, which compiles the cache's regions on all rows, on a sub-batch and on one row. Returns
-        seconds."""
+        """Profile each shape's step times, then run one job of it through start, steps and decode
+        (a compiled VAE decoder also decodes one image and two), so that the first request pays no
+        allocation or compilation. The profile's steps at 1, 2, 4, ... images compile a compiled
+        denoiser for each row count; in one with LoRA slots, the same runs again with LoRA rows;
+        with a step cache served, each run also steps a cached job beside the plain one, cached jobs
+        of the profile's sizes and a cached single row, which compiles the cache's regions on all
+        rows, on a sub-batch and on one row. Returns seconds."""
         started = time.perf_counter()
         cache = self.engine.warm_up_cache()
         for shape in shapes:
@@ -184,7 +186,7 @@ class DiffusionService:
             if not self.profile.fits_job(spec):
                 logger.warning("warm-up shape %s does not fit in memory; skipped", shape.model_dump())
                 continue
-            self._warm_up_jobs(spec, cache)
+            self._warm_up_decodes(self._warm_up_jobs(spec, cache))
             if self.engine.loras.slots is not None:
                 with self.engine.loras.slots.lora_graph():
                     self.profile.step_each_size(shape.width, shape.height)  # the profile's, with LoRA rows
@@ -204,24 +206,43 @@ class DiffusionService:
             defaults.guidance_scale,
         )
 
-    def _warm_up_jobs(self, spec: JobSpec, cache: StepCache | None) -> None:
+    def _warm_up_jobs(self, spec: JobSpec, cache: StepCache | None) -> DenoiseJob:
         """A job of ``spec`` to the end, then (``cache``) it and one with the cache stepped
         together, cached jobs of the profile's sizes, and a cached single unguided image alone: a
         cached forward is not padded, so its one row compiles the regions at one row (dynamo
-        compiles a size of 1 apart), here rather than in the first such request."""
-        self._warm_up_together([spec])
+        compiles a size of 1 apart), here rather than in the first such request. Returns the first job."""
+        (job,) = self._warm_up_together([spec])
         if cache is not None:
             cached = dataclasses.replace(spec, cache=cache)
             self._warm_up_together([spec, cached])
             self.profile.step_each_size(spec.width, spec.height, cache)
             self._warm_up_together([dataclasses.replace(cached, seeds=spec.seeds[:1], guidance_scale=1.0)])
+        return job
 
-    def _warm_up_together(self, specs: list[JobSpec]) -> None:
+    def _warm_up_together(self, specs: list[JobSpec]) -> list[DenoiseJob]:
         jobs = self.engine.start(specs)
         while not all(job.done for job in jobs):
             self.engine.step([job for job in jobs if not job.done])
         for job in jobs:
             self.engine.decode(job.latents, job.spec.width, job.spec.height)
+        return jobs
+
+    def _warm_up_decodes(self, job: DenoiseJob) -> None:
+        """Where the VAE decoder is compiled: one image of ``job`` decoded, then two in one call (a
+        step decodes the images of every job that finished in it together), so that its graph of
+        one image and its graph of two or more (its rows marked dynamic) compile here, not in a
+        request. Out of memory is left to serving, which decodes image by image."""
+        if not self.engine.compiled_decoder:
+            return
+        image = job.latents[:1]
+        try:
+            for latents in (image, torch.cat([image, image])):
+                self.engine.decode(latents, job.spec.width, job.spec.height)
+        except torch.OutOfMemoryError:
+            logger.warning("warm-up: out of memory decoding %d images of %s", len(latents), job.latent_shape)
+        else:
+            return
+        release_cached_memory()  # outside the except block: the failed decode's tensors are gone
 
 
 def build_service(

@@ -235,14 +235,15 @@ def jobs_of_every_kind(
 
 
 def compiled_lora_slots(lora_dir: Path) -> dict:
-    """``handler`` settings of a worker with its UNet compiled, two LoRA slots and the shipped
-    ControlNets (the step cache served, as by default), over the default model:
+    """``handler`` settings of a worker with its UNet and VAE decoder compiled (compile's default
+    targets), two LoRA slots and the shipped ControlNets (the step cache served, as by default),
+    over the default model:
     tests/integration/test_compile_cache.py serves it, tests/unit/test_engine_lora_slots.py builds
     it in-process. The same settings and warm-up compile the same graphs, so the second finds them
     in the run's inductor cache. At most 4 images a forward: the warm-up steps 2 to 8 rows, which
     this CPU's convolutions take in one graph of each kind (16 rows or more take another)."""
     return {
-        "compile": {"enabled": True, "targets": ["unet"]},
+        "compile": {"enabled": True},
         "loras": {"dir": str(lora_dir), "max_loaded": 2},
         "controlnets": {"dir": str(CONTROLNET_DIR)},
         "max_images_per_call": 4,

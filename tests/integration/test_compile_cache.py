@@ -1,8 +1,8 @@
-"""torch.compile in serving, on one worker with its UNet compiled, LoRA slots and the step cache: it
-persists inductor's cache in ``compile.cache_dir``, and the worker TorchServe starts after a crash
-loads the compiled graphs from it instead of compiling; LoRAs on the compiled UNet equal diffusers
-and recompile nothing; step caching on it equals the DeepCache helper; a ControlNet on it equals
-diffusers' ControlNet pipeline and compiles nothing."""
+"""torch.compile in serving, on one worker with its UNet and VAE decoder compiled, LoRA slots and the
+step cache: it persists inductor's cache in ``compile.cache_dir``, and the worker TorchServe starts
+after a crash loads the compiled graphs from it instead of compiling; LoRAs on the compiled UNet
+equal diffusers and recompile nothing; step caching on it equals the DeepCache helper; a ControlNet
+on it equals diffusers' ControlNet pipeline and compiles nothing."""
 
 from __future__ import annotations
 

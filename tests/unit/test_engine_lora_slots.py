@@ -1,12 +1,13 @@
 """LoRA sets in a compiled denoiser (``handler.adapters.lora_slots``, inductor on the CPU), on the
-engine of a worker serving the default model with its UNet compiled and two LoRA slots, warmed up
-as the worker warms it (the graphs that tests/integration/test_compile_cache.py's worker compiled,
-found in the run's inductor cache): warm-up compiles the whole UNet once plain and once with LoRA
-rows, each for every row count from 2, and after it no job compiles anything, one unguided image
-(a single row, run as two) included. Jobs with different sets share forwards and each image equals
-diffusers' ``load_lora_weights`` + ``set_adapters`` call; loading, evicting and reloading adapters
-recompiles nothing; what the slots cannot hold is refused by name, and a full set of slots in use is
-busy, not broken. A LyCORIS LoHa on the transformer blocks fits the slots as its exact LoRA; one on
+engine of a worker serving the default model with its UNet and VAE decoder compiled and two LoRA
+slots, warmed up as the worker warms it (the graphs that tests/integration/test_compile_cache.py's
+worker compiled, found in the run's inductor cache): warm-up compiles the whole UNet once plain and
+once with LoRA rows, each for every row count from 2, and the VAE decoder for one image and for
+more, and after it no job or decode compiles anything, one unguided image (a single row, run as two)
+included. Jobs with different sets share forwards and each image equals diffusers'
+``load_lora_weights`` + ``set_adapters`` call; loading, evicting and reloading adapters recompiles
+nothing; what the slots cannot hold is refused by name, and a full set of slots in use is busy, not
+broken. A LyCORIS LoHa on the transformer blocks fits the slots as its exact LoRA; one on
 convolutions is refused by name. DeepCache jobs on the compiled UNet (its regions compiled apart)
 equal the helper beside uncached jobs; ControlNet jobs (with a LoRA set, in DeepCache's cached
 steps) equal diffusers' ControlNet pipeline in the same graphs. SDXL and SD 3:
@@ -95,7 +96,7 @@ def jobs_of(engine, sets):
 def test_mixed_sets_share_compiled_forwards_and_each_equals_diffusers(engine, lora_dir):
     unet = engine.pipeline.unet  # compiled in place: still the pipeline's model, for diffusers' LoRA loading
     assert type(unet).__name__ == "UNet2DConditionModel" and unet._compiled_call_impl is not None
-    assert "compile=default(unet)" in engine.description
+    assert "compile=default(unet,vae_decoder)" in engine.description
     # warm-up compiled the whole UNet once per kind (plain, with LoRA rows), for every row count from 2
     assert len(_debug_get_cache_entry_list(type(unet).forward.__code__)) == 2
     # and the step cache's regions (attention layers, mid block) once per kind for one row and once
@@ -147,6 +148,20 @@ def test_a_new_adapter_and_an_eviction_recompile_nothing(engine, lora_dir):
     reference = Reference(MODEL)
     assert_same_images(decoded[0], expected(reference, jobs[0][1], files))
     assert_moved(decoded[0].images[0], expected(reference, jobs[0][1]).images[0], "the late set")
+
+
+@pytest.mark.parametrize("images", [1, 2, 3, 5])
+def test_decoding_any_count_of_images_compiles_nothing_and_equals_the_eager_decode(engine, images):
+    """A step decodes the images of every job finishing in it in one call: warm-up decoded one image
+    and two, which compiled the VAE decoder's graph of one image and its graph of two or more."""
+    vae = engine.pipeline.vae
+    assert len(_debug_get_cache_entry_list(type(vae).decode.__code__)) == 2  # one image, and two or more
+    latents = torch.randn(images, *engine.latent_shape(SIDE, SIDE), generator=torch.Generator().manual_seed(images))
+    with torch.inference_mode():
+        compiled = vae.decode(latents, return_dict=False)[0]
+        eager = type(vae).decode(vae, latents, return_dict=False)[0]
+    torch.testing.assert_close(compiled, eager, rtol=1e-4, atol=1e-4)
+    assert len(_debug_get_cache_entry_list(type(vae).decode.__code__)) == 2
 
 
 @pytest.mark.parametrize(

@@ -1,0 +1,79 @@
+"""Rows marked dynamic (``handler.families.base.mark_rows`` and ``rows_marked``, which the step engine,
+the step caches' regions and the compiled VAE decoder use where
+``handler.engine.loading.dynamic_rows`` decides): a compiled function whose calls are marked
+compiles one graph for every row count from 2, where unmarked it compiles the first count alone and
+then every count again (torch's automatic dynamic shapes); one row stays a graph apart. Dynamo alone
+decides this, so the functions compile with its ``eager`` backend."""
+
+from __future__ import annotations
+
+import torch
+from torch._dynamo.eval_frame import _debug_get_cache_entry_list
+
+from handler.config import CompileSettings, HandlerSettings
+from handler.engine.loading import _region_compiler, dynamic_rows
+from handler.families.base import mark_rows, rows_marked
+
+
+def _marked_block(hidden: torch.Tensor, temb: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    return hidden @ weight + temb
+
+
+def _unmarked_block(hidden: torch.Tensor, temb: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    return hidden @ weight + temb
+
+
+def _graphs(function) -> int:
+    return len(_debug_get_cache_entry_list(function.__code__))
+
+
+def _call(block, rows: int) -> torch.Tensor:
+    return block(torch.ones(rows, 5), temb=torch.ones(rows, 3), weight=torch.ones(5, 3))
+
+
+def test_marked_calls_compile_one_graph_for_every_count_from_two_and_one_row_apart():
+    torch._dynamo.reset()
+    marked = rows_marked(torch.compile(_marked_block, backend="eager"))
+    unmarked = torch.compile(_unmarked_block, backend="eager")
+    for rows in (4, 2, 3):  # none is the weight's 5
+        assert torch.equal(_call(marked, rows), _call(unmarked, rows))
+    assert (_graphs(_marked_block), _graphs(_unmarked_block)) == (1, 2)
+    _call(marked, 1)
+    _call(marked, 7)
+    assert _graphs(_marked_block) == 2
+
+
+def test_only_tensors_led_by_the_rows_are_marked():
+    rows, other, scalar, single = torch.ones(3, 5), torch.ones(5, 3), torch.tensor(1.0), torch.ones(1, 5)
+    mark_rows(3, [rows, other, scalar, None, 3])
+    mark_rows(1, [single])
+    marks = [getattr(tensor, "_dynamo_weak_dynamic_indices", set()) for tensor in (rows, other, scalar, single)]
+    assert marks == [{0}, set(), set(), set()]
+
+
+def test_one_decision_marks_the_denoiser_the_regions_and_the_decoder(monkeypatch):
+    """``dynamic_rows``: where ``compile.dynamic`` is unset and a forward may step more than one
+    image; the regions' compiler marks their rows only then."""
+    settings = {"model_path": "/unused"}
+    decided = {
+        (dynamic, images): dynamic_rows(
+            HandlerSettings.model_validate(
+                {
+                    **settings,
+                    "max_images_per_call": images,
+                    "limits": {"max_images_per_request": 1},
+                    "compile": {"dynamic": dynamic},
+                }
+            )
+        )
+        for dynamic in (None, False, True)
+        for images in (1, 4)
+    }
+    assert [key for key, marked in decided.items() if marked] == [(None, 4)]
+    monkeypatch.setattr(torch, "compile", lambda function, **_: function)  # the marks alone
+    for marked in (True, False):
+        hidden = torch.ones(3, 5)
+        region = _region_compiler(CompileSettings(enabled=True), marked)
+        assert region is not None
+        region(_marked_block)(hidden, temb=torch.ones(3, 3), weight=torch.ones(5, 3))
+        assert getattr(hidden, "_dynamo_weak_dynamic_indices", set()) == ({0} if marked else set())
