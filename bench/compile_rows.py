@@ -1,12 +1,15 @@
 """`make bench-compile-rows`: what a compiled denoiser's first compile costs with its rows marked
-dynamic (``StepEngine.dynamic_rows``, the worker's default) against rows left static until they
-change (torch's automatic dynamic shapes: the first count alone, then every count again).
+dynamic (``handler.engine.loading.dynamic_rows``, the worker's default: the whole denoiser's inputs,
+and the step cache's regions' arguments) against rows left static until they change (torch's
+automatic dynamic shapes: the first count alone, then every count again).
 
 Per tiny model (random weights, made by ``make model``), per setting, one process with a fresh
 inductor cache loads the engine with the denoiser compiled (``compile.targets: [unet]``) and steps
-one guided job of 3 images (6 rows), then one of 2 (4 rows): the seconds of each and the graphs
-compiled after each. Per model, static then marked, ``--repeats`` times. Prints the table with
-the ratio marked / static of the median total and writes ``reports/compile_rows/compile_rows.{json,md,png}``.
+one guided job of 3 images (6 rows), then one of 2 (4 rows), then the same two with the model's
+step cache (DeepCache at interval 2, SD 3's first-block cache; two steps: the cached forward runs
+the regions compiled apart): the seconds of each and the graphs compiled after each. Per model,
+static then marked, ``--repeats`` times. Prints the table with the ratio marked / static of the
+median total and writes ``reports/compile_rows/compile_rows.{json,md,png}``.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ import statistics
 import tempfile
 import time
 from pathlib import Path
+from unittest import mock
 
 import matplotlib.pyplot as plt
 import torch
@@ -28,9 +32,9 @@ from bench.jobs import generate
 from bench.pipeline import environment, python_module
 from bench.report import markdown_table, publish
 from handler.adapters.lora_slots import compiled_graphs
-from handler.config import HandlerSettings
+from handler.config import HandlerSettings, StepCache
+from handler.engine import loading
 from handler.engine.jobs import JobSpec
-from handler.engine.loading import load_engine
 from server.paths import REPORTS, ROOT, TINY_MODEL_DIRS
 
 logger = logging.getLogger("bench.compile_rows")
@@ -38,19 +42,35 @@ logger = logging.getLogger("bench.compile_rows")
 MODELS = ("sd1", "sdxl", "sd3")
 SCHEDULERS = {"sd1": "ddim", "sdxl": "euler", "sd3": "flow_match_euler"}
 SETTINGS = ("static", "marked")  # rows left static until they change; rows marked dynamic
-IMAGES = (3, 2)  # the two jobs stepped one after the other, guided: 6 rows, then 4
+# The jobs stepped one after the other, guided: 6 rows, then 4, then the same with a step cache.
+JOBS = ((3, False), (2, False), (3, True), (2, True))
+# Each step of a job with a step cache runs the denoiser's forward around its regions (compiled apart).
+CACHES = {
+    "sd1": StepCache(mode="deep", interval=2),
+    "sdxl": StepCache(mode="deep", interval=2),
+    "sd3": StepCache(mode="first_block", threshold=1.0),
+}
+
+
+def job_name(images: int, cached: bool) -> str:
+    return f"{images} images{', cached' if cached else ''}"
 
 
 def measure_once(family: str, marked: bool) -> dict:
-    """In this process: the engine's first job and the next, each timed, with the graphs compiled."""
+    """In this process: the engine's jobs one after the other, each timed, with the graphs compiled."""
     settings = {"model_path": str(TINY_MODEL_DIRS[family]), "compile": {"enabled": True, "targets": ["unet"]}}
-    engine = dataclasses.replace(load_engine(HandlerSettings.model_validate(settings), "/unused"), dynamic_rows=marked)
+    with mock.patch.object(loading, "dynamic_rows", lambda _: marked):  # the setting compared
+        engine = loading.load_engine(HandlerSettings.model_validate(settings), "/unused")
     jobs = []
-    for images in IMAGES:
+    for images, cached in JOBS:
         spec = JobSpec("a red circle", None, tuple(range(images)), 64, 64, 1, SCHEDULERS[family], 7.5)
+        if cached:  # two steps: the first full, the second cached
+            spec = dataclasses.replace(spec, num_inference_steps=2, cache=CACHES[family])
         started = time.perf_counter()
         generate(engine, [spec])
-        jobs.append({"images": images, "seconds": time.perf_counter() - started, "graphs": compiled_graphs()})
+        jobs.append(
+            {"job": job_name(images, cached), "seconds": time.perf_counter() - started, "graphs": compiled_graphs()}
+        )
     return {"family": family, "setting": SETTINGS[marked], "torch": torch.__version__, "jobs": jobs}
 
 
@@ -66,7 +86,7 @@ def measure(family: str, marked: bool, timeout: float) -> dict:
 
 
 def summary(runs: list[dict]) -> list[dict]:
-    """Per model and setting: the median seconds of each job and of both, the graphs after each."""
+    """Per model and setting: the median seconds of each job and of all, the graphs after each."""
     rows = []
     for family in dict.fromkeys(run["family"] for run in runs):
         for setting in SETTINGS:
@@ -76,7 +96,9 @@ def summary(runs: list[dict]) -> list[dict]:
                     "family": family,
                     "setting": setting,
                     "runs": len(mine),
-                    "seconds": [statistics.median(run["jobs"][job]["seconds"] for run in mine) for job in range(2)],
+                    "seconds": [
+                        statistics.median(run["jobs"][job]["seconds"] for run in mine) for job in range(len(JOBS))
+                    ],
                     "total_s": statistics.median(sum(job["seconds"] for job in run["jobs"]) for run in mine),
                     "graphs": [job["graphs"] for job in mine[0]["jobs"]],
                 }
@@ -86,7 +108,14 @@ def summary(runs: list[dict]) -> list[dict]:
 
 def table(rows: list[dict]) -> str:
     static = {row["family"]: row["total_s"] for row in rows if row["setting"] == "static"}
-    header = ["model", "rows", *(f"{n} images (s)" for n in IMAGES), "both (s)", "graphs after each", "marked / static"]
+    header = [
+        "model",
+        "rows",
+        *(f"{job_name(*job)} (s)" for job in JOBS),
+        "all (s)",
+        "graphs after each",
+        "marked / static",
+    ]
     cells = [
         [
             row["family"],
@@ -109,13 +138,13 @@ def plot(rows: list[dict], path: Path) -> None:
         mine = {row["family"]: row for row in rows if row["setting"] == setting}
         positions = [position + index * width for position in range(len(families))]
         bottoms = [0.0] * len(families)
-        for job, images in enumerate(IMAGES):
+        for job, (images, cached) in enumerate(JOBS):
             heights = [mine[family]["seconds"][job] for family in families]
-            axis.bar(positions, heights, width, bottom=bottoms, label=f"{setting}: job of {images} images")
+            axis.bar(positions, heights, width, bottom=bottoms, label=f"{setting}: {job_name(images, cached)}")
             bottoms = [bottom + height for bottom, height in zip(bottoms, heights, strict=True)]
     axis.set_xticks([position + width / 2 for position in range(len(families))], families)
     axis.set_ylabel("seconds (compile included)")
-    axis.set_title("First two row counts of a compiled denoiser")
+    axis.set_title("First two row counts of a compiled denoiser, then of its step cache's regions")
     axis.legend(fontsize=8)
     figure.tight_layout()
     figure.savefig(path, dpi=110)
@@ -147,7 +176,7 @@ def main() -> None:
                     SETTINGS[marked],
                     repeat + 1,
                     args.repeats,
-                    ", ".join(f"{job['images']} images {job['seconds']:.1f} s, {job['graphs']} graphs" for job in jobs),
+                    ", ".join(f"{job['job']} {job['seconds']:.1f} s, {job['graphs']} graphs" for job in jobs),
                 )
     rows = summary(runs)
     data = {"environment": environment(torch.device("cpu")), "runs": runs, "rows": rows}
