@@ -78,8 +78,15 @@ VARIANTS: tuple[Variant, ...] = (
         "channels-last", "SDPA, serving dtype, UNet and VAE in channels_last memory format", {"channels_last": True}
     ),
     _compiled("default", "SDPA, serving dtype, torch.compile(mode='default') of UNet and VAE decoder"),
-    _compiled("reduce-overhead", "as compile-default with CUDA graphs (mode='reduce-overhead')", cuda_only=True),
-    _compiled("max-autotune", "as compile-default with kernel autotuning (mode='max-autotune'; CUDA graphs on GPU)"),
+    _compiled(
+        "reduce-overhead",
+        "as compile-default with the UNet's CUDA graphs (mode='reduce-overhead'; the decoder's as a worker's: none)",
+        cuda_only=True,
+    ),
+    _compiled(
+        "max-autotune",
+        "as compile-default with kernel autotuning (mode='max-autotune'; the UNet's CUDA graphs on GPU)",
+    ),
     _compiled("max-autotune-no-cudagraphs", "max-autotune without CUDA graphs", cuda_only=True),
     Variant(
         "attention-slicing",

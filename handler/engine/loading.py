@@ -167,7 +167,6 @@ def _apply_compile(family: Family, settings: HandlerSettings) -> None:
         # Read by inductor at each compilation (Triton's cache follows it), so setting it here is enough.
         Path(options.cache_dir).mkdir(parents=True, exist_ok=True)
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = options.cache_dir
-    compile_ = functools.partial(torch.compile, mode=options.mode, fullgraph=options.fullgraph, dynamic=options.dynamic)
     if options.denoiser:
         # In place: the denoiser stays the pipeline's model, which diffusers loads LoRAs into (their
         # weights then go to handler.adapters.lora_slots). Inference only: PEFT freezing the weights at a
@@ -176,9 +175,21 @@ def _apply_compile(family: Family, settings: HandlerSettings) -> None:
         family.denoiser.compile(mode=options.mode, fullgraph=options.fullgraph, dynamic=options.dynamic)
     if options.decoder:
         # The images of every job finishing in a step decode in one call: any count, one graph for
-        # two or more (warm-up decodes one image and two).
-        decode = compile_(family.pipeline.vae.decode)
+        # two or more (warm-up decodes one image and two), without CUDA graphs (one recorded per count,
+        # while serving, would make every request in flight wait).
+        decode = torch.compile(
+            family.pipeline.vae.decode,
+            mode=without_cuda_graphs(options.mode),
+            fullgraph=options.fullgraph,
+            dynamic=options.dynamic,
+        )
         family.pipeline.vae.decode = rows_marked(decode) if dynamic_rows(settings) else decode
+
+
+def without_cuda_graphs(mode: str) -> str:
+    """``torch.compile``'s ``mode`` without CUDA graphs, for code called at any row count (the step
+    cache's regions, the VAE decoder): cudagraph trees would record a graph per count."""
+    return {"reduce-overhead": "default", "max-autotune": "max-autotune-no-cudagraphs"}.get(mode, mode)
 
 
 def _region_compiler(options: CompileSettings, marked: bool) -> RegionCompiler | None:
@@ -194,9 +205,10 @@ def _region_compiler(options: CompileSettings, marked: bool) -> RegionCompiler |
     That can pass dynamo's default limit of 8 a code, so regions get ``REGION_GRAPHS``."""
     if not options.denoiser:
         return None
-    mode = {"reduce-overhead": "default", "max-autotune": "max-autotune-no-cudagraphs"}.get(options.mode, options.mode)
     dynamic = None if options.dynamic is False else options.dynamic
-    compile_ = functools.partial(torch.compile, mode=mode, dynamic=dynamic, recompile_limit=REGION_GRAPHS)
+    compile_ = functools.partial(
+        torch.compile, mode=without_cuda_graphs(options.mode), dynamic=dynamic, recompile_limit=REGION_GRAPHS
+    )
     return (lambda forward: rows_marked(compile_(forward))) if marked else compile_
 
 
@@ -212,6 +224,15 @@ def synchronize(device: torch.device) -> None:
     """Wait for the device's queued work (CUDA), so that a clock read after it measures device time."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+
+
+def use_device(device: torch.device) -> None:
+    """Make ``device`` the calling thread's current CUDA device. The CUDA runtime's is per thread,
+    device 0 until set: a worker TorchServe assigned another GPU would make a context on GPU 0 (some
+    hundreds of MiB there) at a thread's first call without a device of its own, such as an event's
+    synchronize."""
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
 
 
 def release_cached_memory() -> None:
@@ -265,6 +286,7 @@ def load_engine(settings: HandlerSettings, model_dir: str | Path, gpu_id: int | 
     """Load the pipeline (safetensors only), detect its family (refusing any other pipeline),
     apply the configured optimizations and return the step engine over it."""
     device = resolve_device(settings.device, gpu_id)
+    use_device(device)  # the stepping thread's; the encoder threads bind theirs (handler.service.loops)
     dtype = resolve_dtype(settings.dtype, device)
     if device.type == "cuda" and settings.tf32:
         torch.backends.cuda.matmul.allow_tf32 = True

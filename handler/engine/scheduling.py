@@ -55,12 +55,13 @@ class StepProfile:
         return sizes + [most]
 
     def measure(self, width: int, height: int) -> dict[int, float]:
-        """Time one step at each size for this image size (two steps each: the first may allocate
-        or compile). Running out of memory at a size caps the shape below it."""
+        """Time one step at each size for this image size: the last of a job's steps, after the ones
+        that may allocate, compile or record (``untimed_steps``). Running out of memory at a size caps
+        the shape below it."""
         shape = self.engine.latent_shape(width, height)
         timings: dict[int, float] = {}
         for size in self.sizes():
-            job = self._job(size, width, height)
+            job = self._job(size, width, height, steps=self.untimed_steps() + 1)
             self.costs.count(job)
             if not self._timed_steps(job, timings):
                 release_cached_memory()  # outside the except block: the failed forward's tensors are gone
@@ -94,17 +95,24 @@ class StepProfile:
         del job  # its kept outputs too
         release_cached_memory()  # outside the except block: the failed forward's tensors are gone
 
-    def _job(self, size: int, width: int, height: int, cache: StepCache | None = None) -> DenoiseJob:
-        """A profile job: ``size`` guided images of two steps."""
-        spec = JobSpec("profile", None, tuple(range(size)), width, height, 2, self.scheduler, 7.5, cache=cache)
+    def untimed_steps(self) -> int:
+        """Steps of a row count before one that times what serving runs: the first may allocate or
+        compile; where the denoiser replays CUDA graphs (cudagraph trees), the first call of a graph
+        warms it up and the second records it, and only the third replays."""
+        return 2 if self.engine.cuda_graphs else 1
+
+    def _job(self, size: int, width: int, height: int, cache: StepCache | None = None, steps: int = 2) -> DenoiseJob:
+        """A profile job: ``size`` guided images of ``steps`` steps."""
+        spec = JobSpec("profile", None, tuple(range(size)), width, height, steps, self.scheduler, 7.5, cache=cache)
         (job,) = self.engine.start([spec])
         return job
 
     def _timed_steps(self, job: DenoiseJob, timings: dict[int, float]) -> bool:
-        """Time the second of two steps of ``job`` into ``timings`` (by rows); False when out of memory."""
+        """Time the last step of ``job`` into ``timings`` (by rows); False when out of memory."""
         try:
-            self.engine.step([job])
-            synchronize(self.engine.device)  # the first step's device work is not the second's
+            while job.step < job.total_steps - 1:
+                self.engine.step([job])
+            synchronize(self.engine.device)  # the earlier steps' device work is not the last's
             started = time.perf_counter()
             self.engine.step([job])
             synchronize(self.engine.device)

@@ -31,7 +31,7 @@ from handler.api.policy import RequestPolicy
 from handler.api.protocol import IncomingRequest, Response
 from handler.config import HandlerSettings, StepCache, WarmupShape
 from handler.engine.jobs import DenoiseJob, JobSpec
-from handler.engine.loading import load_engine, release_cached_memory
+from handler.engine.loading import load_engine, release_cached_memory, use_device
 from handler.engine.profiling import StepsProfiler
 from handler.engine.scheduling import StepProfile
 from handler.engine.step_engine import StepEngine
@@ -100,7 +100,9 @@ class DiffusionService:
         )
         # overlap_encoding, None: on CUDA, where the forward queued before the encodings runs meanwhile
         overlap = engine.device.type == "cuda" if overlap_encoding is None else overlap_encoding
-        encoder = ThreadPoolExecutor(encode_threads, thread_name_prefix="sd-encode")
+        encoder = ThreadPoolExecutor(
+            encode_threads, thread_name_prefix="sd-encode", initializer=use_device, initargs=(engine.device,)
+        )
         self.finishing = Finishing(engine, metrics, self.flights, self.answers, encoder, overlap)
 
     # The two loops TorchServe's modes run.

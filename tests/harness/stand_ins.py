@@ -38,6 +38,7 @@ class SolidColorEngine:
     controlnets = ControlNetLibrary(SimpleNamespace(rules=FamilyRules()), None, 1, torch.device("cpu"), torch.float32)
     embeddings = None  # no embedding directory
     row_counts: tuple[int, ...] = ()  # no padding
+    cuda_graphs = False
     padding = StepEngine.padding  # the step engine's rule
 
     def __init__(

@@ -3,15 +3,19 @@ forward."""
 
 from __future__ import annotations
 
+from collections import Counter
 from types import SimpleNamespace
 
+import pytest
 import torch
 
+from handler.engine import scheduling
 from handler.engine.costs import Cost
 from handler.engine.jobs import DenoiseJob, JobSpec
 from handler.engine.scheduling import StepProfile, choose, slack
 from handler.engine.step_engine import padded_count
 from handler.families import Conditioning
+from tests.harness.stand_ins import SolidColorEngine
 
 SMALL, LARGE = (4, 8, 8), (4, 16, 16)
 
@@ -127,3 +131,35 @@ def test_the_profile_counts_padding_against_memory_once_the_shape_ran_out_of_mem
     assert measured.padding([job(1)]) == 0
     measured.ran_out_of_memory(SMALL, 10, alone=False, padding=6)
     assert measured.padding([job(1)]) == 6 and measured.padding([job(1, side=128)]) == 0
+
+
+class CompilingEngine(SolidColorEngine):
+    """Steps on a clock of their own: a row count's calls take ``seconds`` in turn, then its last."""
+
+    family = SimpleNamespace(rules=SimpleNamespace(controlnets=False))  # no row costs to count
+
+    def __init__(self, cuda_graphs: bool, seconds: tuple[float, ...]):
+        super().__init__()
+        self.cuda_graphs, self.seconds = cuda_graphs, seconds
+        self.now, self.calls = 0.0, Counter()
+
+    def step(self, jobs: list[DenoiseJob]) -> int:
+        rows = sum(job.rows for job in jobs)
+        self.now += self.seconds[min(self.calls[rows], len(self.seconds) - 1)]
+        self.calls[rows] += 1
+        return super().step(jobs)
+
+
+@pytest.mark.parametrize(
+    ("cuda_graphs", "seconds"),
+    [(False, (10.0, 0.1)), (True, (10.0, 5.0, 0.1))],  # compiles, then runs; warms up, records, then replays
+    ids=["compiled", "cuda-graphs"],
+)
+def test_the_profile_times_a_step_of_what_serving_runs_after_compiling_and_recording(cuda_graphs, seconds, monkeypatch):
+    """Under cudagraph trees a graph's first call warms it up and its second records it: the
+    profile's job takes a step more, and the step it times replays."""
+    engine = CompilingEngine(cuda_graphs, seconds)
+    monkeypatch.setattr(scheduling, "time", SimpleNamespace(perf_counter=lambda: engine.now))
+    measured = StepProfile(engine, max_images=4)
+    assert measured.measure(64, 64) == pytest.approx({2: 0.1, 4: 0.1, 8: 0.1})
+    assert set(engine.calls.values()) == {len(seconds)}
