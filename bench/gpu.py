@@ -215,8 +215,11 @@ def model_dir(name: str) -> Path:
 class GpuBench:
     """Runs the sections of one plan; every section's JSON carries the environment it ran in."""
 
-    def __init__(self, plan: Plan, device: str, output: Path, scratch: Path, timeout: float):
+    def __init__(
+        self, plan: Plan, device: str, output: Path, scratch: Path, timeout: float, compiled: str | None = None
+    ):
         self.plan = plan
+        self.compiled = compiled  # the compile mode scaling and sdxl measure; None: the fastest in variants
         self.device_setting = device
         self.device = resolve_device(device)
         self.output = output
@@ -261,7 +264,10 @@ class GpuBench:
         (self.output / f"{name}.json").write_text(json.dumps(result, indent=2))
 
     def best_compiled(self) -> str:
-        """The compile mode with the highest UNet it/s in ``variants`` (``compile-default`` before it ran)."""
+        """The compile mode asked for (``--compiled``), else the one with the highest UNet it/s in
+        ``variants`` (``compile-default`` before it ran)."""
+        if self.compiled:
+            return self.compiled
         rows = (self.section("variants") or {}).get("variants", [])
         compiled = [row for row in rows if row["status"] == "ok" and by_name(row["name"]).compiled]
         if not compiled:
@@ -309,13 +315,13 @@ class GpuBench:
             self.device,
             on_result=lambda partial: self.save("variants", merged(partial)),
         )
-        self.rows.update({(_key(workload), name): row for name, row in results.items()})
+        self.rows.update({(row_key(workload), name): row for name, row in results.items()})
         return merged(results)
 
     def row(self, workload: Workload, name: str, scratch: str) -> dict:
         """``name``'s row on ``workload``: the one a section of this run measured (the batch-1 scaling
         point and ceiling are the variants section's workload), else measured now, in ``scratch``."""
-        key = (_key(workload), name)
+        key = (row_key(workload), name)
         if key in self.rows:
             logger.info("%s on %s: measured by an earlier section of this run", name, workload)
         else:
@@ -571,7 +577,10 @@ class GpuBench:
             # What this run measured, never an earlier run's file (it may be another GPU's).
             self.save(section, {**self.measured.get(section, {}), "error": error_text(error)}, status="failed")
             failed = True
-        render(self.output)
+        try:
+            render(self.output)
+        except Exception:  # noqa: BLE001 - the section's file is saved; the next section still runs
+            logger.exception("rendering %s failed", self.output / "gpu.md")
         logger.info(
             "section %s %s in %.0f s; report in %s",
             section,
@@ -582,8 +591,10 @@ class GpuBench:
         return not failed
 
 
-def _key(workload: Workload) -> str:
-    return json.dumps(asdict(workload), sort_keys=True)
+def row_key(workload: Workload) -> str:
+    """What a row measured on ``workload`` is known by: the largest-batch search (``max_batch_limit``,
+    the variants section's) adds to a row and changes none of its timings."""
+    return json.dumps({**asdict(workload), "max_batch_limit": None}, sort_keys=True)
 
 
 def check_serving_tools() -> None:
@@ -629,9 +640,17 @@ def served_point(
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--sections", nargs="*", choices=SECTIONS, default=list(SECTIONS))
+    parser.add_argument(
+        "--sections", nargs="*", choices=SECTIONS, help="default: every section (variants alone with --variants)"
+    )
     parser.add_argument(
         "--variants", nargs="*", choices=SECTION_VARIANTS, help="the variants section's subset (eager always runs)"
+    )
+    parser.add_argument(
+        "--compiled",
+        choices=[name for name in SECTION_VARIANTS if by_name(name).compiled],
+        help="the compile mode scaling and sdxl measure (default: the fastest in the output directory's "
+        "variants.json, compile-default without one)",
     )
     parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     parser.add_argument("--quick", action="store_true", help="CI mode: tiny models, 64x64, one step, on the CPU")
@@ -641,6 +660,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument("--timeout", type=float, default=450, help="seconds one measuring process may take")
     args = parser.parse_args(argv)
+    args.sections = args.sections or (["variants"] if args.variants else list(SECTIONS))
     if args.quick and args.device == "auto":
         args.device = "cpu"
     args.output_dir = args.output_dir or REPORTS / ("gpu-quick" if args.quick else "gpu")
@@ -652,7 +672,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
     plan = QUICK if args.quick else FULL
-    bench = GpuBench(plan, args.device, args.output_dir, args.scratch, args.timeout)
+    bench = GpuBench(plan, args.device, args.output_dir, args.scratch, args.timeout, args.compiled)
     if bench.device.type != "cuda" and not args.quick:
         logger.warning("no GPU here (%s): the full plan will be slow; --quick is the CPU mode", bench.device)
     logger.info("plan: %s on %s; sections %s", plan, bench.device, ", ".join(args.sections))

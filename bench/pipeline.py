@@ -142,7 +142,7 @@ class Runner:
         cache = self.caches / f"inductor-{variant.name}"
         if warm:
             shutil.rmtree(cache, ignore_errors=True)  # the cold run starts from an empty cache
-        env = {"TORCHINDUCTOR_CACHE_DIR": str(cache)}
+        env = {"TORCHINDUCTOR_CACHE_DIR": str(cache), **variant.env}
         result = self.measure(variant, "cold", env, self._extras(variant))
         if warm and variant.compiled and result["status"] == "ok":
             warm_result = self.measure(variant, "warm", env, [])

@@ -15,6 +15,8 @@ import torch
 from diffusers import DiffusionPipeline
 from transformers import CLIPTextConfig, CLIPTokenizer
 
+from handler.engine.loading import release_cached_memory
+
 logger = logging.getLogger(__name__)
 
 STAMP = "random-weights.json"
@@ -28,6 +30,7 @@ def ensure_pipeline(directory: Path, recipe: dict, build: Callable[[], Diffusion
         return directory
     logger.info("building %s with random weights in %s (once)", directory.name, directory)
     build().to(torch.float16).save_pretrained(directory, safe_serialization=True)
+    release_cached_memory()  # a pipeline drawn on the GPU (SD 3.5) leaves its blocks cached in this process
     stamp.write_text(json.dumps(recipe, indent=2))
     return directory
 

@@ -25,6 +25,7 @@ class Variant:
     summary: str
     overrides: dict[str, Any] = field(default_factory=dict)
     cuda_only: bool = False
+    env: dict[str, str] = field(default_factory=dict)  # its measuring process's environment
 
     @property
     def compiled(self) -> bool:
@@ -61,17 +62,27 @@ def _compiled(mode: str, summary: str, cuda_only: bool = False) -> Variant:
     )
 
 
+# float32 in full: no TF32 in cuBLAS or cuDNN, whatever torch's flags (handler.tf32 sets the matmuls'
+# only; cuDNN's convolutions take TF32 by torch's default), so that a float32 variant is a reference.
+FULL_FLOAT32 = {"NVIDIA_TF32_OVERRIDE": "0"}
+
 # The baseline first: images of every other variant are compared with its images. Variants with no
 # dtype override run the serving dtype (float16 on GPU, float32 on CPU; handler.engine.loading.resolve_dtype).
 VARIANTS: tuple[Variant, ...] = (
     Variant(
         BASELINE,
-        "AttnProcessor (softmax(QK^T)V, the full score matrix), float32",
+        "AttnProcessor (softmax(QK^T)V, the full score matrix), float32 without TF32",
         {"attention": "vanilla", "dtype": "float32"},
+        env=FULL_FLOAT32,
     ),
     Variant("eager", "SDPA, serving dtype: the shipped pipeline as model-config.yaml has it", {}),
     Variant("vanilla", "AttnProcessor (the full score matrix), serving dtype", {"attention": "vanilla"}),
-    Variant("sdpa-fp32", "AttnProcessor2_0 (F.scaled_dot_product_attention), float32", {"dtype": "float32"}),
+    Variant(
+        "sdpa-fp32",
+        "AttnProcessor2_0 (F.scaled_dot_product_attention), float32 without TF32",
+        {"dtype": "float32"},
+        env=FULL_FLOAT32,
+    ),
     Variant("sdpa-fp16", "SDPA, float16 weights and activations", {"dtype": "float16"}),
     Variant("sdpa-bf16", "SDPA, bfloat16 weights and activations", {"dtype": "bfloat16"}),
     Variant(

@@ -5,10 +5,11 @@ tests/integration/test_bench_gpu.py)."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 from PIL import Image
 
-from bench.gpu import QUICK, GpuBench
+from bench.gpu import QUICK, SECTIONS, GpuBench, parse_args, row_key
 from bench.gpu_report import goals, markdown, render
 
 ENVIRONMENT = {
@@ -224,3 +225,24 @@ def test_a_section_that_fails_before_measuring_keeps_no_earlier_runs_figures(tmp
     assert not bench.run("served", None)
     saved = json.loads((tmp_path / "served.json").read_text())
     assert saved["points"] == earlier["points"][:1] and saved["environment"] == bench.environment
+
+
+def test_the_command_line_runs_variants_alone_with_variants_and_the_compile_mode_asked_for(tmp_path):
+    """A call of the GPU plan names what it runs: ``--variants`` alone is that section, and
+    ``--compiled`` the compile mode scaling and sdxl measure, whatever the output directory holds."""
+    assert parse_args(["--variants", "compile-default"]).sections == ["variants"]
+    assert parse_args([]).sections == list(SECTIONS)
+    assert parse_args(["--sections", "sdxl", "--variants", "channels-last"]).sections == ["sdxl"]
+    bench = GpuBench(QUICK, "cpu", tmp_path, tmp_path / "scratch", timeout=60)
+    assert bench.best_compiled() == "compile-default"  # no variants.json
+    compiled = parse_args(["--compiled", "compile-reduce-overhead"]).compiled
+    assert GpuBench(QUICK, "cpu", tmp_path, tmp_path / "scratch", 60, compiled).best_compiled() == compiled
+
+
+def test_a_row_of_the_variants_section_serves_scaling_whatever_its_largest_batch_search():
+    """The variants section searches the largest batch (``max_batch_limit``) on the same workload
+    the scaling section's batch 1 measures: one key, so the row is not measured twice."""
+    bench = GpuBench(QUICK, "cpu", Path("/unused"), Path("/unused"), timeout=60)
+    searched = bench.workload(QUICK.sd15_model, 64, 1, max_batch_limit=128)
+    assert row_key(searched) == row_key(bench.workload(QUICK.sd15_model, 64, 1))
+    assert row_key(searched) != row_key(bench.workload(QUICK.sd15_model, 64, 1, batch=2))
