@@ -11,8 +11,9 @@ section file there (``bench.gpu_report``), so sections can run in separate calls
    per image, peak memory, compile cold and warm (the persisted inductor cache), image distance to
    eager, the largest batch with SDPA and with vanilla attention, and a torch.profiler breakdown of
    an eager call (kernels against wall time, host syncs). ``--variants`` measures a subset (eager
-   always) and merges it into the section's rows.
-2. ``scaling``: images/s at batch 1 to 16, eager and the fastest compile mode of ``variants``.
+   always) and merges it into the section's rows; without ``--sections``, it runs this section alone.
+2. ``scaling``: images/s at batch 1 to 16, eager and the fastest compile mode of ``variants``
+   (``--compiled`` names another).
 3. ``engine``: the step engine against the diffusers call it mirrors, same requests, batch 1 and 8;
    on CUDA also with its denoiser compiled in ``reduce-overhead`` mode (CUDA graphs, each step's
    rows padded to the graphs' row counts: ``handler.compile.pad_rows``).
@@ -21,7 +22,8 @@ section file there (``bench.gpu_report``), so sections can run in separate calls
    (the eager pipeline at the same batch, measured in the same run), and, on a server of its own,
    the worker's profile of 10 served forwards at concurrency 16 (``handler.profiler``: kernels
    against the wall time of the worker's loop, host syncs and kernel launches per step), per mode.
-5. ``sdxl``: SDXL 1024x1024, 30 steps, batch 1: eager and the fastest compile mode of ``variants``.
+5. ``sdxl``: SDXL 1024x1024, 30 steps, batch 1: eager, float32 and the fastest compile mode of
+   ``variants`` (``--compiled`` names another).
 6. ``sd35``: SD 3.5 Medium (T5 included) 1024x1024, 28 flow-matching steps, guidance 7.5, eager at
    batch 1 and 4: transformer it/s (the ``unet_it_s`` figure), seconds per call, peak memory.
 7. ``sd35_served``: SD 3.5 Medium through TorchServe with continuous batching (what packaging ships
@@ -322,7 +324,7 @@ class GpuBench:
         """``name``'s row on ``workload``: the one a section of this run measured (the batch-1 scaling
         point and ceiling are the variants section's workload), else measured now, in ``scratch``."""
         key = (row_key(workload), name)
-        if key in self.rows:
+        if key in self.rows and self.rows[key].get("status") == "ok":  # a failed one is measured again
             logger.info("%s on %s: measured by an earlier section of this run", name, workload)
         else:
             runner = Runner(workload, self.scratch / scratch, self.timeout, caches=self.caches)
@@ -489,7 +491,7 @@ class GpuBench:
         ]
 
     def sdxl(self) -> dict:
-        """SDXL eager, in float32 and (the full plan) in the fastest compile mode of ``variants``:
+        """SDXL eager, in float32 and (the full plan) in the compile mode of ``best_compiled``:
         UNet it/s, and each image's distance to eager's and to float32's (``to_reference``)."""
         workload = self.workload(self.plan.sdxl_model, self.plan.sdxl_side, self.plan.sdxl_steps)
         scratch = self.scratch / "sdxl"
@@ -681,7 +683,9 @@ def main(argv: list[str] | None = None) -> None:
         logger.info("[%d/%d]", number, len(args.sections))
         if not bench.run(section, args.variants):
             failed.append(section)
-    print((args.output_dir / "gpu.md").read_text())
+    report = args.output_dir / "gpu.md"
+    if report.is_file():
+        print(report.read_text())
     if failed:
         sys.exit(f"failed sections: {', '.join(failed)} (their errors are in {args.output_dir})")
 

@@ -62,8 +62,9 @@ def _compiled(mode: str, summary: str, cuda_only: bool = False) -> Variant:
     )
 
 
-# float32 in full: no TF32 in cuBLAS or cuDNN, whatever torch's flags (handler.tf32 sets the matmuls'
-# only; cuDNN's convolutions take TF32 by torch's default), so that a float32 variant is a reference.
+# float32 in full: no TF32 in cuBLAS or cuDNN, whatever torch's flags, so that a float32 variant is a
+# reference. handler.tf32 (on by default) turns TF32 on for matmuls and convolutions; off, it leaves
+# torch's defaults, under which cuDNN's convolutions still take TF32.
 FULL_FLOAT32 = {"NVIDIA_TF32_OVERRIDE": "0"}
 
 # The baseline first: images of every other variant are compared with its images. Variants with no
@@ -91,7 +92,8 @@ VARIANTS: tuple[Variant, ...] = (
     _compiled("default", "SDPA, serving dtype, torch.compile(mode='default') of UNet and VAE decoder"),
     _compiled(
         "reduce-overhead",
-        "as compile-default with the UNet's CUDA graphs (mode='reduce-overhead'; the decoder's as a worker's: none)",
+        "as compile-default with the UNet's CUDA graphs (mode='reduce-overhead'; the VAE decoder without, as a "
+        "worker compiles it)",
         cuda_only=True,
     ),
     _compiled(

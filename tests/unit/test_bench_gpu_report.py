@@ -9,6 +9,7 @@ from pathlib import Path
 
 from PIL import Image
 
+from bench import gpu
 from bench.gpu import QUICK, SECTIONS, GpuBench, parse_args, row_key
 from bench.gpu_report import goals, markdown, render
 
@@ -239,10 +240,27 @@ def test_the_command_line_runs_variants_alone_with_variants_and_the_compile_mode
     assert GpuBench(QUICK, "cpu", tmp_path, tmp_path / "scratch", 60, compiled).best_compiled() == compiled
 
 
-def test_a_row_of_the_variants_section_serves_scaling_whatever_its_largest_batch_search():
-    """The variants section searches the largest batch (``max_batch_limit``) on the same workload
-    the scaling section's batch 1 measures: one key, so the row is not measured twice."""
+def test_a_row_of_the_variants_section_serves_scaling_unless_it_failed(monkeypatch):
+    """The variants section searches the largest batch (``max_batch_limit``) on the workload the
+    scaling section's batch 1 measures: its row serves there, not measured twice; a failed one is
+    measured again."""
     bench = GpuBench(QUICK, "cpu", Path("/unused"), Path("/unused"), timeout=60)
+    measured: list[tuple[int, str]] = []
+
+    class Runner:  # stands in for the measuring processes
+        def __init__(self, workload, *args, **kwargs):
+            self.workload = workload
+
+        def variant(self, variant, device, warm=True) -> dict:
+            measured.append((self.workload.max_batch_limit, variant.name))
+            return {"status": "ok", "latency_s": 2.0}
+
+    monkeypatch.setattr(gpu, "Runner", Runner)
     searched = bench.workload(QUICK.sd15_model, 64, 1, max_batch_limit=128)
-    assert row_key(searched) == row_key(bench.workload(QUICK.sd15_model, 64, 1))
-    assert row_key(searched) != row_key(bench.workload(QUICK.sd15_model, 64, 1, batch=2))
+    bench.rows[(row_key(searched), "eager")] = {"status": "ok", "latency_s": 1.0, "max_batch": 64}
+    bench.rows[(row_key(searched), "compile-default")] = {"status": "failed", "error": "timed out after 450 s"}
+    plain = bench.workload(QUICK.sd15_model, 64, 1)
+    assert bench.row(plain, "eager", "scaling-1")["latency_s"] == 1.0 and measured == []
+    assert bench.row(plain, "compile-default", "scaling-1")["latency_s"] == 2.0
+    assert bench.row(bench.workload(QUICK.sd15_model, 64, 1, batch=2), "eager", "scaling-2")["latency_s"] == 2.0
+    assert measured == [(0, "compile-default"), (0, "eager")]

@@ -7,11 +7,13 @@ decides this, so the functions compile with its ``eager`` backend."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import torch
 from torch._dynamo.eval_frame import _debug_get_cache_entry_list
 
 from handler.config import CompileSettings, HandlerSettings
-from handler.engine.loading import _region_compiler, dynamic_rows
+from handler.engine.loading import _apply_compile, _region_compiler, dynamic_rows
 from handler.families.base import mark_rows, rows_marked
 
 
@@ -77,3 +79,33 @@ def test_one_decision_marks_the_denoiser_the_regions_and_the_decoder(monkeypatch
         assert region is not None
         region(_marked_block)(hidden, temb=torch.ones(3, 3), weight=torch.ones(5, 3))
         assert getattr(hidden, "_dynamo_weak_dynamic_indices", set()) == ({0} if marked else set())
+
+
+def test_what_runs_at_any_row_count_compiles_without_cuda_graphs(monkeypatch):
+    """The step cache's regions and the VAE decoder (decodes come in any count) compile in the
+    configured mode without CUDA graphs, which cudagraph trees would record per count while serving."""
+    modes: list[tuple[str, str]] = []
+    monkeypatch.setattr(
+        torch, "compile", lambda function, mode, **_: modes.append((function.__name__, mode)) or function
+    )
+    for mode in ("reduce-overhead", "max-autotune", "default"):
+        options = CompileSettings(enabled=True, mode=mode, targets=["unet", "vae_decoder"])
+        region = _region_compiler(options, marked=False)
+        assert region is not None
+        region(_marked_block)
+        family = SimpleNamespace(
+            denoiser=torch.nn.Linear(1, 1), pipeline=SimpleNamespace(vae=SimpleNamespace(decode=_unmarked_block))
+        )
+        _apply_compile(family, HandlerSettings.model_validate({"model_path": "/unused", "compile": options}))
+    # per mode: a region, the whole denoiser (which keeps the mode asked for), the decoder
+    assert modes == [
+        ("_marked_block", "default"),
+        ("_call_impl", "reduce-overhead"),
+        ("_unmarked_block", "default"),
+        ("_marked_block", "max-autotune-no-cudagraphs"),
+        ("_call_impl", "max-autotune"),
+        ("_unmarked_block", "max-autotune-no-cudagraphs"),
+        ("_marked_block", "default"),
+        ("_call_impl", "default"),
+        ("_unmarked_block", "default"),
+    ]

@@ -19,6 +19,7 @@ from handler.adapters.library import Busy, EntryError
 from handler.api.protocol import NSFW_HEADER, STREAM_CONTENT_TYPE, IncomingRequest
 from handler.engine.jobs import DenoiseJob
 from handler.engine.profiling import StepsProfiler
+from handler.service import loops
 from tests.harness.stand_ins import SHAPE, Clock, RecordingSink, SolidColorEngine, batch, make_service, run
 
 
@@ -761,3 +762,14 @@ def test_a_profile_that_cannot_be_written_fails_no_request_and_profiles_no_more(
     assert [response.status for response in batch(service, body(), body(seed=2))] == [200, 200]
     assert profiler.summary == {"error": "close"} and "step profile: close failed" in caplog.text
     assert [response.status for response in batch(service, body())] == [200]
+
+
+def test_each_encoder_thread_takes_the_engines_device_first(monkeypatch):
+    """The CUDA runtime's current device is per thread (device 0 until set): each encoder thread
+    makes the worker's own its current one before it runs anything (on the CPU, a no-op)."""
+    bound: list[tuple[str, torch.device]] = []
+    monkeypatch.setattr(loops, "use_device", lambda device: bound.append((threading.current_thread().name, device)))
+    service = make_service()
+    ran_on = service.finishing.encoder.submit(lambda: threading.current_thread().name).result()
+    assert bound and all(device == service.engine.device for _, device in bound)
+    assert ran_on in {name for name, _ in bound} and ran_on.startswith("sd-encode")
