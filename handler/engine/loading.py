@@ -226,6 +226,11 @@ def synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def reserved_memory(device: torch.device) -> int | None:
+    """Bytes the caching allocator holds on ``device`` (CUDA graphs' pools included); None off CUDA."""
+    return torch.cuda.memory_reserved(device) if device.type == "cuda" else None
+
+
 def use_device(device: torch.device) -> None:
     """Make ``device`` the calling thread's current CUDA device. The CUDA runtime's is per thread,
     device 0 until set: a worker TorchServe assigned another GPU would make a context on GPU 0 (some

@@ -27,11 +27,12 @@ from pathlib import Path
 
 import torch
 
+from handler.adapters.lora_slots import compiled_graphs
 from handler.api.policy import RequestPolicy
 from handler.api.protocol import IncomingRequest, Response
 from handler.config import HandlerSettings, StepCache, WarmupShape
 from handler.engine.jobs import DenoiseJob, JobSpec
-from handler.engine.loading import load_engine, release_cached_memory, use_device
+from handler.engine.loading import load_engine, release_cached_memory, reserved_memory, use_device
 from handler.engine.profiling import StepsProfiler
 from handler.engine.scheduling import StepProfile
 from handler.engine.step_engine import StepEngine
@@ -183,6 +184,7 @@ class DiffusionService:
         started = time.perf_counter()
         cache = self.engine.warm_up_cache()
         for shape in shapes:
+            graphs, reserved = compiled_graphs(), reserved_memory(self.engine.device)
             self.profile.measure(shape.width, shape.height)
             spec = self._warm_up_spec(shape)
             if not self.profile.fits_job(spec):
@@ -193,7 +195,25 @@ class DiffusionService:
                 with self.engine.loras.slots.lora_graph():
                     self.profile.step_each_size(shape.width, shape.height)  # the profile's, with LoRA rows
                     self._warm_up_jobs(spec, cache)
+            self._log_warmed_up(shape, graphs, reserved)
         return time.perf_counter() - started
+
+    def _log_warmed_up(self, shape: WarmupShape, graphs_before: int, reserved_before: int | None) -> None:
+        """The graphs a shape's warm-up compiled (with CUDA graphs, each records one) and the device
+        memory it left reserved (CUDA graphs' pools included)."""
+        graphs, reserved = compiled_graphs(), reserved_memory(self.engine.device)
+        memory = ""
+        if reserved is not None and reserved_before is not None:
+            mib, grown = reserved / 2**20, (reserved - reserved_before) / 2**20
+            memory = f"; device memory reserved {mib:.0f} MiB ({grown:+.0f} MiB)"
+        logger.info(
+            "warm-up %dx%d: %d graphs compiled (%d in this worker)%s",
+            shape.width,
+            shape.height,
+            graphs - graphs_before,
+            graphs,
+            memory,
+        )
 
     def _warm_up_spec(self, shape: WarmupShape) -> JobSpec:
         defaults = self.policy.defaults

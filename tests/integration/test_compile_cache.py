@@ -28,6 +28,7 @@ pytestmark = pytest.mark.slow
 
 COMPILE_LOG = re.compile(r"compile cache: dir=(\S+) fxgraph_cache_hit=(\d+) fxgraph_cache_miss=(\d+)")
 READY_LOG = re.compile(r"stable-diffusion worker \S+ ready: .* load_s=([\d.]+) warmup_s=([\d.]+)")
+WARMED_LOG = re.compile(r"warm-up (\d+x\d+): (\d+) graphs compiled \((\d+) in this worker\)")
 
 
 def _worker_starts(log: str) -> list[dict]:
@@ -125,6 +126,9 @@ def test_a_compiled_unet_with_lora_slots_equals_diffusers_and_a_restarted_worker
     # graphs compiled so far.
     loads = [int(count) for _, count in SLOTS_LOG.findall(log[log.rindex("compile cache: ") :])]
     assert len(loads) == 6 and len(set(loads)) == 1 and loads[0] > 0, f"graphs compiled at each LoRA load: {loads}"
+    # each worker's warm-up logs the graphs its shape compiled, all the worker's (the restarted one's
+    # loaded from the cache), which the LoRA loads after it count too
+    assert WARMED_LOG.findall(log) == [("64x64", str(loads[0]), str(loads[0]))] * 2
     record_property("compile_cold_warmup_s", cold["warmup_s"])
     record_property("compile_warm_warmup_s", warm["warmup_s"])
     print(
