@@ -208,10 +208,24 @@ QUICK = Plan(
 )
 
 
+BUILD_FAILURES: dict[str, Exception] = {}  # random-weight architectures that failed to build in this run
+
+
 @functools.cache
 def model_dir(name: str) -> Path:
-    """A random-weight architecture by name (written once), or a directory relative to the repository."""
-    return RANDOM_MODELS[name]() if name in RANDOM_MODELS else (ROOT / name).resolve()
+    """A random-weight architecture by name (written once), or a directory relative to the repository.
+    One that failed to build fails again at once: a later section does not spend minutes on it."""
+    if name not in RANDOM_MODELS:
+        return (ROOT / name).resolve()
+    if name in BUILD_FAILURES:
+        raise RuntimeError(f"the random-weight {name} model failed to build earlier in this run") from BUILD_FAILURES[
+            name
+        ]
+    try:
+        return RANDOM_MODELS[name]()
+    except Exception as error:
+        BUILD_FAILURES[name] = error
+        raise
 
 
 class GpuBench:
@@ -350,7 +364,8 @@ class GpuBench:
 
     def engine(self) -> dict:
         """Eager, and on CUDA with CUDA graphs (the compiled denoiser, padded rows)."""
-        rows = []
+        rows: list = []
+        result: dict = {"rows": []}
         for compile_mode in (None, "reduce-overhead") if self.device.type == "cuda" else (None,):
             rows += measure_model(
                 "sd1",
@@ -363,7 +378,9 @@ class GpuBench:
             )
             gc.collect()  # the engine and diffusers' pipeline measured here leave the GPU to the next one
             release_cached_memory()
-        return {"rows": [{**asdict(row), "ratio": row.ratio, "engine_it_s": row.engine_it_s} for row in rows]}
+            result = {"rows": [{**asdict(row), "ratio": row.ratio, "engine_it_s": row.engine_it_s} for row in rows]}
+            self.save("engine", result)  # eager's rows kept should the compiled ones not finish
+        return result
 
     def served(self) -> dict:
         """Closed-loop load through TorchServe in each batching mode, next to the in-process ceiling."""

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
 from PIL import Image
 
 from bench import gpu
@@ -264,3 +265,28 @@ def test_a_row_of_the_variants_section_serves_scaling_unless_it_failed(monkeypat
     assert bench.row(plain, "compile-default", "scaling-1")["latency_s"] == 2.0
     assert bench.row(bench.workload(QUICK.sd15_model, 64, 1, batch=2), "eager", "scaling-2")["latency_s"] == 2.0
     assert measured == [(0, "compile-default"), (0, "eager")]
+
+
+def test_a_random_weight_model_that_failed_to_build_fails_again_at_once(monkeypatch):
+    """SD 3.5 Medium is written by three sections: one failed build (16 GB, minutes) is not
+    retried by each, and a name that is not a random-weight model is a directory."""
+    builds: list[str] = []
+
+    def fails() -> Path:
+        builds.append("sd35")
+        raise OSError("No space left on device")
+
+    monkeypatch.setitem(gpu.RANDOM_MODELS, "sd35", fails)
+    monkeypatch.setattr(gpu, "BUILD_FAILURES", {})
+    gpu.model_dir.cache_clear()
+    try:
+        with pytest.raises(OSError):
+            gpu.model_dir("sd35")
+        for _ in range(2):
+            with pytest.raises(RuntimeError, match="failed to build earlier") as failed:
+                gpu.model_dir("sd35")
+            assert isinstance(failed.value.__cause__, OSError)
+        assert builds == ["sd35"]
+        assert gpu.model_dir("models/tiny-sd") == gpu.ROOT / "models" / "tiny-sd"
+    finally:
+        gpu.model_dir.cache_clear()
