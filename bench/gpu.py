@@ -218,9 +218,8 @@ def model_dir(name: str) -> Path:
     if name not in RANDOM_MODELS:
         return (ROOT / name).resolve()
     if name in BUILD_FAILURES:
-        raise RuntimeError(f"the random-weight {name} model failed to build earlier in this run") from BUILD_FAILURES[
-            name
-        ]
+        failed = BUILD_FAILURES[name]
+        raise RuntimeError(f"the random-weight {name} model failed to build earlier in this run") from failed
     try:
         return RANDOM_MODELS[name]()
     except Exception as error:
@@ -364,10 +363,9 @@ class GpuBench:
 
     def engine(self) -> dict:
         """Eager, and on CUDA with CUDA graphs (the compiled denoiser, padded rows)."""
-        rows: list = []
-        result: dict = {"rows": []}
+        rows: list[dict] = []
         for compile_mode in (None, "reduce-overhead") if self.device.type == "cuda" else (None,):
-            rows += measure_model(
+            measured = measure_model(
                 "sd1",
                 model_dir(self.plan.sd15_model),
                 self.device_setting,
@@ -376,11 +374,11 @@ class GpuBench:
                 self.plan.engine_repeats,
                 compile_mode=compile_mode,
             )
+            rows += [{**asdict(row), "ratio": row.ratio, "engine_it_s": row.engine_it_s} for row in measured]
             gc.collect()  # the engine and diffusers' pipeline measured here leave the GPU to the next one
             release_cached_memory()
-            result = {"rows": [{**asdict(row), "ratio": row.ratio, "engine_it_s": row.engine_it_s} for row in rows]}
-            self.save("engine", result)  # eager's rows kept should the compiled ones not finish
-        return result
+            self.save("engine", {"rows": rows})  # eager's rows kept should the compiled ones not finish
+        return {"rows": rows}
 
     def served(self) -> dict:
         """Closed-loop load through TorchServe in each batching mode, next to the in-process ceiling."""
