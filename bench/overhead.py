@@ -46,8 +46,8 @@ from handler.config import HandlerSettings
 from handler.metrics import MetricSpec
 from handler.service.loops import DiffusionService, build_service
 from loadtest.sweep import ModelRegistration
-from server import TorchServe, build, config_on_free_ports, serving_defaults, visible_gpus
-from server.paths import CONFIG_PROPERTIES, DEFAULT_MODEL_DIR, MODEL_CONFIG, REPORTS, ROOT
+from server import TorchServe, build, serving_defaults, start_on_free_ports, visible_gpus
+from server.paths import DEFAULT_MODEL_DIR, MODEL_CONFIG, REPORTS, ROOT
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
@@ -393,11 +393,10 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="overhead-") as tmp:
         workdir = Path(tmp)
         archive = build(DEFAULT_MODEL_DIR, MODEL_CONFIG, workdir / "model_store")
-        config = config_on_free_ports(CONFIG_PROPERTIES, workdir, enable_model_api="true")
-        server = TorchServe(config, workdir / "model_store", workdir / "server", env={"TMPDIR": tmp})
-        server.start(load_model=False)
+        server = start_on_free_ports(
+            workdir / "model_store", workdir, env={"TMPDIR": tmp}, load_model=False, enable_model_api="true"
+        )
         try:
-            server.wait_started()
             registration = ModelRegistration(server)
             for entry in registrations():
                 registration.register(archive.name, entry.batch_size, entry.delay_ms, workers=1)

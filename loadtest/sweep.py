@@ -19,8 +19,8 @@ from loadtest.config import BenchmarkConfig, SweepPoint
 from loadtest.report import write_report
 from loadtest.results import PointResult, server_figures
 from loadtest.run import run_locust
-from server import TorchServe, build, config_on_free_ports, write_model_config
-from server.paths import BENCHMARK_CONFIG, CONFIG_PROPERTIES, REPORTS, ROOT
+from server import TorchServe, build, start_on_free_ports, write_model_config
+from server.paths import BENCHMARK_CONFIG, REPORTS, ROOT
 
 logger = logging.getLogger("sweep")
 
@@ -130,17 +130,15 @@ def run_sweep(config_path: Path, out: Path) -> list[PointResult]:
             ).name
             for mode in sorted(set(config.sweep.continuous_batching))
         }
-        server_config = config_on_free_ports(CONFIG_PROPERTIES, workdir, enable_model_api="true")
-        server = TorchServe(
-            server_config,
+        server = start_on_free_ports(
             workdir / "model_store",
-            workdir / "server",
+            workdir,
             model_name=config.model.name,
             env={"TMPDIR": tmp},
+            load_model=False,
+            enable_model_api="true",
         )
-        server.start(load_model=False)
         try:
-            server.wait_started()
             registration = ModelRegistration(server)
             progress = tqdm(points, desc="sweep", unit="point")
             registered: tuple[bool, int, int] | None = None

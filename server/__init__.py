@@ -33,6 +33,7 @@ _HOMES = {
     "read_properties": "server.properties",
     "TorchServe": "server.process",
     "serve_archive": "server.process",
+    "start_on_free_ports": "server.process",
     "build": "server.archive",
     "console_script": "server.archive",
     "write_model_config": "server.archive",

@@ -45,6 +45,9 @@ logger = logging.getLogger("server")
 
 TERMINATE_SECONDS = 60  # after SIGTERM, how long the frontend and workers get to exit before SIGKILL
 LOAD_FAILED = "Load model failed"  # logged by the frontend each time a worker dies while loading
+FRONTEND_STARTED = "Model server started."  # printed by the frontend once every listener is bound
+PORT_IN_USE = "Address already in use"  # logged by the frontend when a listener cannot bind, before it exits
+START_ATTEMPTS = 3  # starts on fresh free ports (start_on_free_ports) before a port taken each time fails
 DEFAULT_STARTUP_TIMEOUT = 120  # TorchServe's startupTimeout when model-config.yaml sets none
 FRONTEND_START_SECONDS = 120  # the frontend's own start and the archive's registration, before a worker loads
 # handler/config.py's defaults (a unit test keeps them equal): TorchServe's responseTimeout where
@@ -112,6 +115,10 @@ class Activity(NamedTuple):
     gathering: float  # seconds a request can spend being gathered into a batch, seen nowhere
 
 
+class PortInUse(RuntimeError):
+    """TorchServe exited at its start: one of its ports was taken."""
+
+
 class TorchServe:
     """One TorchServe frontend (and its workers) in its own process group and working directory."""
 
@@ -136,7 +143,7 @@ class TorchServe:
         self.env = {**os.environ, **(env or {}), CONTROL_DIR_ENV: str(self.control.path)}
         self.process: subprocess.Popen | None = None
         self.keys: Keys | None = None
-        self.started = False  # the management API answered (wait_started)
+        self.started = False  # every listener bound and the management API answered (wait_started)
         self._log_offset = 0
 
     @classmethod
@@ -209,36 +216,46 @@ class TorchServe:
             log.seek(self._log_offset)
             return log.read().decode(errors="replace")
 
-    def _check_alive(self) -> None:
-        """Fail fast when TorchServe exited or a worker failed to load the model (it would retry forever)."""
+    def _check_alive(self) -> str:
+        """Fail fast when TorchServe exited or a worker failed to load the model (it would retry
+        forever); return what it logged since its start."""
         log = self._log_since_start()
         if self.process is None or self.process.poll() is not None:
-            raise RuntimeError(f"TorchServe exited before it was ready; end of {self.console_log}:\n{log[-3000:]}")
+            error = PortInUse if PORT_IN_USE in log else RuntimeError
+            raise error(f"TorchServe exited before it was ready; end of {self.console_log}:\n{log[-3000:]}")
         if LOAD_FAILED in log:
             worker_lines = [line.split(" - ", 1)[-1] for line in log.splitlines() if "MODEL_LOG" in line]
             raise RuntimeError(f"a worker failed to load {self.model_name}:\n" + "\n".join(worker_lines[-40:]))
+        return log
 
     def wait_started(self, timeout: float = 300.0) -> Keys | None:
-        """Wait until key_file.json is written (with token authorization) and the management API
-        answers; return the keys."""
+        """Wait until the frontend bound every listener (the HTTP APIs bind before gRPC's),
+        key_file.json is written (with token authorization) and the management API answers;
+        return the keys."""
         deadline = time.monotonic() + timeout
-        key_file = self.workdir / KEY_FILE
         while time.monotonic() < deadline:
-            self._check_alive()
-            if self.token_authorization and self.keys is None and key_file.is_file():
-                try:
-                    self.keys = Keys.from_key_file(key_file)
-                except (json.JSONDecodeError, KeyError):
-                    pass  # still being written
-            if self.keys is not None or not self.token_authorization:
-                try:
-                    requests.get(f"{self.addresses.management}/models", headers=self.auth(management=True), timeout=5)
-                    self.started = True
-                    return self.keys
-                except requests.ConnectionError:
-                    pass
+            if FRONTEND_STARTED in self._check_alive() and self._management_answers():
+                self.started = True
+                return self.keys
             time.sleep(0.1)
         raise TimeoutError(f"TorchServe did not start within {timeout:.0f} s; see {self.console_log}")
+
+    def _management_answers(self) -> bool:
+        """Whether the management API answers, with the keys from key_file.json once it is written
+        (with token authorization)."""
+        key_file = self.workdir / KEY_FILE
+        if self.token_authorization and self.keys is None and key_file.is_file():
+            try:
+                self.keys = Keys.from_key_file(key_file)
+            except (json.JSONDecodeError, KeyError):
+                pass  # still being written
+        if self.token_authorization and self.keys is None:
+            return False
+        try:
+            requests.get(f"{self.addresses.management}/models", headers=self.auth(management=True), timeout=5)
+        except requests.ConnectionError:
+            return False
+        return True
 
     def wait_ready(self, timeout: float = 900.0, progress=None) -> Keys | None:
         """Wait for a READY worker of the model; return the keys."""
@@ -409,6 +426,37 @@ class TorchServe:
         self.stop()
 
 
+def start_on_free_ports(
+    model_store: Path,
+    workdir: Path,
+    model_name: str = MODEL_NAME,
+    env: dict[str, str] | None = None,
+    load_model: bool = True,
+    **properties: str,
+) -> TorchServe:
+    """TorchServe serving ``model_store`` from ``workdir / "server"`` on free loopback ports
+    (config.properties plus ``properties``, written into ``workdir``), once its management API
+    answers. Another process may take a port between its pick and the frontend's bind; the
+    frontend then exits, and it is started again on fresh ports, up to ``START_ATTEMPTS`` times."""
+    attempt = 1
+    while True:
+        config = config_on_free_ports(CONFIG_PROPERTIES, workdir, **properties)
+        server = TorchServe(config, model_store, workdir / "server", model_name, env)
+        server.start(load_model)
+        try:
+            server.wait_started()
+            return server
+        except PortInUse:
+            server.stop(0)
+            if attempt == START_ATTEMPTS:
+                raise
+            logger.warning("a port of TorchServe's was taken (start %d of %d); starting again", attempt, START_ATTEMPTS)
+            attempt += 1
+        except BaseException:
+            server.stop(0)
+            raise
+
+
 @contextmanager
 def serve_archive(
     model_dir: Path,
@@ -421,20 +469,18 @@ def serve_archive(
 ) -> Iterator[TorchServe]:
     """Build the archive from ``model_dir`` and ``model_config`` (workers for ``gpus`` GPUs, default
     the visible ones) and serve it from ``workdir`` on free loopback ports (config.properties plus
-    ``properties``) until the block ends, waiting for a ready worker ``startup_timeout`` seconds
-    (default: as long as the archive's ``startupTimeout`` allows), then stop it (``stop_grace``:
-    ``TorchServe.stop``'s). As ``make serve`` does, the workers read LoRAs from ``$LORA_DIR``, else
-    the checkout's ``loras/``, and ControlNets from ``$CONTROLNET_DIR``, else the checkout's
-    ``controlnets/``."""
+    ``properties``, ``start_on_free_ports``) until the block ends, waiting for a ready worker
+    ``startup_timeout`` seconds (default: as long as the archive's ``startupTimeout`` allows), then
+    stop it (``stop_grace``: ``TorchServe.stop``'s). As ``make serve`` does, the workers read LoRAs
+    from ``$LORA_DIR``, else the checkout's ``loras/``, and ControlNets from ``$CONTROLNET_DIR``,
+    else the checkout's ``controlnets/``."""
     model_store = build(model_dir, model_config, workdir / "model_store", gpus=gpus).parent
-    config = config_on_free_ports(CONFIG_PROPERTIES, workdir, **properties)
     env = {
         "TMPDIR": str(workdir),
         "LORA_DIR": os.environ.get("LORA_DIR", str(LORA_DIR)),
         "CONTROLNET_DIR": os.environ.get("CONTROLNET_DIR", str(CONTROLNET_DIR)),
     }
-    server = TorchServe(config, model_store, workdir / "server", env=env)
-    server.start()
+    server = start_on_free_ports(model_store, workdir, env=env, **properties)
     try:
         server.wait_ready(startup_timeout or archive_ready_timeout(model_store, server.model_name))
         yield server

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import socket
+from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import urlparse
@@ -42,24 +43,33 @@ def with_absolute_paths(properties: dict[str, str], base: Path) -> dict[str, str
     return resolved
 
 
+def free_ports(count: int) -> list[int]:
+    """``count`` distinct TCP ports on loopback, free right now. Each socket stays bound until all
+    are picked: a port released at once could be picked again."""
+    with ExitStack() as sockets:
+        bound = [sockets.enter_context(socket.socket()) for _ in range(count)]
+        for sock in bound:
+            sock.bind(("127.0.0.1", 0))
+        return [sock.getsockname()[1] for sock in bound]
+
+
 def free_port() -> int:
     """A TCP port on loopback that is free right now."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+    return free_ports(1)[0]
 
 
 def config_on_free_ports(config: Path, directory: Path, **overrides: str) -> Path:
-    """A copy of ``config`` in ``directory`` with every port on a free loopback port (so a second
-    server does not disturb a running one) and its file paths made absolute."""
+    """A copy of ``config`` in ``directory`` with every port on a distinct free loopback port (so a
+    second server does not disturb a running one) and its file paths made absolute."""
     properties = with_absolute_paths(read_properties(config), config.parent)
+    inference, management, metrics, grpc_inference, grpc_management, worker = free_ports(6)
     properties.update(
-        inference_address=f"http://127.0.0.1:{free_port()}",
-        management_address=f"http://127.0.0.1:{free_port()}",
-        metrics_address=f"http://127.0.0.1:{free_port()}",
-        grpc_inference_port=str(free_port()),
-        grpc_management_port=str(free_port()),
-        initial_worker_port=str(free_port()),
+        inference_address=f"http://127.0.0.1:{inference}",
+        management_address=f"http://127.0.0.1:{management}",
+        metrics_address=f"http://127.0.0.1:{metrics}",
+        grpc_inference_port=str(grpc_inference),
+        grpc_management_port=str(grpc_management),
+        initial_worker_port=str(worker),
         **overrides,
     )
     return write_properties(directory / "config.properties", properties)

@@ -1,16 +1,21 @@
-"""The start script that `make serve` and the container run (serving a no-archive model directory):
-ready message with a working curl, the health check, clean stop on Ctrl-C or SIGTERM."""
+"""Starting the server. The start script that `make serve` and the container run (serving a
+no-archive model directory): ready message with a working curl, the health check, clean stop on
+Ctrl-C or SIGTERM. A server on free ports (the tests', the benchmarks') whose port was taken before
+it bound it starts again on fresh ones."""
 
 from __future__ import annotations
 
 import shlex
 import signal
+import socket
 import subprocess
 from urllib.parse import urlparse
 
 import pytest
+import requests
 
-from server import read_properties
+from server import properties, read_properties, start_on_free_ports
+from server.process import PORT_IN_USE
 from server.properties import EFFECTIVE_CONFIG
 from tests.harness.images import decode_png
 from tests.harness.start_script import group_members, healthcheck, server_process_group, start_script
@@ -47,3 +52,29 @@ def test_start_script_serves_a_working_curl_and_stops_leaving_no_process(tmp_pat
     assert group_members(group) == [], "TorchServe processes outlived the start script"
     assert not (runtime / "server.pid").exists()
     assert healthcheck(runtime).returncode == 1, "the health check passes with no server"
+
+
+def test_a_server_whose_port_was_taken_before_it_bound_starts_again_on_fresh_ports(tmp_path, monkeypatch):
+    """Another process takes the first pick's gRPC inference port before TorchServe binds it. The
+    frontend binds its HTTP APIs first, then fails on gRPC's and exits; ``start_on_free_ports``
+    waits for every listener, sees it exit and starts it again on fresh ports."""
+    picks: list[list[int]] = []
+    pick = properties.free_ports
+
+    def first_grpc_port_taken(count: int) -> list[int]:
+        ports = pick(count)  # inference, management, metrics, gRPC inference, ... (config_on_free_ports)
+        if not picks:
+            ports[3] = taken.getsockname()[1]
+        picks.append(ports)
+        return ports
+
+    monkeypatch.setattr(properties, "free_ports", first_grpc_port_taken)
+    (tmp_path / "model_store").mkdir()
+    with socket.create_server(("127.0.0.1", 0)) as taken:
+        server = start_on_free_ports(tmp_path / "model_store", tmp_path, load_model=False)
+        try:
+            assert len(picks) == 2 and taken.getsockname()[1] not in picks[1]
+            assert PORT_IN_USE in server.console_log.read_text()
+            assert requests.get(f"{server.addresses.inference}/ping", headers=server.auth(), timeout=30).ok
+        finally:
+            server.stop(0)

@@ -3,6 +3,7 @@
 import json
 from dataclasses import replace
 from pathlib import Path
+from urllib.parse import urlparse
 
 import pytest
 import yaml
@@ -16,7 +17,17 @@ from handler.config import (
     continuous_batching,
 )
 from server.paths import CONFIG_PROPERTIES, METRICS_CONFIG
-from server.properties import EFFECTIVE_CONFIG, KEY_FILE, bound_to, reach, reachable, read_properties, write_properties
+from server.properties import (
+    EFFECTIVE_CONFIG,
+    KEY_FILE,
+    bound_to,
+    config_on_free_ports,
+    free_ports,
+    reach,
+    reachable,
+    read_properties,
+    write_properties,
+)
 from tests.harness.serving import SHIPPED_CONFIG
 
 PROPERTIES = read_properties(CONFIG_PROPERTIES)
@@ -197,6 +208,18 @@ def test_bind_moves_every_listener_and_clients_reach_all_interfaces_via_loopback
     }
     assert reachable(bound)["inference_address"] == "http://127.0.0.1:8080"
     assert reachable(PROPERTIES) == PROPERTIES
+
+
+def test_free_ports_are_distinct_and_a_servers_config_takes_six_of_them(tmp_path):
+    """Each pick holds its port until all are picked: ports released at once come back (500 picks
+    from Linux's ~14,000 bind ports collide with near certainty)."""
+    ports = free_ports(500)
+    assert len(set(ports)) == 500
+    written = read_properties(config_on_free_ports(CONFIG_PROPERTIES, tmp_path, enable_model_api="true"))
+    listeners = [urlparse(written[f"{name}_address"]).port for name in ("inference", "management", "metrics")]
+    others = [int(written[key]) for key in ("grpc_inference_port", "grpc_management_port", "initial_worker_port")]
+    assert len(set(listeners + others)) == 6
+    assert written["enable_model_api"] == "true" and Path(written["model_store"]).is_absolute()
 
 
 def test_a_client_reaches_the_server_in_a_working_directory_with_its_key(tmp_path):
