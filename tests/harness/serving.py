@@ -149,7 +149,10 @@ def run_behind_blocker(client, bodies: list[dict], blocker_body: dict = BLOCKER)
     """Send ``bodies`` concurrently while the worker is busy, so TorchServe batches them."""
     with ThreadPoolExecutor(len(bodies) + 1) as pool:
         blocker = pool.submit(client.predict, blocker_body)
-        time.sleep(0.5)
+        eventually(
+            lambda: blocker.done() or gauge(client.server, "sd_in_flight_requests") == 1,
+            "the blocker in the denoising loop",
+        )
         followers = [pool.submit(client.predict, body) for body in bodies]
         assert blocker.result().status_code == 200, blocker.result().text
         return [future.result() for future in followers]

@@ -17,6 +17,7 @@ import psutil
 
 from server import TorchServe, config_on_free_ports
 from server.paths import CONFIG_PROPERTIES, ROOT
+from server.process import START_ATTEMPTS, PortInUse
 from tests.harness.serving import MODEL_DIR, STARTUP_TIMEOUT
 
 
@@ -36,6 +37,16 @@ def read_until_curl(process: subprocess.Popen, timeout: float) -> tuple[str | No
     thread.start()
     thread.join(timeout)
     return (found[0] if found else None), lines
+
+
+def exited_on_a_taken_port(process: subprocess.Popen, output: list[str]) -> bool:
+    """Whether the script exited because its server could not bind a port (its traceback names
+    ``PortInUse``)."""
+    try:
+        process.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        return False
+    return PortInUse.__name__ in "".join(output)
 
 
 def server_process_group(model_store: Path) -> int:
@@ -93,17 +104,21 @@ class Started:
 @contextmanager
 def start_script(tmp_path: Path, **env: str) -> Iterator[Started]:
     """server/start.sh serving the default model from ``tmp_path``, once it printed its curl.
-    SIGTERM and a wait at the end, if it still runs."""
-    process = subprocess.Popen(
-        [str(ROOT / "server" / "start.sh")],
-        cwd=tmp_path,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        env=start_script_env(tmp_path, **env),
-    )
-    try:
+    SIGTERM and a wait at the end, if it still runs. A port taken by another process before the
+    server bound it gets the script run again on fresh ports, as ``start_on_free_ports`` does."""
+    for attempt in range(1, START_ATTEMPTS + 1):
+        process = subprocess.Popen(
+            [str(ROOT / "server" / "start.sh")],
+            cwd=tmp_path,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env=start_script_env(tmp_path, **env),
+        )
         curl, output = read_until_curl(process, STARTUP_TIMEOUT)
+        if curl or attempt == START_ATTEMPTS or not exited_on_a_taken_port(process, output):
+            break
+    try:
         assert curl, "no curl printed:\n" + "".join(output)
         yield Started(process, TorchServe.attach(tmp_path / "runtime"), curl, tmp_path / "runtime")
     finally:

@@ -24,6 +24,7 @@ from tests.harness.serving import (
     gauge,
     server_log,
     serving,
+    settled_samples,
     value,
     wait_until_denoising,
     workers,
@@ -93,7 +94,7 @@ def test_a_streaming_client_that_leaves_frees_its_steps(server):
     """TorchServe drops a continuous-batching job whose connection closed: no later iteration steps
     it. The worker learns it at its next call (the first without the job's id), forgets the
     request and counts it."""
-    before = server.metric_samples()
+    before = settled_samples(Client(server))
     # 256 px: each call of the 100 ms iteration budget takes a few of its 100 steps, on any device
     body = {"prompt": "leaving early", "num_inference_steps": 100, "width": 256, "height": 256, "stream": True}
     with requests.post(server.predictions_url, json=body, headers=server.auth(), stream=True, timeout=60) as response:
@@ -113,9 +114,11 @@ def test_a_streaming_client_that_leaves_frees_its_steps(server):
     taken = readings[-1]
     assert 0 < taken < body["num_inference_steps"], f"{taken} of its steps were taken"
     assert Client(server).predict({"prompt": "the next call", **FAST}).status_code == 200
-    cancelled = value(server.metric_samples(), "sd_cancelled_requests_total", reason="client_gone")
+    after = settled_samples(Client(server))  # the barrier request is refused before any step
+    cancelled = value(after, "sd_cancelled_requests_total", reason="client_gone")
     assert cancelled == value(before, "sd_cancelled_requests_total", reason="client_gone") + 1
-    assert image_steps() == taken + FAST["num_inference_steps"], "the next call stepped the new request only"
+    stepped = value(after, "sd_iteration_batch_size_sum") - value(before, "sd_iteration_batch_size_sum")
+    assert stepped == taken + FAST["num_inference_steps"], "the next call stepped the new request only"
     eventually(lambda: gauge(server, "sd_in_flight_requests") == 0, "an empty denoising loop")
 
 

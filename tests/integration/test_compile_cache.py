@@ -22,7 +22,7 @@ from server import write_model_config as model_config
 from server.paths import CONTROLNET_DIR, DEFAULT_MODEL_DIR, ROOT
 from tests.harness.engine_runs import compiled_lora_slots
 from tests.harness.images import assert_moved, assert_same_image, png_base64
-from tests.harness.serving import Client, serving, wait_until_serving, workers
+from tests.harness.serving import Client, eventually, serving, wait_until_serving, workers
 
 pytestmark = pytest.mark.slow
 
@@ -51,6 +51,12 @@ def _wait_for_starts(server, count: int, timeout: float = 600) -> list[dict]:
 
 
 SLOTS_LOG = re.compile(r"LoRA slots: (\d+) free; graphs compiled so far: (\d+)")
+
+
+def slot_loads(console_log: Path) -> list[int]:
+    """The graphs compiled so far at each LoRA load of the last worker that found a compile cache."""
+    log = console_log.read_text(errors="replace")
+    return [int(count) for _, count in SLOTS_LOG.findall(log[log.rindex("compile cache: ") :])]
 
 
 def test_a_compiled_unet_with_lora_slots_equals_diffusers_and_a_restarted_worker_loads_its_graphs(
@@ -118,13 +124,15 @@ def test_a_compiled_unet_with_lora_slots_equals_diffusers_and_a_restarted_worker
             client.predict({**body, "guidance_scale": 1.0, "cache": {"mode": "deep", "interval": 2}}).status_code == 200
         )
         assert client.predict({**body, "loras": [{"name": "unet-only", "scale": 1.0}]}).status_code == 200
+        # the frontend copies the worker's log lines apart from its answers
+        eventually(lambda: len(slot_loads(server.console_log)) >= 6, "the sixth LoRA load in the log", timeout=30)
         log = server.console_log.read_text(errors="replace")
     assert not any(elsewhere.rglob("*")), "the worker compiled into the inherited directory, not compile.cache_dir"
     # The restarted worker's loads into its two slots, least recently used evicted: outline, random,
     # unet-only (evicting random), random (evicting outline), outline (evicting unet-only), then after
     # the cached, the ControlNet and the unguided requests unet-only (evicting random). Each logs the
     # graphs compiled so far.
-    loads = [int(count) for _, count in SLOTS_LOG.findall(log[log.rindex("compile cache: ") :])]
+    loads = slot_loads(server.console_log)
     assert len(loads) == 6 and len(set(loads)) == 1 and loads[0] > 0, f"graphs compiled at each LoRA load: {loads}"
     # each worker's warm-up logs the graphs its shape compiled, all the worker's (the restarted one's
     # loaded from the cache), which the LoRA loads after it count too

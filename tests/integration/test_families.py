@@ -614,7 +614,8 @@ def test_metrics_move_by_what_was_sent_in_both_modes(served):
         latencies and encodings are the last lines recorded for them."""
         scraped["after"] = served.server.metric_samples()
         answered = delta("sd_request_latency_seconds_count") == delta("sd_encode_seconds_count") == 2
-        return answered and delta("sd_pipeline_calls_total") == delta("sd_vae_decode_seconds_count")
+        refused = delta("sd_invalid_requests_total", field="num_inference_steps") == 1  # c, maybe in a later call
+        return answered and refused and delta("sd_pipeline_calls_total") == delta("sd_vae_decode_seconds_count")
 
     try:
         eventually(settled, "the metrics of the requests sent", timeout=30)
@@ -626,6 +627,7 @@ def test_metrics_move_by_what_was_sent_in_both_modes(served):
             "sd_vae_decode_seconds_count",
         )
         counted = {name: delta(name) for name in names}
+        counted["sd_invalid_requests_total"] = delta("sd_invalid_requests_total", field="num_inference_steps")
         raise AssertionError(f"{error}: {counted}") from None
     after = scraped["after"]
 

@@ -27,7 +27,7 @@ from model_making.make_lora import write_lora, write_lycoris
 from server import TorchServe, write_model_config
 from server.paths import DEFAULT_MODEL_DIR, ROOT, TINY_MODEL_DIRS
 from tests.harness.images import assert_same_image, decode_png
-from tests.harness.serving import FAST, Client, serving, value, worker_processes
+from tests.harness.serving import FAST, Client, serving, settled_samples, value, worker_processes
 
 MODES = ("dynamic", "continuous")
 SHIPPED_LORA = ROOT / "loras" / "outline.safetensors"
@@ -179,10 +179,10 @@ def test_a_hostile_lora_is_a_400_naming_loras_and_disturbs_no_batchmate(served, 
 
 
 def test_the_loaded_adapters_stay_bounded_and_requests_are_counted_by_lora(served):
-    before = served.metric_samples()
+    before = settled_samples(Client(served))
     for name in ("outline", "random", "unet-only", "outline"):
         assert Client(served).predict({**BASE, **FAST, "loras": [{"name": name}]}).status_code == 200
-    after = served.metric_samples()
+    after = settled_samples(Client(served))
     counted = value(after, "sd_lora_requests_total", lora="outline") - value(
         before, "sd_lora_requests_total", lora="outline"
     )

@@ -31,7 +31,7 @@ def test_every_declared_metric_is_exported_after_traffic_in_both_modes(request, 
     assert client.predict({"prompt": "x", "num_inference_steps": 2, "loras": [{"name": "outline"}]}).status_code == 200
     control = {"name": "shapes-mask", "image": png_base64(Image.new("RGB", (64, 64)))}  # no shape
     assert client.predict({"prompt": "x", "num_inference_steps": 2, "controlnets": [control]}).status_code == 200
-    names = {name for name, _ in server.metric_samples()}
+    names = {name for name, _ in settled_samples(client)}
     for spec in METRICS:
         exported = f"{spec.name}_count" if spec.type == "histogram" else spec.name
         assert exported in names, f"{spec.name} is not exported ({mode})"
