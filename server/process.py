@@ -446,15 +446,12 @@ def start_on_free_ports(
         try:
             server.wait_started()
             return server
-        except PortInUse:
+        except BaseException as error:
             server.stop(0)
-            if attempt == START_ATTEMPTS:
+            if not isinstance(error, PortInUse) or attempt == START_ATTEMPTS:
                 raise
-            logger.warning("a port of TorchServe's was taken (start %d of %d); starting again", attempt, START_ATTEMPTS)
-            attempt += 1
-        except BaseException:
-            server.stop(0)
-            raise
+        logger.warning("a port of TorchServe's was taken (start %d of %d); starting again", attempt, START_ATTEMPTS)
+        attempt += 1
 
 
 @contextmanager
