@@ -16,11 +16,14 @@ import requests
 import yaml
 
 from server.paths import PROMETHEUS_DIR
+from server.process import START_ATTEMPTS
+from server.properties import free_port
 
 logger = logging.getLogger("prometheus")
 
 RULE_FILES = sorted((PROMETHEUS_DIR / "rules").glob("*.yml"))
 INSTALL_HINT = "install it with `apt-get install -y prometheus` (.ci/run does)"
+PORT_IN_USE = "address already in use"  # logged by Prometheus when its listener cannot bind, before it exits
 
 
 def binary(name: str = "prometheus") -> str:
@@ -33,10 +36,11 @@ def binary(name: str = "prometheus") -> str:
 class Prometheus:
     """A Prometheus on loopback scraping one TorchServe metrics address every ``interval``."""
 
-    def __init__(self, metrics_address: str, workdir: Path, port: int, interval: str = "1s"):
+    def __init__(self, metrics_address: str, workdir: Path, port: int | None = None, interval: str = "1s"):
+        """``port``: where it listens; by default a free one, picked again if taken before it binds."""
         self.workdir = workdir
-        self.url = f"http://127.0.0.1:{port}"
-        self.port = port
+        self.fixed_port = port
+        self.port = port or 0
         self.config = {
             "global": {"scrape_interval": interval, "evaluation_interval": interval},
             "rule_files": [str(path) for path in RULE_FILES],
@@ -46,26 +50,45 @@ class Prometheus:
         }
         self.process: subprocess.Popen | None = None
 
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
     def start(self, timeout: float = 60.0) -> None:
+        """Start it and wait until it is ready; on a free port that was taken before it bound, start
+        it again on another (``START_ATTEMPTS`` in all)."""
         self.workdir.mkdir(parents=True, exist_ok=True)
         config = self.workdir / "prometheus.yml"
         config.write_text(yaml.safe_dump(self.config))
+        log = self.workdir / "prometheus.log"
+        for attempt in range(1, START_ATTEMPTS + 1):
+            self.port = self.fixed_port or free_port()
+            logged = log.stat().st_size if log.exists() else 0
+            try:
+                return self._start_once(config, log, timeout)
+            except RuntimeError:
+                taken = PORT_IN_USE in log.read_bytes()[logged:].decode(errors="replace")
+                if self.fixed_port or not taken or attempt == START_ATTEMPTS:
+                    raise
+                logger.warning("prometheus: port %d was taken before it bound; starting on another", self.port)
+
+    def _start_once(self, config: Path, log: Path, timeout: float) -> None:
         command = [
             binary(),
             f"--config.file={config}",
             f"--storage.tsdb.path={self.workdir / 'data'}",
             f"--web.listen-address=127.0.0.1:{self.port}",
         ]
-        with open(self.workdir / "prometheus.log", "ab") as log:
-            self.process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
+        with log.open("ab") as output:
+            self.process = subprocess.Popen(command, stdout=output, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
-                raise RuntimeError(f"prometheus exited; see {self.workdir / 'prometheus.log'}")
+                raise RuntimeError(f"prometheus exited; see {log}")
             try:
                 if requests.get(f"{self.url}/-/ready", timeout=2).status_code == 200:
                     return
-            except requests.ConnectionError:
+            except (requests.ConnectionError, requests.Timeout):  # not listening yet, or another listener
                 pass
             time.sleep(0.5)
         raise TimeoutError(f"prometheus not ready after {timeout:.0f} s")

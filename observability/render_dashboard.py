@@ -22,7 +22,7 @@ import requests
 from observability.build_dashboard import GPU_ONLY
 from observability.build_dashboard import OUTPUT as DASHBOARD
 from observability.prometheus import Prometheus
-from server import TorchServe, free_port, serve_archive
+from server import TorchServe, serve_archive
 from server.paths import DEFAULT_MODEL_DIR, DOCS_IMG, MODEL_CONFIG
 
 logger = logging.getLogger("render_dashboard")
@@ -116,7 +116,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="render-dashboard-") as tmp:
         workdir = Path(tmp)
         with serve_archive(DEFAULT_MODEL_DIR, MODEL_CONFIG, workdir, metric_time_interval="10") as server:
-            with Prometheus(server.addresses.metrics, workdir / "prometheus", free_port()) as prometheus:
+            with Prometheus(server.addresses.metrics, workdir / "prometheus") as prometheus:
                 prometheus.wait_for('up{job="torchserve"} == 1')
                 start = time.time()
                 statuses = drive_load(server, args.duration, args.concurrency)

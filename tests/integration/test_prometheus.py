@@ -6,11 +6,13 @@ from __future__ import annotations
 import json
 import re
 import shutil
+import socket
 import time
 
 import pytest
 import yaml
 
+from observability import prometheus as prometheus_module
 from observability.build_dashboard import GPU_ONLY, OUTPUT
 from observability.prometheus import RULE_FILES, Prometheus
 from server import free_port
@@ -25,7 +27,7 @@ MODIFIER = re.compile(r"^\s*(?:on|ignoring)\s*\([^)]*\)\s*(?:group_left|group_ri
 @pytest.fixture(scope="module")
 def prometheus(server, client, tmp_path_factory) -> Prometheus:
     """Prometheus scraping the test server every second, after a mix of traffic it has seen."""
-    with Prometheus(server.addresses.metrics, tmp_path_factory.mktemp("prometheus"), free_port()) as instance:
+    with Prometheus(server.addresses.metrics, tmp_path_factory.mktemp("prometheus")) as instance:
         instance.wait_for('up{job="torchserve"} == 1')
         # The handler's series appear with their first observation; one scrape of them before the
         # traffic lets rates see them grow (a series born with its count has a rate of 0).
@@ -138,3 +140,17 @@ def test_autoscaler_metric_queries_read_each_instance(prometheus):
     assert set(read) == {"sd_queued_requests", "sd_in_flight_images"}
     assert read["sd_queued_requests"] > 0, "no queueing read"
     assert read["sd_in_flight_images"] == 0, "the traffic is over: nothing is in flight"
+
+
+def test_a_prometheus_whose_port_was_taken_before_it_bound_starts_again_on_another(monkeypatch, tmp_path):
+    """The free port picked for it is taken by another listener before it binds: it exits, and is
+    started again on a fresh free port."""
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", 0))
+        holder.listen()
+        taken = holder.getsockname()[1]
+        picks = iter([taken, free_port()])
+        monkeypatch.setattr(prometheus_module, "free_port", lambda: next(picks))
+        with Prometheus("http://127.0.0.1:9", tmp_path) as instance:
+            assert instance.port != taken and instance.rules()
+    assert "address already in use" in (tmp_path / "prometheus.log").read_text()
