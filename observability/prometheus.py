@@ -15,9 +15,8 @@ from urllib.parse import urlparse
 import requests
 import yaml
 
+from server import START_ATTEMPTS, free_port
 from server.paths import PROMETHEUS_DIR
-from server.process import START_ATTEMPTS
-from server.properties import free_port
 
 logger = logging.getLogger("prometheus")
 
@@ -65,9 +64,12 @@ class Prometheus:
             self.port = self.fixed_port or free_port()
             logged = log.stat().st_size if log.exists() else 0
             try:
-                return self._start_once(config, log, timeout)
-            except RuntimeError:
-                taken = PORT_IN_USE in log.read_bytes()[logged:].decode(errors="replace")
+                self._start_once(config, log, timeout)
+                return
+            except BaseException as error:
+                self.stop()
+                exited = isinstance(error, RuntimeError)  # it exited (its log is there); else it did not start
+                taken = exited and PORT_IN_USE in log.read_bytes()[logged:].decode(errors="replace")
                 if self.fixed_port or not taken or attempt == START_ATTEMPTS:
                     raise
                 logger.warning("prometheus: port %d was taken before it bound; starting on another", self.port)
@@ -86,7 +88,8 @@ class Prometheus:
             if self.process.poll() is not None:
                 raise RuntimeError(f"prometheus exited; see {log}")
             try:
-                if requests.get(f"{self.url}/-/ready", timeout=2).status_code == 200:
+                ready = requests.get(f"{self.url}/-/ready", timeout=2).status_code == 200
+                if ready and self.process.poll() is None:  # not another listener's answer
                     return
             except (requests.ConnectionError, requests.Timeout):  # not listening yet, or another listener
                 pass

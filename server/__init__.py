@@ -31,6 +31,7 @@ _HOMES = {
     "config_on_free_ports": "server.properties",
     "free_port": "server.properties",
     "read_properties": "server.properties",
+    "START_ATTEMPTS": "server.process",
     "TorchServe": "server.process",
     "serve_archive": "server.process",
     "start_on_free_ports": "server.process",

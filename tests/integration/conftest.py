@@ -18,10 +18,7 @@ import pytest
 
 from server import KEY_FILE, TorchServe, write_model_config
 from server.paths import CONTROLNET_DIR, LORA_DIR, MODEL_CONFIG
-from tests.harness.image_build import ImageBuild
 from tests.harness.serving import SHIPPED_CONTINUOUS, Client, serving
-
-IMAGE_TAG = "localhost/stable-diffusion-torchserve:image-test"
 
 
 @dataclass(frozen=True)
@@ -52,19 +49,6 @@ def session_server(tmp: Path, dirs: ServedDirs, config: Path = MODEL_CONFIG) -> 
                 else:
                     os.environ[name] = value
         yield instance
-
-
-@pytest.fixture(scope="session", autouse=True)
-def image_build(request, tmp_path_factory) -> Iterator[ImageBuild | None]:
-    """The serving image's build, started with the session where the image test is selected
-    (``tests.harness.image_build``): it runs beside the tests before the image test, at the lowest
-    CPU priority."""
-    if not any(item.path.name == "test_image.py" for item in request.session.items):
-        yield None
-        return
-    build = ImageBuild(IMAGE_TAG, tmp_path_factory.mktemp("container-storage"), tmp_path_factory.mktemp("image-build"))
-    yield build
-    build.close()
 
 
 @pytest.fixture(scope="session")

@@ -5,10 +5,8 @@ the local torch wheel): built with buildah, which needs no daemon (server/image.
 container would be: the image's own entrypoint as the image's user, its own health check until it
 passes, a prompt in with the key read inside the container, a PNG out, SIGTERM with 8 requests in
 flight (each gets its image: the drain), no process left.
-The image is built beside the tests that run before this one (``image_build``, in the integration
-conftest: a process of its own at the lowest CPU priority, started with the session), in storage of
-its own that is removed once this test is done. It skips only where buildah or debootstrap cannot be
-installed.
+The test keeps its images and containers in storage of its own and removes them. It skips only where
+buildah or debootstrap cannot be installed.
 """
 
 from __future__ import annotations
@@ -16,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -32,19 +31,22 @@ import pytest
 import requests
 from prometheus_client.parser import text_string_to_metric_families
 
-from server.image import Buildah, MissingTool
+from server.image import Buildah, MissingTool, build_image, local_cpu_build, require
 from server.paths import CONFIG_PROPERTIES
 from server.properties import EFFECTIVE_CONFIG, KEY_FILE, Addresses, reach, read_properties
-from tests.harness.image_build import BuildFailed, ImageBuild, tail
 from tests.harness.images import decode_png
 
 pytestmark = pytest.mark.slow
 
-BUILD_TIMEOUT = 1800.0  # s: what is left of the build (about 3 minutes of it alone here)
+TAG = "localhost/stable-diffusion-torchserve:image-test"
 HEALTHY_TIMEOUT = 600.0  # s: the image's start period is 15 min (a real model); the default model loads in seconds
 STOP_TIMEOUT = 60.0
 IN_FLIGHT = 8  # requests in flight when the container is stopped
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+
+
+def tail(path: Path, lines: int = 40) -> str:
+    return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
 
 
 @dataclass
@@ -106,24 +108,40 @@ def image_ports() -> list[int]:
 
 
 @pytest.fixture(scope="module")
-def image(image_build) -> Iterator[ImageBuild]:
-    """The image, built beside the tests before this one (``image_build``); its storage is removed
-    once this module is done."""
+def buildah(tmp_path_factory) -> Iterator[Buildah]:
     try:
-        image_build.wait(timeout=BUILD_TIMEOUT)
+        require("buildah", "debootstrap")
     except MissingTool as error:
         pytest.skip(f"cannot build the image here: {error}")
-    except BuildFailed as error:
-        pytest.fail(str(error))
-    yield image_build
-    image_build.remove()
+    storage = tmp_path_factory.mktemp("container-storage")
+    tool = Buildah(root=storage)
+    yield tool
+    for args in (("rm", "--all"), ("rmi", "--all", "--force")):
+        subprocess.run(tool.command(*args), capture_output=True)
+    shutil.rmtree(storage, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def image(buildah, tmp_path_factory) -> str:
+    scratch = tmp_path_factory.mktemp("image-build")
+    build = local_cpu_build(buildah, TAG, scratch)
+    log = scratch / "build.log"
+    with log.open("w") as output:
+        try:
+            build_image(build, "buildah", buildah, pull="never", stdout=output, stderr=subprocess.STDOUT)
+        except subprocess.CalledProcessError:
+            pytest.fail(f"building docker/Dockerfile failed; the build log ends:\n{tail(log)}")
+        finally:
+            for host_path in build.volumes:  # the torch wheel (the CA bundle is the host's own)
+                if host_path.is_relative_to(scratch):
+                    shutil.rmtree(host_path)
+    return TAG
 
 
 @pytest.fixture
-def container(image) -> Iterator[Container]:
-    buildah, tag = image.buildah, image.tag
-    name = buildah("from", "--pull=never", "--name", "image-test", tag, capture_output=True).stdout.strip()
-    inspected = json.loads(buildah("inspect", "--type", "image", tag, capture_output=True).stdout)
+def container(buildah, image) -> Iterator[Container]:
+    name = buildah("from", "--pull=never", "--name", "image-test", image, capture_output=True).stdout.strip()
+    inspected = json.loads(buildah("inspect", "--type", "image", image, capture_output=True).stdout)
     yield Container(buildah, name, inspected["Docker"]["config"])
     buildah("rm", name, capture_output=True)
 
