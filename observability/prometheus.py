@@ -89,7 +89,7 @@ class Prometheus:
                 raise RuntimeError(f"prometheus exited; see {log}")
             try:
                 ready = requests.get(f"{self.url}/-/ready", timeout=2).status_code == 200
-                if ready and self.process.poll() is None:  # not another listener's answer
+                if ready and self.process.poll() is None:  # ours still runs: one that could not bind exits
                     return
             except (requests.ConnectionError, requests.Timeout):  # not listening yet, or another listener
                 pass
