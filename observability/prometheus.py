@@ -15,7 +15,7 @@ from urllib.parse import urlparse
 import requests
 import yaml
 
-from server import START_ATTEMPTS, free_port
+from server import PortInUse, again_on_taken_port, free_port
 from server.paths import PROMETHEUS_DIR
 
 logger = logging.getLogger("prometheus")
@@ -35,11 +35,10 @@ def binary(name: str = "prometheus") -> str:
 class Prometheus:
     """A Prometheus on loopback scraping one TorchServe metrics address every ``interval``."""
 
-    def __init__(self, metrics_address: str, workdir: Path, port: int | None = None, interval: str = "1s"):
-        """``port``: where it listens; by default a free one, picked again if taken before it binds."""
+    def __init__(self, metrics_address: str, workdir: Path, interval: str = "1s"):
         self.workdir = workdir
-        self.fixed_port = port
-        self.port = port or 0
+        self.log = workdir / "prometheus.log"
+        self.port = 0  # a free one, picked at each start
         self.config = {
             "global": {"scrape_interval": interval, "evaluation_interval": interval},
             "rule_files": [str(path) for path in RULE_FILES],
@@ -54,39 +53,41 @@ class Prometheus:
         return f"http://127.0.0.1:{self.port}"
 
     def start(self, timeout: float = 60.0) -> None:
-        """Start it and wait until it is ready; on a free port that was taken before it bound, start
-        it again on another (``START_ATTEMPTS`` in all)."""
+        """Start it on a free port and wait until it is ready; on a port taken before it bound, start it
+        again on another (``again_on_taken_port``)."""
         self.workdir.mkdir(parents=True, exist_ok=True)
         config = self.workdir / "prometheus.yml"
         config.write_text(yaml.safe_dump(self.config))
-        log = self.workdir / "prometheus.log"
-        for attempt in range(1, START_ATTEMPTS + 1):
-            self.port = self.fixed_port or free_port()
-            logged = log.stat().st_size if log.exists() else 0
-            try:
-                self._start_once(config, log, timeout)
-                return
-            except BaseException as error:
-                self.stop()
-                exited = isinstance(error, RuntimeError)  # it exited (its log is there); else it did not start
-                taken = exited and PORT_IN_USE in log.read_bytes()[logged:].decode(errors="replace")
-                if self.fixed_port or not taken or attempt == START_ATTEMPTS:
-                    raise
-                logger.warning("prometheus: port %d was taken before it bound; starting on another", self.port)
+        again_on_taken_port(lambda: self._start_once(config, timeout), "Prometheus")
 
-    def _start_once(self, config: Path, log: Path, timeout: float) -> None:
+    def _start_once(self, config: Path, timeout: float) -> None:
+        """One start on a fresh free port; stopped again where it fails (``PortInUse`` where it exited on
+        a taken port)."""
+        self.port = free_port()
+        logged = self.log.stat().st_size if self.log.exists() else 0
         command = [
             binary(),
             f"--config.file={config}",
             f"--storage.tsdb.path={self.workdir / 'data'}",
             f"--web.listen-address=127.0.0.1:{self.port}",
         ]
-        with log.open("ab") as output:
+        with self.log.open("ab") as output:
             self.process = subprocess.Popen(command, stdout=output, stderr=subprocess.STDOUT)
+        try:
+            self._wait_ready(timeout, logged)
+        except BaseException:
+            self.stop()
+            raise
+
+    def _wait_ready(self, timeout: float, logged: int) -> None:
+        """Until it answers ready; ``PortInUse`` where it exited on a taken port (its log past ``logged``)."""
+        assert self.process is not None
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
-                raise RuntimeError(f"prometheus exited; see {log}")
+                if PORT_IN_USE in self.log.read_bytes()[logged:].decode(errors="replace"):
+                    raise PortInUse(f"prometheus exited: port {self.port} was taken; see {self.log}")
+                raise RuntimeError(f"prometheus exited; see {self.log}")
             try:
                 ready = requests.get(f"{self.url}/-/ready", timeout=2).status_code == 200
                 if ready and self.process.poll() is None:  # ours still runs: one that could not bind exits

@@ -16,10 +16,10 @@ import os
 import signal
 import subprocess
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import NamedTuple
+from typing import NamedTuple, TypeVar
 
 import requests
 from prometheus_client.parser import text_string_to_metric_families
@@ -116,7 +116,7 @@ class Activity(NamedTuple):
 
 
 class PortInUse(RuntimeError):
-    """TorchServe exited at its start: one of its ports was taken."""
+    """A server exited at its start: one of its ports was taken."""
 
 
 class TorchServe:
@@ -438,20 +438,33 @@ def start_on_free_ports(
     (config.properties plus ``properties``, written into ``workdir``), once its management API
     answers. Another process may take a port between its pick and the frontend's bind; the
     frontend then exits, and it is started again on fresh ports, up to ``START_ATTEMPTS`` times."""
-    attempt = 1
-    while True:
+
+    def start() -> TorchServe:
         config = config_on_free_ports(CONFIG_PROPERTIES, workdir, **properties)
         server = TorchServe(config, model_store, workdir / "server", model_name, env)
         server.start(load_model)
         try:
             server.wait_started()
-            return server
-        except BaseException as error:
+        except BaseException:
             server.stop(0)
-            if not isinstance(error, PortInUse) or attempt == START_ATTEMPTS:
-                raise
-        logger.warning("a port of TorchServe's was taken (start %d of %d); starting again", attempt, START_ATTEMPTS)
-        attempt += 1
+            raise
+        return server
+
+    return again_on_taken_port(start, "TorchServe")
+
+
+Started = TypeVar("Started")
+
+
+def again_on_taken_port(start: Callable[[], Started], name: str) -> Started:
+    """``start()`` (a server on fresh free ports, stopped again where it fails), called again while it
+    raises ``PortInUse``, up to ``START_ATTEMPTS`` times."""
+    for attempt in range(1, START_ATTEMPTS):
+        try:
+            return start()
+        except PortInUse:
+            logger.warning("a port of %s's was taken (start %d of %d); starting again", name, attempt, START_ATTEMPTS)
+    return start()
 
 
 @contextmanager
