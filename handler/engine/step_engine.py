@@ -14,7 +14,8 @@ own (4- or 16-channel) denoiser; a job with ControlNets mirrors ``StableDiffusio
   ``strength`` of them, ``get_timesteps``); 5. initial latents from one CPU generator per image
   (from an image: its VAE latents noised to the first timestep, ``prepare_latents``; with a mask
   also ``prepare_mask_latents``); 6. ``prepare_extra_step_kwargs`` (eta 0 and the generators,
-  where the family's pipeline passes them).
+  where the family's pipeline passes them). Its copies to the device, diffusers' own included, are
+  queued without blocking (``handler.families.transfer.QueuedCopies``).
 - ``step``: one iteration of the denoising loop for any set of jobs of one latent shape, in ONE
   denoiser forward (UNet or transformer): each job's rows (doubled for classifier-free guidance
   when its guidance scale is above 1) at its own timestep, with the residuals of the ControlNets
@@ -68,7 +69,7 @@ from handler.families import Conditioning, Decoded, Family, Pipeline, Residuals,
 from handler.families.base import mark_rows, padded_rows, steps_by_index
 from handler.families.deep_cache import Branch, CacheRows, DeepCacheHooks, RowCache, branches, kept_row_shape
 from handler.families.first_block_cache import FirstBlockCache, FirstBlockHooks, kept_row_elements
-from handler.families.transfer import to_host
+from handler.families.transfer import queued_copies, to_host
 
 
 @dataclass
@@ -131,11 +132,12 @@ class StepEngine:
         encoder(s) in one call per LoRA set (its adapters active), then each job's scheduler,
         latents and step arguments."""
         conditionings: dict[int, Conditioning] = {}
-        for adapters in dict.fromkeys(spec.adapters for spec in specs):
-            group = [index for index, spec in enumerate(specs) if spec.adapters == adapters]
-            self.loras.activate(adapters)
-            conditionings.update(zip(group, self.family.encode([specs[index] for index in group]), strict=True))
-        jobs = [self._start(spec, conditionings[index]) for index, spec in enumerate(specs)]
+        with queued_copies(self.device):  # diffusers' copies to the device wait for no forward queued before
+            for adapters in dict.fromkeys(spec.adapters for spec in specs):
+                group = [index for index, spec in enumerate(specs) if spec.adapters == adapters]
+                self.loras.activate(adapters)
+                conditionings.update(zip(group, self.family.encode([specs[index] for index in group]), strict=True))
+            jobs = [self._start(spec, conditionings[index]) for index, spec in enumerate(specs)]
         for job in jobs:
             job.cache = self._row_cache(job.spec)
         return jobs

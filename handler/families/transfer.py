@@ -1,11 +1,15 @@
 """Copies between host and device that do not block: a tensor built on the host during a step (a
-per-row plan) goes to a CUDA device from pinned memory, and decoded pixels come back into pinned
-memory, queued on the stream, so the host never waits for the device (a copy from or to pageable
-memory synchronizes the stream)."""
+per-row plan) or while jobs start (token ids, CPU noise, input images) goes to a CUDA device from
+pinned memory, and decoded pixels come back into pinned memory, queued on the stream, so the host
+never waits for the device (a copy from or to pageable memory synchronizes the stream)."""
 
 from __future__ import annotations
 
+import contextlib
+from typing import Any
+
 import torch
+from torch.overrides import TorchFunctionMode
 
 
 def to_device(tensor: torch.Tensor, device: torch.device, dtype: torch.dtype | None = None) -> torch.Tensor:
@@ -26,3 +30,33 @@ def to_host(tensor: torch.Tensor) -> torch.Tensor:
         return tensor.cpu()
     host = torch.empty_strided(tensor.shape, tensor.stride(), dtype=tensor.dtype, pin_memory=True)
     return host.copy_(tensor, non_blocking=True)
+
+
+class QueuedCopies(TorchFunctionMode):
+    """While active, a host tensor's ``Tensor.to`` a device of ``device``'s type is ``to_device``'s
+    copy: converted on the host, from pinned memory on CUDA, queued without blocking. It makes the
+    copies of code that is not ours (diffusers' ``encode_prompt`` copies the token ids,
+    ``randn_tensor`` its CPU noise, ``add_noise`` the scheduler's table, the image processors
+    their pixels) wait for nothing queued before them. A host tensor already pinned is copied as it
+    is: the code copying it must not write to it before the stream has passed the copy."""
+
+    def __init__(self, device: torch.device):
+        super().__init__()
+        self.device_type = device.type
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        kwargs = kwargs or {}
+        if getattr(func, "__name__", None) == "to" and type(args[0]) is torch.Tensor and args[0].device.type == "cpu":
+            target = {name: value for name, value in kwargs.items() if name != "copy"}  # a copy either way
+            try:
+                device, dtype, _, memory_format = torch._C._nn._parse_to(*args[1:], **target)
+            except (RuntimeError, TypeError):  # a form this does not read (``copy`` given by position): as asked
+                return func(*args, **kwargs)
+            if device is not None and device.type == self.device_type and memory_format is None:
+                return to_device(args[0], device, dtype)
+        return func(*args, **kwargs)
+
+
+def queued_copies(device: torch.device) -> contextlib.AbstractContextManager[Any]:
+    """``QueuedCopies`` to ``device``; nothing for the CPU (no copy to make)."""
+    return contextlib.nullcontext() if device.type == "cpu" else QueuedCopies(device)

@@ -1,4 +1,5 @@
-"""No denoising step reads a tensor's value on the host: on a GPU each such read waits for the device.
+"""No denoising step reads a tensor's value on the host: on a GPU each such read waits for the device;
+nor does starting jobs wait for the forwards queued before it.
 
 Every family and scheduler the server offers, with LoRA rows, ControlNets (the UNet families), an
 image-to-image and an inpainting job and a DeepCache job (the UNet families) in the same forwards.
@@ -10,15 +11,20 @@ takes its value, is caught as well."""
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 
 from handler.config import HandlerSettings
+from handler.engine import step_engine
 from handler.engine.loading import load_engine
 from handler.engine.step_engine import StepEngine
+from handler.families import transfer
+from handler.families.transfer import QueuedCopies
 from server.paths import TINY_MODEL_DIRS
 from tests.harness.engine_runs import assert_same_images, engine_with_adapters, jobs_of_every_kind, spec
-from tests.harness.host_reads import HostReads
+from tests.harness.host_reads import HostReads, TensorCopies
 
 SIDE = 32
 STEPS = 4
@@ -112,3 +118,88 @@ def test_on_a_gpu_a_step_never_synchronizes(family, tmp_path):
         with torch.inference_mode():
             on_device = engine.family.postprocess(engine.family.vae_decode(latents, False))
         assert_same_images(decode.result().decoded, on_device, tolerance=0)
+
+
+def test_starting_jobs_queues_its_copies_to_the_device():
+    """``QueuedCopies`` (``StepEngine.start`` runs under it; a ``meta`` device stands in for CUDA
+    here): a host tensor's ``to`` the device, however asked, is one copy that does not block,
+    converted on the host first; the same calls without it block (the control); other ``to``
+    calls are left as they are."""
+    host = torch.arange(6.0).view(2, 3)
+    calls = [
+        lambda: host.to("meta"),
+        lambda: host.to(torch.device("meta"), torch.float16),
+        lambda: host.to(device="meta", dtype=torch.float16, copy=True),
+        lambda: host.to(torch.empty(0, dtype=torch.float16, device="meta")),
+    ]
+    for call in calls:
+        with TensorCopies() as blocking:
+            expected = call()
+        with TensorCopies() as queued, QueuedCopies(torch.device("meta")):
+            result = call()
+        assert (result.device, result.dtype, result.shape) == (expected.device, expected.dtype, expected.shape)
+        assert blocking.to_device == [False] and queued.to_device == [True]
+        assert queued.converted_on_host == ([] if expected.dtype == host.dtype else [torch.float16])
+    with TensorCopies() as untouched, QueuedCopies(torch.device("meta")):
+        assert host.to(torch.float16).device.type == "cpu" and host.to("cpu") is host
+        host.to("meta", memory_format=torch.contiguous_format)  # a form it leaves alone: blocking
+    assert untouched.to_device == [False] and untouched.converted_on_host == [torch.float16]
+
+
+def test_every_copy_starting_jobs_makes_is_read_and_made_alike(engine, monkeypatch):
+    """Every ``to`` a device that starting jobs of every kind makes (diffusers' own included) is
+    one ``QueuedCopies`` reads; taking the CPU for the device, it makes them as its copies, and
+    they start the same jobs."""
+    queued, unread, to_device, parse_to = [], [], transfer.to_device, torch._C._nn._parse_to
+
+    def parse(*args, **kwargs):
+        try:
+            device, _, _, memory_format = parsed = parse_to(*args, **kwargs)
+        except (RuntimeError, TypeError):
+            unread.append(args)
+            raise
+        if device is not None and memory_format is not None:
+            unread.append(args)
+        return parsed
+
+    monkeypatch.setattr(torch._C._nn, "_parse_to", parse)
+    monkeypatch.setattr(transfer, "to_device", lambda *args: queued.append(args[1]) or to_device(*args))
+    for scheduler in engine.family.rules.schedulers:
+        plain = jobs_of_every_kind(engine, scheduler, cached=True)
+        with monkeypatch.context() as forced:
+            forced.setattr(step_engine, "queued_copies", lambda device: QueuedCopies(torch.device("cpu")))
+            rewritten = jobs_of_every_kind(engine, scheduler, cached=True)
+        assert queued and not unread, (
+            f"{engine.family.name}, {scheduler}: {len(queued)} queued, left as asked: {unread}"
+        )
+        for mine, theirs in zip(rewritten, plain, strict=True):
+            assert torch.equal(mine.latents, theirs.latents), (engine.family.name, scheduler, mine.spec.prompt)
+            assert torch.equal(mine.conditioning.hidden_states, theirs.conditioning.hidden_states)
+            assert torch.equal(mine.timesteps, theirs.timesteps)
+        queued.clear()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("family", ["sd1", "sd2", "sdxl", "sd3"])
+def test_on_a_gpu_starting_jobs_never_synchronizes(family, tmp_path, monkeypatch):
+    """Jobs of every kind (token ids, CPU noise, input images and masks, ControlNet images, the
+    schedulers' tables) start behind a queued forward without a synchronization, and equal the
+    same jobs started with diffusers' own blocking copies."""
+    engine = engine_with_adapters(family, tmp_path, device="cuda")
+    for scheduler in engine.family.rules.schedulers:
+        running = jobs_of_every_kind(engine, scheduler, cached=True)  # first calls: handles, allocations
+        engine.step(running)
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            engine.step(running)
+            queued = jobs_of_every_kind(engine, scheduler, cached=True)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        with monkeypatch.context() as blocking:
+            blocking.setattr(step_engine, "queued_copies", lambda device: contextlib.nullcontext())
+            copied = jobs_of_every_kind(engine, scheduler, cached=True)
+        for mine, theirs in zip(queued, copied, strict=True):
+            assert torch.equal(mine.latents, theirs.latents), (family, scheduler, mine.spec.prompt)
+            assert torch.equal(mine.conditioning.hidden_states, theirs.conditioning.hidden_states)
+            assert torch.equal(mine.timesteps, theirs.timesteps)
