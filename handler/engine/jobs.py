@@ -13,6 +13,7 @@ from handler.adapters.controlnets import Control, ControlSpec
 from handler.adapters.loras import Adapters
 from handler.config import SchedulerName, StepCache, guided_at
 from handler.families import Conditioning, Family, Scheduler, schedules
+from handler.families.base import steps_by_index
 from handler.families.deep_cache import RowCache
 from handler.families.first_block_cache import FirstBlockCache
 
@@ -60,7 +61,7 @@ class Inpainting:
     image_latents: torch.Tensor
     noise: torch.Tensor
     mask: torch.Tensor
-    sigmas: torch.Tensor | None = None  # a scheduler's that steps by index, on the device (schedules.step_sigmas)
+    sigmas: torch.Tensor | None = None  # a scheduler's that steps by index, on the device (schedules.noise_table)
 
     def blend(
         self, family: Family, scheduler: Scheduler, latents: torch.Tensor, next_timestep: torch.Tensor | None
@@ -69,10 +70,9 @@ class Inpainting:
         image at the next noise level (``next_timestep``: a one-element device tensor, None after
         the last step)."""
         proper = self.image_latents
-        if next_timestep is not None and self.sigmas is not None:
-            proper = schedules.noised_at_step(scheduler, proper, self.noise, self.sigmas)
-        elif next_timestep is not None:
-            proper = family.add_noise(scheduler, proper, self.noise, next_timestep)
+        if next_timestep is not None:
+            step = scheduler.step_index if steps_by_index(scheduler) else None
+            proper = schedules.noised(family, scheduler, proper, self.noise, self.sigmas, step, next_timestep)
         return (1 - self.mask) * proper + self.mask * latents
 
 

@@ -75,6 +75,9 @@ class IndexedScheduler(Scheduler, Protocol):
 
     sigmas: torch.Tensor
 
+    @property
+    def step_index(self) -> int | None: ...
+
     def set_begin_index(self, begin_index: int = 0) -> None: ...
 
 

@@ -18,10 +18,12 @@ where the value lives there (diffusers #9485, #9475):
   blocks. ``euler_ancestral_step`` is its arithmetic with the noise drawn the same way and copied
   from pinned memory without blocking.
 
-An inpainting job puts the image back at the next noise level after each step (``add_noise``, flow
-matching's ``scale_noise``); the schedulers that step by index copy their sigmas to the device for
-it at every call. ``step_sigmas`` copies them once, at the job's start, and ``noised_at_step`` is
-their arithmetic from that copy.
+A job from an image is noised to its first timestep (``add_noise``, flow matching's
+``scale_noise``), and an inpainting job puts the image back at the next noise level after each
+step. The schedulers that step by index copy their sigmas to the device at every call and index
+them with a list (a blocking copy of the index); DDIM and PNDM copy their table there at their
+first call (inpainting at strength 1: in its first step). ``noise_table`` makes those copies once,
+while the job starts, and ``noised`` is the arithmetic from them.
 """
 
 from __future__ import annotations
@@ -130,20 +132,34 @@ def euler_ancestral_step(
     return prev_sample.to(model_output.dtype)
 
 
-def step_sigmas(scheduler: Any, like: torch.Tensor) -> torch.Tensor | None:
-    """The sigmas of a scheduler that steps by index, on ``like``'s device in its dtype (as its
-    ``add_noise`` takes them); None for the others (DDIM and PNDM keep their table on the device
-    after their first ``add_noise``)."""
-    if not steps_by_index(scheduler):
-        return None
-    return scheduler.sigmas.to(device=like.device, dtype=like.dtype)
+def noise_table(scheduler: Any, device: torch.device, dtype: torch.dtype) -> torch.Tensor | None:
+    """What ``add_noise`` reads, on ``device`` once, while a job from an image starts: the sigmas of
+    a scheduler that steps by index, in ``dtype`` (as its ``add_noise`` copies them), returned for
+    ``noised``; DDIM's and PNDM's ``alphas_cumprod``, moved on the scheduler as their first
+    ``add_noise`` moves it (None returned)."""
+    if steps_by_index(scheduler):
+        return to_device(scheduler.sigmas, device, dtype)
+    scheduler.alphas_cumprod = to_device(scheduler.alphas_cumprod, device)
+    return None
 
 
-def noised_at_step(scheduler: Any, original: torch.Tensor, noise: torch.Tensor, sigmas: torch.Tensor) -> torch.Tensor:
-    """``add_noise`` (flow matching: ``scale_noise``) at the scheduler's current step, from
-    ``step_sigmas``."""
+def noised(
+    family: Any,
+    scheduler: Any,
+    original: torch.Tensor,
+    noise: torch.Tensor,
+    sigmas: torch.Tensor | None,
+    step: int | None,
+    timesteps: torch.Tensor,
+) -> torch.Tensor:
+    """``original`` noised to the step of index ``step`` (a scheduler that steps by index) and
+    timestep ``timesteps`` (one per row): ``add_noise`` (flow matching: ``scale_noise``), from
+    ``noise_table``'s sigmas where there are some, else the family's own."""
+    if sigmas is None:
+        return family.add_noise(scheduler, original, noise, timesteps)
+    assert step is not None, "a scheduler with sigmas steps by index"
     # Copied from the schedulers' add_noise and scale_noise (diffusers 0.42.1), past their begin index.
-    sigma, kind = sigmas[scheduler.step_index], type(scheduler)
+    sigma, kind = sigmas[step], type(scheduler)
     if kind is DPMSolverMultistepScheduler:
         alpha_t, sigma_t = scheduler._sigma_to_alpha_sigma_t(sigma)
         return alpha_t * original + sigma_t * noise

@@ -13,11 +13,13 @@ from torch.overrides import TorchFunctionMode
 
 
 def to_device(tensor: torch.Tensor, device: torch.device, dtype: torch.dtype | None = None) -> torch.Tensor:
-    """A CPU ``tensor`` on ``device`` (in ``dtype``, converted on the host), copied without blocking."""
-    tensor = tensor if dtype is None else tensor.to(dtype)
-    if device.type == "cuda":
-        tensor = tensor.pin_memory()
-    return tensor.to(device, non_blocking=True)
+    """A CPU ``tensor`` on ``device`` in ``dtype`` (converted on the host): to a CUDA device from a
+    pinned copy (dense, whatever the source's strides), queued without blocking; to another device
+    copied now (a copy that does not block from pageable memory may read it after it is freed)."""
+    if device.type != "cuda":
+        return tensor.to(device=device, dtype=dtype)
+    pinned = torch.empty_like(tensor, dtype=dtype, pin_memory=True).copy_(tensor)
+    return pinned.to(device, non_blocking=True)
 
 
 def to_host(tensor: torch.Tensor) -> torch.Tensor:
@@ -34,11 +36,11 @@ def to_host(tensor: torch.Tensor) -> torch.Tensor:
 
 class QueuedCopies(TorchFunctionMode):
     """While active, a host tensor's ``Tensor.to`` a device of ``device``'s type is ``to_device``'s
-    copy: converted on the host, from pinned memory on CUDA, queued without blocking. It makes the
-    copies of code that is not ours (diffusers' ``encode_prompt`` copies the token ids,
-    ``randn_tensor`` its CPU noise, ``add_noise`` the scheduler's table, the image processors
-    their pixels) wait for nothing queued before them. A host tensor already pinned is copied as it
-    is: the code copying it must not write to it before the stream has passed the copy."""
+    copy. On CUDA it is queued without blocking, so code that is not ours (diffusers'
+    ``encode_prompt`` copying the token ids, ``randn_tensor`` its CPU noise, ``add_noise`` DDIM's
+    table, the image processors their pixels) waits for nothing queued before it. Left as asked:
+    a ``memory_format``, ``copy`` given by position, tensor subclasses, and copies made other ways
+    (``torch.tensor(..., device=)``, ``Tensor.cuda``, indexing a device tensor with a list)."""
 
     def __init__(self, device: torch.device):
         super().__init__()
@@ -46,7 +48,7 @@ class QueuedCopies(TorchFunctionMode):
 
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
-        if getattr(func, "__name__", None) == "to" and type(args[0]) is torch.Tensor and args[0].device.type == "cpu":
+        if func is torch.Tensor.to and type(args[0]) is torch.Tensor and args[0].device.type == "cpu":
             target = {name: value for name, value in kwargs.items() if name != "copy"}  # a copy either way
             try:
                 device, dtype, _, memory_format = torch._C._nn._parse_to(*args[1:], **target)
@@ -58,5 +60,5 @@ class QueuedCopies(TorchFunctionMode):
 
 
 def queued_copies(device: torch.device) -> contextlib.AbstractContextManager[Any]:
-    """``QueuedCopies`` to ``device``; nothing for the CPU (no copy to make)."""
-    return contextlib.nullcontext() if device.type == "cpu" else QueuedCopies(device)
+    """``QueuedCopies`` to a CUDA ``device``; nothing elsewhere (no copy that could be queued)."""
+    return QueuedCopies(device) if device.type == "cuda" else contextlib.nullcontext()

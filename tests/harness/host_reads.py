@@ -36,23 +36,3 @@ class ValueReads(TorchFunctionMode):
         if name in {"tolist", "item", "__bool__", "__float__", "__int__", "__index__"}:
             self.reads.append(name)
         return func(*args, **(kwargs or {}))
-
-
-class TensorCopies(TorchDispatchMode):
-    """The copies between tensors dispatched while it is active: whether each copy to another
-    device was asked not to block, and the dtypes host tensors were converted to on the host."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.to_device: list[bool] = []
-        self.converted_on_host: list[torch.dtype] = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if func.overloadpacket is torch.ops.aten._to_copy:
-            device = kwargs.get("device")
-            if device is not None and device != args[0].device:
-                self.to_device.append(bool(kwargs.get("non_blocking", False)))
-            elif kwargs.get("dtype") not in (None, args[0].dtype):
-                self.converted_on_host.append(kwargs["dtype"])
-        return func(*args, **kwargs)

@@ -24,7 +24,7 @@ from handler.families import transfer
 from handler.families.transfer import QueuedCopies
 from server.paths import TINY_MODEL_DIRS
 from tests.harness.engine_runs import assert_same_images, engine_with_adapters, jobs_of_every_kind, spec
-from tests.harness.host_reads import HostReads, TensorCopies
+from tests.harness.host_reads import HostReads
 
 SIDE = 32
 STEPS = 4
@@ -120,30 +120,35 @@ def test_on_a_gpu_a_step_never_synchronizes(family, tmp_path):
         assert_same_images(decode.result().decoded, on_device, tolerance=0)
 
 
-def test_starting_jobs_queues_its_copies_to_the_device():
-    """``QueuedCopies`` (``StepEngine.start`` runs under it; a ``meta`` device stands in for CUDA
-    here): a host tensor's ``to`` the device, however asked, is one copy that does not block,
-    converted on the host first; the same calls without it block (the control); other ``to``
+def test_starting_jobs_queues_its_copies_to_the_device(monkeypatch):
+    """``QueuedCopies`` (``StepEngine.start`` runs under it on CUDA; a ``meta`` device stands in
+    here): a host tensor's ``to`` the device, however asked, is ``to_device``'s copy; other ``to``
     calls are left as they are."""
     host = torch.arange(6.0).view(2, 3)
-    calls = [
-        lambda: host.to("meta"),
-        lambda: host.to(torch.device("meta"), torch.float16),
-        lambda: host.to(device="meta", dtype=torch.float16, copy=True),
-        lambda: host.to(torch.empty(0, dtype=torch.float16, device="meta")),
-    ]
-    for call in calls:
-        with TensorCopies() as blocking:
+    meta = torch.device("meta")
+    queued, to_device = [], transfer.to_device
+    monkeypatch.setattr(transfer, "to_device", lambda *args: queued.append(args[1:]) or to_device(*args))
+    asked = {
+        (meta, None): [lambda: host.to("meta"), lambda: host.to(meta, non_blocking=False)],
+        (meta, torch.float16): [
+            lambda: host.to(meta, torch.float16),
+            lambda: host.to(device="meta", dtype=torch.float16, copy=True),
+            lambda: host.to(torch.empty(0, dtype=torch.float16, device="meta")),
+        ],
+    }
+    for (device, dtype), calls in asked.items():
+        for call in calls:
             expected = call()
-        with TensorCopies() as queued, QueuedCopies(torch.device("meta")):
-            result = call()
-        assert (result.device, result.dtype, result.shape) == (expected.device, expected.dtype, expected.shape)
-        assert blocking.to_device == [False] and queued.to_device == [True]
-        assert queued.converted_on_host == ([] if expected.dtype == host.dtype else [torch.float16])
-    with TensorCopies() as untouched, QueuedCopies(torch.device("meta")):
+            with QueuedCopies(meta):
+                result = call()
+            assert (result.device, result.dtype, result.shape) == (expected.device, expected.dtype, expected.shape)
+            assert queued == [(device, dtype)]
+            queued.clear()
+    with QueuedCopies(meta):
         assert host.to(torch.float16).device.type == "cpu" and host.to("cpu") is host
-        host.to("meta", memory_format=torch.contiguous_format)  # a form it leaves alone: blocking
-    assert untouched.to_device == [False] and untouched.converted_on_host == [torch.float16]
+        host.to("meta", memory_format=torch.contiguous_format)
+        host.to("meta").to("meta", torch.float16)  # from the device
+    assert queued == [(meta, None)]
 
 
 def test_every_copy_starting_jobs_makes_is_read_and_made_alike(engine, monkeypatch):
@@ -173,9 +178,8 @@ def test_every_copy_starting_jobs_makes_is_read_and_made_alike(engine, monkeypat
             f"{engine.family.name}, {scheduler}: {len(queued)} queued, left as asked: {unread}"
         )
         for mine, theirs in zip(rewritten, plain, strict=True):
-            assert torch.equal(mine.latents, theirs.latents), (engine.family.name, scheduler, mine.spec.prompt)
-            assert torch.equal(mine.conditioning.hidden_states, theirs.conditioning.hidden_states)
-            assert torch.equal(mine.timesteps, theirs.timesteps)
+            for name, tensor in started_with(mine).items():
+                assert torch.equal(tensor, started_with(theirs)[name]), (scheduler, mine.spec.prompt, name)
         queued.clear()
 
 
@@ -200,6 +204,16 @@ def test_on_a_gpu_starting_jobs_never_synchronizes(family, tmp_path, monkeypatch
             blocking.setattr(step_engine, "queued_copies", lambda device: contextlib.nullcontext())
             copied = jobs_of_every_kind(engine, scheduler, cached=True)
         for mine, theirs in zip(queued, copied, strict=True):
-            assert torch.equal(mine.latents, theirs.latents), (family, scheduler, mine.spec.prompt)
-            assert torch.equal(mine.conditioning.hidden_states, theirs.conditioning.hidden_states)
-            assert torch.equal(mine.timesteps, theirs.timesteps)
+            assert mine.host_timesteps == theirs.host_timesteps
+            for name, tensor in started_with(mine).items():
+                assert torch.equal(tensor, started_with(theirs)[name]), (family, scheduler, mine.spec.prompt, name)
+
+
+def started_with(job) -> dict[str, torch.Tensor]:
+    """The tensors a job started with, by name."""
+    tensors = {"latents": job.latents, "timesteps": job.timesteps, "hidden": job.conditioning.hidden_states}
+    tensors |= job.conditioning.added
+    tensors |= {f"control {index}": control.image for index, control in enumerate(job.controls)}
+    if job.inpainting is not None:
+        tensors |= {name: value for name, value in vars(job.inpainting).items() if value is not None}
+    return tensors
