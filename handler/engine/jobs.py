@@ -61,7 +61,7 @@ class Inpainting:
     image_latents: torch.Tensor
     noise: torch.Tensor
     mask: torch.Tensor
-    sigmas: torch.Tensor | None = None  # a scheduler's that steps by index, on the device (schedules.noise_table)
+    table: torch.Tensor  # what its noising reads, on the device (schedules.noise_table)
 
     def blend(
         self, family: Family, scheduler: Scheduler, latents: torch.Tensor, next_timestep: torch.Tensor | None
@@ -72,7 +72,7 @@ class Inpainting:
         proper = self.image_latents
         if next_timestep is not None:
             step = scheduler.step_index if steps_by_index(scheduler) else None
-            proper = schedules.noised(family, scheduler, proper, self.noise, self.sigmas, step, next_timestep)
+            proper = schedules.noised(family, scheduler, proper, self.noise, self.table, step, next_timestep)
         return (1 - self.mask) * proper + self.mask * latents
 
 

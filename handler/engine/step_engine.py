@@ -202,21 +202,21 @@ class StepEngine:
         if steps_by_index(scheduler):
             scheduler.set_begin_index(start)
         first_timestep = timesteps[:1].repeat(spec.images)
-        sigmas = schedules.noise_table(scheduler, self.device, dtype)
+        table = schedules.noise_table(scheduler, self.device, dtype)
         pixels = family.preprocess(spec.image, spec.width, spec.height, dtype)
         step_kwargs = family.step_kwargs(scheduler, generators)
         inpainting = None
         if spec.mask is None:  # img2img: each image encoded with its own generator
             image_latents = family.encode_image(pixels.repeat(spec.images, 1, 1, 1), generators, inpaint=False)
             noise = randn_tensor(shape, generator=generators, device=self.device, dtype=dtype)
-            latents = schedules.noised(family, scheduler, image_latents, noise, sigmas, start, first_timestep)
+            latents = schedules.noised(family, scheduler, image_latents, noise, table, start, first_timestep)
         else:  # inpaint: the image encoded once, with the first generator
             image_latents = family.encode_image(pixels, generators[:1], inpaint=True).repeat(spec.images, 1, 1, 1)
             noise = randn_tensor(shape, generator=generators, device=self.device, dtype=dtype)
             if spec.strength == 1.0:
                 latents = family.initial_latents(scheduler, noise)
             else:
-                latents = schedules.noised(family, scheduler, image_latents, noise, sigmas, start, first_timestep)
+                latents = schedules.noised(family, scheduler, image_latents, noise, table, start, first_timestep)
             mask = family.preprocess_mask(spec.mask, spec.width, spec.height)
             if "generator" in step_kwargs:
                 # The pipeline encodes the masked image too (with the first generator, whose state the
@@ -224,7 +224,7 @@ class StepEngine:
                 family.encode_image(pixels * (mask < 0.5), generators[:1], inpaint=True)
             latent_size = shape[-2:]
             mask = torch.nn.functional.interpolate(mask, size=latent_size).to(device=self.device, dtype=dtype)
-            inpainting = Inpainting(image_latents, noise, mask, sigmas)
+            inpainting = Inpainting(image_latents, noise, mask, table)
         return DenoiseJob(
             spec,
             scheduler,

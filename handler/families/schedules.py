@@ -22,8 +22,9 @@ A job from an image is noised to its first timestep (``add_noise``, flow matchin
 ``scale_noise``), and an inpainting job puts the image back at the next noise level after each
 step. The schedulers that step by index copy their sigmas to the device at every call and index
 them with a list (a blocking copy of the index); DDIM and PNDM copy their table there at their
-first call (inpainting at strength 1: in its first step). ``noise_table`` makes those copies once,
-while the job starts, and ``noised`` is the arithmetic from them.
+first call (inpainting at strength 1: after its first step). ``noise_table`` makes that copy once,
+queued while the job starts, and ``noised`` noises from it: by index, or DDIM's and PNDM's
+``add_noise`` with the copy where their first call puts the table.
 """
 
 from __future__ import annotations
@@ -132,15 +133,13 @@ def euler_ancestral_step(
     return prev_sample.to(model_output.dtype)
 
 
-def noise_table(scheduler: Any, device: torch.device, dtype: torch.dtype) -> torch.Tensor | None:
-    """What ``add_noise`` reads, on ``device`` once, while a job from an image starts: the sigmas of
-    a scheduler that steps by index, in ``dtype`` (as its ``add_noise`` copies them), returned for
-    ``noised``; DDIM's and PNDM's ``alphas_cumprod``, moved on the scheduler as their first
-    ``add_noise`` moves it (None returned)."""
+def noise_table(scheduler: Any, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    """What ``add_noise`` reads, copied to ``device`` once while a job from an image starts: the
+    sigmas of a scheduler that steps by index, in ``dtype`` (as its ``add_noise`` copies them);
+    DDIM's and PNDM's ``alphas_cumprod`` (``noised`` puts it where their first ``add_noise`` moves it)."""
     if steps_by_index(scheduler):
         return to_device(scheduler.sigmas, device, dtype)
-    scheduler.alphas_cumprod = to_device(scheduler.alphas_cumprod, device)
-    return None
+    return to_device(scheduler.alphas_cumprod, device)
 
 
 def noised(
@@ -148,20 +147,21 @@ def noised(
     scheduler: Any,
     original: torch.Tensor,
     noise: torch.Tensor,
-    sigmas: torch.Tensor | None,
+    table: torch.Tensor,
     step: int | None,
     timesteps: torch.Tensor,
 ) -> torch.Tensor:
     """``original`` noised to the step of index ``step`` (a scheduler that steps by index) and
-    timestep ``timesteps`` (one per row): ``add_noise`` (flow matching: ``scale_noise``), from
-    ``noise_table``'s sigmas where there are some, else the family's own."""
-    if sigmas is None:
+    timestep ``timesteps`` (one per row), from ``noise_table``'s ``table``: ``add_noise`` (flow
+    matching: ``scale_noise``)."""
+    if not steps_by_index(scheduler):
+        scheduler.alphas_cumprod = table  # where add_noise moves it (the step before read it on the host)
         return family.add_noise(scheduler, original, noise, timesteps)
-    assert step is not None, "a scheduler with sigmas steps by index"
+    assert step is not None, "a scheduler that steps by index has a step index"
     # Copied from the schedulers' add_noise and scale_noise (diffusers 0.42.1), past their begin index.
-    sigma, kind = sigmas[step], type(scheduler)
+    sigma, kind = table[step], type(scheduler)
     if kind is DPMSolverMultistepScheduler:
-        alpha_t, sigma_t = scheduler._sigma_to_alpha_sigma_t(sigma)
+        alpha_t, sigma_t = scheduler._sigma_to_alpha_sigma_t(sigma)  # type: ignore[attr-defined]  # DPM++'s
         return alpha_t * original + sigma_t * noise
     if kind is FlowMatchEulerDiscreteScheduler:
         return sigma * noise + (1.0 - sigma) * original

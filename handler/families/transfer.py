@@ -13,10 +13,11 @@ from torch.overrides import TorchFunctionMode
 
 
 def to_device(tensor: torch.Tensor, device: torch.device, dtype: torch.dtype | None = None) -> torch.Tensor:
-    """A CPU ``tensor`` on ``device`` in ``dtype`` (converted on the host): to a CUDA device from a
-    pinned copy (dense, whatever the source's strides), queued without blocking; to another device
-    copied now (a copy that does not block from pageable memory may read it after it is freed)."""
-    if device.type != "cuda":
+    """``tensor`` on ``device`` in ``dtype``: a CPU tensor to a CUDA device converted on the host
+    into a pinned copy (dense, whatever the source's strides), queued without blocking; anything
+    else as ``Tensor.to`` makes it (to another device copied now: a copy that does not block from
+    pageable memory may read it after it is freed)."""
+    if device.type != "cuda" or tensor.device.type != "cpu":
         return tensor.to(device=device, dtype=dtype)
     pinned = torch.empty_like(tensor, dtype=dtype, pin_memory=True).copy_(tensor)
     return pinned.to(device, non_blocking=True)

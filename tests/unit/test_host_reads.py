@@ -178,8 +178,7 @@ def test_every_copy_starting_jobs_makes_is_read_and_made_alike(engine, monkeypat
             f"{engine.family.name}, {scheduler}: {len(queued)} queued, left as asked: {unread}"
         )
         for mine, theirs in zip(rewritten, plain, strict=True):
-            for name, tensor in started_with(mine).items():
-                assert torch.equal(tensor, started_with(theirs)[name]), (scheduler, mine.spec.prompt, name)
+            assert_started_alike(mine, theirs)
         queued.clear()
 
 
@@ -204,16 +203,30 @@ def test_on_a_gpu_starting_jobs_never_synchronizes(family, tmp_path, monkeypatch
             blocking.setattr(step_engine, "queued_copies", lambda device: contextlib.nullcontext())
             copied = jobs_of_every_kind(engine, scheduler, cached=True)
         for mine, theirs in zip(queued, copied, strict=True):
-            assert mine.host_timesteps == theirs.host_timesteps
-            for name, tensor in started_with(mine).items():
-                assert torch.equal(tensor, started_with(theirs)[name]), (family, scheduler, mine.spec.prompt, name)
+            assert_started_alike(mine, theirs)
 
 
-def started_with(job) -> dict[str, torch.Tensor]:
-    """The tensors a job started with, by name."""
-    tensors = {"latents": job.latents, "timesteps": job.timesteps, "hidden": job.conditioning.hidden_states}
-    tensors |= job.conditioning.added
-    tensors |= {f"control {index}": control.image for index, control in enumerate(job.controls)}
+def started_with(job) -> dict[str, object]:
+    """What a job started with, by name: its tensors, its scheduler's tensors and begin index, its
+    generators' states and its host timesteps."""
+    state: dict[str, object] = {
+        "latents": job.latents,
+        "timesteps": job.timesteps,
+        "hidden": job.conditioning.hidden_states,
+    }
+    state |= job.conditioning.added
+    state |= {f"control {index}": control.image for index, control in enumerate(job.controls)}
     if job.inpainting is not None:
-        tensors |= {name: value for name, value in vars(job.inpainting).items() if value is not None}
-    return tensors
+        state |= vars(job.inpainting)
+    state |= {f"scheduler {name}": value for name, value in vars(job.scheduler).items() if torch.is_tensor(value)}
+    state["begin index"] = getattr(job.scheduler, "begin_index", None)
+    state |= {f"generator {index}": g.get_state() for index, g in enumerate(job.step_kwargs.get("generator", []))}
+    state["host timesteps"] = job.host_timesteps
+    return state
+
+
+def assert_started_alike(mine, theirs) -> None:
+    """Two jobs started with the same tensors (values and devices) and states."""
+    for (name, value), other in zip(started_with(mine).items(), started_with(theirs).values(), strict=True):
+        same = torch.equal(value, other) and value.device == other.device if torch.is_tensor(value) else value == other
+        assert same, (mine.spec.prompt, name)
