@@ -155,7 +155,7 @@ def noised(
     timestep ``timesteps`` (one per row), from ``noise_table``'s ``table``: ``add_noise`` (flow
     matching: ``scale_noise``)."""
     if not steps_by_index(scheduler):
-        scheduler.alphas_cumprod = table  # where add_noise moves it (the step before read it on the host)
+        scheduler.alphas_cumprod = table  # where add_noise moves it; steps before it read the host table
         return family.add_noise(scheduler, original, noise, timesteps)
     assert step is not None, "a scheduler that steps by index has a step index"
     # Copied from the schedulers' add_noise and scale_noise (diffusers 0.42.1), past their begin index.

@@ -227,6 +227,9 @@ def started_with(job) -> dict[str, object]:
 
 def assert_started_alike(mine, theirs) -> None:
     """Two jobs started with the same tensors (values and devices) and states."""
-    for (name, value), other in zip(started_with(mine).items(), started_with(theirs).values(), strict=True):
-        same = torch.equal(value, other) and value.device == other.device if torch.is_tensor(value) else value == other
+    ours, others = started_with(mine), started_with(theirs)
+    assert ours.keys() == others.keys(), mine.spec.prompt
+    for name, value in ours.items():
+        other = others[name]
+        same = value.device == other.device and torch.equal(value, other) if torch.is_tensor(value) else value == other
         assert same, (mine.spec.prompt, name)
