@@ -13,7 +13,6 @@ from handler.adapters.controlnets import Control, ControlSpec
 from handler.adapters.loras import Adapters
 from handler.config import SchedulerName, StepCache, guided_at
 from handler.families import Conditioning, Family, Scheduler, schedules
-from handler.families.base import steps_by_index
 from handler.families.deep_cache import RowCache
 from handler.families.first_block_cache import FirstBlockCache
 
@@ -71,8 +70,7 @@ class Inpainting:
         the last step)."""
         proper = self.image_latents
         if next_timestep is not None:
-            step = scheduler.step_index if steps_by_index(scheduler) else None
-            proper = schedules.noised(family, scheduler, proper, self.noise, self.table, step, next_timestep)
+            proper = schedules.noised(family, scheduler, proper, self.noise, self.table, next_timestep)
         return (1 - self.mask) * proper + self.mask * latents
 
 

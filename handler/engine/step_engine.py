@@ -209,14 +209,14 @@ class StepEngine:
         if spec.mask is None:  # img2img: each image encoded with its own generator
             image_latents = family.encode_image(pixels.repeat(spec.images, 1, 1, 1), generators, inpaint=False)
             noise = randn_tensor(shape, generator=generators, device=self.device, dtype=dtype)
-            latents = schedules.noised(family, scheduler, image_latents, noise, table, start, first_timestep)
+            latents = schedules.noised(family, scheduler, image_latents, noise, table, first_timestep)
         else:  # inpaint: the image encoded once, with the first generator
             image_latents = family.encode_image(pixels, generators[:1], inpaint=True).repeat(spec.images, 1, 1, 1)
             noise = randn_tensor(shape, generator=generators, device=self.device, dtype=dtype)
             if spec.strength == 1.0:
                 latents = family.initial_latents(scheduler, noise)
             else:
-                latents = schedules.noised(family, scheduler, image_latents, noise, table, start, first_timestep)
+                latents = schedules.noised(family, scheduler, image_latents, noise, table, first_timestep)
             mask = family.preprocess_mask(spec.mask, spec.width, spec.height)
             if "generator" in step_kwargs:
                 # The pipeline encodes the masked image too (with the first generator, whose state the

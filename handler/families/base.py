@@ -78,6 +78,9 @@ class IndexedScheduler(Scheduler, Protocol):
     @property
     def step_index(self) -> int | None: ...
 
+    @property
+    def begin_index(self) -> int | None: ...
+
     def set_begin_index(self, begin_index: int = 0) -> None: ...
 
 

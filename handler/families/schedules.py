@@ -148,17 +148,16 @@ def noised(
     original: torch.Tensor,
     noise: torch.Tensor,
     table: torch.Tensor,
-    step: int | None,
     timesteps: torch.Tensor,
 ) -> torch.Tensor:
-    """``original`` noised to the step of index ``step`` (a scheduler that steps by index) and
-    timestep ``timesteps`` (one per row), from ``noise_table``'s ``table``: ``add_noise`` (flow
-    matching: ``scale_noise``)."""
+    """``original`` noised to the scheduler's step (timestep ``timesteps``, one per row), from
+    ``noise_table``'s ``table``: ``add_noise`` (flow matching: ``scale_noise``)."""
     if not steps_by_index(scheduler):
         scheduler.alphas_cumprod = table  # where add_noise moves it; steps before it read the host table
         return family.add_noise(scheduler, original, noise, timesteps)
-    assert step is not None, "a scheduler that steps by index has a step index"
-    # Copied from the schedulers' add_noise and scale_noise (diffusers 0.42.1), past their begin index.
+    # Copied from the schedulers' add_noise and scale_noise (diffusers 0.42.1), past their begin index:
+    # the current step's index, else (before the first step) the begin index.
+    step = scheduler.step_index if scheduler.step_index is not None else scheduler.begin_index
     sigma, kind = table[step], type(scheduler)
     if kind is DPMSolverMultistepScheduler:
         alpha_t, sigma_t = scheduler._sigma_to_alpha_sigma_t(sigma)  # type: ignore[attr-defined]  # DPM++'s
