@@ -36,14 +36,19 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar, Literal, Protocol, TypeGuard
 
 import torch
+from diffusers import FlowMatchEulerDiscreteScheduler
 from diffusers.image_processor import VaeImageProcessor
 from PIL.Image import Image
 
 from handler.config import FamilyRules, SchedulerName
+from handler.families.transfer import to_device
 
 # Scheduler templates a family keeps: one per (scheduler, steps, timestep options) in use, such as
 # SD 3's ``mu`` per image size.
 TEMPLATES_KEPT = 64
+# What diffusers' set_timesteps (0.42.1) leaves on the device it is given: the timesteps, and flow
+# matching's sigmas too (Euler, Euler ancestral and DPM++ copy theirs back to the host).
+ON_DEVICE: dict[type, tuple[str, ...]] = {FlowMatchEulerDiscreteScheduler: ("timesteps", "sigmas")}
 
 # A loaded diffusers pipeline of one of the families. diffusers registers a pipeline's components
 # (unet, transformer, vae, scheduler, ...) at run time, so its classes declare none of them to a type checker.
@@ -87,6 +92,23 @@ class IndexedScheduler(Scheduler, Protocol):
 def steps_by_index(scheduler: Any) -> TypeGuard[IndexedScheduler]:
     """Whether ``scheduler`` is an ``IndexedScheduler``."""
     return hasattr(scheduler, "set_begin_index")
+
+
+def set_timesteps_on_host(
+    scheduler: Scheduler, steps: int, device: torch.device, options: dict[str, float]
+) -> list[float]:
+    """``scheduler.set_timesteps(steps, device=device, **options)`` without waiting for the device;
+    returns the timesteps' host copy. The schedulers here compute their schedule on the host and
+    copy it to the device (flow matching also scales it there, an exact float32 product), and some
+    copy their sigmas back, a wait each, as is reading the timesteps back. Here it is made on the
+    host and what diffusers leaves on the device (``ON_DEVICE``) is queued there (``to_device``).
+    One schedule differs: Euler with continuous timesteps (v-prediction EDM configs) takes their
+    logarithm on the device in diffusers, here on the host (the last float32 bit may differ)."""
+    scheduler.set_timesteps(steps, device=torch.device("cpu"), **options)
+    host = scheduler.timesteps.tolist()
+    for name in ON_DEVICE.get(type(scheduler), ("timesteps",)):
+        setattr(scheduler, name, to_device(getattr(scheduler, name), device))
+    return host
 
 
 class PromptSpec(Protocol):
@@ -405,15 +427,15 @@ class Family(ABC):
     ) -> tuple[Scheduler, list[float]]:
         """A fresh scheduler with ``steps`` timesteps, and a CPU copy of them (what its steps read on
         the host, ``handler.families.schedules``): a copy of one built and set once per (scheduler,
-        steps, timestep options), which costs a fifth of building it from the model's config. At
-        most ``TEMPLATES_KEPT`` templates are kept, the least recently used dropped."""
+        steps, timestep options), which costs a fifth of building it from the model's config, and
+        set without waiting for the device (``set_timesteps_on_host``). At most ``TEMPLATES_KEPT``
+        templates are kept, the least recently used dropped."""
         options = self._timestep_options(latent_shape)
         key = (name, steps, tuple(sorted(options.items())))
         if key not in self._templates:
             scheduler_class, overrides = self.schedulers[name]
             template = scheduler_class.from_config(self.pipeline.scheduler.config, **overrides)
-            template.set_timesteps(steps, device=self.device, **options)
-            self._templates[key] = (template, template.timesteps.tolist())
+            self._templates[key] = (template, set_timesteps_on_host(template, steps, self.device, options))
             if len(self._templates) > TEMPLATES_KEPT:
                 self._templates.popitem(last=False)
         self._templates.move_to_end(key)

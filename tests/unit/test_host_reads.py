@@ -13,17 +13,27 @@ from __future__ import annotations
 
 import contextlib
 
+import numpy as np
 import pytest
 import torch
+from torch.overrides import TorchFunctionMode
 
 from handler.config import HandlerSettings
 from handler.engine import step_engine
 from handler.engine.loading import load_engine
 from handler.engine.step_engine import StepEngine
 from handler.families import transfer
+from handler.families.base import set_timesteps_on_host
 from handler.families.transfer import QueuedCopies
 from server.paths import TINY_MODEL_DIRS
-from tests.harness.engine_runs import assert_same_images, engine_with_adapters, jobs_of_every_kind, spec
+from tests.harness.engine_runs import (
+    assert_same_images,
+    engine_with_adapters,
+    hole,
+    jobs_of_every_kind,
+    picture,
+    spec,
+)
 from tests.harness.host_reads import HostReads
 
 SIDE = 32
@@ -182,28 +192,101 @@ def test_every_copy_starting_jobs_makes_is_read_and_made_alike(engine, monkeypat
         queued.clear()
 
 
+def test_schedule_templates_are_diffusers_own(engine):
+    """The schedule templates jobs start from, made on the host (``set_timesteps_on_host``), equal
+    the schedulers diffusers sets on the engine's device, and their host timesteps its timesteps;
+    set for another device (``meta``: no values), they leave on it the tensors diffusers leaves.
+    The GPU start test compares them on CUDA, values included."""
+    for scheduler in engine.family.rules.schedulers:
+        starting(engine, scheduler)
+    assert_templates_are_diffusers_own(engine.family)
+    meta = torch.device("meta")
+    for name, steps, options in engine.family._templates:
+        mine, theirs = diffusers_scheduler(engine.family, name), diffusers_scheduler(engine.family, name)
+        set_timesteps_on_host(mine, steps, meta, dict(options))
+        with MetaToHost():
+            theirs.set_timesteps(steps, device=meta, **dict(options))
+        assert devices(mine) == devices(theirs), (engine.family.name, name)
+
+
+class MetaToHost(TorchFunctionMode):
+    """A ``meta`` tensor's ``to`` the host is an empty host tensor of its shape and dtype (it has no
+    values to copy), so that diffusers' ``set_timesteps`` runs for a ``meta`` device."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is torch.Tensor.to and args[0].device.type == "meta":
+            device, dtype, _, _ = torch._C._nn._parse_to(*args[1:], **kwargs)
+            if device is not None and device.type == "cpu":
+                return torch.empty(args[0].shape, dtype=dtype or args[0].dtype)
+        return func(*args, **kwargs)
+
+
+def diffusers_scheduler(family, name: str):
+    """A fresh scheduler ``name`` as ``family`` configures it."""
+    scheduler_class, overrides = family.schedulers[name]
+    return scheduler_class.from_config(family.pipeline.scheduler.config, **overrides)
+
+
+def devices(scheduler) -> dict[str, tuple[torch.device, torch.dtype, tuple[int, ...]]]:
+    """Where each of ``scheduler``'s tensors is, in what dtype and shape."""
+    return {name: (v.device, v.dtype, tuple(v.shape)) for name, v in vars(scheduler).items() if torch.is_tensor(v)}
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("family", ["sd1", "sd2", "sdxl", "sd3"])
 def test_on_a_gpu_starting_jobs_never_synchronizes(family, tmp_path, monkeypatch):
     """Jobs of every kind (token ids, CPU noise, input images and masks, ControlNet images, the
-    schedulers' tables) start behind a queued forward without a synchronization, and equal the
-    same jobs started with diffusers' own blocking copies."""
+    schedulers' tables, inpainting at strength 1) start behind a queued forward without a
+    synchronization, their schedule templates made there too, and equal the same jobs started
+    with diffusers' own blocking copies; the templates equal diffusers' own on the device."""
     engine = engine_with_adapters(family, tmp_path, device="cuda")
     for scheduler in engine.family.rules.schedulers:
-        running = jobs_of_every_kind(engine, scheduler, cached=True)  # first calls: handles, allocations
+        running = starting(engine, scheduler)  # first calls: handles, allocations
         engine.step(running)
+        engine.family._templates.clear()
         torch.cuda.synchronize()
         torch.cuda.set_sync_debug_mode("error")
         try:
             engine.step(running)
-            queued = jobs_of_every_kind(engine, scheduler, cached=True)
+            queued = starting(engine, scheduler)
         finally:
             torch.cuda.set_sync_debug_mode("default")
         with monkeypatch.context() as blocking:
             blocking.setattr(step_engine, "queued_copies", lambda device: contextlib.nullcontext())
-            copied = jobs_of_every_kind(engine, scheduler, cached=True)
+            copied = starting(engine, scheduler)
         for mine, theirs in zip(queued, copied, strict=True):
             assert_started_alike(mine, theirs)
+    assert_templates_are_diffusers_own(engine.family)
+
+
+def starting(engine: StepEngine, scheduler: str) -> list:
+    """Jobs of every kind, and an inpainting job at strength 1 (noised from pure noise; DDIM's
+    and PNDM's table goes to the device after its first step)."""
+    common = dict(side=SIDE, steps=STEPS, scheduler=scheduler)
+    whole = spec("inpaint whole", 8, image=picture(SIDE, 3), mask=hole(SIDE), strength=1.0, **common)
+    return jobs_of_every_kind(engine, scheduler, cached=True) + engine.start([whole])
+
+
+def assert_templates_are_diffusers_own(family) -> None:
+    """Every schedule template ``family`` keeps equals its scheduler set by diffusers on the
+    family's device (each attribute: tensors by value and device), and its host timesteps those."""
+    assert family._templates
+    for (name, steps, options), (template, host) in family._templates.items():
+        theirs = diffusers_scheduler(family, name)
+        theirs.set_timesteps(steps, device=family.device, **dict(options))
+        assert host == theirs.timesteps.tolist(), (name, steps)
+        mine = vars(template)
+        assert mine.keys() == vars(theirs).keys(), (name, steps)
+        for attribute, other in vars(theirs).items():
+            value = mine[attribute]
+            if torch.is_tensor(other):
+                same = value.device == other.device and value.dtype == other.dtype and torch.equal(value, other)
+            elif isinstance(other, np.ndarray):
+                same = np.array_equal(value, other)
+            else:
+                same = type(value) is type(other) and value == other
+            assert same, (name, steps, attribute)
 
 
 def started_with(job) -> dict[str, object]:
