@@ -47,7 +47,8 @@ from handler.families.transfer import to_device
 # SD 3's ``mu`` per image size.
 TEMPLATES_KEPT = 64
 # What diffusers' set_timesteps (0.42.1) leaves on the device it is given: the timesteps, and flow
-# matching's sigmas too (Euler, Euler ancestral and DPM++ copy theirs back to the host).
+# matching's sigmas too (Euler, Euler ancestral and DPM++ copy theirs back to the host). A scheduler a
+# family offers is checked against diffusers' placement by tests/unit/test_host_reads.py.
 ON_DEVICE: dict[type, tuple[str, ...]] = {FlowMatchEulerDiscreteScheduler: ("timesteps", "sigmas")}
 
 # A loaded diffusers pipeline of one of the families. diffusers registers a pipeline's components
@@ -99,7 +100,8 @@ def set_timesteps_on_host(
 ) -> list[float]:
     """``scheduler.set_timesteps(steps, device=device, **options)`` without waiting for the device;
     returns the timesteps' host copy. The schedulers here compute their schedule on the host and
-    copy it to the device (flow matching also scales it there, an exact float32 product), and some
+    copy it to the device (flow matching also computes ``1 - sigma`` and ``sigma * N`` there,
+    correctly rounded float32 arithmetic: the same bits on the host), and some
     copy their sigmas back, a wait each, as is reading the timesteps back. Here it is made on the
     host and what diffusers leaves on the device (``ON_DEVICE``) is queued there (``to_device``).
     One schedule differs: Euler with continuous timesteps (v-prediction EDM configs) takes their

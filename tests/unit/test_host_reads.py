@@ -16,13 +16,21 @@ import contextlib
 import numpy as np
 import pytest
 import torch
+from diffusers import (
+    DDIMScheduler,
+    DPMSolverMultistepScheduler,
+    EulerAncestralDiscreteScheduler,
+    EulerDiscreteScheduler,
+    FlowMatchEulerDiscreteScheduler,
+    PNDMScheduler,
+)
 from torch.overrides import TorchFunctionMode
 
 from handler.config import HandlerSettings
 from handler.engine import step_engine
 from handler.engine.loading import load_engine
 from handler.engine.step_engine import StepEngine
-from handler.families import transfer
+from handler.families import base, transfer
 from handler.families.base import set_timesteps_on_host
 from handler.families.transfer import QueuedCopies
 from server.paths import TINY_MODEL_DIRS
@@ -192,21 +200,49 @@ def test_every_copy_starting_jobs_makes_is_read_and_made_alike(engine, monkeypat
         queued.clear()
 
 
-def test_schedule_templates_are_diffusers_own(engine):
-    """The schedule templates jobs start from, made on the host (``set_timesteps_on_host``), equal
-    the schedulers diffusers sets on the engine's device, and their host timesteps its timesteps;
-    set for another device (``meta``: no values), they leave on it the tensors diffusers leaves.
-    The GPU start test compares them on CUDA, values included."""
+def test_schedule_templates_leave_on_the_device_what_diffusers_leaves(engine):
+    """The schedule templates jobs start from, made on the host (``set_timesteps_on_host``), leave
+    on a device (``meta`` here: no values) the tensors diffusers' ``set_timesteps`` leaves there, in
+    its dtypes and shapes; the GPU start test compares them with diffusers' on CUDA, values
+    included."""
     for scheduler in engine.family.rules.schedulers:
         starting(engine, scheduler)
-    assert_templates_are_diffusers_own(engine.family)
-    meta = torch.device("meta")
     for name, steps, options in engine.family._templates:
-        mine, theirs = diffusers_scheduler(engine.family, name), diffusers_scheduler(engine.family, name)
-        set_timesteps_on_host(mine, steps, meta, dict(options))
-        with MetaToHost():
-            theirs.set_timesteps(steps, device=meta, **dict(options))
-        assert devices(mine) == devices(theirs), (engine.family.name, name)
+        scheduler_class, overrides = engine.family.schedulers[name]
+        config = {**engine.family.pipeline.scheduler.config, **overrides}
+        assert_placed_alike(scheduler_class, config, steps, dict(options))
+
+
+@pytest.mark.parametrize(
+    ("scheduler_class", "config", "options"),
+    [
+        (DDIMScheduler, {"timestep_spacing": "trailing"}, {}),
+        (PNDMScheduler, {}, {}),
+        (EulerDiscreteScheduler, {"use_karras_sigmas": True, "final_sigmas_type": "sigma_min"}, {}),
+        (EulerDiscreteScheduler, {"use_exponential_sigmas": True, "prediction_type": "v_prediction"}, {}),
+        (EulerAncestralDiscreteScheduler, {"timestep_spacing": "trailing"}, {}),
+        (DPMSolverMultistepScheduler, {"use_karras_sigmas": True}, {}),
+        (DPMSolverMultistepScheduler, {"use_lu_lambdas": True, "final_sigmas_type": "zero"}, {}),
+        (FlowMatchEulerDiscreteScheduler, {"invert_sigmas": True}, {}),
+        (FlowMatchEulerDiscreteScheduler, {"shift_terminal": 0.02}, {}),
+        (FlowMatchEulerDiscreteScheduler, {"use_dynamic_shifting": True}, {"mu": 0.8}),
+    ],
+)
+def test_schedules_of_other_configs_are_placed_alike(scheduler_class, config, options):
+    """Checkpoints bring other scheduler configs: their schedules, made on the host, are left where
+    diffusers leaves them too."""
+    assert_placed_alike(scheduler_class, config, 7, options)
+
+
+def assert_placed_alike(scheduler_class, config: dict, steps: int, options: dict) -> None:
+    """``set_timesteps_on_host`` for a ``meta`` device leaves each tensor where diffusers'
+    ``set_timesteps`` leaves it, in its dtype and shape."""
+    meta = torch.device("meta")
+    mine, theirs = scheduler_class.from_config(config), scheduler_class.from_config(config)
+    set_timesteps_on_host(mine, steps, meta, options)
+    with MetaToHost():
+        theirs.set_timesteps(steps, device=meta, **options)
+    assert devices(mine) == devices(theirs), (scheduler_class.__name__, config)
 
 
 class MetaToHost(TorchFunctionMode):
@@ -222,12 +258,6 @@ class MetaToHost(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
-def diffusers_scheduler(family, name: str):
-    """A fresh scheduler ``name`` as ``family`` configures it."""
-    scheduler_class, overrides = family.schedulers[name]
-    return scheduler_class.from_config(family.pipeline.scheduler.config, **overrides)
-
-
 def devices(scheduler) -> dict[str, tuple[torch.device, torch.dtype, tuple[int, ...]]]:
     """Where each of ``scheduler``'s tensors is, in what dtype and shape."""
     return {name: (v.device, v.dtype, tuple(v.shape)) for name, v in vars(scheduler).items() if torch.is_tensor(v)}
@@ -238,8 +268,9 @@ def devices(scheduler) -> dict[str, tuple[torch.device, torch.dtype, tuple[int, 
 def test_on_a_gpu_starting_jobs_never_synchronizes(family, tmp_path, monkeypatch):
     """Jobs of every kind (token ids, CPU noise, input images and masks, ControlNet images, the
     schedulers' tables, inpainting at strength 1) start behind a queued forward without a
-    synchronization, their schedule templates made there too, and equal the same jobs started
-    with diffusers' own blocking copies; the templates equal diffusers' own on the device."""
+    synchronization, their schedule templates made there too; the templates equal diffusers' own
+    on the device, and the jobs those started with diffusers' own blocking copies and its own
+    ``set_timesteps``."""
     engine = engine_with_adapters(family, tmp_path, device="cuda")
     for scheduler in engine.family.rules.schedulers:
         running = starting(engine, scheduler)  # first calls: handles, allocations
@@ -252,12 +283,20 @@ def test_on_a_gpu_starting_jobs_never_synchronizes(family, tmp_path, monkeypatch
             queued = starting(engine, scheduler)
         finally:
             torch.cuda.set_sync_debug_mode("default")
+        assert_templates_are_diffusers_own(engine.family)
         with monkeypatch.context() as blocking:
             blocking.setattr(step_engine, "queued_copies", lambda device: contextlib.nullcontext())
+            blocking.setattr(base, "set_timesteps_on_host", diffusers_set_timesteps)
+            engine.family._templates.clear()
             copied = starting(engine, scheduler)
         for mine, theirs in zip(queued, copied, strict=True):
             assert_started_alike(mine, theirs)
-    assert_templates_are_diffusers_own(engine.family)
+
+
+def diffusers_set_timesteps(scheduler, steps: int, device: torch.device, options: dict) -> list[float]:
+    """What ``set_timesteps_on_host`` stands for: diffusers' own, on the device, read back."""
+    scheduler.set_timesteps(steps, device=device, **options)
+    return scheduler.timesteps.tolist()
 
 
 def starting(engine: StepEngine, scheduler: str) -> list:
@@ -273,7 +312,8 @@ def assert_templates_are_diffusers_own(family) -> None:
     family's device (each attribute: tensors by value and device), and its host timesteps those."""
     assert family._templates
     for (name, steps, options), (template, host) in family._templates.items():
-        theirs = diffusers_scheduler(family, name)
+        scheduler_class, overrides = family.schedulers[name]
+        theirs = scheduler_class.from_config(family.pipeline.scheduler.config, **overrides)
         theirs.set_timesteps(steps, device=family.device, **dict(options))
         assert host == theirs.timesteps.tolist(), (name, steps)
         mine = vars(template)
@@ -283,7 +323,7 @@ def assert_templates_are_diffusers_own(family) -> None:
             if torch.is_tensor(other):
                 same = value.device == other.device and value.dtype == other.dtype and torch.equal(value, other)
             elif isinstance(other, np.ndarray):
-                same = np.array_equal(value, other)
+                same = value.dtype == other.dtype and np.array_equal(value, other)
             else:
                 same = type(value) is type(other) and value == other
             assert same, (name, steps, attribute)
