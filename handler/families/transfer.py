@@ -20,7 +20,8 @@ def to_device(tensor: torch.Tensor, device: torch.device, dtype: torch.dtype | N
     if device.type != "cuda" or tensor.device.type != "cpu":
         return tensor.to(device=device, dtype=dtype)
     pinned = torch.empty_like(tensor, dtype=dtype, pin_memory=True).copy_(tensor)
-    return pinned.to(device, non_blocking=True)
+    # copy_ rather than Tensor.to: under QueuedCopies a ``to`` would be staged again
+    return torch.empty_like(pinned, device=device).copy_(pinned, non_blocking=True)
 
 
 def to_host(tensor: torch.Tensor) -> torch.Tensor:
