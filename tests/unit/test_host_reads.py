@@ -200,13 +200,20 @@ def test_every_copy_starting_jobs_makes_is_read_and_made_alike(engine, monkeypat
         queued.clear()
 
 
-def test_schedule_templates_leave_on_the_device_what_diffusers_leaves(engine):
-    """The schedule templates jobs start from, made on the host (``set_timesteps_on_host``), leave
-    on a device (``meta`` here: no values) the tensors diffusers' ``set_timesteps`` leaves there, in
-    its dtypes and shapes; the GPU start test compares them with diffusers' on CUDA, values
-    included."""
+def test_schedule_templates_leave_on_the_device_what_diffusers_leaves(engine, monkeypatch):
+    """The schedule templates jobs start from are made on the host (``set_timesteps_on_host``),
+    which leaves on a device (``meta`` here: no values) the tensors diffusers' ``set_timesteps``
+    leaves there, in its dtypes and shapes; the GPU start test compares them with diffusers' on
+    CUDA, values included."""
+    made = []
+    monkeypatch.setattr(
+        base, "set_timesteps_on_host", lambda *args: made.append(args[0]) or set_timesteps_on_host(*args)
+    )
+    engine.family._templates.clear()
     for scheduler in engine.family.rules.schedulers:
         starting(engine, scheduler)
+    templates = [template for template, _ in engine.family._templates.values()]
+    assert templates and all(any(template is one for one in made) for template in templates)
     for name, steps, options in engine.family._templates:
         scheduler_class, overrides = engine.family.schedulers[name]
         config = {**engine.family.pipeline.scheduler.config, **overrides}
@@ -232,6 +239,35 @@ def test_schedules_of_other_configs_are_placed_alike(scheduler_class, config, op
     """Checkpoints bring other scheduler configs: their schedules, made on the host, are left where
     diffusers leaves them too."""
     assert_placed_alike(scheduler_class, config, 7, options)
+
+
+@pytest.mark.parametrize(
+    "device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA"))]
+)
+def test_euler_with_continuous_timesteps_differs_from_diffusers_by_a_bit_at_most(device):
+    """The one schedule whose values may differ (README): Euler with continuous timesteps, whose
+    logarithm diffusers takes on the device. Left where diffusers leaves it, its timesteps within
+    one float32 step of diffusers' (equal on the CPU), its sigmas equal."""
+    config = {"timestep_type": "continuous", "prediction_type": "v_prediction"}
+    mine, theirs = EulerDiscreteScheduler.from_config(config), EulerDiscreteScheduler.from_config(config)
+    host = set_timesteps_on_host(mine, 7, torch.device(device), {})
+    theirs.set_timesteps(7, device=device)
+    assert devices(mine) == devices(theirs) and host == mine.timesteps.tolist()
+    step = (torch.nextafter(theirs.timesteps, torch.full_like(theirs.timesteps, torch.inf)) - theirs.timesteps).abs()
+    assert ((mine.timesteps - theirs.timesteps).abs() <= step).all()
+    assert device == "cuda" or torch.equal(mine.timesteps, theirs.timesteps)
+    assert torch.equal(mine.sigmas, theirs.sigmas)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_on_a_gpu_a_copy_queued_under_queued_copies_is_staged_once(monkeypatch):
+    """``to_device`` called where ``QueuedCopies`` is active (the schedule templates, the noise
+    tables) stages its pinned copy once: its own copy to the device is not rewritten again."""
+    calls, to_device, cuda = [], transfer.to_device, torch.device("cuda")
+    monkeypatch.setattr(transfer, "to_device", lambda *args: calls.append(args) or to_device(*args))
+    with QueuedCopies(cuda):
+        copied = transfer.to_device(torch.arange(3.0), cuda)
+    assert len(calls) == 1 and copied.device.type == "cuda" and copied.tolist() == [0.0, 1.0, 2.0]
 
 
 def assert_placed_alike(scheduler_class, config: dict, steps: int, options: dict) -> None:
