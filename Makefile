@@ -52,7 +52,7 @@ help:
 	@echo "make bench-controlnet ControlNets in the shared UNet forward against grouped, default model and SD 1.5's architecture; reports/controlnet/"
 	@echo "make bench-cache    step caching per request (all, half, mixed) against no cache: DeepCache on the default model and SD 1.5's architecture, first-block on a tiny SD 3.5; reports/cache/"
 	@echo "make bench-single-file a single-file SD 1.5-sized checkpoint against its directory (BENCH_ARGS=\"--models sd15 sdxl\": SDXL's too): load time, same weights and image; reports/single-file/"
-	@echo "make bench-compile-rows a compiled denoiser's first two row counts, then its step cache's regions', with rows marked dynamic against static, per tiny model; reports/compile_rows/"
+	@echo "make bench-compile-rows a compiled denoiser's first two row counts, then its step cache's regions', with rows marked dynamic against static and on the cudagraphs backend, per tiny model; reports/compile_rows/"
 	@echo "make bench-gpu      SD 1.5, SDXL and SD 3.5 Medium at real sizes on the GPU: variants, batch scaling, engine, served, SDXL, SD 3.5 (in-process, served), LoRA, ControlNet, step cache; reports/gpu/"
 	@echo "                    BENCH_ARGS='--quick' for the CPU check CI runs; PY=python3 where there is no venv (the lent GPU)"
 	@echo "make dashboard      rebuild docker/grafana/dashboards/stable-diffusion.json"

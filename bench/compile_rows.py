@@ -1,15 +1,18 @@
 """`make bench-compile-rows`: what a compiled denoiser's first compile costs with its rows marked
 dynamic (``handler.engine.loading.dynamic_rows``, the worker's default: the whole denoiser's inputs,
 and the step cache's regions' arguments) against rows left static until they change (torch's
-automatic dynamic shapes: the first count alone, then every count again).
+automatic dynamic shapes: the first count alone, then every count again), and with the rows marked
+on the cudagraphs backend (``compile.backend``: dynamo's graph of the eager kernels, no inductor;
+the step cache's regions eager).
 
 Per tiny model (random weights, made by ``make model``), per setting, one process with a fresh
 inductor cache loads the engine with the denoiser compiled (``compile.targets: [unet]``) and steps
 one guided job of 3 images (6 rows), then one of 2 (4 rows), then the same two with the model's
 step cache (DeepCache at interval 2, SD 3's first-block cache; two steps: the cached forward runs
 the regions compiled apart): the seconds of each and the graphs compiled after each. Per model,
-static then marked, ``--repeats`` times. Prints the table with the ratio marked / static of the
-median total and writes ``reports/compile_rows/compile_rows.{json,md,png}``.
+static, marked, then cudagraphs, ``--repeats`` times. Prints the table with the ratios marked /
+static and cudagraphs / marked of the median total and writes
+``reports/compile_rows/compile_rows.{json,md,png}``.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ from unittest import mock
 
 import matplotlib.pyplot as plt
 import torch
+from matplotlib.patches import Patch
 
 from bench.jobs import generate
 from bench.pipeline import environment, python_module
@@ -41,7 +45,8 @@ logger = logging.getLogger("bench.compile_rows")
 
 MODELS = ("sd1", "sdxl", "sd3")
 SCHEDULERS = {"sd1": "ddim", "sdxl": "euler", "sd3": "flow_match_euler"}
-SETTINGS = ("static", "marked")  # rows left static until they change; rows marked dynamic
+# Rows left static until they change; rows marked dynamic; marked, on the cudagraphs backend.
+SETTINGS = ("static", "marked", "cudagraphs")
 # The jobs stepped one after the other, guided: 6 rows, then 4, then the same with a step cache.
 JOBS = ((3, False), (2, False), (3, True), (2, True))
 # Each step of a job with a step cache runs the denoiser's forward around its regions (compiled apart).
@@ -56,10 +61,12 @@ def job_name(images: int, cached: bool) -> str:
     return f"{images} images{', cached' if cached else ''}"
 
 
-def measure_once(family: str, marked: bool) -> dict:
+def measure_once(family: str, setting: str) -> dict:
     """In this process: the engine's jobs one after the other, each timed, with the graphs compiled."""
-    settings = {"model_path": str(TINY_MODEL_DIRS[family]), "compile": {"enabled": True, "targets": ["unet"]}}
-    with mock.patch.object(loading, "dynamic_rows", lambda _: marked):  # the setting compared
+    backend = "cudagraphs" if setting == "cudagraphs" else "inductor"
+    compiled = {"enabled": True, "targets": ["unet"], "backend": backend}
+    settings = {"model_path": str(TINY_MODEL_DIRS[family]), "compile": compiled}
+    with mock.patch.object(loading, "dynamic_rows", lambda _: setting != "static"):  # the setting compared
         engine = loading.load_engine(HandlerSettings.model_validate(settings), "/unused")
     jobs = []
     for images, cached in JOBS:
@@ -71,17 +78,17 @@ def measure_once(family: str, marked: bool) -> dict:
         jobs.append(
             {"job": job_name(images, cached), "seconds": time.perf_counter() - started, "graphs": compiled_graphs()}
         )
-    return {"family": family, "setting": SETTINGS[marked], "torch": torch.__version__, "jobs": jobs}
+    return {"family": family, "setting": setting, "torch": torch.__version__, "jobs": jobs}
 
 
-def measure(family: str, marked: bool, timeout: float) -> dict:
+def measure(family: str, setting: str, timeout: float) -> dict:
     """``measure_once`` in a fresh process and inductor cache."""
     with tempfile.TemporaryDirectory(prefix="bench-compile-rows-") as cache:
         env = {"TORCHINDUCTOR_CACHE_DIR": cache, "PYTHONPATH": str(ROOT)}
         env["TORCHINDUCTOR_VEC_ISA_OK"] = os.environ.get("TORCHINDUCTOR_VEC_ISA_OK", "0")  # as the suite compiles
-        done = python_module("bench.compile_rows", ["--child", family, str(int(marked))], env, timeout)
+        done = python_module("bench.compile_rows", ["--child", family, setting], env, timeout)
     if done.returncode:
-        raise RuntimeError(f"{family}, rows {SETTINGS[marked]}: exit {done.returncode}\n{done.stdout[-4000:]}")
+        raise RuntimeError(f"{family}, {setting}: exit {done.returncode}\n{done.stdout[-4000:]}")
     return json.loads(done.stdout.splitlines()[-1])
 
 
@@ -91,6 +98,8 @@ def summary(runs: list[dict]) -> list[dict]:
     for family in dict.fromkeys(run["family"] for run in runs):
         for setting in SETTINGS:
             mine = [run for run in runs if run["family"] == family and run["setting"] == setting]
+            if not mine:
+                continue
             rows.append(
                 {
                     "family": family,
@@ -107,14 +116,15 @@ def summary(runs: list[dict]) -> list[dict]:
 
 
 def table(rows: list[dict]) -> str:
-    static = {row["family"]: row["total_s"] for row in rows if row["setting"] == "static"}
+    totals = {(row["family"], row["setting"]): row["total_s"] for row in rows}
+    against = {"marked": "static", "cudagraphs": "marked"}  # each setting's ratio, to the one before it
     header = [
         "model",
         "rows",
         *(f"{job_name(*job)} (s)" for job in JOBS),
         "all (s)",
         "graphs after each",
-        "marked / static",
+        "against the one before",
     ]
     cells = [
         [
@@ -123,7 +133,10 @@ def table(rows: list[dict]) -> str:
             *(f"{seconds:.1f}" for seconds in row["seconds"]),
             f"{row['total_s']:.1f}",
             ", ".join(map(str, row["graphs"])),
-            f"{row['total_s'] / static[row['family']]:.2f}x" if row["setting"] == "marked" else "—",
+            f"{row['total_s'] / totals[row['family'], against[row['setting']]]:.2f}x {row['setting']} / "
+            f"{against[row['setting']]}"
+            if (row["family"], against.get(row["setting"])) in totals
+            else "—",
         ]
         for row in rows
     ]
@@ -131,21 +144,28 @@ def table(rows: list[dict]) -> str:
 
 
 def plot(rows: list[dict], path: Path) -> None:
+    """Per model, a bar per setting (hatched apart), stacked by job (coloured apart)."""
     families = list(dict.fromkeys(row["family"] for row in rows))
-    figure, axis = plt.subplots(figsize=(7, 4))
-    width = 0.38
+    figure, axis = plt.subplots(figsize=(8, 4))
+    width, hatches = 0.8 / len(SETTINGS), ("", "//", "..")
+    colours = [f"C{job}" for job in range(len(JOBS))]
     for index, setting in enumerate(SETTINGS):
         mine = {row["family"]: row for row in rows if row["setting"] == setting}
-        positions = [position + index * width for position in range(len(families))]
-        bottoms = [0.0] * len(families)
-        for job, (images, cached) in enumerate(JOBS):
-            heights = [mine[family]["seconds"][job] for family in families]
-            axis.bar(positions, heights, width, bottom=bottoms, label=f"{setting}: {job_name(images, cached)}")
+        positions = [position + index * width for position, family in enumerate(families) if family in mine]
+        bottoms = [0.0] * len(positions)
+        for job in range(len(JOBS)):
+            heights = [mine[family]["seconds"][job] for family in families if family in mine]
+            axis.bar(positions, heights, width, bottom=bottoms, color=colours[job], hatch=hatches[index], edgecolor="k")
             bottoms = [bottom + height for bottom, height in zip(bottoms, heights, strict=True)]
-    axis.set_xticks([position + width / 2 for position in range(len(families))], families)
+    handles = [Patch(facecolor=colour, label=job_name(*job)) for colour, job in zip(colours, JOBS, strict=True)]
+    handles += [
+        Patch(facecolor="white", edgecolor="k", hatch=hatch, label=setting)
+        for setting, hatch in zip(SETTINGS, hatches, strict=True)
+    ]
+    axis.set_xticks([position + width * (len(SETTINGS) - 1) / 2 for position in range(len(families))], families)
     axis.set_ylabel("seconds (compile included)")
-    axis.set_title("First two row counts of a compiled denoiser, then of its step cache's regions")
-    axis.legend(fontsize=8)
+    axis.set_title("A compiled denoiser's first row counts, then its step cache's")
+    axis.legend(handles=handles, fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1))
     figure.tight_layout()
     figure.savefig(path, dpi=110)
     plt.close(figure)
@@ -160,20 +180,20 @@ def main() -> None:
     parser.add_argument("--child", nargs=2, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
-        family, marked = args.child
-        print(json.dumps(measure_once(family, marked == "1")))
+        family, setting = args.child
+        print(json.dumps(measure_once(family, setting)))
         return
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
     runs = []
     for family in args.models:
         for repeat in range(args.repeats):
-            for marked in (False, True):
-                runs.append(measure(family, marked, args.timeout))
+            for setting in SETTINGS:
+                runs.append(measure(family, setting, args.timeout))
                 jobs = runs[-1]["jobs"]
                 logger.info(
                     "%s %s (%d/%d): %s",
                     family,
-                    SETTINGS[marked],
+                    setting,
                     repeat + 1,
                     args.repeats,
                     ", ".join(f"{job['job']} {job['seconds']:.1f} s, {job['graphs']} graphs" for job in jobs),

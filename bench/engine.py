@@ -64,6 +64,14 @@ ARCHITECTURES = {
 }
 
 
+# The engine's denoiser: eager, inductor's kernels in CUDA graphs, or eager's kernels in CUDA graphs.
+DENOISERS: dict[str, dict] = {
+    "eager": {},
+    "compile-reduce-overhead": {"enabled": True, "mode": "reduce-overhead", "targets": ["unet"]},
+    "cudagraphs": {"enabled": True, "backend": "cudagraphs", "targets": ["unet"]},
+}
+
+
 @dataclass(frozen=True)
 class Row:
     family: str
@@ -75,7 +83,7 @@ class Row:
     engine_s: float
     max_abs_diff: int
     diffusers_batch_diff: int  # diffusers' batched call against each request alone: the rounding floor
-    denoiser: str = "eager"  # the engine's denoiser: eager, or compile-<mode> (forwards padded to its graphs)
+    denoiser: str = "eager"  # the engine's denoiser, of DENOISERS (a compiled one's forwards padded to its graphs)
 
     @property
     def engine_it_s(self) -> float:
@@ -190,20 +198,19 @@ def measure_model(
     repeats: int,
     side: int | None = None,
     shared: bool = False,
-    compile_mode: str | None = None,
+    denoiser: str = "eager",
 ) -> list[Row]:
     """The engine against diffusers' call on one model (``family`` "custom": detected), per batch,
     at ``side`` (None: the model's native size). ``shared``: diffusers calls the pipeline the engine
     loaded instead of loading its own (for a model too large to hold twice; the engine leaves it as
     diffusers loads it but for the attention processors, which are diffusers' defaults).
-    ``compile_mode``: the engine's denoiser compiled in that mode (its forwards padded to the
-    graphs' row counts where it replays CUDA graphs), against diffusers' eager call."""
-    compiled = {"compile": {"enabled": True, "mode": compile_mode, "targets": ["unet"]}} if compile_mode else {}
+    ``denoiser``: the engine's, one of ``DENOISERS`` (a compiled one's forwards padded to its graphs'
+    row counts where it replays CUDA graphs), against diffusers' eager call."""
+    compiled = {"compile": DENOISERS[denoiser]} if DENOISERS[denoiser] else {}
     settings = HandlerSettings.model_validate(
         {"model_path": str(Path(model_dir).resolve()), "device": device, **compiled}
     )
     engine = load_engine(settings, ".")
-    denoiser = f"compile-{compile_mode}" if compile_mode else "eager"
     reference = Reference(model_dir, engine.device, engine.dtype, pipeline=engine.pipeline if shared else None)
     side = side or engine.family.native_size()[0]
     rows = []

@@ -6,8 +6,9 @@ Random-weight pipelines of the published architectures (``bench.sd15``, ``bench.
 section file there (``bench.gpu_report``), so sections can run in separate calls:
 
 1. ``variants``: SD 1.5, 512x512, 50 DDIM steps, batch 1, guidance 7.5: eager (SDPA, serving dtype:
-   float16 on a GPU), vanilla attention, channels_last, and torch.compile in ``default``,
-   ``max-autotune-no-cudagraphs`` and ``reduce-overhead`` (CUDA graphs) modes: UNet it/s, seconds
+   float16 on a GPU), vanilla attention, channels_last, torch.compile in ``default``,
+   ``max-autotune-no-cudagraphs`` and ``reduce-overhead`` (CUDA graphs) modes, and ``cudagraphs``
+   (eager's kernels replayed as CUDA graphs: ``compile.backend``): UNet it/s, seconds
    per image, peak memory, compile cold and warm (the persisted inductor cache), image distance to
    eager, the largest batch with SDPA and with vanilla attention, and a torch.profiler breakdown of
    an eager call (kernels against wall time, host syncs). ``--variants`` measures a subset (eager
@@ -15,8 +16,9 @@ section file there (``bench.gpu_report``), so sections can run in separate calls
 2. ``scaling``: images/s at batch 1 to 16, eager and the fastest compile mode of ``variants``
    (``--compiled`` names another).
 3. ``engine``: the step engine against the diffusers call it mirrors, same requests, batch 1 and 8;
-   on CUDA also with its denoiser compiled in ``reduce-overhead`` mode (CUDA graphs, each step's
-   rows padded to the graphs' row counts: ``handler.compile.pad_rows``).
+   on CUDA also with its denoiser compiled in ``reduce-overhead`` mode and with eager's kernels in
+   CUDA graphs (``cudagraphs``), each step's rows padded to the graphs' row counts
+   (``handler.compile.pad_rows``).
 4. ``served``: TorchServe on this GPU (one worker), dynamic and continuous batching, 25 steps, a
    closed loop at concurrency 1, 4, 8 and 16: images/s, p50, p95, against the in-process ceiling
    (the eager pipeline at the same batch, measured in the same run), and, on a server of its own,
@@ -63,7 +65,7 @@ import numpy as np
 
 from bench import cache as bench_cache
 from bench import controlnets, loras, sd15, sd35, sdxl
-from bench.engine import measure_model
+from bench.engine import DENOISERS, measure_model
 from bench.gpu_report import SECTION_RENDERERS, percent_text, render
 from bench.measure import PROMPTS, Workload, error_text
 from bench.pipeline import Runner, environment, summary, to_reference
@@ -89,6 +91,7 @@ SECTION_VARIANTS = (
     "compile-default",
     "compile-max-autotune-no-cudagraphs",
     "compile-reduce-overhead",
+    "cudagraphs",
 )
 # The shipped model-config.yaml with only the mode forced: continuous batching is what packaging
 # ships for a one-GPU host, dynamic batching what it ships for several workers.
@@ -362,9 +365,9 @@ class GpuBench:
         return result
 
     def engine(self) -> dict:
-        """Eager, and on CUDA with CUDA graphs (the compiled denoiser, padded rows)."""
+        """Eager, and on CUDA with CUDA graphs (inductor's kernels, and eager's; padded rows)."""
         rows: list[dict] = []
-        for compile_mode in (None, "reduce-overhead") if self.device.type == "cuda" else (None,):
+        for denoiser in DENOISERS if self.device.type == "cuda" else ("eager",):
             measured = measure_model(
                 "sd1",
                 model_dir(self.plan.sd15_model),
@@ -372,7 +375,7 @@ class GpuBench:
                 list(self.plan.engine_batches),
                 self.plan.served_steps,
                 self.plan.engine_repeats,
-                compile_mode=compile_mode,
+                denoiser=denoiser,
             )
             rows += [{**asdict(row), "ratio": row.ratio, "engine_it_s": row.engine_it_s} for row in measured]
             gc.collect()  # the engine and diffusers' pipeline measured here leave the GPU to the next one

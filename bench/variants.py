@@ -102,6 +102,13 @@ VARIANTS: tuple[Variant, ...] = (
     ),
     _compiled("max-autotune-no-cudagraphs", "max-autotune without CUDA graphs", cuda_only=True),
     Variant(
+        "cudagraphs",
+        "SDPA, serving dtype, the UNet's eager kernels replayed as CUDA graphs (compile.backend cudagraphs: dynamo "
+        "traces, inductor generates nothing; the VAE decoder eager)",
+        {"compile": {"enabled": True, "backend": "cudagraphs", "targets": ["unet"]}},
+        cuda_only=True,
+    ),
+    Variant(
         "attention-slicing",
         "SDPA, serving dtype, attention computed in slices (pipeline.enable_attention_slicing)",
         {"attention_slicing": True},

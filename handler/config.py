@@ -280,7 +280,16 @@ class CompileSettings(_Section):
     """``torch.compile`` of the denoiser (UNet or transformer) and the VAE decoder."""
 
     enabled: bool = False
-    mode: Literal["default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"] = "default"
+    backend: Literal["inductor", "cudagraphs"] = Field(
+        "inductor",
+        description="inductor: torch.compile generates the denoiser's and VAE decoder's kernels (mode says how); "
+        "cudagraphs: the denoiser's own kernels, traced by dynamo and replayed as CUDA graphs (seconds to trace "
+        "instead of minutes to compile, eager's images; the VAE decoder and the step cache's regions stay eager, "
+        "and off CUDA nothing is recorded)",
+    )
+    mode: Literal["default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"] = Field(
+        "default", description="inductor's mode (the cudagraphs backend takes default only)"
+    )
     targets: tuple[Literal["unet", "transformer", "vae_decoder"], ...] = Field(
         ("unet", "vae_decoder"),
         description="unet (or its synonym transformer): the family's denoiser, SD 3.x's transformer included; "
@@ -292,8 +301,9 @@ class CompileSettings(_Section):
         "auto",
         description="pad each denoiser forward's rows to the least of graph_rows at or above them (the padding rows "
         "dropped from the result), so the compiled denoiser keeps one CUDA graph per latent shape and count instead "
-        "of one per distinct row count; auto: where it replays CUDA graphs (modes reduce-overhead and max-autotune "
-        "on CUDA); either way a compiled denoiser of a model whose defaults are guided pads a single row to two",
+        "of one per distinct row count; auto: where it replays CUDA graphs (on CUDA: the cudagraphs backend, or "
+        "inductor's modes reduce-overhead and max-autotune); either way a compiled denoiser of a model whose "
+        "defaults are guided pads a single row to two",
     )
     graph_rows: tuple[PositiveInt, ...] = Field(
         (1, 2, 4, 8, 16, 24, 32),
@@ -306,6 +316,15 @@ class CompileSettings(_Section):
         "TORCHINDUCTOR_CACHE_DIR, else torch's default under the temp directory",
     )
 
+    @model_validator(mode="after")
+    def _mode_is_inductors(self) -> CompileSettings:
+        if self.backend == "cudagraphs" and self.mode != "default":
+            raise ValueError(
+                f"compile.mode {self.mode} is inductor's; compile.backend cudagraphs records the eager kernels "
+                "and takes mode default"
+            )
+        return self
+
     @property
     def denoiser(self) -> bool:
         """Whether the denoiser is compiled."""
@@ -313,12 +332,13 @@ class CompileSettings(_Section):
 
     @property
     def decoder(self) -> bool:
-        """Whether the VAE's decode is compiled."""
-        return self.enabled and "vae_decoder" in self.targets
+        """Whether the VAE's decode is compiled (by inductor: the cudagraphs backend leaves it eager)."""
+        return self.enabled and self.backend == "inductor" and "vae_decoder" in self.targets
 
     def cuda_graphs(self, device_type: str) -> bool:
         """Whether the compiled denoiser replays CUDA graphs on this device."""
-        return self.denoiser and self.mode in ("reduce-overhead", "max-autotune") and device_type == "cuda"
+        recorded = self.backend == "cudagraphs" or self.mode in ("reduce-overhead", "max-autotune")
+        return self.denoiser and recorded and device_type == "cuda"
 
     def row_counts(self, device_type: str, guided: bool = False) -> tuple[int, ...]:
         """The row counts forwards are padded to on this device (none: unpadded). Where the model's

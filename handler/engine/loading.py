@@ -172,7 +172,10 @@ def _apply_compile(family: Family, settings: HandlerSettings) -> None:
         # weights then go to handler.adapters.lora_slots). Inference only: PEFT freezing the weights at a
         # LoRA load changes nothing a guard checks.
         family.denoiser.requires_grad_(False)
-        family.denoiser.compile(mode=options.mode, fullgraph=options.fullgraph, dynamic=options.dynamic)
+        mode = options.mode if options.backend == "inductor" else None  # the cudagraphs backend takes none
+        family.denoiser.compile(
+            backend=options.backend, mode=mode, fullgraph=options.fullgraph, dynamic=options.dynamic
+        )
     if options.decoder:
         # The images of every job finishing in a step decode in one call: any count, one graph for
         # two or more (warm-up decodes one image and two), without CUDA graphs (one recorded per count,
@@ -184,6 +187,14 @@ def _apply_compile(family: Family, settings: HandlerSettings) -> None:
             dynamic=options.dynamic,
         )
         family.pipeline.vae.decode = rows_marked(decode) if dynamic_rows(settings) else decode
+
+
+def compiled_summary(options: CompileSettings) -> str:
+    """What is compiled and how: ``off``, inductor's mode or ``cudagraphs``, and the targets compiled."""
+    if not options.enabled:
+        return "off"
+    targets = [target for target in options.targets if target != "vae_decoder" or options.decoder]
+    return f"{options.mode if options.backend == 'inductor' else options.backend}({','.join(targets)})"
 
 
 def without_cuda_graphs(mode: str) -> str:
@@ -202,8 +213,9 @@ def _region_compiler(options: CompileSettings, marked: bool) -> RegionCompiler |
     The blocks of one kind share one code, so one list of graphs: one per structure (SD 3.5's blocks
     with a second attention, the last block without its text stream) and per width, with and without
     LoRA rows, each for one row and for more, then one with the latents' size dynamic once it changes.
-    That can pass dynamo's default limit of 8 a code, so regions get ``REGION_GRAPHS``."""
-    if not options.denoiser:
+    That can pass dynamo's default limit of 8 a code, so regions get ``REGION_GRAPHS``. The cudagraphs
+    backend's regions stay eager: it generates no kernels, and records graphs only."""
+    if not options.denoiser or options.backend != "inductor":
         return None
     dynamic = None if options.dynamic is False else options.dynamic
     compile_ = functools.partial(
@@ -218,6 +230,12 @@ def compile_cache_summary() -> str:
     counters = torch._dynamo.utils.counters["inductor"]
     hits, misses = counters["fxgraph_cache_hit"], counters["fxgraph_cache_miss"]
     return f"dir={cache_dir()} fxgraph_cache_hit={hits} fxgraph_cache_miss={misses}"
+
+
+def cuda_graph_skips() -> int:
+    """Compiled graphs this process runs without recording CUDA graphs where its mode or backend
+    asked for them (torch logs each one's reason: an input mutated, an operation on the CPU, ...)."""
+    return int(torch._dynamo.utils.counters["inductor"]["cudagraph_skips"])
 
 
 def synchronize(device: torch.device) -> None:
@@ -335,8 +353,7 @@ def load_engine(settings: HandlerSettings, model_dir: str | Path, gpu_id: int | 
         f"safety_checker={safety} attention={attention} channels_last={settings.channels_last} "
         f"tf32={settings.tf32 and device.type == 'cuda'} attention_slicing={settings.attention_slicing} "
         f"vae_slicing={settings.vae_slicing} vae_tiling={settings.vae_tiling} cpu_offload={settings.cpu_offload} "
-        f"compile={settings.compile.mode if settings.compile.enabled else 'off'}"
-        f"{'(' + ','.join(settings.compile.targets) + ')' if settings.compile.enabled else ''}"
+        f"compile={compiled_summary(settings.compile)}"
         f" pad_rows={','.join(map(str, row_counts)) or 'off'}"
         f" step_cache={'deep' if deep_cache else 'first_block' if first_block else 'off'}"
         f"{'(compiled regions)' if regions and (deep_cache or first_block) else ''}"

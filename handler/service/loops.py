@@ -32,7 +32,13 @@ from handler.api.policy import RequestPolicy
 from handler.api.protocol import IncomingRequest, Response
 from handler.config import HandlerSettings, StepCache, WarmupShape
 from handler.engine.jobs import DenoiseJob, JobSpec
-from handler.engine.loading import load_engine, release_cached_memory, reserved_memory, use_device
+from handler.engine.loading import (
+    cuda_graph_skips,
+    load_engine,
+    release_cached_memory,
+    reserved_memory,
+    use_device,
+)
 from handler.engine.profiling import StepsProfiler
 from handler.engine.scheduling import StepProfile
 from handler.engine.step_engine import StepEngine
@@ -214,6 +220,8 @@ class DiffusionService:
             graphs,
             memory,
         )
+        if self.engine.cuda_graphs and (skipped := cuda_graph_skips()):
+            logger.warning("%d compiled graphs run without CUDA graphs (torch logged why above)", skipped)
 
     def _warm_up_spec(self, shape: WarmupShape) -> JobSpec:
         defaults = self.policy.defaults

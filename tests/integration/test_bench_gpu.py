@@ -14,7 +14,7 @@ from server.paths import ROOT
 
 pytestmark = pytest.mark.slow
 
-CUDA_ONLY = {"compile-max-autotune-no-cudagraphs", "compile-reduce-overhead"}
+CUDA_ONLY = {"compile-max-autotune-no-cudagraphs", "compile-reduce-overhead", "cudagraphs"}
 
 
 @pytest.fixture(scope="module")

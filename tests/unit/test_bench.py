@@ -35,8 +35,13 @@ def test_every_variant_is_valid_handler_settings_and_differs_from_the_baseline()
         "compile-reduce-overhead",
         "compile-max-autotune",
         "compile-max-autotune-no-cudagraphs",
+        "cudagraphs",
     }
-    assert {settings[name].compile.mode for name in compiled} == {name.removeprefix("compile-") for name in compiled}
+    by_inductor = compiled - {"cudagraphs"}
+    assert {settings[name].compile.mode for name in by_inductor} == {
+        name.removeprefix("compile-") for name in by_inductor
+    }
+    assert settings["cudagraphs"].compile.backend == "cudagraphs" and not settings["cudagraphs"].compile.decoder
 
 
 def test_on_a_cpu_only_the_cuda_graph_variants_are_skipped_and_say_why():
@@ -44,10 +49,16 @@ def test_on_a_cpu_only_the_cuda_graph_variants_are_skipped_and_say_why():
     assert {name for name, reason in skipped.items() if reason} == {
         "compile-reduce-overhead",
         "compile-max-autotune-no-cudagraphs",
+        "cudagraphs",
     }
-    assert skipped["compile-reduce-overhead"] == "CUDA only"
+    assert skipped["compile-reduce-overhead"] == skipped["cudagraphs"] == "CUDA only"
     quick = {variant.name for variant in VARIANTS if variant.skip_reason(torch.device("cpu"), quick=True)}
-    assert quick == {"compile-reduce-overhead", "compile-max-autotune", "compile-max-autotune-no-cudagraphs"}
+    assert quick == {
+        "compile-reduce-overhead",
+        "compile-max-autotune",
+        "compile-max-autotune-no-cudagraphs",
+        "cudagraphs",
+    }
 
 
 def test_selection_keeps_catalogue_order_and_always_the_baseline():

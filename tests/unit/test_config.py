@@ -84,6 +84,7 @@ def test_the_request_timeout_defaults_to_its_share_of_the_response_timeout_unles
         {"limits": {"max_images_per_request": 8}, "max_images_per_call": 4},
         {"compile": {"enabled": True, "cache_dir": "relative/cache"}},
         {"compile": {"mode": "fastest"}},
+        {"compile": {"backend": "tensorrt"}},
         {"profiler": {"steps": 10, "dir": "relative/profiles"}},
         {"profiler": {"steps": -1}},
         {"profiler": {"min_rows": 0}},
@@ -93,6 +94,12 @@ def test_the_request_timeout_defaults_to_its_share_of_the_response_timeout_unles
 def test_bad_settings_fail_at_load(handler):
     with pytest.raises(ValidationError):
         HandlerSettings.from_model_yaml({"handler": handler})
+
+
+def test_the_cudagraphs_backend_refuses_inductors_modes_by_name():
+    for mode in ("reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"):
+        with pytest.raises(ValidationError, match=f"compile.mode {mode} is inductor's; compile.backend cudagraphs"):
+            HandlerSettings.from_model_yaml({"handler": {"compile": {"backend": "cudagraphs", "mode": mode}}})
 
 
 def test_compile_cache_dir_is_absolute_after_expanding_home_and_variables(monkeypatch):
