@@ -62,6 +62,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import numpy as np
+import torch
 
 from bench import cache as bench_cache
 from bench import controlnets, loras, sd15, sd35, sdxl
@@ -378,6 +379,7 @@ class GpuBench:
                 denoiser=denoiser,
             )
             rows += [{**asdict(row), "ratio": row.ratio, "engine_it_s": row.engine_it_s} for row in measured]
+            torch._dynamo.reset()  # its graphs and their CUDA graphs' pool go with it
             gc.collect()  # the engine and diffusers' pipeline measured here leave the GPU to the next one
             release_cached_memory()
             self.save("engine", {"rows": rows})  # eager's rows kept should the compiled ones not finish

@@ -284,8 +284,8 @@ class CompileSettings(_Section):
         "inductor",
         description="inductor: torch.compile generates the denoiser's and VAE decoder's kernels (mode says how); "
         "cudagraphs: the denoiser's own kernels, traced by dynamo and replayed as CUDA graphs (seconds to trace "
-        "instead of minutes to compile, eager's images; the VAE decoder and the step cache's regions stay eager, "
-        "and off CUDA nothing is recorded)",
+        "instead of minutes to compile; the VAE decoder and the step cache's regions stay eager, and off CUDA "
+        "nothing is recorded)",
     )
     mode: Literal["default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"] = Field(
         "default", description="inductor's mode (the cudagraphs backend takes default only)"
@@ -317,11 +317,18 @@ class CompileSettings(_Section):
     )
 
     @model_validator(mode="after")
-    def _mode_is_inductors(self) -> CompileSettings:
-        if self.backend == "cudagraphs" and self.mode != "default":
+    def _cudagraphs_records_the_denoiser(self) -> CompileSettings:
+        if self.backend != "cudagraphs":
+            return self
+        if self.mode != "default":
             raise ValueError(
                 f"compile.mode {self.mode} is inductor's; compile.backend cudagraphs records the eager kernels "
                 "and takes mode default"
+            )
+        if not DENOISER_TARGETS & set(self.targets):
+            raise ValueError(
+                f"compile.backend cudagraphs records the denoiser, and compile.targets {list(self.targets)} "
+                "names none (unet or transformer)"
             )
         return self
 

@@ -160,7 +160,7 @@ class StableDiffusionHandler(BaseHandler):
         warmup_seconds = self.service.warm_up(settings.warmup_shapes())
         self.service.metrics.worker_ready(time.perf_counter() - started)
         self.initialized = True
-        if settings.compile.enabled:
+        if settings.compile.enabled and settings.compile.backend == "inductor":  # the only one that caches code
             logger.info("compile cache: %s", compile_cache_summary())
         logger.info(
             "stable-diffusion worker %s ready: %s batching=%s batch_size=%s request_timeout_s=%g defaults=%s limits=%s "

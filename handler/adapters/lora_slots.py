@@ -138,14 +138,18 @@ class SlotLoras:
         rank: int,
         design: SlotDesign = "gathered",
         per_row: int | None = None,
+        replayed: bool = False,
     ):
         """``per_row`` (``gathered``): every row's slots padded to this many, a static size; None:
-        to the most any row of the forward holds (at least 2), a size marked dynamic."""
+        to the most any row of the forward holds (at least 2), a size marked dynamic. ``replayed``:
+        the denoiser replays CUDA graphs, so a forward's plan is kept in place (``rows``)."""
         self.denoiser = denoiser
         self.slots = slots
         self.rank = rank
         self.design = design
         self.per_row = per_row
+        self.replayed = replayed
+        self._kept: dict[tuple[tuple[int, ...] | None, tuple[int, ...]], SlotRows] = {}
         self.state = SlotState()
         self.layers: dict[str, SlotLinear] = {}
         for name, module in list(denoiser.named_modules()):
@@ -248,9 +252,26 @@ class SlotLoras:
     @contextmanager
     def rows(self, sets: Sequence[tuple[Adapters, int]], device: torch.device) -> Iterator[SlotRows | None]:
         """During the block, the denoiser's forwards give each consecutive block of rows its set
-        (the plan before it is back after it)."""
-        outer, self.state.rows = self.state.rows, self.plan(sets, device)
+        (the plan before it is back after it: a sub-batch's is nested in its forward's)."""
+        outer, plan = self.state.rows, self.plan(sets, device)
+        self.state.rows = self._kept_in_place(plan) if self.replayed and outer is None else plan
         try:
             yield self.state.rows
         finally:
             self.state.rows = outer
+
+    def _kept_in_place(self, plan: SlotRows | None) -> SlotRows | None:
+        """``plan`` copied into the tensors kept for its shape. dynamo makes the tensors a module
+        reads static inputs of its graph, which a CUDA graph reads where it recorded them and is
+        recorded again for where they moved: a new plan each step would record a graph each step."""
+        if plan is None:
+            return None
+        key = (None if plan.slots is None else tuple(plan.slots.shape), tuple(plan.weights.shape))
+        if key not in self._kept:
+            slots = None if plan.slots is None else torch.empty_like(plan.slots)
+            self._kept[key] = SlotRows(slots, torch.empty_like(plan.weights))
+        kept = self._kept[key]
+        if kept.slots is not None and plan.slots is not None:
+            kept.slots.copy_(plan.slots)
+        kept.weights.copy_(plan.weights)
+        return kept

@@ -172,10 +172,14 @@ def _apply_compile(family: Family, settings: HandlerSettings) -> None:
         # weights then go to handler.adapters.lora_slots). Inference only: PEFT freezing the weights at a
         # LoRA load changes nothing a guard checks.
         family.denoiser.requires_grad_(False)
-        mode = options.mode if options.backend == "inductor" else None  # the cudagraphs backend takes none
-        family.denoiser.compile(
-            backend=options.backend, mode=mode, fullgraph=options.fullgraph, dynamic=options.dynamic
-        )
+        if options.backend == "cudagraphs":
+            from handler.engine.cuda_graphs import eager_kernels_in_cuda_graphs  # inductor's modules: only here
+
+            family.denoiser.compile(
+                backend=eager_kernels_in_cuda_graphs, fullgraph=options.fullgraph, dynamic=options.dynamic
+            )
+        else:
+            family.denoiser.compile(mode=options.mode, fullgraph=options.fullgraph, dynamic=options.dynamic)
     if options.decoder:
         # The images of every job finishing in a step decode in one call: any count, one graph for
         # two or more (warm-up decodes one image and two), without CUDA graphs (one recorded per count,
@@ -302,7 +306,8 @@ def lora_slots(settings: HandlerSettings, denoiser: torch.nn.Module, device: tor
     loras = settings.loras
     static = settings.compile.cuda_graphs(device.type) or settings.compile.dynamic is False
     per_row = min(loras.max_loaded, settings.limits.max_loras_per_request) if static else None
-    return SlotLoras(denoiser, loras.max_loaded, loras.slot_rank, loras.slot_design, per_row)
+    replayed = settings.compile.cuda_graphs(device.type)
+    return SlotLoras(denoiser, loras.max_loaded, loras.slot_rank, loras.slot_design, per_row, replayed)
 
 
 def load_engine(settings: HandlerSettings, model_dir: str | Path, gpu_id: int | None = None) -> StepEngine:

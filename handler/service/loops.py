@@ -190,23 +190,27 @@ class DiffusionService:
         started = time.perf_counter()
         cache = self.engine.warm_up_cache()
         for shape in shapes:
-            graphs, reserved = compiled_graphs(), reserved_memory(self.engine.device)
+            graphs, reserved, skips = compiled_graphs(), reserved_memory(self.engine.device), cuda_graph_skips()
             self.profile.measure(shape.width, shape.height)
             spec = self._warm_up_spec(shape)
             if not self.profile.fits_job(spec):
                 logger.warning("warm-up shape %s does not fit in memory; skipped", shape.model_dump())
+                self._log_warmed_up(shape, graphs, reserved, skips)  # what its profile compiled
                 continue
             self._warm_up_decodes(self._warm_up_jobs(spec, cache))
             if self.engine.loras.slots is not None:
                 with self.engine.loras.slots.lora_graph():
                     self.profile.step_each_size(shape.width, shape.height)  # the profile's, with LoRA rows
                     self._warm_up_jobs(spec, cache)
-            self._log_warmed_up(shape, graphs, reserved)
+            self._log_warmed_up(shape, graphs, reserved, skips)
         return time.perf_counter() - started
 
-    def _log_warmed_up(self, shape: WarmupShape, graphs_before: int, reserved_before: int | None) -> None:
+    def _log_warmed_up(
+        self, shape: WarmupShape, graphs_before: int, reserved_before: int | None, skips_before: int
+    ) -> None:
         """The graphs a shape's warm-up compiled (with CUDA graphs, each records one) and the device
-        memory it left reserved (CUDA graphs' pools included)."""
+        memory it left reserved (CUDA graphs' pools included); a warning for those of its graphs
+        that run without CUDA graphs where the denoiser should replay them."""
         graphs, reserved = compiled_graphs(), reserved_memory(self.engine.device)
         memory = ""
         if reserved is not None and reserved_before is not None:
@@ -220,8 +224,15 @@ class DiffusionService:
             graphs,
             memory,
         )
-        if self.engine.cuda_graphs and (skipped := cuda_graph_skips()):
-            logger.warning("%d compiled graphs run without CUDA graphs (torch logged why above)", skipped)
+        skipped = cuda_graph_skips() - skips_before
+        if self.engine.cuda_graphs and skipped:
+            logger.warning(
+                "warm-up %dx%d: %d compiled graphs run without CUDA graphs, each launching its kernels one by "
+                "one (torch's cudagraphs log says why)",
+                shape.width,
+                shape.height,
+                skipped,
+            )
 
     def _warm_up_spec(self, shape: WarmupShape) -> JobSpec:
         defaults = self.policy.defaults

@@ -96,10 +96,13 @@ def test_bad_settings_fail_at_load(handler):
         HandlerSettings.from_model_yaml({"handler": handler})
 
 
-def test_the_cudagraphs_backend_refuses_inductors_modes_by_name():
+def test_the_cudagraphs_backend_refuses_inductors_modes_and_targets_without_the_denoiser_by_name():
     for mode in ("reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"):
         with pytest.raises(ValidationError, match=f"compile.mode {mode} is inductor's; compile.backend cudagraphs"):
             HandlerSettings.from_model_yaml({"handler": {"compile": {"backend": "cudagraphs", "mode": mode}}})
+    with pytest.raises(ValidationError, match=r"compile.targets \['vae_decoder'\] names none \(unet or transformer\)"):
+        HandlerSettings.from_model_yaml({"handler": {"compile": {"backend": "cudagraphs", "targets": ["vae_decoder"]}}})
+    assert HandlerSettings.from_model_yaml({"handler": {"compile": {"backend": "cudagraphs"}}}).compile.backend
 
 
 def test_compile_cache_dir_is_absolute_after_expanding_home_and_variables(monkeypatch):

@@ -5,7 +5,7 @@ as the forward's rows hold, a size marked dynamic; or a static count, as where t
 static) or multiplies by every slot, with sets of no, one, two and three LoRAs side by side; which
 compile settings take the static count. Compiled: tests/unit/test_engine_lora_slots.py and
 tests/unit/test_engine_lora_slots_families.py (the default, dynamic count), bench/loras.py (both
-designs)."""
+designs). Where CUDA graphs replay, a forward's plan is kept in place."""
 
 from __future__ import annotations
 
@@ -107,6 +107,36 @@ def test_each_row_of_a_forward_gets_its_own_set(design, per_row, lora_files, inp
             assert plan.slots.shape == (6, per_row or 2)
 
 
+def test_where_cuda_graphs_replay_a_forwards_plan_is_kept_in_place_and_a_sub_batchs_is_not(
+    lora_files, inputs, expected
+):
+    """dynamo makes the tensors the slot layers read static inputs of the denoiser's graph, which a
+    CUDA graph reads where it recorded them (and is recorded again for where they moved): each
+    forward's plan of one shape is the same tensors, refilled, and its rows still get their sets; a
+    sub-batch's plan (nested in its forward's, a step cache's) is its own."""
+    pipeline = StableDiffusionPipeline.from_pretrained(DEFAULT_MODEL_DIR)
+    unet = pipeline.unet
+    slots = SlotLoras(unet, slots=4, rank=8, per_row=3, replayed=True)
+    for name, path in lora_files.items():
+        pipeline.load_lora_weights(path, adapter_name=name)
+        slots.take(name)
+        unet.unload_lora()
+    latents, timesteps, hidden = inputs
+    cpu = torch.device("cpu")
+    with torch.no_grad(), slots.rows(SETS, cpu) as first:
+        assert first is not None
+        kept = [tensor.data_ptr() for tensor in first if tensor is not None]
+        torch.testing.assert_close(unet(latents, timesteps, hidden).sample, expected, rtol=1e-4, atol=1e-5)
+    reordered = SETS[::-1]  # the same rows and slots a row: the same shape
+    with slots.rows(reordered, cpu) as second:
+        assert second is not None and [tensor.data_ptr() for tensor in second if tensor is not None] == kept
+        fresh = slots.plan(reordered, cpu)
+        assert fresh is not None and all(torch.equal(mine, theirs) for mine, theirs in zip(second, fresh, strict=True))
+        with slots.rows(reordered, cpu) as nested:
+            assert nested is not None and nested.weights.data_ptr() not in kept
+        assert slots.state.rows is second
+
+
 @pytest.mark.parametrize(
     ("compile_settings", "device", "per_row"),
     [
@@ -118,6 +148,8 @@ def test_each_row_of_a_forward_gets_its_own_set(design, per_row, lora_files, inp
         ({"mode": "max-autotune"}, "cuda", 3),
         ({"mode": "max-autotune-no-cudagraphs"}, "cuda", None),
         ({"mode": "reduce-overhead", "dynamic": True}, "cuda", 3),  # a dynamic graph's CUDA graphs: per size
+        ({"backend": "cudagraphs"}, "cuda", 3),  # eager's kernels in CUDA graphs
+        ({"backend": "cudagraphs"}, "cpu", None),
     ],
 )
 def test_rows_gather_a_static_count_of_slots_where_the_graphs_are_static(compile_settings, device, per_row):
@@ -130,4 +162,6 @@ def test_rows_gather_a_static_count_of_slots_where_the_graphs_are_static(compile
                 "limits": {"max_loras_per_request": 3},
             }
         )
-        assert lora_slots(settings, torch.nn.Module(), torch.device(device)).per_row == expected_per_row
+        slots = lora_slots(settings, torch.nn.Module(), torch.device(device))
+        assert slots.per_row == expected_per_row
+        assert slots.replayed == settings.compile.cuda_graphs(device)  # its forwards' plans kept in place

@@ -9,6 +9,7 @@ import dataclasses
 
 import pytest
 import torch
+from torch._inductor import cudagraph_trees
 
 from handler.config import CompileSettings
 from handler.engine.loading import cuda_graph_skips
@@ -18,11 +19,10 @@ from tests.harness.engine_runs import assert_same_images, engine_with_adapters, 
 # Inductor's fused float16 kernels round otherwise than eager's: on an H200 (2026-11-27) this test's
 # images moved by 2 levels, as SD 1.5's compiled pipeline did at 512x512 (docs/performance.md); a
 # lost LoRA row or a misplaced padding row moves them by tens.
+# The cudagraphs backend replays eager's own kernels, but the LoRA rows' slots (where eager runs
+# PEFT's layers) and the padded row count (cuBLAS and cuDNN may pick another algorithm for another
+# batch) may round otherwise: not yet measured, so the same bound.
 COMPILED_TOLERANCE = 3
-# The cudagraphs backend replays eager's own kernels: what may move an image is the LoRA rows' slots
-# (one matmul per row's gathered slots where eager runs PEFT's layers) and the padded row count
-# (cuBLAS and cuDNN may pick another algorithm for another batch), float16's rounding either way.
-EAGER_KERNELS_TOLERANCE = 2
 
 
 def test_a_forward_is_padded_to_the_least_count_at_or_above_its_rows():
@@ -43,7 +43,6 @@ def test_padding_is_on_where_the_compiled_denoiser_replays_cuda_graphs():
     eager_kernels = CompileSettings(enabled=True, backend="cudagraphs")
     assert eager_kernels.cuda_graphs("cuda") and not eager_kernels.cuda_graphs("cpu")
     assert eager_kernels.row_counts("cuda") == (1, 2, 4, 8, 16, 24, 32) and eager_kernels.row_counts("cpu") == ()
-    assert not CompileSettings(enabled=True, backend="cudagraphs", targets=["vae_decoder"]).cuda_graphs("cuda")
 
 
 def test_a_compiled_denoiser_of_a_guided_model_runs_a_single_row_as_two():
@@ -107,24 +106,36 @@ def test_padded_forwards_give_the_unpadded_images_and_a_step_caches_forward_is_n
     ("compiled", "tolerance"),
     [
         ({"mode": "reduce-overhead"}, COMPILED_TOLERANCE),
-        ({"backend": "cudagraphs"}, EAGER_KERNELS_TOLERANCE),
+        ({"backend": "cudagraphs"}, COMPILED_TOLERANCE),
     ],
     ids=["inductor", "cudagraphs"],
 )
-def test_on_a_gpu_cuda_graphs_give_the_eager_images(compiled, tolerance, tmp_path):
+def test_on_a_gpu_cuda_graphs_give_the_eager_images(compiled, tolerance, tmp_path, monkeypatch):
     """The compiled denoiser replaying CUDA graphs (inductor's kernels in reduce-overhead mode, and
     eager's with the cudagraphs backend; its forwards padded, LoRA rows in its slots) against the
-    eager one, the same jobs of every kind: every graph is recorded (none skipped)."""
-    skipped = cuda_graph_skips()
+    eager one, the same jobs of every kind: every graph is recorded (none skipped), and once two
+    runs warmed them up and recorded them the third replays them (a static input that moved, such as
+    a LoRA plan made anew each step, would record a graph again at every step)."""
+    skipped, recorded = cuda_graph_skips(), []
+    record = cudagraph_trees.CUDAGraphTreeManager.record_function
+
+    def counted(manager, *args, **kwargs):
+        recorded.append(1)
+        return record(manager, *args, **kwargs)
+
+    monkeypatch.setattr(cudagraph_trees.CUDAGraphTreeManager, "record_function", counted)
     settings = {"compile": {"enabled": True, "targets": ["unet"], **compiled}}
     eager = engine_with_adapters("sd1", tmp_path / "eager", device="cuda")
     graphs = engine_with_adapters("sd1", tmp_path / "graphs", device="cuda", **settings)
     assert graphs.cuda_graphs and graphs.row_counts
     scheduler = eager.family.rules.own_scheduler
     theirs, _ = decoded(eager, jobs_of_every_kind(eager, scheduler))
-    decoded(graphs, jobs_of_every_kind(graphs, scheduler))  # captures the graphs
+    for _ in range(2):  # cudagraph trees warm a graph up at its first call and record it at the second
+        decoded(graphs, jobs_of_every_kind(graphs, scheduler))
+    first = len(recorded)
     ours, rows = decoded(graphs, jobs_of_every_kind(graphs, scheduler))
     assert set(rows) <= set(graphs.row_counts)
+    assert first > 0 and len(recorded) == first, f"{len(recorded) - first} graphs recorded again ({first} first)"
     assert cuda_graph_skips() == skipped, "a graph ran without CUDA graphs (torch logged why)"
     for mine, reference in zip(ours, theirs, strict=True):
         assert_same_images(mine, reference, tolerance)
