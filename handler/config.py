@@ -602,6 +602,17 @@ class HandlerSettings(_Section):
             )
         return self
 
+    @model_validator(mode="after")
+    def _cuda_graphs_keep_the_weights_in_place(self) -> HandlerSettings:
+        if self.cpu_offload != "none" and self.compile.cuda_graphs("cuda"):
+            raise ValueError(
+                f"cpu_offload {self.cpu_offload} moves the denoiser's weights off the GPU between its forwards, "
+                "and a CUDA graph reads them where it recorded them (it would record again each time): "
+                "compile.backend cudagraphs and inductor's modes reduce-overhead and max-autotune need "
+                "cpu_offload none"
+            )
+        return self
+
     @classmethod
     def from_model_yaml(cls, model_yaml_config: dict[str, Any] | None) -> HandlerSettings:
         """Build settings from TorchServe's parsed ``model-config.yaml`` (``context.model_yaml_config``),

@@ -27,6 +27,7 @@ from torch._dynamo.backends.cudagraphs import (
     get_stack_traces,
 )
 from torch._dynamo.backends.debugging import boxed_nop
+from torch._inductor import config as inductor_config
 from torch._inductor.compile_fx import cudagraphify, get_static_input_idxs
 from torch._inductor.cudagraph_utils import get_placeholder_info, log_cudagraph_skip_and_bump_counter
 from torch._inductor.utils import num_fw_fixed_arguments
@@ -39,8 +40,10 @@ def eager_kernels_in_cuda_graphs(model: torch.fx.GraphModule, example_inputs: Se
     def recorded(aot_model: torch.fx.GraphModule, aot_inputs: list[Any]) -> Callable[..., Any]:
         run = boxed_nop(aot_model, aot_inputs)
         fixed = num_fw_fixed_arguments(len(example_inputs), len(aot_inputs))
-        if skip := check_for_skip(aot_model, fixed):
-            log_cudagraph_skip_and_bump_counter(f"skipping cudagraphs due to {skip}")
+        with inductor_config.patch(graph_partition=False):  # else an operation on the CPU is not a skip
+            skip = check_for_skip(aot_model, fixed)
+        if skip:
+            log_cudagraph_skip_and_bump_counter(skip)  # "skipping cudagraphs due to ..."
             return run
         replay = cudagraphify(
             run,

@@ -105,6 +105,16 @@ def test_the_cudagraphs_backend_refuses_inductors_modes_and_targets_without_the_
     assert HandlerSettings.from_model_yaml({"handler": {"compile": {"backend": "cudagraphs"}}}).compile.backend
 
 
+@pytest.mark.parametrize("compiled", [{"backend": "cudagraphs"}, {"mode": "reduce-overhead"}, {"mode": "max-autotune"}])
+def test_cuda_graphs_refuse_cpu_offload_by_name(compiled):
+    """Offloading moves the weights a CUDA graph reads where it recorded them."""
+    for offload in ("model", "sequential"):
+        handler = {"cpu_offload": offload, "compile": {"enabled": True, **compiled}}
+        with pytest.raises(ValidationError, match=f"cpu_offload {offload} moves the denoiser's weights"):
+            HandlerSettings.from_model_yaml({"handler": handler})
+    HandlerSettings.from_model_yaml({"handler": {"cpu_offload": "model", "compile": {"enabled": True}}})
+
+
 def test_compile_cache_dir_is_absolute_after_expanding_home_and_variables(monkeypatch):
     monkeypatch.setenv("SD_CACHE", "/srv/cache")
     assert (

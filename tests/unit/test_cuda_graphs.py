@@ -13,6 +13,7 @@ import pytest
 import torch
 from torch._inductor import cudagraph_trees
 
+from handler.adapters.lora_slots import SlotRows, SlotState
 from handler.config import HandlerSettings, WarmupShape
 from handler.engine import cuda_graphs
 from handler.service import loops
@@ -40,17 +41,33 @@ def recordings(monkeypatch) -> list[tuple[int, tuple[int, ...], tuple[int, ...]]
     torch._dynamo.reset()
 
 
-def test_a_graph_is_recorded_once_per_row_count_with_its_parameters_static(recordings):
-    module = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.GELU(), torch.nn.Linear(8, 3)).requires_grad_(False)
+class Planned(torch.nn.Module):
+    """Two linear layers and a per-row scale read off the module, as LoRA slot layers read their plan."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.GELU(), torch.nn.Linear(8, 3))
+        self.state = SlotState()
+
+    def forward(self, latents: torch.Tensor) -> torch.Tensor:
+        assert self.state.rows is not None
+        return self.layers(latents) * self.state.rows.weights
+
+
+def test_a_graph_is_recorded_once_per_row_count_with_what_it_reads_off_modules_static(recordings):
+    module = Planned().requires_grad_(False)
     compiled = torch.compile(module, backend=cuda_graphs.eager_kernels_in_cuda_graphs)
     with torch.inference_mode():
         for rows in (2, 4, 8, 4, 2):
             latents = torch.randn(rows, 4)
-            torch._dynamo.maybe_mark_dynamic(latents, 0)  # as the step engine marks the denoiser's rows
+            module.state.rows = SlotRows(None, torch.rand(rows, 1))
+            for tensor in (latents, module.state.rows.weights):  # as the step engine marks the denoiser's rows
+                torch._dynamo.maybe_mark_dynamic(tensor, 0)
             assert torch.equal(compiled(latents), module(latents)), rows
     assert [rows for rows, _, _ in recordings] == [2, 4, 8], "one recording per row count, replayed after"
     for _, static, parameters in recordings:
-        assert len(parameters) == 4 and set(parameters) <= set(static), "weights are not copied at each replay"
+        # the weights and the plan: read where recorded, not copied at each replay (so a plan must stay in place)
+        assert len(parameters) == 4 and len(static) == 5 and set(parameters) <= set(static)
 
 
 @pytest.mark.parametrize("replays", [True, False])

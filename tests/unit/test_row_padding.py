@@ -11,6 +11,7 @@ import pytest
 import torch
 from torch._inductor import cudagraph_trees
 
+from handler.adapters.lora_slots import SlotLoras
 from handler.config import CompileSettings
 from handler.engine.loading import cuda_graph_skips
 from handler.engine.step_engine import padded_count
@@ -116,14 +117,20 @@ def test_on_a_gpu_cuda_graphs_give_the_eager_images(compiled, tolerance, tmp_pat
     eager one, the same jobs of every kind: every graph is recorded (none skipped), and once two
     runs warmed them up and recorded them the third replays them (a static input that moved, such as
     a LoRA plan made anew each step, would record a graph again at every step)."""
-    skipped, recorded = cuda_graph_skips(), []
-    record = cudagraph_trees.CUDAGraphTreeManager.record_function
+    torch._dynamo.reset()  # a worker's process: the other backend's graphs and CUDA graphs gone
+    skipped, recorded, plans = cuda_graph_skips(), [], []
+    record, plan = cudagraph_trees.CUDAGraphTreeManager.record_function, SlotLoras.plan
 
     def counted(manager, *args, **kwargs):
         recorded.append(1)
         return record(manager, *args, **kwargs)
 
+    def kept_alive(slots, *args, **kwargs):  # each plan made elsewhere: a plan the graphs read would move
+        plans.append(plan(slots, *args, **kwargs))
+        return plans[-1]
+
     monkeypatch.setattr(cudagraph_trees.CUDAGraphTreeManager, "record_function", counted)
+    monkeypatch.setattr(SlotLoras, "plan", kept_alive)
     settings = {"compile": {"enabled": True, "targets": ["unet"], **compiled}}
     eager = engine_with_adapters("sd1", tmp_path / "eager", device="cuda")
     graphs = engine_with_adapters("sd1", tmp_path / "graphs", device="cuda", **settings)
