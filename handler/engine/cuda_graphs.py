@@ -6,11 +6,14 @@ Adapted from torch 2.13's ``torch._dynamo.backends.cudagraphs.cudagraphs`` (infe
 what inductor's own path does instead (``torch._inductor.compile_fx``: ``cudagraphify``,
 ``get_static_input_idxs``):
 
-- A graph is recorded at its first real call, once per size of its dynamic dimensions. dynamo's
-  backend records from the example inputs, where a dynamic size is a SymInt and not an int, so every
-  row count would replay the graph recorded for the first (pytorch/pytorch#131009).
-- The module's parameters are static inputs. dynamo's backend counts none once modules are inlined
-  (torch's default), so every weight would be copied into the graph's pool and again at each replay.
+- A graph is recorded from its real calls, once per concrete value of its dynamic sizes (cudagraph
+  trees warm it up at its first call and record it at its second). dynamo's backend records from
+  the example inputs, where a dynamic size is a SymInt and not an int, so every row count would
+  replay the graph recorded for the first (pytorch/pytorch#131009).
+- What dynamo marks static is a static input: the module's parameters and buffers, and the tensors
+  it reads off its modules (so those must stay in place: ``SlotLoras.rows``). dynamo's backend counts
+  none once modules are inlined (torch's default), so every weight would be copied into the graph's
+  pool and again at each replay.
 """
 
 from __future__ import annotations
@@ -34,8 +37,8 @@ from torch._inductor.utils import num_fw_fixed_arguments
 
 
 def eager_kernels_in_cuda_graphs(model: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> Callable[..., Any]:
-    """A ``torch.compile`` backend: ``model``'s ATen graph, recorded as CUDA graphs on its first call
-    of each size (off CUDA, or where a graph cannot be recorded, run as it is; torch logs why)."""
+    """A ``torch.compile`` backend: ``model``'s ATen graph, recorded as CUDA graphs for each size it
+    is called at (off CUDA, or where a graph cannot be recorded, run as it is; torch logs why)."""
 
     def recorded(aot_model: torch.fx.GraphModule, aot_inputs: list[Any]) -> Callable[..., Any]:
         run = boxed_nop(aot_model, aot_inputs)

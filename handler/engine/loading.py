@@ -304,9 +304,9 @@ def lora_slots(settings: HandlerSettings, denoiser: torch.nn.Module, device: tor
     shapes. Then every row takes as many slots as a request may hold LoRAs, at most as many as are
     loaded: ``min(max_loaded, max_loras_per_request)``."""
     loras = settings.loras
-    static = settings.compile.cuda_graphs(device.type) or settings.compile.dynamic is False
-    per_row = min(loras.max_loaded, settings.limits.max_loras_per_request) if static else None
     replayed = settings.compile.cuda_graphs(device.type)
+    static = replayed or settings.compile.dynamic is False
+    per_row = min(loras.max_loaded, settings.limits.max_loras_per_request) if static else None
     return SlotLoras(denoiser, loras.max_loaded, loras.slot_rank, loras.slot_design, per_row, replayed)
 
 
