@@ -143,6 +143,11 @@ class Plan:
     # first forward (its one-step requests may never share one).
     served_profile_steps: int = 10
     served_profile_first_forward: bool = False
+    # The lora section's compiled designs' compile.backend. The quick plan traces them only
+    # ("cudagraphs": dynamo's graphs of eager's kernels, nothing recorded off CUDA): inductor's
+    # compile of the tiny UNet's gathered slots is tests/unit/test_engine_lora_slots.py's, and
+    # compiling it again here was 160 s of the suite (2026-11-30).
+    lora_compile_backend: str = "inductor"
 
 
 FULL = Plan(
@@ -209,6 +214,7 @@ QUICK = Plan(
     sdxl_compiled=False,
     served_profile_steps=2,  # over two TorchServe calls in continuous batching: each 1-step request ends one
     served_profile_first_forward=True,
+    lora_compile_backend="cudagraphs",
 )
 
 
@@ -555,7 +561,7 @@ class GpuBench:
         """LoRA sets sharing one SD 1.5 forward, per design of the row-wise path (``bench.loras``)."""
         plan = self.plan
         model = loras.Model("sd15", model_dir(plan.sd15_model), plan.lora_side, plan.lora_rank, 0.02)
-        return loras.measure(model, plan.lora_steps, plan.repeats)
+        return loras.measure(model, plan.lora_steps, plan.repeats, plan.lora_compile_backend)
 
     def controlnet(self) -> dict:
         """ControlNets in the shared SD 1.5 forward against a forward per ControlNet set (``bench.controlnets``)."""

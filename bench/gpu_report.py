@@ -335,7 +335,8 @@ def _lora(section: dict) -> list[str]:
     ]
     if "graphs_compiled_after_warm_up" in section:
         taken.append(
-            f"compiled (LoRA slots), no LoRA: {section['compiled_plain_over_eager']:.2f}x the eager step; graphs "
+            f"compiled (LoRA slots, {section.get('compile_backend', 'inductor')}), no LoRA: "
+            f"{section['compiled_plain_over_eager']:.2f}x the eager step; graphs "
             f"compiled after the warm-up round: {section['graphs_compiled_after_warm_up']}"
         )
     side = section["side"]

@@ -130,8 +130,9 @@ def step_seconds(engine: StepEngine, jobs: list[DenoiseJob], design: str) -> flo
     return time.perf_counter() - started
 
 
-def measure(model: Model, steps: int, repeats: int) -> dict:
-    """Median step seconds per workload and design on one model."""
+def measure(model: Model, steps: int, repeats: int, compile_backend: str = "inductor") -> dict:
+    """Median step seconds per workload and design on one model (``compile_backend``: the compiled
+    designs' ``compile.backend``)."""
     model_dir = model.model_dir or sd15.ensure_model()
     with tempfile.TemporaryDirectory(prefix="bench-lora-") as tmp:
         directory = Path(tmp)
@@ -153,7 +154,7 @@ def measure(model: Model, steps: int, repeats: int) -> dict:
                     {
                         "model_path": str(model_dir),
                         "loras": {"dir": str(directory), "max_loaded": 8 if compiled else 16, "slot_rank": model.rank},
-                        "compile": {"enabled": compiled, "targets": ["unet"]},
+                        "compile": {"enabled": compiled, "backend": compile_backend, "targets": ["unet"]},
                     }
                 ),
                 "/unused",
@@ -248,6 +249,7 @@ def measure(model: Model, steps: int, repeats: int) -> dict:
         "rank": model.rank,
         "lycoris_dim": model.lycoris_dim,
         "lycoris_ranks": lycoris_ranks,
+        "compile_backend": compile_backend,
         "environment": environment(engine.device),
         "rows": rows,
         "auto_designs": taken,
