@@ -40,7 +40,7 @@ from torch._dynamo.utils import counters
 
 from handler.adapters.lora_rows import Adapters, base_scaling, beyond_plain_lora, weight
 from handler.config import SlotDesign
-from handler.families.transfer import to_device
+from handler.families.transfer import copy_into, to_device
 
 # Linear layers of transformer blocks (UNet and MMDiT alike) and the projections around them.
 TARGETS = re.compile(r"(^|\.)transformer_blocks\.\d+\.|(^|\.)proj_(in|out)$")
@@ -211,8 +211,26 @@ class SlotLoras:
                 layer.clear(slot)
 
     def plan(self, sets: Sequence[tuple[Adapters, int]], device: torch.device) -> SlotRows | None:
-        """Each row's weight per slot of its adapters, as the design reads it; None where no row
-        holds a LoRA with a weight (the graph without LoRA)."""
+        """Each row's weight per slot of its adapters, as the design reads it, on ``device``; None
+        where no row holds a LoRA with a weight (the graph without LoRA)."""
+        host = self._host_plan(sets)
+        if host is None:
+            return None
+        plan = SlotRows(
+            None if host.slots is None else to_device(host.slots, device), to_device(host.weights, device, self._dtype)
+        )
+        if plan.slots is not None and self.per_row is None:  # one graph for every k (a step cache's regions too)
+            for tensor in plan:
+                torch._dynamo.maybe_mark_dynamic(tensor, 1)
+        return plan
+
+    @property
+    def _dtype(self) -> torch.dtype:
+        """The slots' weights' dtype (the denoiser's)."""
+        return next(iter(self.layers.values())).slot_a.dtype
+
+    def _host_plan(self, sets: Sequence[tuple[Adapters, int]]) -> SlotRows | None:
+        """``plan`` on the host, the weights in float64."""
         rows: list[dict[int, float]] = []
         for adapter_set, count in sets:
             row: dict[int, float] = {}
@@ -223,21 +241,15 @@ class SlotLoras:
             rows.extend([row] * count)
         if not any(any(row.values()) for row in rows) and not self._lora_graph:
             return None
-        dtype = next(iter(self.layers.values())).slot_a.dtype
         if self.design == "stacked":
             every = [[row.get(slot, 0.0) for slot in range(self.slots)] for row in rows]
-            weights = torch.tensor(every, dtype=torch.float64)
-            return SlotRows(None, to_device(weights.repeat_interleave(self.rank, dim=1), device, dtype))
+            return SlotRows(None, torch.tensor(every, dtype=torch.float64).repeat_interleave(self.rank, dim=1))
         held = max((len(row) for row in rows), default=0)
         # dynamic: 2 at least (dynamo specializes a size of 1)
         k = max(2, held) if self.per_row is None else max(1, self.per_row, held)
         slots = torch.tensor([[*row, *[0] * (k - len(row))] for row in rows], dtype=torch.long)
         weights = torch.tensor([[*row.values(), *[0.0] * (k - len(row))] for row in rows], dtype=torch.float64)
-        gathered = SlotRows(to_device(slots, device), to_device(weights, device, dtype))
-        if self.per_row is None:  # one graph for every k, in every forward (a step cache's regions too)
-            for tensor in gathered:
-                torch._dynamo.maybe_mark_dynamic(tensor, 1)
-        return gathered
+        return SlotRows(slots, weights)
 
     @contextmanager
     def lora_graph(self) -> Iterator[None]:
@@ -253,25 +265,29 @@ class SlotLoras:
     def rows(self, sets: Sequence[tuple[Adapters, int]], device: torch.device) -> Iterator[SlotRows | None]:
         """During the block, the denoiser's forwards give each consecutive block of rows its set
         (the plan before it is back after it: a sub-batch's is nested in its forward's)."""
-        outer, plan = self.state.rows, self.plan(sets, device)
-        self.state.rows = self._kept_in_place(plan) if self.replayed and outer is None else plan
+        outer = self.state.rows
+        self.state.rows = (
+            self._kept_in_place(sets, device) if self.replayed and outer is None else self.plan(sets, device)
+        )
         try:
             yield self.state.rows
         finally:
             self.state.rows = outer
 
-    def _kept_in_place(self, plan: SlotRows | None) -> SlotRows | None:
-        """``plan`` copied into the tensors kept for its shape. dynamo makes the tensors a module
-        reads static inputs of its graph, which a CUDA graph reads where it recorded them and is
-        recorded again for where they moved: a new plan each step would record a graph each step."""
-        if plan is None:
+    def _kept_in_place(self, sets: Sequence[tuple[Adapters, int]], device: torch.device) -> SlotRows | None:
+        """``plan`` copied from the host into the tensors kept for its shape. dynamo makes the
+        tensors a module reads static inputs of its graph, which a CUDA graph reads where it
+        recorded them and is recorded again for where they moved: a new plan each step would
+        record a graph each step."""
+        host = self._host_plan(sets)
+        if host is None:
             return None
-        key = (None if plan.slots is None else tuple(plan.slots.shape), tuple(plan.weights.shape))
+        key = (None if host.slots is None else tuple(host.slots.shape), tuple(host.weights.shape))
         if key not in self._kept:
-            slots = None if plan.slots is None else torch.empty_like(plan.slots)
-            self._kept[key] = SlotRows(slots, torch.empty_like(plan.weights))
+            slots = None if host.slots is None else torch.empty_like(host.slots, device=device)
+            self._kept[key] = SlotRows(slots, torch.empty_like(host.weights, dtype=self._dtype, device=device))
         kept = self._kept[key]
-        if kept.slots is not None and plan.slots is not None:
-            kept.slots.copy_(plan.slots)
-        kept.weights.copy_(plan.weights)
+        for into, values in zip(kept, host, strict=True):
+            if into is not None:
+                copy_into(into, values)
         return kept

@@ -19,9 +19,18 @@ def to_device(tensor: torch.Tensor, device: torch.device, dtype: torch.dtype | N
     pageable memory may read it after it is freed)."""
     if device.type != "cuda" or tensor.device.type != "cpu":
         return tensor.to(device=device, dtype=dtype)
-    pinned = torch.empty_like(tensor, dtype=dtype, pin_memory=True).copy_(tensor)
+    return copy_into(torch.empty_like(tensor, dtype=dtype, device=device), tensor)
+
+
+def copy_into(target: torch.Tensor, tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor``'s values copied into ``target`` (of its shape, converted to its dtype): from a
+    host tensor into a CUDA one through a pinned copy, queued without blocking; otherwise as
+    ``Tensor.copy_`` copies."""
+    if target.device.type != "cuda" or tensor.device.type != "cpu":
+        return target.copy_(tensor)
+    pinned = torch.empty_like(tensor, dtype=target.dtype, pin_memory=True).copy_(tensor)
     # copy_ rather than Tensor.to: under QueuedCopies a ``to`` would be staged again
-    return torch.empty_like(pinned, device=device).copy_(pinned, non_blocking=True)
+    return target.copy_(pinned, non_blocking=True)
 
 
 def to_host(tensor: torch.Tensor) -> torch.Tensor:
