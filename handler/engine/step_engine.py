@@ -30,7 +30,8 @@ own (4- or 16-channel) denoiser; a job with ControlNets mirrors ``StableDiffusio
   device; first-block caching's decision is the one exception, a step with such jobs reads one vector.
 - ``decode``: the end of ``__call__``: VAE decode, the safety checker (SD, where the model has one)
   or the watermark (SDXL), PIL images; ``decode_later`` queues the VAE decode and the pixels' copy
-  to the host and leaves the rest to whoever asks for the images (``handler.engine.decoding``).
+  to the host (on CUDA on a stream of their own, beside the next forward) and leaves the rest to
+  whoever asks for the images (``handler.engine.decoding``).
 
 Left out, because no request can ask for it: ``guidance_rescale``, ``clip_skip``,
 ``cross_attention_kwargs`` and LoRA scales, IP-Adapter images, caller-supplied latents, embeddings,
@@ -62,7 +63,7 @@ from handler.adapters.embeddings import EmbeddingLibrary
 from handler.adapters.lora_slots import SlotRows
 from handler.adapters.loras import Adapters, LoraLibrary
 from handler.config import FamilyRules, FaultInjection, StepCache
-from handler.engine.decoding import DecodeFailed, LaterDecode
+from handler.engine.decoding import DecodeFailed, DecodeStream, LaterDecode
 from handler.engine.jobs import DenoiseJob, Inpainting, JobSpec
 from handler.engine.timing import Span
 from handler.families import Conditioning, Decoded, Family, Pipeline, Residuals, Scheduler, schedules
@@ -94,6 +95,10 @@ class StepEngine:
     # regions mark their own arguments).
     dynamic_rows: bool = False
     compiled_decoder: bool = False  # the VAE's decode is compiled (warm-up decodes one image and two)
+    decode_stream: DecodeStream = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.decode_stream = DecodeStream(self.device)
 
     @property
     def rules(self) -> FamilyRules:
@@ -357,16 +362,18 @@ class StepEngine:
 
     def decode_later(self, latents: torch.Tensor, width: int, height: int, tiled: bool = False) -> LaterDecode:
         """``decode`` in two parts: the VAE decode and the copy of its pixels to the host queued
-        on the device now (its out of memory raised here), the family's host part (safety checker
-        or watermark, PIL images) run by whoever first asks for the images (``LaterDecode``)."""
+        on the device now (on CUDA on the decode stream, after the step's work queued so far; its
+        out of memory raised here), the family's host part (safety checker or watermark, PIL
+        images) run by whoever first asks for the images (``LaterDecode``)."""
         if not tiled:
             self._simulate_out_of_memory(
                 "VAE decode", latents.shape[0] * width * height, self.fault_injection.vae_out_of_memory_above_pixels
             )
-        span = Span(self.device)
-        with torch.inference_mode():
+        with torch.inference_mode(), self.decode_stream.after_the_step(latents):
+            span = Span(self.device)  # marks on the decode stream
             pixels = to_host(self.family.vae_decode(latents, tiled))
-        return LaterDecode.queued(pixels, span.end(), functools.partial(self._postprocess, width * height))
+            span.end()
+        return LaterDecode.queued(pixels, span, functools.partial(self._postprocess, width * height))
 
     def _postprocess(self, image_pixels: int, pixels: torch.Tensor) -> Decoded:
         """The family's end of the pipeline on decoded pixels (``LaterDecode`` makes them again

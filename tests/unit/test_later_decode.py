@@ -1,6 +1,6 @@
 """A decode's images are made once, by the first thread that asks, and every asker gets them, or
 the error that making them raised; on a GPU, the two-part decode makes the images the pipeline's
-end makes on the device."""
+end makes on the device, on a stream of its own beside the next forward."""
 
 from __future__ import annotations
 
@@ -118,5 +118,45 @@ def test_on_a_gpu_the_two_part_decode_makes_the_images_and_flags_the_device_make
     with ThreadPoolExecutor(1, thread_name_prefix="sd-encode") as thread:
         decoded, seconds, retries = thread.submit(decode.result).result()
     assert seconds > 0 and retries == 0 and decoded.nsfw_content_detected == expected.nsfw_content_detected
+    for ours, theirs in zip(decoded.images, expected.images, strict=True):
+        assert np.array_equal(np.asarray(ours), np.asarray(theirs))
+
+
+SLEEP_CYCLES = 10**9  # about half a second of a GPU's clock: the decode stream held back that long
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_on_a_gpu_the_decode_runs_beside_the_next_forward(monkeypatch):
+    """The VAE decode runs on the engine's decode stream: what the step's stream queues after it
+    (the next forward) is done while the decode still runs, the latents the step let go are not
+    reused before the decode has read them, and the images are those of a decode on the step's
+    stream."""
+    engine = tiny_engine("sd1-safety", device="cuda")
+    (job,) = engine.start([spec(side=64, steps=2, images=2)])
+    while not job.done:
+        engine.step([job])
+    with torch.inference_mode():
+        expected = engine.family.postprocess(engine.family.vae_decode(job.latents, False))
+    vae_decode, streams = engine.family.vae_decode, []
+
+    def held_back(latents: torch.Tensor, tiled: bool) -> torch.Tensor:
+        streams.append(torch.cuda.current_stream())
+        torch.cuda._sleep(SLEEP_CYCLES)
+        return vae_decode(latents, tiled)
+
+    monkeypatch.setattr(engine.family, "vae_decode", held_back)
+    latents = job.latents.clone()
+    torch.cuda.synchronize()
+    decode = engine.decode_later(latents, 64, 64)
+    del latents  # the step's last reference: their memory is the step stream's again once the decode read them
+    with torch.inference_mode():
+        overwritten = torch.full_like(job.latents, float("nan"))  # the step's next block of that size
+    next_forward = torch.cuda.Event()
+    next_forward.record()
+    next_forward.synchronize()
+    assert streams == [engine.decode_stream.stream] != [torch.cuda.current_stream()]
+    assert not engine.decode_stream.stream.query(), "the step's stream waited for the decode"
+    decoded = decode.result().decoded
+    assert overwritten.isnan().all() and decoded.nsfw_content_detected == expected.nsfw_content_detected
     for ours, theirs in zip(decoded.images, expected.images, strict=True):
         assert np.array_equal(np.asarray(ours), np.asarray(theirs))
