@@ -287,7 +287,7 @@ class SlotLoras:
             slots = None if host.slots is None else torch.empty_like(host.slots, device=device)
             self._kept[key] = SlotRows(slots, torch.empty_like(host.weights, dtype=self._dtype, device=device))
         kept = self._kept[key]
-        for into, values in zip(kept, host, strict=True):
-            if into is not None:
-                copy_into(into, values)
+        if kept.slots is not None and host.slots is not None:
+            copy_into(kept.slots, host.slots)
+        copy_into(kept.weights, host.weights)
         return kept
