@@ -32,7 +32,7 @@ from tests.harness.serving import (
 
 # Far longer than a second worker takes to start and load (seconds here), so the scale-up happens
 # while it is in flight.
-IN_FLIGHT = {"prompt": "a red circle", "seed": 11, "num_inference_steps": 800}
+IN_FLIGHT = {"prompt": "a red circle", "seed": 11, "num_inference_steps": 500}
 WAIT_S = 120  # fail-safe bound; a stalled request would wait for the response timeout
 
 
@@ -44,7 +44,7 @@ def test_one_worker_serves_continuous_batching_and_the_describe_api_says_so(serv
 
 def test_several_workers_serve_dynamic_batching_and_scale_down(tmp_path):
     """Two GPUs' worth of workers (on this CPU host: two CPU workers): packaging ships dynamic batching."""
-    with serve_archive(MODEL_DIR, MODEL_CONFIG, tmp_path, STARTUP_TIMEOUT, gpus=2) as server:
+    with serve_archive(MODEL_DIR, MODEL_CONFIG, tmp_path, STARTUP_TIMEOUT, gpus=2, stop_grace=0) as server:
         eventually(lambda: server.worker_status() == ["READY", "READY"], "two ready workers")
         described = server.describe()
         assert described["continuousBatching"] is False and described["minWorkers"] == 2

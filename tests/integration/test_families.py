@@ -76,6 +76,7 @@ class Served:
     mode: str
     server: TorchServe
     client: Client
+    files: Path  # its family's LoRAs, ControlNets and embeddings (family_files)
 
     @property
     def side(self) -> int:
@@ -91,10 +92,16 @@ class Served:
         return self.schedulers[index % len(self.schedulers)]
 
 
-@pytest.fixture(scope="module", params=CASES, ids=[f"{family}-{mode}" for family, mode in CASES])
-def served(request, tmp_path_factory) -> Iterator[Served]:
-    family, mode = request.param
-    tmp = tmp_path_factory.mktemp(f"{family}-{mode}")
+@pytest.fixture(scope="module")
+def family_files(tmp_path_factory) -> dict[str, tuple[Path, Path, dict]]:
+    """Per family, written once for both modes' servers (which only read them): the folder of its
+    LoRAs, ControlNets and embeddings, the model a server loads, and its checkpoint settings."""
+    return {}
+
+
+def write_family_files(tmp: Path, family: str) -> tuple[Path, dict]:
+    """The family's LoRAs, ControlNets (with the wrong family's and a pickled one), embeddings
+    and, where it is served from one, its single file in ``tmp``: the model and checkpoint settings."""
     write_lora(TINY_MODEL_DIRS[family], tmp / "loras" / f"{LORA}.safetensors", seed=5)
     conv_ff = {"layers": ("conv", "feed_forward"), "spread": 0.1, "text_encoder": False}
     write_lora(TINY_MODEL_DIRS[family], tmp / "loras" / f"{CONV_LORA}.safetensors", seed=6, **conv_ff)
@@ -107,19 +114,29 @@ def served(request, tmp_path_factory) -> Iterator[Served]:
         shutil.copy(tmp / "controlnets" / CONTROLNETS[0] / "config.json", pickled)
         torch.save({"conv_in.weight": torch.zeros(1)}, pickled / "diffusion_pytorch_model.bin")
     write_embeddings(tmp / "embeddings", family)
-    model, checkpoint = TINY_MODEL_DIRS[family], {}
-    if family in SINGLE_FILE:
-        pipeline = AutoPipelineForText2Image.from_pretrained(model, use_safetensors=True)
-        model = write_single_file(pipeline, tmp / f"tiny-{family}.safetensors", open_clip_text_encoder=family == "sd2")
-        checkpoint = {"config": str(TINY_MODEL_DIRS[family])}
+    if family not in SINGLE_FILE:
+        return TINY_MODEL_DIRS[family], {}
+    pipeline = AutoPipelineForText2Image.from_pretrained(TINY_MODEL_DIRS[family], use_safetensors=True)
+    model = write_single_file(pipeline, tmp / f"tiny-{family}.safetensors", open_clip_text_encoder=family == "sd2")
+    return model, {"config": str(TINY_MODEL_DIRS[family])}
+
+
+@pytest.fixture(scope="module", params=CASES, ids=[f"{family}-{mode}" for family, mode in CASES])
+def served(request, tmp_path_factory, family_files) -> Iterator[Served]:
+    family, mode = request.param
+    if family not in family_files:
+        files = tmp_path_factory.mktemp(f"{family}-files")
+        family_files[family] = (files, *write_family_files(files, family))
+    files, model, checkpoint = family_files[family]
+    tmp = tmp_path_factory.mktemp(f"{family}-{mode}")
     config = model_config(
         tmp,
         handler={
             "checkpoint": checkpoint,
             "limits": {"max_inference_steps": LONG["num_inference_steps"]},
-            "loras": {"dir": str(tmp / "loras")},
-            "controlnets": {"dir": str(tmp / "controlnets")},
-            "embeddings": {"dir": str(tmp / "embeddings")},
+            "loras": {"dir": str(files / "loras")},
+            "controlnets": {"dir": str(files / "controlnets")},
+            "embeddings": {"dir": str(files / "embeddings")},
             # These tests check what shares a forward; on 2 cores a tiny model's step time per image can
             # be flat from 2 images on, and the step-time cap would then keep forwards that small.
             "step_time_cap": False,
@@ -129,7 +146,7 @@ def served(request, tmp_path_factory) -> Iterator[Served]:
         maxBatchDelay=50 if mode == "dynamic" else 10,
     )
     with serving(tmp, config, model) as server:
-        yield Served(family, mode, server, Client(server))
+        yield Served(family, mode, server, Client(server), files)
 
 
 def write_embeddings(directory: Path, family: str) -> None:
@@ -150,12 +167,22 @@ def write_embeddings(directory: Path, family: str) -> None:
 
 
 @pytest.fixture(scope="module")
-def references() -> dict[str, Reference]:
+def references() -> dict:
+    """Per family its ``Reference``, and per family and body the images it made (both modes' servers
+    are sent the same bodies)."""
     return {}
 
 
-def reference(references: dict[str, Reference], served: Served, body: dict):
+def reference(references: dict, served: Served, body: dict):
     """diffusers' own call for ``body`` (the server's defaults for what it leaves out)."""
+    key = (served.family, json.dumps(body, sort_keys=True))
+    if key not in references:
+        references[key] = call_reference(references, served, body)
+    return references[key]
+
+
+def call_reference(references: dict, served: Served, body: dict):
+    """``reference``'s call."""
     if served.family not in references:
         references[served.family] = Reference(TINY_MODEL_DIRS[served.family])
     return references[served.family](
@@ -172,12 +199,11 @@ def reference(references: dict[str, Reference], served: Served, body: dict):
         mask=None if "mask" not in body else diffusers_mask(base64.b64decode(body["mask"])),
         strength=body.get("strength", 0.8),
         loras=[
-            (served.server.workdir.parent / "loras" / f"{lora['name']}.safetensors", lora["scale"])
-            for lora in body.get("loras", [])
+            (served.files / "loras" / f"{lora['name']}.safetensors", lora["scale"]) for lora in body.get("loras", [])
         ],
         controlnets=[
             ControlNetCall(
-                served.server.workdir.parent / "controlnets" / control["name"],
+                served.files / "controlnets" / control["name"],
                 Image.open(io.BytesIO(base64.b64decode(control["image"]))).convert("RGB"),
                 control.get("scale", 1.0),
                 control.get("start", 0.0),
@@ -187,7 +213,7 @@ def reference(references: dict[str, Reference], served: Served, body: dict):
         ],
         **cache_options(StepCache(**body["cache"]) if "cache" in body else None),
         embeddings=[
-            served.server.workdir.parent / "embeddings" / f"{name}.safetensors"
+            served.files / "embeddings" / f"{name}.safetensors"
             for name in EMBEDDINGS
             if name in f"{body['prompt']} {body.get('negative_prompt') or ''}"
         ],
