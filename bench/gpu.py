@@ -241,10 +241,18 @@ class GpuBench:
     """Runs the sections of one plan; every section's JSON carries the environment it ran in."""
 
     def __init__(
-        self, plan: Plan, device: str, output: Path, scratch: Path, timeout: float, compiled: str | None = None
+        self,
+        plan: Plan,
+        device: str,
+        output: Path,
+        scratch: Path,
+        timeout: float,
+        compiled: str | None = None,
+        decode_stream: str = "step",
     ):
         self.plan = plan
         self.compiled = compiled  # the compile mode scaling and sdxl measure; None: the fastest in variants
+        self.decode_stream = decode_stream  # the served sections' handler.decode_stream
         self.device_setting = device
         self.device = resolve_device(device)
         self.output = output
@@ -432,7 +440,7 @@ class GpuBench:
         in-process ceiling at batch = concurrency (measured here with ``scheduler``, the one the
         server defaults to, unless ``ceilings`` has it)."""
         check_serving_tools()
-        result: dict = {"ceiling_images_per_s": {}, "points": []}
+        result: dict = {"ceiling_images_per_s": {}, "points": [], "decode_stream": self.decode_stream}
         for concurrency in concurrencies:
             ceiling = (ceilings or {}).get(concurrency)
             if ceiling is None:
@@ -444,8 +452,8 @@ class GpuBench:
         bodies = functools.partial(self.bodies, side=side, steps=steps)
         for mode, frontend in modes.items():
             workdir = (self.scratch / f"{section}-{mode}").resolve()
-            config = served_config(workdir, model, concurrencies, frontend)
-            with serve_archive(model_dir(model), config, workdir, gpus=1) as server:
+            config = served_config(workdir, model, concurrencies, frontend, self.decode_stream)
+            with serve_archive(model_dir(model), config, workdir, gpus=1, stop_grace=0) as server:
                 for concurrency in concurrencies:
                     closed_loop(server, bodies(concurrency), concurrency)  # warm-up at this concurrency
                     before = server.metric_samples()
@@ -497,8 +505,8 @@ class GpuBench:
             "dir": str(workdir / "profiles"),
         }
         top = max(concurrencies)
-        config = served_config(workdir, model, concurrencies, frontend, profiler)
-        with serve_archive(model_dir(model), config, workdir, gpus=1) as server:
+        config = served_config(workdir, model, concurrencies, frontend, self.decode_stream, profiler)
+        with serve_archive(model_dir(model), config, workdir, gpus=1, stop_grace=0) as server:
             closed_loop(server, bodies(2 * top), top)
         written = sorted((workdir / "profiles").glob("step-profile-*.json"), key=lambda path: path.stat().st_mtime)
         return json.loads(written[-1].read_text()) if written else None
@@ -634,11 +642,17 @@ def check_serving_tools() -> None:
 
 
 def served_config(
-    workdir: Path, model: str, concurrencies: tuple[int, ...], frontend: dict, profiler: dict | None = None
+    workdir: Path,
+    model: str,
+    concurrencies: tuple[int, ...],
+    frontend: dict,
+    decode_stream: str,
+    profiler: dict | None = None,
 ) -> Path:
     """The model config of a served section's server: one worker, TorchServe's batch the highest
-    concurrency (``frontend``: the batching mode's settings), ``handler.profiler`` where given."""
-    handler: dict = {"model_path": str(model_dir(model))}
+    concurrency (``frontend``: the batching mode's settings), ``handler.decode_stream``,
+    ``handler.profiler`` where given."""
+    handler: dict = {"model_path": str(model_dir(model)), "decode_stream": decode_stream}
     if profiler:
         handler["profiler"] = profiler
     return write_model_config(
@@ -680,6 +694,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="the compile mode scaling and sdxl measure (default: the fastest in the output directory's "
         "variants.json, compile-default without one)",
     )
+    parser.add_argument(
+        "--decode-stream",
+        default="step",
+        choices=["step", "own"],
+        help="the served sections' handler.decode_stream (default: step, as shipped)",
+    )
     parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     parser.add_argument("--quick", action="store_true", help="CI mode: tiny models, 64x64, one step, on the CPU")
     parser.add_argument("--output-dir", type=Path, help="default: reports/gpu (reports/gpu-quick with --quick)")
@@ -700,7 +720,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
     plan = QUICK if args.quick else FULL
-    bench = GpuBench(plan, args.device, args.output_dir, args.scratch, args.timeout, args.compiled)
+    bench = GpuBench(plan, args.device, args.output_dir, args.scratch, args.timeout, args.compiled, args.decode_stream)
     if bench.device.type != "cuda" and not args.quick:
         logger.warning("no GPU here (%s): the full plan will be slow; --quick is the CPU mode", bench.device)
     logger.info("plan: %s on %s; sections %s", plan, bench.device, ", ".join(args.sections))

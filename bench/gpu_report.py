@@ -276,6 +276,8 @@ def _engine(section: dict) -> list[str]:
 
 
 def _served(section: dict) -> list[str]:
+    stream = section.get("decode_stream", "step")
+    heading = [f"`decode_stream: {stream}`" + (" (as shipped)" if stream == "step" else ""), ""]
     rows = [
         [
             point["mode"],
@@ -291,21 +293,25 @@ def _served(section: dict) -> list[str]:
         ]
         for point in section["points"]
     ]
-    return _table(
-        [
-            "batching",
-            "concurrency",
-            "requests",
-            "errors",
-            "images/s",
-            "p50 (s)",
-            "p95 (s)",
-            "in-process at that batch (images/s)",
-            "served / in-process",
-            "images per denoiser forward",
-        ],
-        rows,
-    ) + _served_profiles(section)
+    return (
+        heading
+        + _table(
+            [
+                "batching",
+                "concurrency",
+                "requests",
+                "errors",
+                "images/s",
+                "p50 (s)",
+                "p95 (s)",
+                "in-process at that batch (images/s)",
+                "served / in-process",
+                "images per denoiser forward",
+            ],
+            rows,
+        )
+        + _served_profiles(section)
+    )
 
 
 def _sdxl(section: dict) -> list[str]:

@@ -563,6 +563,14 @@ class HandlerSettings(_Section):
         "they also make the images from the queued decode (safety checker or watermark, PIL images), the next "
         "denoiser forward runs meanwhile, and the answers are collected after it is queued",
     )
+    decode_stream: Literal["step", "own"] = Field(
+        "step",
+        description="on CUDA, where the VAE decode of finished jobs runs: 'step', on the step's stream between the "
+        "forward that finished them and the next one (which waits for it); 'own', on a stream of its own beside "
+        "the next forward, whose memory pool it does not share (the decode's working memory is held beside the "
+        "forward's: where both do not fit, the allocator frees its cache and waits for the device). No effect on "
+        "a CPU; 'step' until a GPU measures 'own'",
+    )
     request_timeout_s: float | None = Field(
         None,
         gt=0,

@@ -1,12 +1,12 @@
 """A decode in two parts, so that finished requests stay off the step's path: the VAE decode and
-the copy of its pixels to the host are queued on the device (``StepEngine.decode_later``), on CUDA
-on a stream of their own (``DecodeStream``) beside the step's, and the rest of the pipeline's end
-(the safety checker or the watermark, PIL images) runs once, on the thread that first asks for the
-images or calls ``make`` (the service: an encoder thread on a GPU, the stepping thread on the CPU).
-The next forward waits for no decode on the device, and on a GPU the thread that steps waits for
-no copy: an encoder thread does; the safety checker's CLIP runs on that thread's own CUDA stream,
-so its reads wait for its own work, not for the forwards queued since. A safety checker that runs
-out of memory on a decode's images runs again image by image (``Made.out_of_memory_retries``)."""
+the copy of its pixels to the host are queued on the device (``StepEngine.decode_later``; with
+``decode_stream: own``, on CUDA on a stream of their own beside the step's, ``DecodeStream``), and
+the rest of the pipeline's end (the safety checker or the watermark, PIL images) runs once, on the
+thread that first asks for the images or calls ``make`` (the service: an encoder thread on a GPU,
+the stepping thread on the CPU). On a GPU the thread that steps waits for no copy: an encoder
+thread does; the safety checker's CLIP runs on that thread's own CUDA stream, so its reads wait
+for its own work, not for the forwards queued since. A safety checker that runs out of memory on a
+decode's images runs again image by image (``Made.out_of_memory_retries``)."""
 
 from __future__ import annotations
 
@@ -28,13 +28,14 @@ logger = logging.getLogger(__name__)
 
 
 class DecodeStream:
-    """Where the engine's VAE decodes run: on CUDA a stream of their own, each decode starting once
-    the step's stream has passed the forward that finished its jobs, so the forward queued after it
-    on the step's stream runs beside it instead of after it (at the cost of the decode's working
-    memory held beside the forward's); elsewhere the current stream."""
+    """Where the engine's VAE decodes run: ``own`` on CUDA, a stream of their own, each decode
+    starting once the step's stream has passed the forward that finished its jobs, so the forward
+    queued after it on the step's stream runs beside it instead of after it (the caching allocator
+    keeps a pool per stream: the decode's working memory is held beside the forward's, and where
+    both do not fit it frees its cache and waits for the device); otherwise the current stream."""
 
-    def __init__(self, device: torch.device):
-        self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+    def __init__(self, device: torch.device, own: bool):
+        self.stream = torch.cuda.Stream(device) if own and device.type == "cuda" else None
 
     @contextlib.contextmanager
     def after_the_step(self, latents: torch.Tensor) -> Iterator[None]:

@@ -395,4 +395,5 @@ def load_engine(settings: HandlerSettings, model_dir: str | Path, gpu_id: int | 
         embeddings,
         dynamic_rows=settings.compile.denoiser and dynamic_rows(settings),
         compiled_decoder=settings.compile.decoder,
+        own_decode_stream=settings.decode_stream == "own",
     )

@@ -9,9 +9,10 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -31,10 +32,23 @@ def activities(device: torch.device) -> list[torch.profiler.ProfilerActivity]:
     return [torch.profiler.ProfilerActivity.CPU, *cuda]
 
 
+def busy_seconds(intervals: Iterable[tuple[float, float]]) -> float:
+    """The seconds at least one of ``intervals`` (start and end, in microseconds) covers: the
+    device's busy time where kernels of several streams overlap (the decode's, the safety
+    checker's, the step's), counted once."""
+    busy, reached = 0.0, -math.inf
+    for start, end in sorted(intervals):
+        if end > reached:
+            busy += end - max(start, reached)
+            reached = end
+    return busy / 1e6
+
+
 def summarize(profiler: torch.profiler.profile, device: torch.device, wall_s: float, steps: int, top: int = 8) -> dict:
     """A finished profile of ``steps`` steps that took ``wall_s`` seconds (unprofiled, where the
-    caller measured that apart): the operators taking the most time and, on CUDA, the kernels' busy
-    seconds and share of ``wall_s``, the host syncs (by call) and the syncs and kernel launches per step."""
+    caller measured that apart): the operators taking the most time and, on CUDA, the seconds a
+    kernel (or copy) ran and their share of ``wall_s`` (overlaps counted once), the host syncs (by
+    call) and the syncs and kernel launches per step."""
     events = profiler.key_averages()
     cuda = device.type == "cuda"
     if cuda:  # kernel rows only: a CPU operator's self device time repeats its kernels'
@@ -55,7 +69,11 @@ def summarize(profiler: torch.profiler.profile, device: torch.device, wall_s: fl
         ],
     }
     if cuda:
-        kernel_s = sum(seconds for _, seconds in timed) / 1e6
+        kernel_s = busy_seconds(
+            (event.time_range.start, event.time_range.end)
+            for event in profiler.events()
+            if event.device_type == torch.autograd.DeviceType.CUDA and not getattr(event, "is_user_annotation", False)
+        )
         syncs = {event.key: event.count for event in events if "Synchronize" in event.key}
         launches = sum(event.count for event in events if event.key in KERNEL_LAUNCHES)
         result |= {

@@ -30,8 +30,8 @@ own (4- or 16-channel) denoiser; a job with ControlNets mirrors ``StableDiffusio
   device; first-block caching's decision is the one exception, a step with such jobs reads one vector.
 - ``decode``: the end of ``__call__``: VAE decode, the safety checker (SD, where the model has one)
   or the watermark (SDXL), PIL images; ``decode_later`` queues the VAE decode and the pixels' copy
-  to the host (on CUDA on a stream of their own, beside the next forward) and leaves the rest to
-  whoever asks for the images (``handler.engine.decoding``).
+  to the host (with ``decode_stream: own``, on CUDA on a stream of their own, beside the next
+  forward) and leaves the rest to whoever asks for the images (``handler.engine.decoding``).
 
 Left out, because no request can ask for it: ``guidance_rescale``, ``clip_skip``,
 ``cross_attention_kwargs`` and LoRA scales, IP-Adapter images, caller-supplied latents, embeddings,
@@ -95,10 +95,11 @@ class StepEngine:
     # regions mark their own arguments).
     dynamic_rows: bool = False
     compiled_decoder: bool = False  # the VAE's decode is compiled (warm-up decodes one image and two)
+    own_decode_stream: bool = False  # on CUDA the VAE decodes on a stream of its own (``DecodeStream``)
     decode_stream: DecodeStream = field(init=False)
 
     def __post_init__(self) -> None:
-        self.decode_stream = DecodeStream(self.device)
+        self.decode_stream = DecodeStream(self.device, self.own_decode_stream)
 
     @property
     def rules(self) -> FamilyRules:
@@ -362,8 +363,8 @@ class StepEngine:
 
     def decode_later(self, latents: torch.Tensor, width: int, height: int, tiled: bool = False) -> LaterDecode:
         """``decode`` in two parts: the VAE decode and the copy of its pixels to the host queued
-        on the device now (on CUDA on the decode stream, after the step's work queued so far; its
-        out of memory raised here), the family's host part (safety checker or watermark, PIL
+        on the device now (on the decode stream, after the step's work queued so far; its out of
+        memory raised here), the family's host part (safety checker or watermark, PIL
         images) run by whoever first asks for the images (``LaterDecode``)."""
         if not tiled:
             self._simulate_out_of_memory(

@@ -3,7 +3,7 @@ memory: image by image, then in tiles), their images made (the safety checker ou
 image by image, ``LaterDecode``) and encoded on encoder threads, and answered.
 
 The VAE decode and the copy of its pixels to the host are queued on the device
-(``StepEngine.decode_later``; on CUDA on a stream of their own, beside the next forward). On a GPU
+(``StepEngine.decode_later``; with ``decode_stream: own``, beside the next forward). On a GPU
 (``overlap``) an encoder thread waits for the copy, makes the decode's images once (the safety
 checker or the watermark, PIL images) and encodes its request's; the service has queued the next
 denoiser forward before it calls ``finish``, and an encoding still running is collected at a later

@@ -8,11 +8,13 @@ import json
 from pathlib import Path
 
 import pytest
+import yaml
 from PIL import Image
 
 from bench import gpu
-from bench.gpu import QUICK, SECTIONS, GpuBench, parse_args, row_key
+from bench.gpu import QUICK, SECTIONS, SERVED_MODES, GpuBench, parse_args, row_key, served_config
 from bench.gpu_report import goals, markdown, render
+from handler.config import HandlerSettings
 
 ENVIRONMENT = {
     "device": "cuda:0",
@@ -239,6 +241,22 @@ def test_the_command_line_runs_variants_alone_with_variants_and_the_compile_mode
     assert bench.best_compiled() == "compile-default"  # no variants.json
     compiled = parse_args(["--compiled", "compile-reduce-overhead"]).compiled
     assert GpuBench(QUICK, "cpu", tmp_path, tmp_path / "scratch", 60, compiled).best_compiled() == compiled
+
+
+def test_the_served_sections_run_the_decode_stream_asked_for_and_say_which(tmp_path):
+    """``--decode-stream`` sets the served servers' ``handler.decode_stream`` (``step`` as shipped),
+    and the report names it above the served table."""
+    assert parse_args([]).decode_stream == "step"
+    args = parse_args(["--sections", "served", "--decode-stream", "own"])
+    bench = GpuBench(QUICK, "cpu", tmp_path, tmp_path / "scratch", 60, None, args.decode_stream)
+    assert bench.decode_stream == "own"
+    config = served_config(tmp_path, QUICK.sd15_model, (1, 2), SERVED_MODES["dynamic"], bench.decode_stream)
+    assert HandlerSettings.from_model_yaml(yaml.safe_load(config.read_text())).decode_stream == "own"
+    sections = _sections()
+    assert "`decode_stream: step` (as shipped)" in markdown(sections)  # figures from before the setting
+    sections["served"]["decode_stream"] = "own"
+    served = markdown(sections).split("## 4. Served")[1].split("\n## ")[0]
+    assert "`decode_stream: own`" in served and "(as shipped)" not in served
 
 
 def test_a_row_of_the_variants_section_serves_scaling_unless_it_failed(monkeypatch):

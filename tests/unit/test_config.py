@@ -89,6 +89,7 @@ def test_the_request_timeout_defaults_to_its_share_of_the_response_timeout_unles
         {"profiler": {"steps": -1}},
         {"profiler": {"min_rows": 0}},
         {"loras": {"slot_design": "dense"}},
+        {"decode_stream": "side"},
     ],
 )
 def test_bad_settings_fail_at_load(handler):

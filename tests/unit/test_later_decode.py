@@ -1,6 +1,7 @@
 """A decode's images are made once, by the first thread that asks, and every asker gets them, or
 the error that making them raised; on a GPU, the two-part decode makes the images the pipeline's
-end makes on the device, on a stream of its own beside the next forward."""
+end makes on the device, and with ``decode_stream: own`` on a stream of its own beside the next
+forward."""
 
 from __future__ import annotations
 
@@ -126,12 +127,12 @@ SLEEP_CYCLES = 10**9  # about half a second of a GPU's clock: the decode stream 
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-def test_on_a_gpu_the_decode_runs_beside_the_next_forward(monkeypatch):
-    """The VAE decode runs on the engine's decode stream: what the step's stream queues after it
-    (the next forward) is done while the decode still runs, the latents the step let go are not
-    reused before the decode has read them, and the images are those of a decode on the step's
-    stream."""
-    engine = tiny_engine("sd1-safety", device="cuda")
+def test_on_a_gpu_an_own_decode_stream_runs_beside_the_next_forward(monkeypatch):
+    """With ``decode_stream: own`` the VAE decode runs on the engine's decode stream: what the
+    step's stream queues after it (the next forward) is done while the decode still runs, the
+    latents the step let go are not reused under it (a step's tensor of their size, written at
+    once, would take their block), and the images are those of a decode on the step's stream."""
+    engine = tiny_engine("sd1-safety", device="cuda", decode_stream="own")
     (job,) = engine.start([spec(side=64, steps=2, images=2)])
     while not job.done:
         engine.step([job])
@@ -145,18 +146,24 @@ def test_on_a_gpu_the_decode_runs_beside_the_next_forward(monkeypatch):
         return vae_decode(latents, tiled)
 
     monkeypatch.setattr(engine.family, "vae_decode", held_back)
-    latents = job.latents.clone()
-    torch.cuda.synchronize()
-    decode = engine.decode_later(latents, 64, 64)
-    del latents  # the step's last reference: their memory is the step stream's again once the decode read them
     with torch.inference_mode():
-        overwritten = torch.full_like(job.latents, float("nan"))  # the step's next block of that size
+        latents = job.latents.clone()
+        torch.cuda.synchronize()
+        decode = engine.decode_later(latents, 64, 64)
+        del latents  # the step's last reference
+        torch.full_like(job.latents, float("nan"))  # the step's next tensor of their size
     next_forward = torch.cuda.Event()
     next_forward.record()
     next_forward.synchronize()
     assert streams == [engine.decode_stream.stream] != [torch.cuda.current_stream()]
     assert not engine.decode_stream.stream.query(), "the step's stream waited for the decode"
     decoded = decode.result().decoded
-    assert overwritten.isnan().all() and decoded.nsfw_content_detected == expected.nsfw_content_detected
+    assert decoded.nsfw_content_detected == expected.nsfw_content_detected
     for ours, theirs in zip(decoded.images, expected.images, strict=True):
         assert np.array_equal(np.asarray(ours), np.asarray(theirs))
+
+
+def test_the_decode_stream_is_the_steps_unless_asked_and_on_cuda():
+    """``decode_stream`` as shipped (``step``) and anywhere off CUDA: no stream of its own."""
+    assert tiny_engine("sd1").decode_stream.stream is None
+    assert tiny_engine("sd1", decode_stream="own").decode_stream.stream is None  # the CPU
