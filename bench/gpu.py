@@ -93,6 +93,7 @@ SECTION_VARIANTS = (
     "compile-max-autotune-no-cudagraphs",
     "compile-reduce-overhead",
     "cudagraphs",
+    "cudagraphs-channels-last",
 )
 # The shipped model-config.yaml with only the mode forced: continuous batching is what packaging
 # ships for a one-GPU host, dynamic batching what it ships for several workers.

@@ -109,6 +109,13 @@ VARIANTS: tuple[Variant, ...] = (
         cuda_only=True,
     ),
     Variant(
+        "cudagraphs-channels-last",
+        "as cudagraphs with the UNet and VAE in channels_last memory format: eager's convolutions without "
+        "cuDNN's layout conversions around each, in CUDA graphs (inductor picks its own layouts)",
+        {"channels_last": True, "compile": {"enabled": True, "backend": "cudagraphs", "targets": ["unet"]}},
+        cuda_only=True,
+    ),
+    Variant(
         "attention-slicing",
         "SDPA, serving dtype, attention computed in slices (pipeline.enable_attention_slicing)",
         {"attention_slicing": True},

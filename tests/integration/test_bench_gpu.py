@@ -14,7 +14,7 @@ from server.paths import ROOT
 
 pytestmark = pytest.mark.slow
 
-CUDA_ONLY = {"compile-max-autotune-no-cudagraphs", "compile-reduce-overhead", "cudagraphs"}
+CUDA_ONLY = {"compile-max-autotune-no-cudagraphs", "compile-reduce-overhead", "cudagraphs", "cudagraphs-channels-last"}
 
 
 @pytest.fixture(scope="module")

@@ -36,12 +36,14 @@ def test_every_variant_is_valid_handler_settings_and_differs_from_the_baseline()
         "compile-max-autotune",
         "compile-max-autotune-no-cudagraphs",
         "cudagraphs",
+        "cudagraphs-channels-last",
     }
-    by_inductor = compiled - {"cudagraphs"}
+    by_inductor = compiled - {"cudagraphs", "cudagraphs-channels-last"}
     assert {settings[name].compile.mode for name in by_inductor} == {
         name.removeprefix("compile-") for name in by_inductor
     }
     assert settings["cudagraphs"].compile.backend == "cudagraphs" and not settings["cudagraphs"].compile.decoder
+    assert settings["cudagraphs-channels-last"].channels_last and not settings["cudagraphs"].channels_last
 
 
 def test_on_a_cpu_only_the_cuda_graph_variants_are_skipped_and_say_why():
@@ -50,14 +52,16 @@ def test_on_a_cpu_only_the_cuda_graph_variants_are_skipped_and_say_why():
         "compile-reduce-overhead",
         "compile-max-autotune-no-cudagraphs",
         "cudagraphs",
+        "cudagraphs-channels-last",
     }
-    assert skipped["compile-reduce-overhead"] == skipped["cudagraphs"] == "CUDA only"
+    assert skipped["compile-reduce-overhead"] == skipped["cudagraphs-channels-last"] == "CUDA only"
     quick = {variant.name for variant in VARIANTS if variant.skip_reason(torch.device("cpu"), quick=True)}
     assert quick == {
         "compile-reduce-overhead",
         "compile-max-autotune",
         "compile-max-autotune-no-cudagraphs",
         "cudagraphs",
+        "cudagraphs-channels-last",
     }
 
 
