@@ -362,6 +362,7 @@ def load_engine(settings: HandlerSettings, model_dir: str | Path, gpu_id: int | 
         f" pad_rows={','.join(map(str, row_counts)) or 'off'}"
         f" step_cache={'deep' if deep_cache else 'first_block' if first_block else 'off'}"
         f"{'(compiled regions)' if regions and (deep_cache or first_block) else ''}"
+        f" decode_stream={settings.decode_stream if device.type == 'cuda' else 'step'}"
     )
     loras = LoraLibrary(pipeline, family.denoiser, directory, settings.loras.max_loaded, off_because, slots)
     controlnets = ControlNetLibrary(
