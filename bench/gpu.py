@@ -8,7 +8,7 @@ section file there (``bench.gpu_report``), so sections can run in separate calls
 1. ``variants``: SD 1.5, 512x512, 50 DDIM steps, batch 1, guidance 7.5: eager (SDPA, serving dtype:
    float16 on a GPU), vanilla attention, channels_last, torch.compile in ``default``,
    ``max-autotune-no-cudagraphs`` and ``reduce-overhead`` (CUDA graphs) modes, and ``cudagraphs``
-   (eager's kernels replayed as CUDA graphs: ``compile.backend``): UNet it/s, seconds
+   (eager's kernels replayed as CUDA graphs: ``compile.backend``; also in channels_last): UNet it/s, seconds
    per image, peak memory, compile cold and warm (the persisted inductor cache), image distance to
    eager, the largest batch with SDPA and with vanilla attention, and a torch.profiler breakdown of
    an eager call (kernels against wall time, host syncs). ``--variants`` measures a subset (eager
@@ -24,6 +24,7 @@ section file there (``bench.gpu_report``), so sections can run in separate calls
    (the eager pipeline at the same batch, measured in the same run), and, on a server of its own,
    the worker's profile of 10 served forwards at concurrency 16 (``handler.profiler``: kernels
    against the wall time of the worker's loop, host syncs and kernel launches per step), per mode.
+   ``--decode-stream own`` serves with ``handler.decode_stream: own`` (the report names it).
 5. ``sdxl``: SDXL 1024x1024, 30 steps, batch 1: eager, float32 and the fastest compile mode of
    ``variants`` (``--compiled`` names another).
 6. ``sd35``: SD 3.5 Medium (T5 included) 1024x1024, 28 flow-matching steps, guidance 7.5, eager at
@@ -33,7 +34,8 @@ section file there (``bench.gpu_report``), so sections can run in separate calls
    the worker's profile of 10 served forwards at concurrency 4.
 8. ``lora``: SD 1.5, 512x512, 8 requests with no LoRA, one LoRA, 8 different LoRAs and 8 sets of 3
    (rank 16, attention and feed-forward) in one forward, per design of the row-wise LoRA path
-   (``bench.loras``): step time over no LoRA, and which design ``auto`` took per layer.
+   (``bench.loras``): step time over no LoRA, and which design ``auto`` took per layer (the quick
+   plan's compiled designs on the ``cudagraphs`` backend: traced, not compiled, on a CPU).
 9. ``controlnet``: SD 1.5, 512x512, two random ControlNets: one request with a ControlNet against
    none, and 8 requests with one ControlNet on all, on half, two on four each, in the shared UNet
    forward against a forward per ControlNet set (``bench.controlnets``).

@@ -43,6 +43,7 @@ def test_every_variant_is_valid_handler_settings_and_differs_from_the_baseline()
         name.removeprefix("compile-") for name in by_inductor
     }
     assert settings["cudagraphs"].compile.backend == "cudagraphs" and not settings["cudagraphs"].compile.decoder
+    assert settings["cudagraphs-channels-last"].compile.backend == "cudagraphs"
     assert settings["cudagraphs-channels-last"].channels_last and not settings["cudagraphs"].channels_last
 
 
@@ -54,7 +55,12 @@ def test_on_a_cpu_only_the_cuda_graph_variants_are_skipped_and_say_why():
         "cudagraphs",
         "cudagraphs-channels-last",
     }
-    assert skipped["compile-reduce-overhead"] == skipped["cudagraphs-channels-last"] == "CUDA only"
+    assert (
+        skipped["compile-reduce-overhead"]
+        == skipped["cudagraphs"]
+        == skipped["cudagraphs-channels-last"]
+        == "CUDA only"
+    )
     quick = {variant.name for variant in VARIANTS if variant.skip_reason(torch.device("cpu"), quick=True)}
     assert quick == {
         "compile-reduce-overhead",

@@ -164,7 +164,7 @@ def test_on_a_gpu_an_own_decode_stream_runs_beside_the_next_forward(monkeypatch)
 
 
 def test_the_decode_stream_is_the_steps_unless_asked_and_on_cuda():
-    """``decode_stream`` as shipped (``step``) and anywhere off CUDA: no stream of its own."""
-    shipped, asked = tiny_engine("sd1"), tiny_engine("sd1", decode_stream="own")
+    """``decode_stream`` as shipped (``step``), and ``own`` off CUDA: no stream of its own."""
+    shipped, asked = tiny_engine("sd1", device="cpu"), tiny_engine("sd1", device="cpu", decode_stream="own")
     assert shipped.decode_stream.stream is None and "decode_stream=step" in shipped.description
     assert asked.decode_stream.stream is None and "decode_stream=step" in asked.description  # the CPU
