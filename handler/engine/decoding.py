@@ -34,8 +34,18 @@ class DecodeStream:
     keeps a pool per stream: the decode's working memory is held beside the forward's, and where
     both do not fit it frees its cache and waits for the device); otherwise the current stream."""
 
-    def __init__(self, device: torch.device, own: bool):
-        self.stream = torch.cuda.Stream(device) if own and device.type == "cuda" else None
+    def __init__(self, stream: torch.cuda.Stream | None = None):
+        self.stream = stream
+
+    @classmethod
+    def on(cls, device: torch.device, setting: str) -> DecodeStream:
+        """``decode_stream``'s stream on ``device``: ``own`` on CUDA, else the step's."""
+        return cls(torch.cuda.Stream(device) if setting == "own" and device.type == "cuda" else None)
+
+    @property
+    def setting(self) -> str:
+        """What it is, as ``decode_stream`` names it."""
+        return "step" if self.stream is None else "own"
 
     @contextlib.contextmanager
     def after_the_step(self, latents: torch.Tensor) -> Iterator[None]:

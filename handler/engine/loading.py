@@ -24,6 +24,7 @@ from handler.adapters.lora_slots import SlotLoras
 from handler.adapters.loras import LoraLibrary
 from handler.checkpoints.single_file import checkpoint_file, load_single_file, load_vae_file
 from handler.config import CompileSettings, HandlerSettings, guided_at
+from handler.engine.decoding import DecodeStream
 from handler.engine.step_engine import StepEngine
 from handler.families import Family, Pipeline, StableDiffusion3Family, family_of
 from handler.families.base import RegionCompiler, rows_marked
@@ -351,6 +352,7 @@ def load_engine(settings: HandlerSettings, model_dir: str | Path, gpu_id: int | 
     text_encoder_3 = (
         "" if not hasattr(pipeline, "text_encoder_3") else f" text_encoder_3={pipeline.text_encoder_3 is not None}"
     )
+    decode_stream = DecodeStream.on(device, settings.decode_stream)
     description = (
         f"family={family.name} pipeline={type(pipeline).__name__} denoiser={family.denoiser_name}{text_encoder_3} "
         f"device={device} "
@@ -362,7 +364,7 @@ def load_engine(settings: HandlerSettings, model_dir: str | Path, gpu_id: int | 
         f" pad_rows={','.join(map(str, row_counts)) or 'off'}"
         f" step_cache={'deep' if deep_cache else 'first_block' if first_block else 'off'}"
         f"{'(compiled regions)' if regions and (deep_cache or first_block) else ''}"
-        f" decode_stream={settings.decode_stream if device.type == 'cuda' else 'step'}"
+        f" decode_stream={decode_stream.setting}"
     )
     loras = LoraLibrary(pipeline, family.denoiser, directory, settings.loras.max_loaded, off_because, slots)
     controlnets = ControlNetLibrary(
@@ -396,5 +398,5 @@ def load_engine(settings: HandlerSettings, model_dir: str | Path, gpu_id: int | 
         embeddings,
         dynamic_rows=settings.compile.denoiser and dynamic_rows(settings),
         compiled_decoder=settings.compile.decoder,
-        own_decode_stream=settings.decode_stream == "own",
+        decode_stream=decode_stream,
     )

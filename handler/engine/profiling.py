@@ -44,6 +44,11 @@ def busy_seconds(intervals: Iterable[tuple[float, float]]) -> float:
     return busy / 1e6
 
 
+def _on_the_device(event: Any) -> bool:
+    """A kernel or copy the device ran (not a user annotation projected onto it)."""
+    return event.device_type == torch.autograd.DeviceType.CUDA and not getattr(event, "is_user_annotation", False)
+
+
 def summarize(profiler: torch.profiler.profile, device: torch.device, wall_s: float, steps: int, top: int = 8) -> dict:
     """A finished profile of ``steps`` steps that took ``wall_s`` seconds (unprofiled, where the
     caller measured that apart): the operators taking the most time and, on CUDA, the seconds a
@@ -52,11 +57,7 @@ def summarize(profiler: torch.profiler.profile, device: torch.device, wall_s: fl
     events = profiler.key_averages()
     cuda = device.type == "cuda"
     if cuda:  # kernel rows only: a CPU operator's self device time repeats its kernels'
-        timed = [
-            (event, event.self_device_time_total)
-            for event in events
-            if event.device_type == torch.autograd.DeviceType.CUDA and not getattr(event, "is_user_annotation", False)
-        ]
+        timed = [(event, event.self_device_time_total) for event in events if _on_the_device(event)]
     else:
         timed = [(event, event.self_cpu_time_total) for event in events]
     ranked = sorted((pair for pair in timed if pair[1] > 0), key=lambda pair: pair[1], reverse=True)
@@ -70,9 +71,7 @@ def summarize(profiler: torch.profiler.profile, device: torch.device, wall_s: fl
     }
     if cuda:
         kernel_s = busy_seconds(
-            (event.time_range.start, event.time_range.end)
-            for event in profiler.events()
-            if event.device_type == torch.autograd.DeviceType.CUDA and not getattr(event, "is_user_annotation", False)
+            (event.time_range.start, event.time_range.end) for event in profiler.events() if _on_the_device(event)
         )
         syncs = {event.key: event.count for event in events if "Synchronize" in event.key}
         launches = sum(event.count for event in events if event.key in KERNEL_LAUNCHES)

@@ -95,11 +95,7 @@ class StepEngine:
     # regions mark their own arguments).
     dynamic_rows: bool = False
     compiled_decoder: bool = False  # the VAE's decode is compiled (warm-up decodes one image and two)
-    own_decode_stream: bool = False  # on CUDA the VAE decodes on a stream of its own (``DecodeStream``)
-    decode_stream: DecodeStream = field(init=False)
-
-    def __post_init__(self) -> None:
-        self.decode_stream = DecodeStream(self.device, self.own_decode_stream)
+    decode_stream: DecodeStream = field(default_factory=DecodeStream)  # where the VAE decodes (the step's stream)
 
     @property
     def rules(self) -> FamilyRules:
