@@ -7,10 +7,13 @@ so what is measured is what is served.
 from __future__ import annotations
 
 import functools
+import inspect
 import json
 import logging
 import os
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 from diffusers import AutoPipelineForText2Image
@@ -34,6 +37,9 @@ from handler.families.first_block_cache import FirstBlockHooks, is_transformer
 logger = logging.getLogger(__name__)
 # The graphs a compiled region's code may keep (dynamo's recompile limit) (``_region_compiler``).
 REGION_GRAPHS = 32
+# Whether torch.compile takes a recompile limit of its own (``compile_with_limit``): not in torch 2.11,
+# the lent GPU machines' own.
+_COMPILE_TAKES_RECOMPILE_LIMIT = "recompile_limit" in inspect.signature(torch.compile).parameters
 
 DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
 ATTENTION_PROCESSORS = {"sdpa": AttnProcessor2_0, "vanilla": AttnProcessor}
@@ -224,9 +230,26 @@ def _region_compiler(options: CompileSettings, marked: bool) -> RegionCompiler |
         return None
     dynamic = None if options.dynamic is False else options.dynamic
     compile_ = functools.partial(
-        torch.compile, mode=without_cuda_graphs(options.mode), dynamic=dynamic, recompile_limit=REGION_GRAPHS
+        compile_with_limit, limit=REGION_GRAPHS, mode=without_cuda_graphs(options.mode), dynamic=dynamic
     )
     return (lambda forward: rows_marked(compile_(forward))) if marked else compile_
+
+
+def compile_with_limit(function: Callable[..., Any], limit: int, **options: Any) -> Callable[..., Any]:
+    """``torch.compile(function, **options)`` keeping up to ``limit`` graphs of its code (dynamo's
+    recompile limit) and leaving the process's limit to other code: torch.compile's own
+    ``recompile_limit`` where torch has it, else the process's limit raised for each call's length
+    (a process-wide setting: right while one thread calls compiled code, the step engine's)."""
+    if _COMPILE_TAKES_RECOMPILE_LIMIT:
+        return torch.compile(function, **{**options, "recompile_limit": limit})  # not in torch's overloads
+    compiled = torch.compile(function, **options)
+
+    @functools.wraps(function)
+    def limited(*args: Any, **kwargs: Any) -> Any:
+        with torch._dynamo.config.patch(recompile_limit=limit):
+            return compiled(*args, **kwargs)
+
+    return limited
 
 
 def compile_cache_summary() -> str:

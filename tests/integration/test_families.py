@@ -402,7 +402,8 @@ def test_embeddings_a_prompt_names_share_forwards_and_each_gets_diffusers_images
     assert names == {*EMBEDDINGS, BROKEN_EMBEDDING}
     base = {"num_inference_steps": 5, "response_format": "json"}
     bodies = [
-        {**base, "prompt": "a tinystyle red circle", "seed": 5},
+        # the forwards the others must join: more of them than their arrival may take (continuous)
+        {**base, "prompt": "a tinystyle red circle", "seed": 5, "num_inference_steps": 12},
         {**base, "prompt": "a blue square", "negative_prompt": "tinyneg, blurry", "seed": 6},
         {**base, "prompt": f"a {BROKEN_EMBEDDING} square", "seed": 7},
         {**base, "prompt": "a green triangle", "seed": 8},
@@ -416,7 +417,8 @@ def test_embeddings_a_prompt_names_share_forwards_and_each_gets_diffusers_images
     ]
     for body, response in answered:
         assert_diffusers_images(references, served, body, response)
-    assert followers[0][0].json()["batch"]["max_step_images"] >= 3, (
+    # any three of the long request and the answered ones hold requests with and without embeddings
+    assert max(response.json()["batch"]["max_step_images"] for _, response in answered) >= 3, (
         "requests with and without embeddings in one forward"
     )
 

@@ -9,10 +9,12 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
+import pytest
 import torch
 from torch._dynamo.eval_frame import _debug_get_cache_entry_list
 
 from handler.config import CompileSettings, HandlerSettings
+from handler.engine import loading
 from handler.engine.loading import _apply_compile, _region_compiler, dynamic_rows
 from handler.families.base import mark_rows, rows_marked
 
@@ -109,3 +111,32 @@ def test_what_runs_at_any_row_count_compiles_without_cuda_graphs(monkeypatch):
         ("_call_impl", "default"),
         ("_unmarked_block", "default"),
     ]
+
+
+def _region(hidden: torch.Tensor) -> torch.Tensor:
+    return hidden * 2
+
+
+@pytest.fixture
+def fresh_dynamo():
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+@pytest.mark.parametrize(
+    "own_keyword",
+    [False, *([True] if loading._COMPILE_TAKES_RECOMPILE_LIMIT else [])],
+    ids=lambda own: "keyword" if own else "per-call-limit",
+)
+def test_a_region_keeps_its_own_recompile_limit(monkeypatch, fresh_dynamo, own_keyword):
+    """``compile_with_limit`` keeps graphs past dynamo's default limit of 8 a code, up to its own,
+    and leaves the process's limit as it was: with torch.compile's ``recompile_limit``, and where
+    torch lacks it (2.11) by raising the limit for each call."""
+    monkeypatch.setattr(loading, "_COMPILE_TAKES_RECOMPILE_LIMIT", own_keyword)
+    default = torch._dynamo.config.recompile_limit
+    region = loading.compile_with_limit(_region, default + 2, backend="eager", dynamic=False)
+    for rows in range(1, default + 5):
+        assert torch.equal(region(torch.ones(rows)), torch.full((rows,), 2.0))
+    assert _graphs(_region) == default + 2
+    assert torch._dynamo.config.recompile_limit == default
