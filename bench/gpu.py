@@ -472,11 +472,13 @@ class GpuBench:
                             **point,
                             "mean_batch_size": figures.mean_batch_size,
                             "mean_step_images": figures.mean_step_images,
+                            "step_share": figures.step_seconds / seconds,
+                            "decode_share": figures.decode_seconds / seconds,
                         }
                     )
                     logger.info(
                         "%s, %s batching, concurrency %d: %.2f images/s, p95 %s s, %s of in-process, "
-                        "%.1f images per denoiser forward",
+                        "%.1f images per denoiser forward; steps %s and decodes %s of the time",
                         section,
                         mode,
                         concurrency,
@@ -484,6 +486,8 @@ class GpuBench:
                         number_text(point["p95_s"]),
                         percent_text(point["ratio"]),
                         figures.mean_step_images,
+                        percent_text(result["points"][-1]["step_share"]),
+                        percent_text(result["points"][-1]["decode_share"]),
                     )
                     self.save(section, result)
             profile = self.served_profile(

@@ -290,6 +290,8 @@ def _served(section: dict) -> list[str]:
             number_text(point["ceiling_images_per_s"]),
             percent_text(point["ratio"]),
             number_text(point.get("mean_step_images")),
+            percent_text(point.get("step_share")),
+            percent_text(point.get("decode_share")),
         ]
         for point in section["points"]
     ]
@@ -307,11 +309,32 @@ def _served(section: dict) -> list[str]:
                 "in-process at that batch (images/s)",
                 "served / in-process",
                 "images per denoiser forward",
+                "steps' share of the time",
+                "decodes' share of the time",
             ],
             rows,
         )
+        + _served_shares_note(section)
         + _served_profiles(section)
     )
+
+
+def _served_shares_note(section: dict) -> list[str]:
+    """What the steps' and decodes' shares are (points measured before they were reported have none)."""
+    if not any("step_share" in point for point in section["points"]):
+        return []
+    return [
+        "",
+        "The steps' and decodes' shares: the server's `sd_denoise_step_seconds` and `sd_vae_decode_seconds` "
+        "summed over the point, over its wall time (on a GPU, the device's timeline around each step and "
+        "decode). The rest is time between them: admission and text encoding, answers, TorchServe's round "
+        "trips"
+        + (
+            "; under `decode_stream: own` a decode overlaps the steps, so the shares may add up past 100%."
+            if section.get("decode_stream") == "own"
+            else "."
+        ),
+    ]
 
 
 def _sdxl(section: dict) -> list[str]:

@@ -10,13 +10,18 @@ from loadtest.run import LoadResult
 
 @dataclass(frozen=True)
 class ServerFigures:
-    """What the server measured during one point (from the metrics endpoint, as deltas)."""
+    """What the server measured during one point (from the metrics endpoint, as deltas). The step
+    and decode seconds are sums of ``sd_denoise_step_seconds`` and ``sd_vae_decode_seconds``: on a
+    GPU, the device's timeline around each step and decode, so what a point's wall time has beyond
+    them is where the device ran neither (admission and text encoding, TorchServe's round trips)."""
 
     mean_queue_s: float
     mean_handler_s: float
     mean_batch_size: float
     mean_step_images: float
     images: float
+    step_seconds: float
+    decode_seconds: float
 
 
 @dataclass(frozen=True)
@@ -62,4 +67,6 @@ def server_figures(before: dict, after: dict) -> ServerFigures:
         mean_batch_size=_delta(before, after, "sd_batch_size_sum") / batches,
         mean_step_images=_delta(before, after, "sd_iteration_batch_size_sum") / forwards,
         images=_delta(before, after, "sd_images_total"),
+        step_seconds=_delta(before, after, "sd_denoise_step_seconds_sum"),
+        decode_seconds=_delta(before, after, "sd_vae_decode_seconds_sum"),
     )

@@ -112,6 +112,9 @@ def test_served_points_in_both_modes_have_no_errors_and_a_ceiling(report):
         assert point["images_per_s"] > 0 and point["p50_s"] <= point["p95_s"]
         assert point["ratio"] == pytest.approx(point["images_per_s"] / point["ceiling_images_per_s"])
         assert 1 <= point["mean_step_images"] <= point["concurrency"]  # the server's own figure, from its metrics
+        # its steps' and decodes' shares of the point's time (the server's sums), one after the other on a CPU
+        assert point["step_share"] > 0 and point["decode_share"] > 0
+        assert point["step_share"] + point["decode_share"] < 1.2, "more than the point's time (metrics of another)"
     eager = next(row for row in report["variants"]["variants"] if row["name"] == "eager")
     assert served["ceiling_images_per_s"]["1"] == eager["images_per_s"], "batch 1 is the variants section's eager"
     # the worker's own profile of its first served forwards (handler.profiler), per mode

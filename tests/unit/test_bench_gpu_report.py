@@ -259,6 +259,22 @@ def test_the_served_sections_run_the_decode_stream_asked_for_and_say_which(tmp_p
     assert "`decode_stream: own`" in served and "(as shipped)" not in served
 
 
+def test_served_points_say_what_share_of_their_time_steps_and_decodes_took():
+    """Each served point shows its steps' and decodes' shares of its time (the server's sums over
+    the point's wall time); points measured before they were reported show none, and under an own
+    decode stream the note says the shares may overlap."""
+    sections = _sections()
+    served = markdown(sections).split("## 4. Served")[1].split("\n## ")[0]
+    assert "steps' share of the time" in served and "decode_stream: own" not in served
+    assert "The steps' and decodes' shares" not in served  # no point has them
+    sections["served"]["points"][0] |= {"step_share": 0.814, "decode_share": 0.052}
+    sections["served"]["decode_stream"] = "own"
+    served = markdown(sections).split("## 4. Served")[1].split("\n## ")[0]
+    rows = [line for line in served.splitlines() if line.startswith("| dynamic") or line.startswith("| continuous")]
+    assert rows[0].endswith("| 81% | 5% |") and rows[1].endswith("| — | — |")
+    assert "The steps' and decodes' shares" in served and "past 100%" in served
+
+
 def test_a_row_of_the_variants_section_serves_scaling_unless_it_failed(monkeypatch):
     """The variants section searches the largest batch (``max_batch_limit``) on the workload the
     scaling section's batch 1 measures: its row serves there, not measured twice; a failed one is

@@ -116,7 +116,7 @@ def point(batch, images_per_s, p95, meets, tmp_path, continuous=False):
     return PointResult(
         sweep_point,
         result(p95=p95, images_per_s=images_per_s),
-        ServerFigures(0.1, 0.5, float(batch), 2.5, 10),
+        ServerFigures(0.1, 0.5, float(batch), 2.5, 10, 4.0, 0.5),
         meets,
         [] if meets else ["p95 latency too high"],
         str(log),
@@ -154,7 +154,9 @@ def test_report_says_when_nothing_meets_the_sla(tmp_path):
 def test_server_figures_are_deltas_and_queue_time_is_what_the_handler_did_not_see():
     """1.2 s from arrival to answer, 1.0 s of it in the handler: 0.2 s queued."""
 
-    def samples(requests, served_us, latency_sum, latency_count, batch_sum, batch_count, step_sum, step_count, images):
+    def samples(
+        requests, served_us, latency_sum, latency_count, batch_sum, batch_count, step_sum, step_count, images, seconds
+    ):
         return {
             ("ts_inference_requests_total", frozenset()): requests,
             ("ts_inference_latency_microseconds_total", frozenset()): served_us,
@@ -165,10 +167,22 @@ def test_server_figures_are_deltas_and_queue_time_is_what_the_handler_did_not_se
             ("sd_iteration_batch_size_sum", frozenset()): step_sum,
             ("sd_iteration_batch_size_count", frozenset()): step_count,
             ("sd_images_total", frozenset()): images,
+            ("sd_denoise_step_seconds_sum", frozenset()): seconds,
+            ("sd_vae_decode_seconds_sum", frozenset()): seconds / 10,
         }
 
-    figures = server_figures(samples(10, 6e6, 5, 10, 10, 5, 40, 20, 10), samples(30, 30e6, 25, 30, 30, 10, 100, 40, 34))
-    expected = ServerFigures(mean_queue_s=0.2, mean_handler_s=1.0, mean_batch_size=4.0, mean_step_images=3.0, images=24)
+    figures = server_figures(
+        samples(10, 6e6, 5, 10, 10, 5, 40, 20, 10, 3.0), samples(30, 30e6, 25, 30, 30, 10, 100, 40, 34, 19.0)
+    )
+    expected = ServerFigures(
+        mean_queue_s=0.2,
+        mean_handler_s=1.0,
+        mean_batch_size=4.0,
+        mean_step_images=3.0,
+        images=24,
+        step_seconds=16.0,
+        decode_seconds=1.6,
+    )
     assert asdict(figures) == pytest.approx(asdict(expected))
 
 
