@@ -459,11 +459,11 @@ class GpuBench:
             with serve_archive(model_dir(model), config, workdir, gpus=1, stop_grace=0) as server:
                 for concurrency in concurrencies:
                     closed_loop(server, bodies(concurrency), concurrency)  # warm-up at this concurrency
-                    before = server.metric_samples()
+                    before = server.settled_metric_samples()
                     results, seconds = closed_loop(
                         server, bodies(concurrency * self.plan.requests_per_client), concurrency
                     )
-                    figures = server_figures(before, server.metric_samples())
+                    figures = server_figures(before, server.settled_metric_samples())
                     point = served_point(
                         mode, concurrency, results, seconds, result["ceiling_images_per_s"][concurrency]
                     )

@@ -325,15 +325,12 @@ def _served_shares_note(section: dict) -> list[str]:
         return []
     return [
         "",
-        "The steps' and decodes' shares: the server's `sd_denoise_step_seconds` and `sd_vae_decode_seconds` "
-        "summed over the point, over its wall time (on a GPU, the device's timeline around each step and "
-        "decode). The rest is time between them: admission and text encoding, answers, TorchServe's round "
-        "trips"
-        + (
-            "; under `decode_stream: own` a decode overlaps the steps, so the shares may add up past 100%."
-            if section.get("decode_stream") == "own"
-            else "."
-        ),
+        "The steps' share: the server's `sd_denoise_step_seconds` summed over the point, over its wall time "
+        "(on a GPU, the device's timeline from before each forward to after it, its waits for a host-bound "
+        "step included). The rest is time no forward ran: admission and text encoding, decodes, answers, "
+        "TorchServe's round trips. The decodes' share likewise (`sd_vae_decode_seconds`: the decode, the "
+        "safety check and the conversion to images, which on a GPU run beside the next forwards: the two "
+        "shares may overlap).",
     ]
 
 

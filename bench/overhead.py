@@ -80,8 +80,6 @@ PROFILE_PARTS = (
     ("the handler, other", re.compile(r"sd_handler\.py")),
 )
 WORKER_LOOP = "TorchServe's worker loop: messages in and out"
-# What a request's last metric lines and its answer update: settled, every line has been parsed.
-SETTLED_METRICS = ("sd_request_latency_seconds", "sd_encode_seconds", "ts_inference_")
 
 
 @dataclass(frozen=True)
@@ -132,23 +130,6 @@ def _timed(action: Callable[[], None]) -> tuple[float, float]:
     started, cpu = time.perf_counter(), time.process_time()
     action()
     return time.perf_counter() - started, time.process_time() - cpu
-
-
-def settled_samples(server: TorchServe) -> dict[tuple[str, frozenset], float]:
-    """The metrics once the frontend has parsed every metric line the worker printed (it parses them
-    on a thread of its own): two scrapes 0.1 s apart agree on the requests counted (at most 5 s)."""
-
-    def counted(samples: dict[tuple[str, frozenset], float]) -> dict:
-        return {key: value for key, value in samples.items() if key[0].startswith(SETTLED_METRICS)}
-
-    samples = server.metric_samples()
-    for _ in range(50):
-        time.sleep(0.1)
-        again = server.metric_samples()
-        if counted(again) == counted(samples):
-            return again
-        samples = again
-    return samples
 
 
 def profile_shares(collapsed: str) -> dict[str, float]:
@@ -205,7 +186,7 @@ def measure(server: TorchServe, local: InProcess, continuous: bool, repeats: int
     (worker,) = server.describe()["workers"]
     worker_process = psutil.Process(int(worker["pid"]))
     frontend = next(child for child in psutil.Process(server.process.pid).children() if "java" in child.name())
-    samples, sums = settled_samples(server), dict(local.sums)
+    samples, sums = server.settled_metric_samples(), dict(local.sums)
     cpu = (_cpu_seconds(frontend), _cpu_seconds(worker_process))
     local_s, local_cpu, http_s = [], 0.0, []
     for _ in range(repeats):
@@ -214,7 +195,7 @@ def measure(server: TorchServe, local: InProcess, continuous: bool, repeats: int
         local_cpu += cpu_seconds
         http_s.append(_timed(over_http)[0])
     cpu = (_cpu_seconds(frontend) - cpu[0], _cpu_seconds(worker_process) - cpu[1])
-    after = settled_samples(server)
+    after = server.settled_metric_samples()
 
     def ping() -> None:  # TorchServe's floor: HTTP and the token check, no model
         session.get(f"{server.addresses.inference}/ping", headers=server.auth(), timeout=30).raise_for_status()

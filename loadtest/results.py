@@ -11,9 +11,11 @@ from loadtest.run import LoadResult
 @dataclass(frozen=True)
 class ServerFigures:
     """What the server measured during one point (from the metrics endpoint, as deltas). The step
-    and decode seconds are sums of ``sd_denoise_step_seconds`` and ``sd_vae_decode_seconds``: on a
-    GPU, the device's timeline around each step and decode, so what a point's wall time has beyond
-    them is where the device ran neither (admission and text encoding, TorchServe's round trips)."""
+    and decode seconds are sums of ``sd_denoise_step_seconds`` and ``sd_vae_decode_seconds``. On a
+    GPU a step's is the device's timeline from before its forward to after it (waits for a
+    host-bound step included), so a point's time beyond its steps is time no forward ran. A
+    decode's includes the host's safety check and conversion to images, which on a GPU run beside
+    the next forwards: steps and decodes may overlap."""
 
     mean_queue_s: float
     mean_handler_s: float

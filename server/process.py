@@ -47,6 +47,8 @@ TERMINATE_SECONDS = 60  # after SIGTERM, how long the frontend and workers get t
 LOAD_FAILED = "Load model failed"  # logged by the frontend each time a worker dies while loading
 FRONTEND_STARTED = "Model server started."  # printed by the frontend once every listener is bound
 PORT_IN_USE = "Address already in use"  # logged by the frontend when a listener cannot bind, before it exits
+# What a request's last metric lines and its answer update: settled, every line has been parsed.
+SETTLED_METRICS = ("sd_request_latency_seconds", "sd_encode_seconds", "ts_inference_")
 START_ATTEMPTS = 3  # starts on fresh free ports (start_on_free_ports) before a port taken each time fails
 DEFAULT_STARTUP_TIMEOUT = 120  # TorchServe's startupTimeout when model-config.yaml sets none
 FRONTEND_START_SECONDS = 120  # the frontend's own start and the archive's registration, before a worker loads
@@ -279,6 +281,23 @@ class TorchServe:
             for sample in family.samples:
                 labels = {key: value for key, value in sample.labels.items() if key.lower() != "hostname"}
                 samples[(sample.name, frozenset(labels.items()))] = sample.value
+        return samples
+
+    def settled_metric_samples(self) -> dict[tuple[str, frozenset], float]:
+        """``metric_samples`` once the frontend has parsed every metric line the worker printed (it
+        parses them on a thread of its own): two scrapes 0.1 s apart agree on the requests counted
+        (at most 5 s). A request's latency line follows its steps' and decodes'."""
+
+        def counted(samples: dict[tuple[str, frozenset], float]) -> dict:
+            return {key: value for key, value in samples.items() if key[0].startswith(SETTLED_METRICS)}
+
+        samples = self.metric_samples()
+        for _ in range(50):
+            time.sleep(0.1)
+            again = self.metric_samples()
+            if counted(again) == counted(samples):
+                return again
+            samples = again
         return samples
 
     def management(self, method: str, url: str, **kwargs) -> requests.Response:

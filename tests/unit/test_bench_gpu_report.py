@@ -261,18 +261,17 @@ def test_the_served_sections_run_the_decode_stream_asked_for_and_say_which(tmp_p
 
 def test_served_points_say_what_share_of_their_time_steps_and_decodes_took():
     """Each served point shows its steps' and decodes' shares of its time (the server's sums over
-    the point's wall time); points measured before they were reported show none, and under an own
-    decode stream the note says the shares may overlap."""
+    the point's wall time) under a note saying what they count; points measured before they were
+    reported show none."""
     sections = _sections()
     served = markdown(sections).split("## 4. Served")[1].split("\n## ")[0]
-    assert "steps' share of the time" in served and "decode_stream: own" not in served
-    assert "The steps' and decodes' shares" not in served  # no point has them
+    assert "steps' share of the time" in served
+    assert "The steps' share:" not in served  # no point has them
     sections["served"]["points"][0] |= {"step_share": 0.814, "decode_share": 0.052}
-    sections["served"]["decode_stream"] = "own"
     served = markdown(sections).split("## 4. Served")[1].split("\n## ")[0]
     rows = [line for line in served.splitlines() if line.startswith("| dynamic") or line.startswith("| continuous")]
     assert rows[0].endswith("| 81% | 5% |") and rows[1].endswith("| — | — |")
-    assert "The steps' and decodes' shares" in served and "past 100%" in served
+    assert "The steps' share:" in served and "may overlap" in served
 
 
 def test_a_row_of_the_variants_section_serves_scaling_unless_it_failed(monkeypatch):
