@@ -64,6 +64,9 @@ BROKEN_EMBEDDING = "tinybroken"  # one of another text encoder's width
 # the LoRA request, moves by 3 levels on the tiny SDXL (0 alone, and 0 beside a plain 2-image job).
 # The first value that moves is the time embedding's first Linear, a LoRA layer, by one float32 ulp
 # (1.2e-7): its GEMM over a forward of other rows rounds otherwise; 7 steps of random weights amplify it.
+# The amplification grows with the steps: a 6- to 12-step DDIM job of the tiny SDXL beside two 5-step
+# jobs moves by 1, 2, 4, 14, 39, 58 and 253 levels against itself alone, with or without an
+# embedding (2026-11-30, in-process; 0 alone against diffusers), so the tests here keep few steps.
 ROUNDING_WITH_LORA_ROWS = 3
 # Long enough to keep a tiny model's worker busy while others arrive, sent once it denoises (a second
 # or two on 2 cores).
