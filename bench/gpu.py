@@ -467,13 +467,14 @@ class GpuBench:
                     point = served_point(
                         mode, concurrency, results, seconds, result["ceiling_images_per_s"][concurrency]
                     )
+                    step_share, decode_share = figures.step_seconds / seconds, figures.decode_seconds / seconds
                     result["points"].append(
                         {
                             **point,
                             "mean_batch_size": figures.mean_batch_size,
                             "mean_step_images": figures.mean_step_images,
-                            "step_share": figures.step_seconds / seconds,
-                            "decode_share": figures.decode_seconds / seconds,
+                            "step_share": step_share,
+                            "decode_share": decode_share,
                         }
                     )
                     logger.info(
@@ -486,8 +487,8 @@ class GpuBench:
                         number_text(point["p95_s"]),
                         percent_text(point["ratio"]),
                         figures.mean_step_images,
-                        percent_text(result["points"][-1]["step_share"]),
-                        percent_text(result["points"][-1]["decode_share"]),
+                        percent_text(step_share),
+                        percent_text(decode_share),
                     )
                     self.save(section, result)
             profile = self.served_profile(
