@@ -24,7 +24,10 @@ section file there (``bench.gpu_report``), so sections can run in separate calls
    (the eager pipeline at the same batch, measured in the same run), and, on a server of its own,
    the worker's profile of 10 served forwards at concurrency 16 (``handler.profiler``: kernels
    against the wall time of the worker's loop, host syncs and kernel launches per step), per mode.
-   ``--decode-stream own`` serves with ``handler.decode_stream: own`` (the report names it).
+   ``--served-modes`` measures a subset of the two modes; ``--served-setting KEY=VALUE`` sets a
+   handler setting of the served sections' servers (``decode_stream=own``,
+   ``iteration_budget_ms=25``, ``compile.enabled=true``; the report names them), checked before any
+   GPU time is spent; the in-process ceiling stays the eager pipeline's.
 5. ``sdxl``: SDXL 1024x1024, 30 steps, batch 1: eager, float32 and the fastest compile mode of
    ``variants`` (``--compiled`` names another).
 6. ``sd35``: SD 3.5 Medium (T5 included) 1024x1024, 28 flow-matching steps, guidance 7.5, eager at
@@ -65,6 +68,8 @@ from pathlib import Path
 
 import numpy as np
 import torch
+import yaml
+from pydantic import ValidationError
 
 from bench import cache as bench_cache
 from bench import controlnets, loras, sd15, sd35, sdxl
@@ -74,6 +79,7 @@ from bench.measure import PROMPTS, Workload, error_text
 from bench.pipeline import Runner, environment, summary, to_reference
 from bench.report import number_text
 from bench.variants import by_name, select
+from handler.config import HandlerSettings
 from handler.engine.loading import release_cached_memory, resolve_device
 from loadtest.client import closed_loop
 from loadtest.results import server_figures
@@ -251,11 +257,13 @@ class GpuBench:
         scratch: Path,
         timeout: float,
         compiled: str | None = None,
-        decode_stream: str = "step",
+        served_settings: dict | None = None,
+        served_modes: tuple[str, ...] = tuple(SERVED_MODES),
     ):
         self.plan = plan
         self.compiled = compiled  # the compile mode scaling and sdxl measure; None: the fastest in variants
-        self.decode_stream = decode_stream  # the served sections' handler.decode_stream
+        self.served_settings = served_settings or {}  # handler settings of the served sections' servers
+        self.served_modes = served_modes  # the batching modes the served section measures
         self.device_setting = device
         self.device = resolve_device(device)
         self.output = output
@@ -405,7 +413,8 @@ class GpuBench:
     def served(self) -> dict:
         """Closed-loop load through TorchServe in each batching mode, next to the in-process ceiling."""
         plan = self.plan
-        return self._served("served", plan.sd15_model, plan.side, plan.served_steps, plan.concurrency, SERVED_MODES)
+        modes = {mode: SERVED_MODES[mode] for mode in self.served_modes}
+        return self._served("served", plan.sd15_model, plan.side, plan.served_steps, plan.concurrency, modes)
 
     def sd35_served(self) -> dict:
         """SD 3.5 Medium through TorchServe with continuous batching, against ``sd35``'s in-process
@@ -443,7 +452,7 @@ class GpuBench:
         in-process ceiling at batch = concurrency (measured here with ``scheduler``, the one the
         server defaults to, unless ``ceilings`` has it)."""
         check_serving_tools()
-        result: dict = {"ceiling_images_per_s": {}, "points": [], "decode_stream": self.decode_stream}
+        result: dict = {"ceiling_images_per_s": {}, "points": [], "settings": self.served_settings}
         for concurrency in concurrencies:
             ceiling = (ceilings or {}).get(concurrency)
             if ceiling is None:
@@ -455,7 +464,7 @@ class GpuBench:
         bodies = functools.partial(self.bodies, side=side, steps=steps)
         for mode, frontend in modes.items():
             workdir = (self.scratch / f"{section}-{mode}").resolve()
-            config = served_config(workdir, model, concurrencies, frontend, self.decode_stream)
+            config = served_config(workdir, model, concurrencies, frontend, self.served_settings)
             with serve_archive(model_dir(model), config, workdir, gpus=1, stop_grace=0) as server:
                 for concurrency in concurrencies:
                     closed_loop(server, bodies(concurrency), concurrency)  # warm-up at this concurrency
@@ -513,7 +522,7 @@ class GpuBench:
             "dir": str(workdir / "profiles"),
         }
         top = max(concurrencies)
-        config = served_config(workdir, model, concurrencies, frontend, self.decode_stream, profiler)
+        config = served_config(workdir, model, concurrencies, frontend, self.served_settings, profiler)
         with serve_archive(model_dir(model), config, workdir, gpus=1, stop_grace=0) as server:
             closed_loop(server, bodies(2 * top), top)
         written = sorted((workdir / "profiles").glob("step-profile-*.json"), key=lambda path: path.stat().st_mtime)
@@ -654,13 +663,13 @@ def served_config(
     model: str,
     concurrencies: tuple[int, ...],
     frontend: dict,
-    decode_stream: str,
+    settings: dict,
     profiler: dict | None = None,
 ) -> Path:
     """The model config of a served section's server: one worker, TorchServe's batch the highest
-    concurrency (``frontend``: the batching mode's settings), ``handler.decode_stream``,
-    ``handler.profiler`` where given."""
-    handler: dict = {"model_path": str(model_dir(model)), "decode_stream": decode_stream}
+    concurrency (``frontend``: the batching mode's settings), the handler ``settings`` asked for
+    (``--served-setting``), ``handler.profiler`` where given."""
+    handler: dict = {"model_path": str(model_dir(model)), **settings}
     if profiler:
         handler["profiler"] = profiler
     return write_model_config(
@@ -703,10 +712,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "variants.json, compile-default without one)",
     )
     parser.add_argument(
-        "--decode-stream",
-        default="step",
-        choices=["step", "own"],
-        help="the served sections' handler.decode_stream (default: step, as shipped)",
+        "--served-modes",
+        nargs="+",
+        default=list(SERVED_MODES),
+        choices=list(SERVED_MODES),
+        help="the batching modes the served section measures (default: both)",
+    )
+    parser.add_argument(
+        "--served-setting",
+        dest="served_settings",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="a handler setting of the served sections' servers, VALUE read as YAML, KEY dotted for nested "
+        "settings (decode_stream=own, iteration_budget_ms=25, compile.enabled=true); repeatable; default: as shipped",
     )
     parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     parser.add_argument("--quick", action="store_true", help="CI mode: tiny models, 64x64, one step, on the CPU")
@@ -721,17 +740,56 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         args.device = "cpu"
     args.output_dir = args.output_dir or REPORTS / ("gpu-quick" if args.quick else "gpu")
     args.scratch = args.scratch or BUILD / ("bench-gpu-quick" if args.quick else "bench-gpu")
+    try:
+        args.served_settings = handler_settings(args.served_settings)
+    except ValueError as error:
+        parser.error(f"--served-setting: {error}")
+    args.served_modes = tuple(dict.fromkeys(args.served_modes))
     return args
+
+
+def handler_settings(assignments: list[str]) -> dict:
+    """``KEY=VALUE`` assignments as the nested ``handler`` settings of a model config (VALUE read as
+    YAML, a dotted KEY nested), checked against ``HandlerSettings``. Raises ValueError naming the
+    assignment or the setting refused."""
+    settings: dict = {}
+    for assignment in assignments:
+        key, equals, text = assignment.partition("=")
+        if not equals or not key:
+            raise ValueError(f"{assignment!r} is not KEY=VALUE")
+        *parents, name = key.split(".")
+        target = settings
+        for parent in parents:
+            target = target.setdefault(parent, {})
+            if not isinstance(target, dict):
+                raise ValueError(f"{assignment!r}: {parent} is set to a value, not settings")
+        target[name] = yaml.safe_load(text)
+    try:
+        HandlerSettings.model_validate(settings)
+    except ValidationError as error:
+        raise ValueError(str(error)) from None
+    return settings
 
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
     plan = QUICK if args.quick else FULL
-    bench = GpuBench(plan, args.device, args.output_dir, args.scratch, args.timeout, args.compiled, args.decode_stream)
+    bench = GpuBench(
+        plan,
+        args.device,
+        args.output_dir,
+        args.scratch,
+        args.timeout,
+        args.compiled,
+        args.served_settings,
+        args.served_modes,
+    )
     if bench.device.type != "cuda" and not args.quick:
         logger.warning("no GPU here (%s): the full plan will be slow; --quick is the CPU mode", bench.device)
     logger.info("plan: %s on %s; sections %s", plan, bench.device, ", ".join(args.sections))
+    if args.served_settings or args.served_modes != tuple(SERVED_MODES):
+        logger.info("served: %s batching, handler settings %s", " and ".join(args.served_modes), args.served_settings)
     failed = []
     for number, section in enumerate(args.sections, 1):
         logger.info("[%d/%d]", number, len(args.sections))

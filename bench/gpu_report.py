@@ -276,8 +276,7 @@ def _engine(section: dict) -> list[str]:
 
 
 def _served(section: dict) -> list[str]:
-    stream = section.get("decode_stream", "step")
-    heading = [f"`decode_stream: {stream}`" + (" (as shipped)" if stream == "step" else ""), ""]
+    heading = [_served_settings_text(section), ""]
     rows = [
         [
             point["mode"],
@@ -317,6 +316,29 @@ def _served(section: dict) -> list[str]:
         + _served_shares_note(section)
         + _served_profiles(section)
     )
+
+
+def _served_settings_text(section: dict) -> str:
+    """The handler settings the section's servers ran with (``--served-setting``), or "as shipped".
+    Sections saved before the option name their ``decode_stream`` alone."""
+    settings = section.get("settings")
+    if settings is None:
+        stream = section.get("decode_stream", "step")
+        settings = {} if stream == "step" else {"decode_stream": stream}
+    if not settings:
+        return "Handler settings as shipped."
+    return "Handler settings: " + ", ".join(f"`{key}={value}`" for key, value in _dotted(settings)) + "."
+
+
+def _dotted(settings: dict, prefix: str = "") -> list[tuple[str, str]]:
+    """Nested settings as ``--served-setting`` takes them: dotted keys, values as JSON."""
+    pairs = []
+    for key, value in settings.items():
+        if isinstance(value, dict):
+            pairs += _dotted(value, f"{prefix}{key}.")
+        else:
+            pairs.append((f"{prefix}{key}", json.dumps(value)))
+    return pairs
 
 
 def _served_shares_note(section: dict) -> list[str]:

@@ -243,20 +243,65 @@ def test_the_command_line_runs_variants_alone_with_variants_and_the_compile_mode
     assert GpuBench(QUICK, "cpu", tmp_path, tmp_path / "scratch", 60, compiled).best_compiled() == compiled
 
 
-def test_the_served_sections_run_the_decode_stream_asked_for_and_say_which(tmp_path):
-    """``--decode-stream`` sets the served servers' ``handler.decode_stream`` (``step`` as shipped),
-    and the report names it above the served table."""
-    assert parse_args([]).decode_stream == "step"
-    args = parse_args(["--sections", "served", "--decode-stream", "own"])
-    bench = GpuBench(QUICK, "cpu", tmp_path, tmp_path / "scratch", 60, None, args.decode_stream)
-    assert bench.decode_stream == "own"
-    config = served_config(tmp_path, QUICK.sd15_model, (1, 2), SERVED_MODES["dynamic"], bench.decode_stream)
-    assert HandlerSettings.from_model_yaml(yaml.safe_load(config.read_text())).decode_stream == "own"
+def test_the_served_sections_run_the_handler_settings_asked_for_and_say_which(tmp_path):
+    """``--served-setting KEY=VALUE`` sets the served servers' handler settings (VALUE as YAML, a
+    dotted KEY nested; none: as shipped), and the report names them above the served table;
+    ``--served-modes`` measures a subset of the batching modes."""
+    shipped = parse_args([])
+    assert shipped.served_settings == {} and shipped.served_modes == tuple(SERVED_MODES)
+    args = parse_args(
+        [
+            "--sections",
+            "served",
+            "--served-modes",
+            "continuous",
+            "--served-setting",
+            "decode_stream=own",
+            "--served-setting",
+            "iteration_budget_ms=25",
+            "--served-setting",
+            "compile.enabled=true",
+            "--served-setting",
+            "compile.backend=cudagraphs",
+        ]
+    )
+    asked = {"decode_stream": "own", "iteration_budget_ms": 25, "compile": {"enabled": True, "backend": "cudagraphs"}}
+    assert args.served_settings == asked and args.served_modes == ("continuous",)
+    bench = GpuBench(QUICK, "cpu", tmp_path, tmp_path / "scratch", 60, None, args.served_settings, args.served_modes)
+    config = served_config(tmp_path, QUICK.sd15_model, (1, 2), SERVED_MODES["continuous"], bench.served_settings)
+    served = HandlerSettings.from_model_yaml(yaml.safe_load(config.read_text()))
+    assert (served.decode_stream, served.iteration_budget_ms) == ("own", 25)
+    assert served.compile.enabled and served.compile.backend == "cudagraphs"
     sections = _sections()
-    assert "`decode_stream: step` (as shipped)" in markdown(sections)  # figures from before the setting
+    assert "Handler settings as shipped." in markdown(sections)  # figures saved before the option
     sections["served"]["decode_stream"] = "own"
-    served = markdown(sections).split("## 4. Served")[1].split("\n## ")[0]
-    assert "`decode_stream: own`" in served and "(as shipped)" not in served
+    assert 'Handler settings: `decode_stream="own"`.' in markdown(sections)
+    sections["served"]["settings"] = asked
+    text = markdown(sections).split("## 4. Served")[1].split("\n## ")[0]
+    assert (
+        'Handler settings: `decode_stream="own"`, `iteration_budget_ms=25`, `compile.enabled=true`, '
+        '`compile.backend="cudagraphs"`.' in text
+    )
+
+
+@pytest.mark.parametrize(
+    "assignment, says",
+    [
+        ("decode_stream", "is not KEY=VALUE"),
+        ("=own", "is not KEY=VALUE"),
+        ("decode_stream=side", "decode_stream"),
+        ("iteration_budget_msx=25", "iteration_budget_msx"),
+        ("compile.enabled=maybe", "compile.enabled"),
+        ("compile.enabled.really=true", "compile.enabled"),
+        ("compile=1 compile.enabled=true", "compile is set to a value"),
+    ],
+)
+def test_a_served_setting_the_handler_refuses_stops_the_run_before_it_starts(assignment, says, capsys):
+    """A setting no worker would take fails the command line, naming it, before any section runs."""
+    with pytest.raises(SystemExit):
+        parse_args(["--served-setting=decode_stream=own", *(f"--served-setting={one}" for one in assignment.split())])
+    error = capsys.readouterr().err
+    assert "--served-setting" in error and says in error, error
 
 
 def test_served_points_say_what_share_of_their_time_steps_and_decodes_took():
