@@ -90,7 +90,7 @@ def measure(
     server: TorchServe, config_path: Path, config: BenchmarkConfig, point: SweepPoint, out: Path
 ) -> PointResult:
     warm_up(server, config)
-    before = server.metric_samples()
+    before = server.settled_metric_samples()  # the warm-up's last lines parsed, not counted in the point
     slug = f"{point.mode}-b{point.batch_size}-d{point.max_batch_delay}-w{point.workers}-c{point.concurrency}"
     client = run_locust(
         config_path,
@@ -107,7 +107,7 @@ def measure(
     return PointResult(
         point,
         client,
-        server_figures(before, server.metric_samples()),
+        server_figures(before, server.settled_metric_samples()),
         not violations,
         violations,
         str(out / "points" / f"{slug}_requests.csv"),
