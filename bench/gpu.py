@@ -83,7 +83,7 @@ from handler.config import HandlerSettings
 from handler.engine.loading import release_cached_memory, resolve_device
 from loadtest.client import closed_loop
 from loadtest.results import server_figures
-from server import console_script, serve_archive, write_model_config
+from server import console_script, merged_model_config, serve_archive, write_model_config
 from server.paths import BUILD, REPORTS, ROOT, TINY_MODEL_DIRS
 
 logger = logging.getLogger("bench-gpu")
@@ -106,6 +106,8 @@ SECTION_VARIANTS = (
 # The shipped model-config.yaml with only the mode forced: continuous batching is what packaging
 # ships for a one-GPU host, dynamic batching what it ships for several workers.
 SERVED_MODES = {"dynamic": {"continuousBatching": False}, "continuous": {"continuousBatching": True}}
+# Handler settings a served section sets itself: the model it serves, the profile's own server.
+BENCH_OWNED_SETTINGS = ("model_path", "profiler")
 RANDOM_MODELS = {"sd15": sd15.ensure_model, "sdxl": sdxl.ensure_model, "sd35": sd35.ensure_model}
 FLOW = "flow_match_euler"  # SD 3's scheduler
 
@@ -745,28 +747,38 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     except ValueError as error:
         parser.error(f"--served-setting: {error}")
     args.served_modes = tuple(dict.fromkeys(args.served_modes))
+    if args.served_modes != tuple(SERVED_MODES) and "served" not in args.sections:
+        logger.warning("--served-modes: no served section runs; ignored")
+    if args.served_settings and not {"served", "sd35_served"} & set(args.sections):
+        logger.warning("--served-setting: no served section runs; ignored")
     return args
 
 
 def handler_settings(assignments: list[str]) -> dict:
     """``KEY=VALUE`` assignments as the nested ``handler`` settings of a model config (VALUE read as
-    YAML, a dotted KEY nested), checked against ``HandlerSettings``. Raises ValueError naming the
-    assignment or the setting refused."""
+    YAML, a word YAML 1.1 reads as a boolean other than true and false kept as text, a dotted KEY
+    nested), checked as a worker reads the served sections' model config. Raises ValueError naming
+    the assignment or the setting refused."""
     settings: dict = {}
     for assignment in assignments:
         key, equals, text = assignment.partition("=")
         if not equals or not key:
             raise ValueError(f"{assignment!r} is not KEY=VALUE")
         *parents, name = key.split(".")
+        if key.split(".")[0] in BENCH_OWNED_SETTINGS:
+            raise ValueError(f"{assignment!r}: the bench sets {key.split('.')[0]} itself")
         target = settings
         for parent in parents:
             target = target.setdefault(parent, {})
             if not isinstance(target, dict):
                 raise ValueError(f"{assignment!r}: {parent} is set to a value, not settings")
-        target[name] = yaml.safe_load(text)
+        if isinstance(target.get(name), dict):
+            raise ValueError(f"{assignment!r}: {key} has settings of its own, set them one by one")
+        value = yaml.safe_load(text)
+        target[name] = text if isinstance(value, bool) and text.lower() not in ("true", "false") else value
     try:
-        HandlerSettings.model_validate(settings)
-    except ValidationError as error:
+        HandlerSettings.from_model_yaml(merged_model_config({"model_path": "model", **settings}))
+    except (ValidationError, ValueError) as error:
         raise ValueError(str(error)) from None
     return settings
 

@@ -325,7 +325,7 @@ def _served_settings_text(section: dict) -> str:
     if settings is None:
         stream = section.get("decode_stream", "step")
         settings = {} if stream == "step" else {"decode_stream": stream}
-    if not settings:
+    if not _dotted(settings):
         return "Handler settings as shipped."
     return "Handler settings: " + ", ".join(f"`{key}={value}`" for key, value in _dotted(settings)) + "."
 

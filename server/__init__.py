@@ -39,6 +39,7 @@ _HOMES = {
     "build": "server.archive",
     "console_script": "server.archive",
     "write_model_config": "server.archive",
+    "merged_model_config": "server.archive",
     "serving_defaults": "server.archive",
     "visible_gpus": "server.archive",
     "scale": "server.scaling",

@@ -47,10 +47,9 @@ BATCH_DELAY_MS = {"continuous": 1, "dynamic": 50}
 MANIFEST = "MAR-INF/MANIFEST.json"
 
 
-def write_model_config(directory: Path, handler: dict | None = None, **frontend) -> Path:
+def merged_model_config(handler: dict | None = None, **frontend) -> dict:
     """The shipped model-config.yaml with frontend keys (``continuousBatching``, ``batchSize``, ...)
-    and ``handler:`` settings replaced (sections such as ``limits`` key by key), written into
-    ``directory`` for an archive built from it."""
+    and ``handler:`` settings replaced (sections such as ``limits`` key by key, one level deep)."""
     config = yaml.safe_load(MODEL_CONFIG.read_text())
     config.update(frontend)
     shipped = config["handler"]
@@ -58,9 +57,14 @@ def write_model_config(directory: Path, handler: dict | None = None, **frontend)
         shipped[key] = (
             {**shipped[key], **setting} if isinstance(setting, dict) and isinstance(shipped.get(key), dict) else setting
         )
+    return config
+
+
+def write_model_config(directory: Path, handler: dict | None = None, **frontend) -> Path:
+    """``merged_model_config(handler, **frontend)`` written into ``directory`` for an archive built from it."""
     directory.mkdir(parents=True, exist_ok=True)
     path = directory / "model-config.yaml"
-    path.write_text(yaml.safe_dump(config))
+    path.write_text(yaml.safe_dump(merged_model_config(handler, **frontend)))
     return path
 
 

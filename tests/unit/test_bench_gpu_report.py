@@ -15,6 +15,7 @@ from bench import gpu
 from bench.gpu import QUICK, SECTIONS, SERVED_MODES, GpuBench, parse_args, row_key, served_config
 from bench.gpu_report import goals, markdown, render
 from handler.config import HandlerSettings
+from server.paths import MODEL_CONFIG
 
 ENVIRONMENT = {
     "device": "cuda:0",
@@ -243,35 +244,37 @@ def test_the_command_line_runs_variants_alone_with_variants_and_the_compile_mode
     assert GpuBench(QUICK, "cpu", tmp_path, tmp_path / "scratch", 60, compiled).best_compiled() == compiled
 
 
-def test_the_served_sections_run_the_handler_settings_asked_for_and_say_which(tmp_path):
+def test_the_served_sections_run_the_handler_settings_asked_for_and_say_which(tmp_path, monkeypatch):
     """``--served-setting KEY=VALUE`` sets the served servers' handler settings (VALUE as YAML, a
-    dotted KEY nested; none: as shipped), and the report names them above the served table;
-    ``--served-modes`` measures a subset of the batching modes."""
+    dotted KEY nested into the shipped section; none: as shipped), and the report names them above
+    the served table; ``--served-modes`` measures a subset of the batching modes."""
     shipped = parse_args([])
     assert shipped.served_settings == {} and shipped.served_modes == tuple(SERVED_MODES)
+    assignments = [
+        "decode_stream=own",
+        "iteration_budget_ms=25",
+        "compile.enabled=true",
+        "compile.backend=cudagraphs",
+        "compile.pad_rows=off",  # YAML 1.1's false, kept as the word
+    ]
     args = parse_args(
-        [
-            "--sections",
-            "served",
-            "--served-modes",
-            "continuous",
-            "--served-setting",
-            "decode_stream=own",
-            "--served-setting",
-            "iteration_budget_ms=25",
-            "--served-setting",
-            "compile.enabled=true",
-            "--served-setting",
-            "compile.backend=cudagraphs",
-        ]
+        ["--sections", "served", "--served-modes", "continuous", *(f"--served-setting={one}" for one in assignments)]
     )
-    asked = {"decode_stream": "own", "iteration_budget_ms": 25, "compile": {"enabled": True, "backend": "cudagraphs"}}
+    compiled = {"enabled": True, "backend": "cudagraphs", "pad_rows": "off"}
+    asked = {"decode_stream": "own", "iteration_budget_ms": 25, "compile": compiled}
     assert args.served_settings == asked and args.served_modes == ("continuous",)
     bench = GpuBench(QUICK, "cpu", tmp_path, tmp_path / "scratch", 60, None, args.served_settings, args.served_modes)
-    config = served_config(tmp_path, QUICK.sd15_model, (1, 2), SERVED_MODES["continuous"], bench.served_settings)
-    served = HandlerSettings.from_model_yaml(yaml.safe_load(config.read_text()))
-    assert (served.decode_stream, served.iteration_budget_ms) == ("own", 25)
-    assert served.compile.enabled and served.compile.backend == "cudagraphs"
+    config = yaml.safe_load(
+        served_config(tmp_path, QUICK.sd15_model, (1, 2), SERVED_MODES["continuous"], bench.served_settings).read_text()
+    )
+    shipped_compile = yaml.safe_load(MODEL_CONFIG.read_text())["handler"]["compile"]
+    assert config["handler"]["compile"] == {**shipped_compile, **compiled}  # the shipped section's other keys kept
+    served = HandlerSettings.from_model_yaml(config)
+    assert (served.decode_stream, served.iteration_budget_ms, served.compile.backend) == ("own", 25, "cudagraphs")
+    measured = []
+    monkeypatch.setattr(GpuBench, "_served", lambda self, section, *rest: measured.append((section, rest[4])))
+    bench.served()
+    assert measured == [("served", {"continuous": SERVED_MODES["continuous"]})]
     sections = _sections()
     assert "Handler settings as shipped." in markdown(sections)  # figures saved before the option
     sections["served"]["decode_stream"] = "own"
@@ -280,26 +283,31 @@ def test_the_served_sections_run_the_handler_settings_asked_for_and_say_which(tm
     text = markdown(sections).split("## 4. Served")[1].split("\n## ")[0]
     assert (
         'Handler settings: `decode_stream="own"`, `iteration_budget_ms=25`, `compile.enabled=true`, '
-        '`compile.backend="cudagraphs"`.' in text
+        '`compile.backend="cudagraphs"`, `compile.pad_rows="off"`.' in text
     )
 
 
 @pytest.mark.parametrize(
-    "assignment, says",
+    "assignments, says",
     [
-        ("decode_stream", "is not KEY=VALUE"),
-        ("=own", "is not KEY=VALUE"),
-        ("decode_stream=side", "decode_stream"),
-        ("iteration_budget_msx=25", "iteration_budget_msx"),
-        ("compile.enabled=maybe", "compile.enabled"),
-        ("compile.enabled.really=true", "compile.enabled"),
-        ("compile=1 compile.enabled=true", "compile is set to a value"),
+        (["decode_stream"], "is not KEY=VALUE"),
+        (["=own"], "is not KEY=VALUE"),
+        (["decode_stream=side"], "decode_stream"),
+        (["iteration_budget_msx=25"], "iteration_budget_msx"),
+        (["compile.enabled=maybe"], "compile.enabled"),
+        (["compile.enabled.really=true"], "compile.enabled"),
+        (["request_timeout_s=400"], "responseTimeout"),  # checked against the model config a worker reads
+        (["model_path=/elsewhere"], "the bench sets model_path itself"),
+        (["profiler.steps=3"], "the bench sets profiler itself"),
+        (["compile=1", "compile.enabled=true"], "compile is set to a value"),
+        (["compile.enabled=true", "compile={backend: cudagraphs}"], "set them one by one"),
     ],
 )
-def test_a_served_setting_the_handler_refuses_stops_the_run_before_it_starts(assignment, says, capsys):
-    """A setting no worker would take fails the command line, naming it, before any section runs."""
+def test_a_served_setting_the_handler_refuses_stops_the_run_before_it_starts(assignments, says, capsys):
+    """A setting no worker would take, or one the bench sets itself, fails the command line, naming
+    it, before any section runs."""
     with pytest.raises(SystemExit):
-        parse_args(["--served-setting=decode_stream=own", *(f"--served-setting={one}" for one in assignment.split())])
+        parse_args(["--served-setting=decode_stream=own", *(f"--served-setting={one}" for one in assignments)])
     error = capsys.readouterr().err
     assert "--served-setting" in error and says in error, error
 

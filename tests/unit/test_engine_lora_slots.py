@@ -15,6 +15,7 @@ tests/unit/test_engine_lora_slots_families.py."""
 
 from __future__ import annotations
 
+import time
 from dataclasses import replace
 from pathlib import Path
 
@@ -74,11 +75,27 @@ def lora_dir(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def warmed(lora_dir) -> tuple[StepEngine, int]:
-    """The worker's engine after its warm-up, and the graphs compiled by then."""
+def warmed(lora_dir, record_testsuite_property) -> tuple[StepEngine, int]:
+    """The worker's engine after its warm-up, and the graphs compiled by then. The seconds its build
+    and warm-up took and the graphs inductor found in its cache or compiled go to the run's JUnit
+    report (``--junitxml``): in a full run the graphs are in the run's cache
+    (tests/integration/test_compile_cache.py compiled them), so a graph compiled here is a cache key
+    that differs."""
     torch._dynamo.reset()  # a worker's process: nothing learnt from other models' compiles
+    started, before = time.perf_counter(), inductor_cache_counts()
     engine = warmed_engine(MODEL, **compiled_lora_slots(lora_dir))
+    seconds = time.perf_counter() - started
+    hits, misses = (now - then for now, then in zip(inductor_cache_counts(), before, strict=True))
+    record_testsuite_property(
+        "lora_slots_build_and_warm_up", f"{seconds:.1f} s, graphs from the cache {hits}, compiled {misses}"
+    )
     return engine, compiled_graphs()
+
+
+def inductor_cache_counts() -> tuple[int, int]:
+    """Graphs this process found in inductor's cache, and graphs it compiled."""
+    counters = torch._dynamo.utils.counters["inductor"]  # read anew: a compile may replace the dict
+    return counters["fxgraph_cache_hit"], counters["fxgraph_cache_miss"]
 
 
 @pytest.fixture
