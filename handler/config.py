@@ -206,7 +206,8 @@ class ControlNetSettings(_ServedDirectory):
     dir: str | None = Field(
         None,
         description="absolute directory of ControlNets, each a diffusers directory (config.json + safetensors) named "
-        f"by its directory name; None: ${CONTROLNET_DIR_ENV} where set, else no ControlNets",
+        "by its directory name or a single .safetensors file named by its stem; None: "
+        f"${CONTROLNET_DIR_ENV} where set, else no ControlNets",
     )
     max_loaded: int = Field(2, ge=1, description="ControlNets kept in memory (least recently used evicted)")
 

@@ -54,7 +54,10 @@ class ControlNetChoice(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True, arbitrary_types_allowed=True)
 
-    name: str = Field(description="the ControlNet's name: its directory name in the ControlNet directory")
+    name: str = Field(
+        description="the ControlNet's name in the ControlNet directory: a diffusers directory's name or a "
+        "single .safetensors file's stem"
+    )
     preprocess: Literal["canny"] | None = Field(
         None, description="canny: the image is a photo, turned into an edge map (OpenCV's Canny) in the server"
     )
@@ -77,7 +80,7 @@ class ControlNetChoice(BaseModel):
     @field_validator("name")
     @classmethod
     def _a_name_not_a_path(cls, value: str) -> str:
-        return served_name(value, "controlnet_name", "a ControlNet name is a directory name")
+        return served_name(value, "controlnet_name", "a ControlNet name is a directory name or a file stem")
 
     @field_validator("high_threshold")
     @classmethod

@@ -34,8 +34,8 @@ own (4- or 16-channel) denoiser; a job with ControlNets mirrors ``StableDiffusio
   forward) and leaves the rest to whoever asks for the images (``handler.engine.decoding``).
 
 Left out, because no request can ask for it: ``guidance_rescale``, ``clip_skip``,
-``cross_attention_kwargs`` and LoRA scales, IP-Adapter images, caller-supplied latents, embeddings,
-timesteps or sigmas, ``denoising_start``/``denoising_end``, ``prompt_2``/``negative_prompt_2``
+``cross_attention_kwargs`` and its one LoRA scale (each LoRA's weight is the request's), IP-Adapter
+images, caller-supplied latents, embeddings, timesteps or sigmas, ``denoising_start``/``denoising_end``, ``prompt_2``/``negative_prompt_2``
 (and SD 3's ``prompt_3``), SDXL's negative size conditioning and aesthetic scores, SD 3.5's
 skip-layer guidance, inpainting's ``padding_mask_crop`` and 9- or 33-channel inpainting denoisers,
 ControlNet inpainting, guess mode and global-pooling ControlNets, output types other than PIL, step
