@@ -261,11 +261,13 @@ class GpuBench:
         compiled: str | None = None,
         served_settings: dict | None = None,
         served_modes: tuple[str, ...] = tuple(SERVED_MODES),
+        reuse_ceilings: bool = False,
     ):
         self.plan = plan
         self.compiled = compiled  # the compile mode scaling and sdxl measure; None: the fastest in variants
         self.served_settings = served_settings or {}  # handler settings of the served sections' servers
         self.served_modes = served_modes  # the batching modes the served section measures
+        self.reuse_ceilings = reuse_ceilings  # in-process ceilings an earlier run left in scratch are taken
         self.device_setting = device
         self.device = resolve_device(device)
         self.output = output
@@ -364,14 +366,15 @@ class GpuBench:
         self.rows.update({(row_key(workload), name): row for name, row in results.items()})
         return merged(results)
 
-    def row(self, workload: Workload, name: str, scratch: str) -> dict:
+    def row(self, workload: Workload, name: str, scratch: str, reuse: bool = False) -> dict:
         """``name``'s row on ``workload``: the one a section of this run measured (the batch-1 scaling
-        point and ceiling are the variants section's workload), else measured now, in ``scratch``."""
+        point and ceiling are the variants section's workload), else (``reuse``) the one an earlier
+        run measured in ``scratch`` for the same workload, else measured now, in ``scratch``."""
         key = (row_key(workload), name)
         if key in self.rows and self.rows[key].get("status") == "ok":  # a failed one is measured again
             logger.info("%s on %s: measured by an earlier section of this run", name, workload)
         else:
-            runner = Runner(workload, self.scratch / scratch, self.timeout, caches=self.caches)
+            runner = Runner(workload, self.scratch / scratch, self.timeout, caches=self.caches, reuse=reuse)
             self.rows[key] = runner.variant(by_name(name), self.device, warm=False)
         return self.rows[key]
 
@@ -454,12 +457,17 @@ class GpuBench:
         in-process ceiling at batch = concurrency (measured here with ``scheduler``, the one the
         server defaults to, unless ``ceilings`` has it)."""
         check_serving_tools()
-        result: dict = {"ceiling_images_per_s": {}, "points": [], "settings": self.served_settings}
+        result: dict = {
+            "ceiling_images_per_s": {},
+            "points": [],
+            "settings": self.served_settings,
+            "reuse_ceilings": self.reuse_ceilings,
+        }
         for concurrency in concurrencies:
             ceiling = (ceilings or {}).get(concurrency)
             if ceiling is None:
                 workload = self.workload(model, side, steps, concurrency, scheduler=scheduler)
-                row = self.row(workload, EAGER, f"{section}-ceiling-{concurrency}")
+                row = self.row(workload, EAGER, f"{section}-ceiling-{concurrency}", self.reuse_ceilings)
                 ceiling = row.get("images_per_s")
                 logger.info("in-process ceiling, batch %d: %s", concurrency, summary(row))
             result["ceiling_images_per_s"][concurrency] = ceiling
@@ -729,6 +737,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="a handler setting of the served sections' servers, VALUE read as YAML, KEY dotted for nested "
         "settings (decode_stream=own, iteration_budget_ms=25, compile.enabled=true); repeatable; default: as shipped",
     )
+    parser.add_argument(
+        "--reuse-ceilings",
+        action="store_true",
+        help="take the served sections' in-process ceilings from an earlier run in the same --scratch (same "
+        "workload), so runs with other --served-setting values share them",
+    )
     parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     parser.add_argument("--quick", action="store_true", help="CI mode: tiny models, 64x64, one step, on the CPU")
     parser.add_argument("--output-dir", type=Path, help="default: reports/gpu (reports/gpu-quick with --quick)")
@@ -796,6 +810,7 @@ def main(argv: list[str] | None = None) -> None:
         args.compiled,
         args.served_settings,
         args.served_modes,
+        args.reuse_ceilings,
     )
     if bench.device.type != "cuda" and not args.quick:
         logger.warning("no GPU here (%s): the full plan will be slow; --quick is the CPU mode", bench.device)

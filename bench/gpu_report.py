@@ -276,7 +276,12 @@ def _engine(section: dict) -> list[str]:
 
 
 def _served(section: dict) -> list[str]:
-    heading = [_served_settings_text(section), ""]
+    reused = (
+        " In-process ceilings an earlier run measured were taken (`--reuse-ceilings`)."
+        if section.get("reuse_ceilings")
+        else ""
+    )
+    heading = [_served_settings_text(section) + reused, ""]
     rows = [
         [
             point["mode"],

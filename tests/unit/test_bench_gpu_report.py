@@ -7,13 +7,15 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import numpy as np
 import pytest
 import yaml
 from PIL import Image
 
 from bench import gpu
-from bench.gpu import QUICK, SECTIONS, SERVED_MODES, GpuBench, parse_args, row_key, served_config
+from bench.gpu import EAGER, QUICK, SECTIONS, SERVED_MODES, GpuBench, parse_args, row_key, served_config
 from bench.gpu_report import goals, markdown, render
+from bench.pipeline import Runner
 from handler.config import HandlerSettings
 from server.paths import MODEL_CONFIG
 
@@ -376,3 +378,29 @@ def test_a_random_weight_model_that_failed_to_build_fails_again_at_once(monkeypa
         assert gpu.model_dir("models/tiny-sd") == gpu.ROOT / "models" / "tiny-sd"
     finally:
         gpu.model_dir.cache_clear()
+
+
+def test_reuse_ceilings_takes_the_ceiling_an_earlier_run_measured_in_the_same_scratch(tmp_path, monkeypatch):
+    """``--reuse-ceilings``: a served section's in-process ceiling an earlier run measured in the same
+    scratch for the same workload is taken, not measured again; without it, it is measured again."""
+    measured = []
+
+    def measure(runner, variant, run, env, extra):
+        measured.append(variant.name)
+        result = {"status": "ok", "images_per_s": 2.0 + len(measured), "unet_call_flops": 1}
+        np.save(runner.scratch / f"{variant.name}.npy", np.zeros(1))
+        (runner.scratch / f"{variant.name}-{run}.json").write_text(json.dumps(result))
+        return result
+
+    monkeypatch.setattr(Runner, "measure", measure)
+    assert not parse_args([]).reuse_ceilings and parse_args(["--reuse-ceilings"]).reuse_ceilings
+    scratch = tmp_path / "scratch"
+    ceilings = []
+    for reuse in (False, True, False):
+        bench = GpuBench(QUICK, "cpu", tmp_path, scratch, 60, reuse_ceilings=reuse)
+        workload = bench.workload(QUICK.sd15_model, QUICK.side, QUICK.served_steps, 2)
+        ceilings.append(bench.row(workload, EAGER, "served-ceiling-2", bench.reuse_ceilings)["images_per_s"])
+    assert measured == [EAGER, EAGER] and ceilings == [3.0, 3.0, 4.0]
+    sections = _sections()
+    sections["served"]["reuse_ceilings"] = True
+    assert "(`--reuse-ceilings`)" in markdown(sections).split("## 4. Served")[1].split("\n## ")[0]
