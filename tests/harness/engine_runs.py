@@ -250,10 +250,9 @@ def compiled_lora_slots(lora_dir: Path) -> dict:
     }
 
 
-def warmed_engine(model_dir: Path, **settings) -> StepEngine:
+def warmed_engine(model_dir: Path, **settings) -> tuple[StepEngine, float]:
     """The engine of a worker over ``model_dir`` (``settings``: other handler settings), built and
-    warmed up as a worker builds and warms it."""
+    warmed up as a worker builds and warms it, and the seconds its warm-up took."""
     handler = HandlerSettings.model_validate({"model_path": str(model_dir), **settings})
     service, handler = build_service(handler, "/unused", lambda *_: None)
-    service.warm_up(handler.warmup_shapes())
-    return service.engine
+    return service.engine, service.warm_up(handler.warmup_shapes())
