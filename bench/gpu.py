@@ -27,7 +27,8 @@ section file there (``bench.gpu_report``), so sections can run in separate calls
    ``--served-modes`` measures a subset of the two modes; ``--served-setting KEY=VALUE`` sets a
    handler setting of the served sections' servers (``decode_stream=own``,
    ``iteration_budget_ms=25``, ``compile.enabled=true``; the report names them), checked before any
-   GPU time is spent; the in-process ceiling stays the eager pipeline's.
+   GPU time is spent; the in-process ceiling stays the eager pipeline's, and ``--reuse-ceilings``
+   takes the ceilings an earlier run measured in the same scratch.
 5. ``sdxl``: SDXL 1024x1024, 30 steps, batch 1: eager, float32 and the fastest compile mode of
    ``variants`` (``--compiled`` names another).
 6. ``sd35``: SD 3.5 Medium (T5 included) 1024x1024, 28 flow-matching steps, guidance 7.5, eager at
@@ -779,8 +780,8 @@ def handler_settings(assignments: list[str]) -> dict:
         if not equals or not key:
             raise ValueError(f"{assignment!r} is not KEY=VALUE")
         *parents, name = key.split(".")
-        if key.split(".")[0] in BENCH_OWNED_SETTINGS:
-            raise ValueError(f"{assignment!r}: the bench sets {key.split('.')[0]} itself")
+        if (section := key.split(".", 1)[0]) in BENCH_OWNED_SETTINGS:
+            raise ValueError(f"{assignment!r}: the bench sets {section} itself")
         target = settings
         for parent in parents:
             target = target.setdefault(parent, {})
