@@ -15,7 +15,9 @@ tests/unit/test_engine_lora_slots_families.py."""
 
 from __future__ import annotations
 
+import contextlib
 import os
+import threading
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -90,9 +92,22 @@ def warmed(lora_dir, record_testsuite_property) -> tuple[StepEngine, int]:
     record_testsuite_property(
         "lora_slots_build_and_warm_up",
         f"{seconds:.1f} s, warm-up {warm_up_seconds:.1f} s; graphs from the cache {hits}, compiled {misses}; "
-        f"torch threads {torch.get_num_threads()}; load average {load:.1f} before, {os.getloadavg()[0]:.1f} after",
+        f"torch threads {torch.get_num_threads()}; load average {load:.1f} before, {os.getloadavg()[0]:.1f} after; "
+        f"this process's threads {len(os.listdir('/proc/self/task'))}, Python's {sorted(busy_threads())}",
     )
     return engine, compiled_graphs()
+
+
+def busy_threads() -> list[str]:
+    """This process's Python threads other than the main one, each with the CPU seconds it has used
+    (a thread left running by an earlier test takes a core from torch's two)."""
+    names = {thread.native_id: thread.name for thread in threading.enumerate() if thread is not threading.main_thread()}
+    used = []
+    for native_id, name in names.items():
+        with contextlib.suppress(OSError):
+            fields = Path(f"/proc/self/task/{native_id}/stat").read_text().rsplit(")", 1)[1].split()
+            used.append(f"{name} {(int(fields[11]) + int(fields[12])) / os.sysconf('SC_CLK_TCK'):.0f} s")
+    return used
 
 
 def inductor_cache_counts() -> tuple[int, int]:
