@@ -330,9 +330,10 @@ def _served_settings_text(section: dict) -> str:
     if settings is None:
         stream = section.get("decode_stream", "step")
         settings = {} if stream == "step" else {"decode_stream": stream}
-    if not _dotted(settings):
+    pairs = _dotted(settings)
+    if not pairs:
         return "Handler settings as shipped."
-    return "Handler settings: " + ", ".join(f"`{key}={value}`" for key, value in _dotted(settings)) + "."
+    return "Handler settings: " + ", ".join(f"`{key}={value}`" for key, value in pairs) + "."
 
 
 def _dotted(settings: dict, prefix: str = "") -> list[tuple[str, str]]:

@@ -252,11 +252,17 @@ def compile_with_limit(function: Callable[..., Any], limit: int, **options: Any)
     return limited
 
 
+def inductor_cache_counts() -> tuple[int, int]:
+    """Graphs this process found in inductor's cache (hits), and graphs it compiled (misses). Read
+    anew each time: a compile may replace the counters' dict an earlier reader holds."""
+    counters = torch._dynamo.utils.counters["inductor"]
+    return counters["fxgraph_cache_hit"], counters["fxgraph_cache_miss"]
+
+
 def compile_cache_summary() -> str:
     """Where inductor caches compiled code, and how many graphs this process found there (hit) or
     compiled (miss); a restarted worker with a persisted cache shows hits only."""
-    counters = torch._dynamo.utils.counters["inductor"]
-    hits, misses = counters["fxgraph_cache_hit"], counters["fxgraph_cache_miss"]
+    hits, misses = inductor_cache_counts()
     return f"dir={cache_dir()} fxgraph_cache_hit={hits} fxgraph_cache_miss={misses}"
 
 

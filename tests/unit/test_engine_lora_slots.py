@@ -32,6 +32,7 @@ from handler.adapters.controlnets import ControlSpec
 from handler.adapters.library import Busy, EntryError
 from handler.adapters.lora_slots import SlotLinear, compiled_graphs
 from handler.config import StepCache
+from handler.engine.loading import inductor_cache_counts
 from handler.engine.step_engine import StepEngine
 from model_making.make_lora import write_lora, write_lycoris
 from server.paths import CONTROLNET_DIR, DEFAULT_MODEL_DIR
@@ -108,12 +109,6 @@ def busy_threads() -> list[str]:
             fields = Path(f"/proc/self/task/{native_id}/stat").read_text().rsplit(")", 1)[1].split()
             used.append(f"{name} {(int(fields[11]) + int(fields[12])) / os.sysconf('SC_CLK_TCK'):.0f} s")
     return used
-
-
-def inductor_cache_counts() -> tuple[int, int]:
-    """Graphs this process found in inductor's cache, and graphs it compiled."""
-    counters = torch._dynamo.utils.counters["inductor"]  # read anew: a compile may replace the dict
-    return counters["fxgraph_cache_hit"], counters["fxgraph_cache_miss"]
 
 
 @pytest.fixture

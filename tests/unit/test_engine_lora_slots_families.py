@@ -16,7 +16,7 @@ import torch
 from bench.reference import Reference
 from handler.adapters.lora_slots import compiled_graphs
 from handler.config import HandlerSettings, StepCache
-from handler.engine.loading import load_engine
+from handler.engine.loading import inductor_cache_counts, load_engine
 from model_making.make_lora import write_lora
 from server.paths import TINY_MODEL_DIRS
 from tests.harness.engine_runs import assert_same_images, expected, lora_set_jobs, run
@@ -27,8 +27,7 @@ pytestmark = pytest.mark.slow  # compiles the tiny denoisers (SD 3's inductor gr
 
 def inductor_graphs() -> int:
     """Graphs inductor generated code for in this process, or found in its cache."""
-    counters = torch._dynamo.utils.counters["inductor"]
-    return counters["fxgraph_cache_miss"] + counters["fxgraph_cache_hit"]
+    return sum(inductor_cache_counts())
 
 
 @pytest.mark.parametrize(
