@@ -2,18 +2,23 @@
 
 A call installs what the GPU host lacks from the carried folders ``bench/gpu_wheels.sh`` prepares
 (``.gpu/a`` into ``/tmp/site`` with the Java runtime into ``/tmp/jdk``, ``.gpu/b`` over it, each where
-its packages do not import yet), then runs its steps one after the other, each to its own folder under ``$OUT`` (the
-device machine's returned folder; ``reports/gpu-calls`` without one), whatever the step before it
-returned. ``--dry-run`` prints the commands. Only the standard library is imported here: on the GPU
-host the carried packages are installed by this module before a step needs them.
+its packages do not import yet), then runs its steps one after the other, whatever the step before
+returned, each within its own time limit where it has one. A ``bench.gpu`` step writes into
+``reports/gpu`` (a served step with settings into ``reports/gpu-<step>``), which stays on the machine
+between calls and can be carried to it, so a section finds what an earlier call measured (``sd35_served``
+its ``sd35`` ceilings, ``variants`` its earlier rows); the folder is then copied into ``$OUT/<step>``,
+the device machine's returned folder. ``--dry-run`` prints the commands. Only the standard library is
+imported here: on the GPU host the carried packages are installed by this module before a step needs them.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -37,37 +42,48 @@ TINY_MODELS = {
     "tiny-sd3": "sd3",
 }
 PACKAGES = ("diffusers", "peft", "pydantic", "torch")  # what every step imports; .gpu/a has all but torch
+STOP_S = 90  # after a step's SIGINT: TorchServe's own stop takes up to 60 s (server.process)
 GPU_TESTS = ("tests/unit/test_row_padding.py", "tests/unit/test_host_reads.py", "tests/unit/test_later_decode.py")
 
 
 @dataclass(frozen=True)
 class Step:
-    """One command of a call: ``python3 -m bench.gpu`` with ``args`` (its output in ``$OUT/<name>``),
-    or, with ``module``, ``python3 -m <module>`` with ``args`` as given."""
+    """One command of a call: ``python3 -m bench.gpu`` with ``args`` writing into ``output`` (under the
+    repository), or, with ``module``, ``python3 -m <module>`` with ``args`` as given and no output."""
 
     name: str
     args: tuple[str, ...]
     module: str = "bench.gpu"
+    output: str = "reports/gpu"
+    timeout_s: float | None = None  # None: the call's own limit
 
-    def argv(self, out: Path) -> list[str]:
-        extra = ["--output-dir", str(out / self.name)] if self.module == "bench.gpu" else []
+    @property
+    def output_dir(self) -> Path | None:
+        return ROOT / self.output if self.module == "bench.gpu" else None
+
+    def argv(self) -> list[str]:
+        extra = ["--output-dir", str(self.output_dir)] if self.output_dir else []
         return [sys.executable, "-m", self.module, *self.args, *extra]
 
 
-def served(name: str, *settings: str, reuse: bool = False) -> Step:
-    """The served section, continuous batching only, with handler ``settings`` (KEY=VALUE)."""
+def served(name: str, *settings: str, reuse: bool = False, timeout_s: float | None = None) -> Step:
+    """The served section, continuous batching only, with handler ``settings`` (KEY=VALUE), into a
+    folder of its own (its served.json is not the shipped settings')."""
     args = ["--sections", "served", "--served-modes", "continuous"]
     for setting in settings:
         args += ["--served-setting", setting]
-    return Step(name, (*args, *(["--reuse-ceilings"] if reuse else [])))
+    args += ["--reuse-ceilings"] if reuse else []
+    return Step(name, tuple(args), output=f"reports/gpu-{name}", timeout_s=timeout_s)
 
 
 # In docs/performance.md's order, with what each waits for there. Each call fits the 10 minutes a
-# call may take; the served ones need .gpu/b carried (after .gpu/a in an earlier call on the same machine).
+# call may take (the first of the two served runs stopped at 260 s, so that the second runs in what
+# is left whatever the first does); the served ones need .gpu/b carried, after .gpu/a in an earlier
+# call on the same machine.
 CALLS: dict[str, tuple[Step, ...]] = {
     "tests": (Step("gpu-tests", (*GPU_TESTS, "-k", "gpu"), module="pytest"),),
     "served-continuous": (
-        served("own", "decode_stream=own"),
+        served("own", "decode_stream=own", timeout_s=260),
         served("budget", "iteration_budget_ms=25", reuse=True),
     ),
     "engine": (Step("engine", ("--sections", "engine")),),
@@ -77,7 +93,7 @@ CALLS: dict[str, tuple[Step, ...]] = {
     "lora": (Step("lora", ("--sections", "lora")),),
     "sd35": (Step("sd35", ("--sections", "sd35", "cache")),),
     "sd35-served": (Step("sd35-served", ("--sections", "sd35_served")),),
-    "served-graphs": (served("graphs", "compile.enabled=true", "compile.backend=cudagraphs"),),
+    "served-graphs": (served("graphs", "compile.enabled=true", "compile.backend=cudagraphs", reuse=True),),
 }
 
 
@@ -86,7 +102,9 @@ def cannot_import(env: dict[str, str], *modules: str) -> str | None:
     found = subprocess.run(
         [sys.executable, "-c", f"import {', '.join(modules)}"], cwd=ROOT, env=env, capture_output=True, text=True
     )
-    return found.stderr.strip().splitlines()[-1] if found.returncode else None
+    if found.returncode == 0:
+        return None
+    return (found.stderr.strip().splitlines() or [f"exit {found.returncode}"])[-1]
 
 
 def install_carry() -> dict[str, str]:
@@ -128,18 +146,35 @@ def write_tiny_models(env: dict[str, str]) -> None:
             subprocess.run(command, cwd=ROOT, env=env, check=True)
 
 
-def run(name: str, out: Path, dry_run: bool) -> int:
-    """Call ``name``'s steps in turn; the number that failed."""
+def run_step(step: Step, env: dict[str, str]) -> int:
+    """The step's exit code; past its time limit its process group gets SIGINT (Python unwinds, so
+    bench.gpu stops the TorchServe it started, in a session of its own), then SIGKILL."""
+    process = subprocess.Popen(step.argv(), cwd=ROOT, env=env, start_new_session=True)
+    try:
+        return process.wait(timeout=step.timeout_s)
+    except subprocess.TimeoutExpired:
+        logger.error("%s: past its %.0f s, stopped", step.name, step.timeout_s)
+        for signal_number, wait_s in ((signal.SIGINT, STOP_S), (signal.SIGKILL, None)):
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(process.pid, signal_number)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                process.wait(timeout=wait_s)
+                break
+        return -1
+
+
+def run(name: str, out: Path | None, dry_run: bool) -> int:
+    """Call ``name``'s steps in turn, each step's folder copied into ``out``; the number that failed."""
     steps = CALLS[name]
     if dry_run:
         for step in steps:
-            print(" ".join(step.argv(out)))
+            print(" ".join(step.argv()))
         return 0
     env = install_carry()
     if reason := cannot_import(env, *PACKAGES):
         logger.error("%s: carry .gpu/a (bench/gpu_wheels.sh) in this call or an earlier one on this machine", reason)
         return len(steps)
-    if name == "tests":
+    if any(step.module == "pytest" for step in steps):  # the GPU tests load the tiny models
         write_tiny_models(env)
     if shutil.which("nvidia-smi"):
         subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version,memory.total", "--format=csv"], check=False)
@@ -148,10 +183,12 @@ def run(name: str, out: Path, dry_run: bool) -> int:
     failed = 0
     for number, step in enumerate(steps, 1):
         started = time.perf_counter()
-        logger.info("[%d/%d] %s: %s", number, len(steps), step.name, " ".join(step.argv(out)))
-        code = subprocess.run(step.argv(out), cwd=ROOT, env=env).returncode
+        logger.info("[%d/%d] %s: %s", number, len(steps), step.name, " ".join(step.argv()))
+        code = run_step(step, env)
         logger.info("[%d/%d] %s: exit %d in %.0f s", number, len(steps), step.name, code, time.perf_counter() - started)
         failed += code != 0
+        if out and step.output_dir and step.output_dir.is_dir():
+            shutil.copytree(step.output_dir, out / step.name, dirs_exist_ok=True)
     return failed
 
 
@@ -161,8 +198,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--dry-run", action="store_true", help="print the call's commands, run nothing")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
-    out = Path(os.environ.get("OUT") or ROOT / "reports" / "gpu-calls")
-    sys.exit(1 if run(args.call, out, args.dry_run) else 0)
+    out = os.environ.get("OUT")
+    sys.exit(1 if run(args.call, Path(out) if out else None, args.dry_run) else 0)
 
 
 if __name__ == "__main__":
