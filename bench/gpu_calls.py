@@ -146,10 +146,16 @@ def write_tiny_models(env: dict[str, str]) -> None:
             subprocess.run(command, cwd=ROOT, env=env, check=True)
 
 
+def default_sigint() -> None:
+    """In the step's process before it starts: SIGINT's default action, so Python raises
+    KeyboardInterrupt on it even where this process was started with SIGINT ignored (a background job)."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def run_step(step: Step, env: dict[str, str]) -> int:
     """The step's exit code; past its time limit its process group gets SIGINT (Python unwinds, so
     bench.gpu stops the TorchServe it started, in a session of its own), then SIGKILL."""
-    process = subprocess.Popen(step.argv(), cwd=ROOT, env=env, start_new_session=True)
+    process = subprocess.Popen(step.argv(), cwd=ROOT, env=env, start_new_session=True, preexec_fn=default_sigint)
     try:
         return process.wait(timeout=step.timeout_s)
     except subprocess.TimeoutExpired:

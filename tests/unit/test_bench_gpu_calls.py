@@ -9,6 +9,7 @@ import logging
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -168,9 +169,14 @@ def test_a_step_is_bench_gpu_into_its_folder_unless_it_names_a_module():
 
 
 def test_a_step_past_its_time_limit_is_interrupted_and_the_next_one_runs():
-    """timeit's statement sleeps 5 times 60 s; SIGINT unwinds it at once."""
-    slow = Step("slow", ("-n", "1", "-r", "5", "import time; time.sleep(60)"), module="timeit", timeout_s=1)
-    started = time.monotonic()
-    assert gpu_calls.run_step(slow, dict(os.environ)) == -1
-    assert time.monotonic() - started < gpu_calls.STOP_S
+    """timeit's statement sleeps 5 times 60 s; SIGINT unwinds it at once, also where this process
+    ignores SIGINT, as a background job does (the step would inherit it)."""
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        slow = Step("slow", ("-n", "1", "-r", "5", "import time; time.sleep(60)"), module="timeit", timeout_s=1)
+        started = time.monotonic()
+        assert gpu_calls.run_step(slow, dict(os.environ)) == -1
+        assert time.monotonic() - started < gpu_calls.STOP_S
+    finally:
+        signal.signal(signal.SIGINT, previous)
     assert gpu_calls.run_step(Step("quick", ("-n", "1", "-r", "1", "pass"), module="timeit"), dict(os.environ)) == 0
