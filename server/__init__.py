@@ -4,6 +4,7 @@
 - ``archive``: handler + pipeline + model-config.yaml -> ``stable-diffusion.mar`` (``make mar``).
 - ``properties``: config.properties, listeners, keys, free loopback ports.
 - ``process``: one TorchServe in its own process group: start, wait for a ready worker, drain, stop.
+- ``group``: stopping a process group, signal by signal (standard library only).
 - ``control``: the files the server process tells its workers through (a stop's drain, a scale-down).
 - ``scaling``: setting the worker count without losing a request (``python -m server.cli scale``).
 - ``cli``: ``make serve`` in the foreground (run by ``start.sh``, which the container runs too),
@@ -36,6 +37,8 @@ _HOMES = {
     "TorchServe": "server.process",
     "serve_archive": "server.process",
     "start_on_free_ports": "server.process",
+    "TERMINATE_SECONDS": "server.group",
+    "stop_group": "server.group",
     "build": "server.archive",
     "console_script": "server.archive",
     "write_model_config": "server.archive",

@@ -26,6 +26,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from server.archive import MODEL_NAME, archive_model_config, build, console_script
 from server.control import CONTROL_DIR_ENV, ControlDir
+from server.group import TERMINATE_SECONDS, stop_group
 from server.paths import CONFIG_PROPERTIES, CONTROLNET_DIR, LOG_CONFIG, LORA_DIR
 from server.properties import (
     EFFECTIVE_CONFIG,
@@ -43,7 +44,6 @@ from server.properties import (
 
 logger = logging.getLogger("server")
 
-TERMINATE_SECONDS = 60  # after SIGTERM, how long the frontend and workers get to exit before SIGKILL
 LOAD_FAILED = "Load model failed"  # logged by the frontend each time a worker dies while loading
 FRONTEND_STARTED = "Model server started."  # printed by the frontend once every listener is bound
 PORT_IN_USE = "Address already in use"  # logged by the frontend when a listener cannot bind, before it exits
@@ -424,17 +424,7 @@ class TorchServe:
         ``grace`` seconds; with ``grace`` 0, SIGKILL at once."""
         if self.process is None:
             return
-        for sig, wait in (*(((signal.SIGTERM, grace),) if grace > 0 else ()), (signal.SIGKILL, 10)):
-            try:
-                os.killpg(self.process.pid, sig)
-            except ProcessLookupError:
-                break
-            try:
-                self.process.wait(timeout=wait)
-                _wait_group_gone(self.process.pid, wait)
-                break
-            except subprocess.TimeoutExpired:
-                logger.warning("TorchServe did not stop within %.0f s after %s", wait, sig.name)
+        stop_group(self.process, [(signal.SIGTERM, grace)] if grace > 0 else [], "TorchServe")
         logger.info("TorchServe stopped")
 
     def __enter__(self) -> TorchServe:
@@ -515,15 +505,3 @@ def serve_archive(
         yield server
     finally:
         server.stop(stop_grace)
-
-
-def _wait_group_gone(pgid: int, timeout: float) -> None:
-    """Wait until no process of the group is left (workers may outlive the frontend briefly)."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            os.killpg(pgid, 0)
-        except ProcessLookupError:
-            return
-        time.sleep(0.2)
-    raise subprocess.TimeoutExpired(f"process group {pgid}", timeout)
