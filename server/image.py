@@ -10,8 +10,8 @@ base's own packages, the torch wheel that pip downloads here for the pin (the CP
 configuration offers one), and the CA bundle of this machine's pip, both mounted into the build. Only
 buildah mounts directories into a build, so ``--local-cpu`` needs buildah.
 
-buildah runs as root with the vfs storage driver and chroot isolation: no daemon, no overlay module,
-no user namespaces (docs/deploy.md, "Building the image without a Docker engine").
+buildah runs as root with chroot isolation (no daemon, no user namespaces) and the overlay storage driver
+where an overlay filesystem mounts, else vfs (docs/deploy.md, "Building the image without a Docker engine").
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ import subprocess
 import sys
 import tempfile
 from dataclasses import dataclass, field
+from functools import cached_property
 from pathlib import Path
 from typing import Any
 
@@ -82,16 +83,26 @@ def docker_engine() -> bool:
         return False
 
 
+# buildah's storage drivers, in order of preference: overlay keeps layers as diffs (a container or a
+# commit copies nothing), vfs copies the whole image for each but needs no overlay filesystem.
+STORAGE_DRIVERS = ("overlay", "vfs")
+DEFAULT_STORAGE = Path("/var/lib/containers/storage")  # buildah's as root
+
+
 @dataclass(frozen=True)
 class Buildah:
-    """buildah as root without a daemon: vfs storage, chroot isolation; ``root`` keeps its images and
+    """buildah as root without a daemon, with chroot isolation; ``root`` keeps its images and
     containers apart from the machine's (the test's own storage)."""
 
     root: Path | None = None
 
+    @cached_property
+    def driver(self) -> str:
+        return storage_driver(self.root or DEFAULT_STORAGE)
+
     def command(self, *args: str) -> list[str]:
         storage = ["--root", str(self.root), "--runroot", str(self.root / "run")] if self.root else []
-        return ["buildah", "--storage-driver", "vfs", *storage, *args]
+        return ["buildah", "--storage-driver", self.driver, *storage, *args]
 
     def __call__(self, *args: str, **kwargs: Any) -> subprocess.CompletedProcess:
         """Run a buildah command to completion, raising on failure (stdout returned as text)."""
@@ -99,6 +110,34 @@ class Buildah:
 
     def has_image(self, name: str) -> bool:
         return subprocess.run(self.command("inspect", "--type", "image", name), capture_output=True).returncode == 0
+
+
+def storage_driver(root: Path) -> str:
+    """The driver of buildah's storage at ``root``: the one that holds its images already (the
+    preferred one where both do), else overlay where an overlay filesystem mounts there, else vfs."""
+    for driver in STORAGE_DRIVERS:
+        if (root / f"{driver}-images").is_dir():
+            return driver
+    return "overlay" if overlay_mounts(root) else "vfs"
+
+
+def overlay_mounts(root: Path) -> bool:
+    """Whether an overlay filesystem mounts in ``root`` (made where missing): as root, with the kernel's
+    overlay module, on a filesystem that can hold its upper layer (not an overlay itself)."""
+    if os.geteuid() != 0 or shutil.which("mount") is None:
+        return False
+    root.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix="overlay-probe-", dir=root) as probe:
+        lower, upper, work, merged = (Path(probe) / name for name in ("lower", "upper", "work", "merged"))
+        for directory in (lower, upper, work, merged):
+            directory.mkdir()
+        options = f"lowerdir={lower},upperdir={upper},workdir={work}"
+        mount = ["mount", "-t", "overlay", "overlay", "-o", options, str(merged)]
+        if subprocess.run(mount, capture_output=True).returncode != 0:
+            return False
+        subprocess.run(["umount", str(merged)], check=True)
+    logger.info("buildah storage %s: overlay driver", root)
+    return True
 
 
 def declared_build_args() -> set[str]:

@@ -6,7 +6,8 @@ import argparse
 
 import pytest
 
-from server.image import Build, Buildah, build_arg, declared_build_args, pinned
+from server import image
+from server.image import STORAGE_DRIVERS, Build, Buildah, build_arg, declared_build_args, pinned, storage_driver
 from server.paths import DOCKERFILE, REQUIREMENTS, ROOT
 
 
@@ -15,7 +16,11 @@ def test_docker_and_buildah_get_the_same_file_tag_arguments_and_context():
     shared = ["--file", str(DOCKERFILE), "--tag", "sd:test", "--build-arg", "BASE_IMAGE=docker.io/library/ubuntu:22.04"]
     assert build.docker() == ["docker", "build", *shared, str(ROOT)]
     command = build.buildah(Buildah(), pull="never")
-    assert command[:3] == ["buildah", "--storage-driver", "vfs"] and command[-len(shared) - 1 :] == [*shared, str(ROOT)]
+    assert (
+        command[:2] == ["buildah", "--storage-driver"]
+        and command[2] in STORAGE_DRIVERS
+        and command[-len(shared) - 1 :] == [*shared, str(ROOT)]
+    )
     # Chroot isolation needs no user namespaces; the docker format keeps the HEALTHCHECK.
     assert {"--isolation", "chroot", "--format", "docker", "--pull=never"} <= set(command)
 
@@ -26,6 +31,27 @@ def test_buildah_mounts_read_only_and_keeps_its_own_storage_where_asked(tmp_path
     assert command[command.index("--volume") + 1] == f"{tmp_path}:/wheels:ro"
     assert command[command.index("--root") + 1] == str(tmp_path / "storage")
     assert "--pull=true" in command
+
+
+@pytest.mark.parametrize(
+    ("held", "mounts", "driver"),
+    [((), True, "overlay"), ((), False, "vfs"), (("vfs",), True, "vfs"), (("overlay", "vfs"), False, "overlay")],
+)
+def test_a_storage_keeps_the_driver_holding_its_images_and_a_new_one_takes_overlay_where_it_mounts(
+    tmp_path, monkeypatch, held, mounts, driver
+):
+    for name in held:
+        (tmp_path / f"{name}-images").mkdir()
+    monkeypatch.setattr(image, "overlay_mounts", lambda root: mounts)
+    assert storage_driver(tmp_path) == driver
+    assert Buildah(root=tmp_path).command("images")[:3] == ["buildah", "--storage-driver", driver]
+
+
+def test_the_overlay_probe_leaves_nothing_behind_and_needs_root(tmp_path, monkeypatch):
+    image.overlay_mounts(tmp_path / "storage")  # either way: as this machine's kernel and privileges allow
+    assert not any((tmp_path / "storage").iterdir())
+    monkeypatch.setattr(image.os, "geteuid", lambda: 1000)
+    assert not image.overlay_mounts(tmp_path / "other")
 
 
 def test_docker_refuses_mounts_it_cannot_make(tmp_path):
