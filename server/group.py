@@ -20,16 +20,17 @@ KILL_SECONDS = 10  # after SIGKILL, how long the group's processes get to be gon
 
 
 def stop_group(process: subprocess.Popen, signals: Sequence[tuple[signal.Signals, float]], name: str) -> None:
-    """Send the process group led by ``process`` each signal in turn, waiting its seconds for the
-    process and every other process of the group to exit, then SIGKILL whatever is left."""
+    """Send the process group led by ``process`` each signal in turn, waiting up to its seconds for
+    the process and every other process of the group to exit, then SIGKILL whatever is left."""
     for sig, wait in (*signals, (signal.SIGKILL, KILL_SECONDS)):
         try:
             os.killpg(process.pid, sig)
         except ProcessLookupError:
             return
+        deadline = time.monotonic() + wait
         try:
             process.wait(timeout=wait)
-            wait_group_gone(process.pid, wait)
+            wait_group_gone(process.pid, deadline - time.monotonic())
             return
         except subprocess.TimeoutExpired:
             logger.warning("%s did not stop within %.0f s after %s", name, wait, sig.name)

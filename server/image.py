@@ -17,6 +17,7 @@ where an overlay filesystem mounts, else vfs (docs/deploy.md, "Building the imag
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
 import platform
@@ -83,8 +84,8 @@ def docker_engine() -> bool:
         return False
 
 
-# buildah's storage drivers, in order of preference: overlay keeps layers as diffs (a container or a
-# commit copies nothing), vfs copies the whole image for each but needs no overlay filesystem.
+# buildah's storage drivers, in order of preference: overlay keeps layers as diffs (a working container
+# copies nothing), vfs copies the whole image into each but needs no overlay filesystem.
 STORAGE_DRIVERS = ("overlay", "vfs")
 DEFAULT_STORAGE = Path("/var/lib/containers/storage")  # buildah's as root
 
@@ -98,7 +99,10 @@ class Buildah:
 
     @cached_property
     def driver(self) -> str:
-        return storage_driver(self.root or DEFAULT_STORAGE)
+        root = self.root or DEFAULT_STORAGE
+        driver = storage_driver(root)
+        logger.info("buildah storage %s: the %s driver", root, driver)
+        return driver
 
     def command(self, *args: str) -> list[str]:
         storage = ["--root", str(self.root), "--runroot", str(self.root / "run")] if self.root else []
@@ -113,31 +117,46 @@ class Buildah:
 
 
 def storage_driver(root: Path) -> str:
-    """The driver of buildah's storage at ``root``: the one that holds its images already (the
-    preferred one where both do), else overlay where an overlay filesystem mounts there, else vfs."""
-    for driver in STORAGE_DRIVERS:
-        if (root / f"{driver}-images").is_dir():
-            return driver
+    """The driver of buildah's storage at ``root``: one that holds images there already (the preferred
+    one where both do), else overlay where an overlay filesystem mounts there, else vfs (also when not
+    root, as buildah's rootful storage is then out of reach)."""
+    if os.geteuid() != 0:
+        return "vfs"
+    held = [driver for driver in STORAGE_DRIVERS if stored_images(root, driver)]
+    if held:
+        return held[0]
     return "overlay" if overlay_mounts(root) else "vfs"
 
 
+def stored_images(root: Path, driver: str) -> int:
+    """How many images buildah's storage at ``root`` holds with ``driver`` (its images.json; buildah
+    makes the folder, empty, whenever a command runs with the driver)."""
+    try:
+        images = json.loads((root / f"{driver}-images" / "images.json").read_text())
+    except (OSError, ValueError):
+        return 0
+    return len(images) if isinstance(images, list) else 0
+
+
 def overlay_mounts(root: Path) -> bool:
-    """Whether an overlay filesystem mounts in ``root`` (made where missing): as root, with the kernel's
-    overlay module, on a filesystem that can hold its upper layer (not an overlay itself)."""
-    if os.geteuid() != 0 or shutil.which("mount") is None:
+    """Whether an overlay filesystem mounts in ``root`` (made where missing): with the kernel's overlay
+    module, on a filesystem that can hold its upper layer (not an overlay itself)."""
+    if shutil.which("mount") is None or shutil.which("umount") is None:
         return False
-    root.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(prefix="overlay-probe-", dir=root) as probe:
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+    except OSError:
+        return False
+    with tempfile.TemporaryDirectory(prefix="overlay-probe-", dir=root, ignore_cleanup_errors=True) as probe:
         lower, upper, work, merged = (Path(probe) / name for name in ("lower", "upper", "work", "merged"))
         for directory in (lower, upper, work, merged):
             directory.mkdir()
         options = f"lowerdir={lower},upperdir={upper},workdir={work}"
         mount = ["mount", "-t", "overlay", "overlay", "-o", options, str(merged)]
-        if subprocess.run(mount, capture_output=True).returncode != 0:
-            return False
-        subprocess.run(["umount", str(merged)], check=True)
-    logger.info("buildah storage %s: overlay driver", root)
-    return True
+        mounted = subprocess.run(mount, capture_output=True).returncode == 0
+        if mounted:
+            subprocess.run(["umount", str(merged)], capture_output=True)
+        return mounted
 
 
 def declared_build_args() -> set[str]:
