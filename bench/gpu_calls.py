@@ -107,8 +107,9 @@ def cannot_import(env: dict[str, str], *modules: str) -> str | None:
 
 def install_carry() -> tuple[dict[str, str], str | None]:
     """Install each carried folder here whose packages do not import yet (pip with no index; a venv
-    or an earlier call on the same machine has them): the environment the steps then run in, and why
-    the packages every step imports do not import in it (None where they do)."""
+    or an earlier call on the same machine has them), ``.gpu/b`` only over working ``.gpu/a``
+    packages: the environment the steps then run in, and why the packages every step imports do not
+    import in it (None where they do)."""
     env = environment()
     missing = cannot_import(env, *PACKAGES)
     if missing and (CARRY / "a").is_dir():
@@ -118,7 +119,7 @@ def install_carry() -> tuple[dict[str, str], str | None]:
         subprocess.run(["tar", "-C", str(JDK), "-xJf", str(CARRY / "a" / "jdk.tar.xz")], check=True)
         env = environment()
         missing = cannot_import(env, *PACKAGES)
-    if (CARRY / "b").is_dir() and cannot_import(env, "ts"):
+    if not missing and (CARRY / "b").is_dir() and cannot_import(env, "ts"):
         # --upgrade replaces /tmp/site/bin, which pip would otherwise keep without TorchServe's commands
         logger.info("installing .gpu/b (TorchServe) into %s", SITE)
         wheels = map(str, sorted((CARRY / "b").glob("*.whl")))
