@@ -37,7 +37,6 @@ _HOMES = {
     "TorchServe": "server.process",
     "serve_archive": "server.process",
     "start_on_free_ports": "server.process",
-    "TERMINATE_SECONDS": "server.group",
     "stop_group": "server.group",
     "build": "server.archive",
     "console_script": "server.archive",

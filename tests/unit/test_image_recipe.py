@@ -34,11 +34,13 @@ def test_buildah_mounts_read_only_and_keeps_its_own_storage_where_asked(tmp_path
     assert "--pull=true" in command
 
 
+PROBE = image.overlay_mounts  # the real probe, for the test about it
+
+
 @pytest.fixture(autouse=True)
-def no_mounts(request, monkeypatch):
-    """No overlay probe in these tests (it mounts), except where a test is about it; as root."""
-    if "probe" not in request.node.name:
-        monkeypatch.setattr(image, "overlay_mounts", lambda root: True)
+def no_mounts(monkeypatch):
+    """No overlay probe in these tests (it mounts): overlay mounts; as root."""
+    monkeypatch.setattr(image, "overlay_mounts", lambda root: True)
     monkeypatch.setattr(image.os, "geteuid", lambda: 0)
 
 
@@ -75,10 +77,10 @@ def test_without_root_buildah_keeps_vfs(tmp_path, monkeypatch):
 
 def test_the_overlay_probe_leaves_nothing_behind(tmp_path, monkeypatch):
     (tmp_path / "storage").mkdir()
-    image.overlay_mounts(tmp_path / "storage")  # mounted or not, as this machine allows
+    PROBE(tmp_path / "storage")  # mounted or not, as this machine allows
     assert not any((tmp_path / "storage").iterdir())
     monkeypatch.setattr(image.shutil, "which", lambda tool: None)
-    assert not image.overlay_mounts(tmp_path / "other") and not (tmp_path / "other").exists()
+    assert not PROBE(tmp_path / "other") and not (tmp_path / "other").exists()
 
 
 def test_docker_refuses_mounts_it_cannot_make(tmp_path):
