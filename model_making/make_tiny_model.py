@@ -366,14 +366,19 @@ def write(family: str, output: Path, seed: int = 0) -> DiffusionPipeline:
     return pipeline
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("output", type=Path, help="directory to write the diffusers pipeline to")
-    parser.add_argument("--family", choices=FAMILIES, default="sd1")
+    parser.add_argument("output", type=Path, nargs="+", help="directories to write the diffusers pipelines to")
+    parser.add_argument(
+        "--family", choices=FAMILIES, nargs="+", default=["sd1"], help="each output's family, in the same order"
+    )
     parser.add_argument("--seed", type=int, default=0, help="seed of the random weights")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
+    if len(args.family) != len(args.output):
+        parser.error(f"{len(args.output)} outputs take {len(args.output)} families, one each; got {len(args.family)}")
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    write(args.family, args.output, args.seed)
+    for output, family in zip(args.output, args.family, strict=True):  # one process: torch and diffusers imported once
+        write(family, output, args.seed)
 
 
 if __name__ == "__main__":

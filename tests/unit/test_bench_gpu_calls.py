@@ -5,6 +5,7 @@ own, the GPU tests it names exist, and docs/performance.md's plan names every ca
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import re
@@ -20,6 +21,7 @@ import pytest
 from bench import gpu_calls
 from bench.gpu import parse_args
 from bench.gpu_calls import CALLS, GPU_TESTS, TINY_MODELS, Step
+from model_making import make_tiny_model
 from model_making.make_tiny_model import FAMILIES
 from server.group import KILL_SECONDS
 from server.paths import ROOT
@@ -84,6 +86,34 @@ def test_the_gpu_tests_call_names_existing_gpu_tests_and_the_tiny_models_they_lo
     for listed in re.findall(r'(?:parametrize\("family", |params=)\[([^]]*)\]', text):
         loaded |= set(re.findall(r'"([a-z0-9-]+)"', listed))
     assert loaded and loaded <= set(TINY_MODELS) and set(TINY_MODELS) <= set(FAMILIES)
+
+
+def test_the_missing_tiny_models_are_written_in_one_process(monkeypatch, tmp_path):
+    """One import of torch and diffusers for all of them: the command the call runs, run here."""
+    present = tmp_path / "tiny-sd"
+    present.mkdir()
+    (present / "model_index.json").write_text("{}")
+    wanted = {"sd1": present, "sd3": tmp_path / "tiny-sd3", "sd35": tmp_path / "tiny-sd35"}
+    monkeypatch.setattr(gpu_calls, "TINY_MODELS", wanted)
+    commands: list[list[str]] = []
+    monkeypatch.setattr(gpu_calls.subprocess, "run", lambda command, **kwargs: commands.append(command))
+    gpu_calls.write_tiny_models({})
+    (command,) = commands
+    assert command[:3] == [sys.executable, "-m", "model_making.make_tiny_model"]
+    make_tiny_model.main(command[3:])
+    assert (present / "model_index.json").read_text() == "{}"  # present: not written again
+    # each written as its own family: SD 3.5 Medium's shape has RMS-norm on queries and keys, SD 3's none
+    norms = {
+        family: json.loads((wanted[family] / "transformer" / "config.json").read_text())["qk_norm"]
+        for family in ("sd3", "sd35")
+    }
+    assert norms == {"sd3": None, "sd35": "rms_norm"}
+
+
+def test_tiny_models_take_one_family_each():
+    with pytest.raises(SystemExit) as refused:
+        make_tiny_model.main(["a", "b", "--family", "sd1"])
+    assert refused.value.code == 2
 
 
 def test_the_call_plan_imports_only_the_standard_library_before_the_carry_is_installed():
