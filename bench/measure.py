@@ -208,6 +208,30 @@ def _out_of_memory(error: Exception) -> bool:
     )
 
 
+def first_step_path(images_path: Path) -> Path:
+    """Where a variant's first-step latent change is saved, beside its images."""
+    return images_path.with_name(f"{images_path.stem}-first-step.npy")
+
+
+def first_step_change(engine: StepEngine, specs: list[JobSpec]) -> np.ndarray:
+    """How much the first step moves the jobs' latents (float32): one denoiser forward's work, before
+    later steps amplify a rounding difference (with random weights, SDXL's 30 steps make any
+    difference of float16's size a different image)."""
+    jobs = engine.start(specs)
+    before = torch.cat([job.latents for job in jobs]).float().cpu()
+    engine.step(jobs)
+    return (torch.cat([job.latents for job in jobs]).float().cpu() - before).numpy()
+
+
+def save_first_step(engine: StepEngine, specs: list[JobSpec], images_path: Path) -> dict:
+    """``first_step_change`` saved beside the images (an earlier run's removed first: a failure
+    leaves none to pass for this run's)."""
+    path = first_step_path(images_path)
+    path.unlink(missing_ok=True)
+    np.save(path, first_step_change(engine, specs))
+    return {}
+
+
 def run_variant(
     variant_name: str,
     workload: Workload,
@@ -257,6 +281,7 @@ def run_variant(
     if count_flops:
         result["unet_call_flops"] = denoiser_call_flops(engine, workload)
     # Extras after the measurements: a failure here is reported beside them, not instead of them.
+    result.update(_extra("first_step", lambda: save_first_step(engine, specs, images_path)))
     if with_profile:
         result.update(_extra("profile", lambda: {"profile": profile(engine, specs, median_latency)}))
     if engine.device.type == "cuda" and workload.max_batch_limit and search_max_batch:

@@ -29,7 +29,7 @@ import numpy as np
 import torch
 
 from bench import sd15
-from bench.measure import Workload
+from bench.measure import Workload, first_step_path
 from bench.report import write_report
 from bench.variants import BASELINE, VARIANT_NAMES, Variant, select
 from handler.engine.loading import resolve_device
@@ -198,17 +198,25 @@ def _warm_part(warm_result: dict) -> dict:
     return {key: warm_result[key] for key in WARM_KEYS} if warm_result["status"] == "ok" else warm_result
 
 
+def first_step_distance(step: np.ndarray, reference: np.ndarray) -> float:
+    """The relative L2 distance of a first-step latent change to ``reference``'s (0: the same)."""
+    return float(np.linalg.norm(step - reference) / np.linalg.norm(reference))
+
+
 def to_reference(results: dict[str, dict], scratch: Path, reference: str) -> dict[str, dict]:
     """The image distance of each measured variant (``reference`` included) to ``reference``'s
-    images in ``scratch``; empty until ``reference`` measured."""
+    images in ``scratch``, and where both saved one, the distance of their first steps'
+    (``first_step_rel_diff``); empty until ``reference`` measured."""
     if results.get(reference, {}).get("status") != "ok":
         return {}
-    images = np.load(scratch / f"{reference}.npy")
-    return {
-        name: image_distance(np.load(scratch / f"{name}.npy"), images)
-        for name, result in results.items()
-        if result["status"] == "ok"
-    }
+    images, first_step = np.load(scratch / f"{reference}.npy"), first_step_path(scratch / f"{reference}.npy")
+    distances = {}
+    for name in (name for name, result in results.items() if result["status"] == "ok"):
+        distances[name] = image_distance(np.load(scratch / f"{name}.npy"), images)
+        own = first_step_path(scratch / f"{name}.npy")
+        if own.is_file() and first_step.is_file():
+            distances[name]["first_step_rel_diff"] = first_step_distance(np.load(own), np.load(first_step))
+    return distances
 
 
 def compare_with_baseline(results: dict[str, dict], scratch: Path, baseline_name: str = BASELINE) -> None:

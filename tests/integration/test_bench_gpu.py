@@ -136,6 +136,9 @@ def test_sdxl_runs_eager_and_float32_and_the_full_plan_also_compiled(report):
     # on the CPU eager runs float32 too: the same image as the reference
     assert section["reference"] == "sdpa-fp32" and set(section["to_reference"]) == set(rows)
     assert section["to_reference"]["eager"]["max_abs_diff"] <= 1
+    # and so is its first step (one forward's latent change), which later steps have not amplified
+    assert section["to_reference"]["eager"]["first_step_rel_diff"] < 1e-5
+    assert section["to_reference"]["sdpa-fp32"]["first_step_rel_diff"] == 0
     assert "Against the same call in float32 (`sdpa-fp32`): eager, " in report["markdown"]
 
 

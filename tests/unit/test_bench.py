@@ -14,8 +14,8 @@ from diffusers.models.attention_processor import AttnProcessor
 from torch.utils.flop_counter import FlopCounterMode
 
 from bench import overhead, sd15, sdxl, single_file
-from bench.measure import Workload, unet_flops
-from bench.pipeline import Runner, image_distance
+from bench.measure import Workload, first_step_path, unet_flops
+from bench.pipeline import Runner, image_distance, to_reference
 from bench.report import markdown
 from bench.variants import BASELINE, VARIANT_NAMES, VARIANTS, by_name, select
 from handler.config import HandlerSettings
@@ -121,6 +121,20 @@ def test_a_runner_reuses_what_its_scratch_holds_for_the_same_workload_only(tmp_p
     measured.clear()
     Runner(Workload(str(RANDOM_MODEL_DIR), "cpu", 64, 64, 2, 1, 1), tmp_path, 60, reuse=True).variant(eager, cpu)
     assert measured == [("eager", "cold")], "another workload's results are not reused"
+
+
+def test_to_reference_gives_the_first_steps_distance_where_both_saved_one(tmp_path):
+    images = np.zeros((1, 8, 8, 3), dtype=np.uint8)
+    step = np.ones((1, 4, 2, 2), dtype=np.float32)
+    for name in ("reference", "near", "old"):
+        np.save(tmp_path / f"{name}.npy", images)
+    np.save(first_step_path(tmp_path / "reference.npy"), step)
+    np.save(first_step_path(tmp_path / "near.npy"), step * 1.001)
+    results = {name: {"status": "ok"} for name in ("reference", "near", "old")}
+    distances = to_reference(results, tmp_path, "reference")
+    assert distances["reference"]["first_step_rel_diff"] == 0
+    assert distances["near"]["first_step_rel_diff"] == pytest.approx(0.001, rel=1e-3)
+    assert "first_step_rel_diff" not in distances["old"] and distances["old"]["psnr_db"] is None
 
 
 def test_image_distance_is_zero_for_identical_images_and_psnr_otherwise():
