@@ -30,7 +30,7 @@ section file there (``bench.gpu_report``), so sections can run in separate calls
    GPU time is spent; the in-process ceiling stays the eager pipeline's, and ``--reuse-ceilings``
    takes the ceilings an earlier run measured in the same scratch.
 5. ``sdxl``: SDXL 1024x1024, 30 steps, batch 1: eager, float32 and the fastest compile mode of
-   ``variants`` (``--compiled`` names another).
+   ``variants`` (``--compiled`` names another), each image's and first step's distance to float32's.
 6. ``sd35``: SD 3.5 Medium (T5 included) 1024x1024, 28 flow-matching steps, guidance 7.5, eager at
    batch 1 and 4: transformer it/s (the ``unet_it_s`` figure), seconds per call, peak memory.
 7. ``sd35_served``: SD 3.5 Medium through TorchServe with continuous batching (what packaging ships
@@ -554,7 +554,8 @@ class GpuBench:
 
     def sdxl(self) -> dict:
         """SDXL eager, in float32 and (the full plan) in the compile mode of ``best_compiled``:
-        UNet it/s, and each image's distance to eager's and to float32's (``to_reference``)."""
+        UNet it/s, and each image's distance to eager's and to float32's, and each first step's to
+        float32's (``to_reference``)."""
         workload = self.workload(self.plan.sdxl_model, self.plan.sdxl_side, self.plan.sdxl_steps)
         scratch = self.scratch / "sdxl"
 

@@ -198,9 +198,11 @@ def _warm_part(warm_result: dict) -> dict:
     return {key: warm_result[key] for key in WARM_KEYS} if warm_result["status"] == "ok" else warm_result
 
 
-def first_step_distance(step: np.ndarray, reference: np.ndarray) -> float:
-    """The relative L2 distance of a first-step latent change to ``reference``'s (0: the same)."""
-    return float(np.linalg.norm(step - reference) / np.linalg.norm(reference))
+def first_step_distance(step: np.ndarray, reference: np.ndarray) -> float | None:
+    """The relative L2 distance of a first-step latent change to ``reference``'s (0: the same; None
+    where the reference did not move)."""
+    norm = float(np.linalg.norm(reference))
+    return float(np.linalg.norm(step - reference)) / norm if norm else None
 
 
 def to_reference(results: dict[str, dict], scratch: Path, reference: str) -> dict[str, dict]:

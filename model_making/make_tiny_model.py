@@ -368,7 +368,9 @@ def write(family: str, output: Path, seed: int = 0) -> DiffusionPipeline:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("output", type=Path, nargs="+", help="directories to write the diffusers pipelines to")
+    parser.add_argument(
+        "output", type=Path, nargs="+", help="directories to write the diffusers pipelines to (before --family)"
+    )
     parser.add_argument(
         "--family", choices=FAMILIES, nargs="+", default=["sd1"], help="each output's family, in the same order"
     )

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import subprocess
 
+import numpy as np
 import pytest
 from PIL import Image
 
@@ -127,7 +128,7 @@ def test_served_points_in_both_modes_have_no_errors_and_a_ceiling(report):
         )
 
 
-def test_sdxl_runs_eager_and_float32_and_the_full_plan_also_compiled(report):
+def test_sdxl_runs_eager_and_float32_and_the_full_plan_also_compiled(report, bench_scratch):
     section = report["sdxl"]
     rows = {row["name"]: row for row in section["variants"]}
     assert list(rows) == ["eager", "sdpa-fp32"] and not QUICK.sdxl_compiled and FULL.sdxl_compiled
@@ -139,6 +140,8 @@ def test_sdxl_runs_eager_and_float32_and_the_full_plan_also_compiled(report):
     # and so is its first step (one forward's latent change), which later steps have not amplified
     assert section["to_reference"]["eager"]["first_step_rel_diff"] < 1e-5
     assert section["to_reference"]["sdpa-fp32"]["first_step_rel_diff"] == 0
+    moved = np.load(bench_scratch / "sdxl" / "eager-first-step.npy")  # what the step moved: not nothing
+    assert moved.shape[0] == 1 and np.abs(moved).max() > 0
     assert "Against the same call in float32 (`sdpa-fp32`): eager, " in report["markdown"]
 
 

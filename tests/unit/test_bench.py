@@ -135,6 +135,8 @@ def test_to_reference_gives_the_first_steps_distance_where_both_saved_one(tmp_pa
     assert distances["reference"]["first_step_rel_diff"] == 0
     assert distances["near"]["first_step_rel_diff"] == pytest.approx(0.001, rel=1e-3)
     assert "first_step_rel_diff" not in distances["old"] and distances["old"]["psnr_db"] is None
+    np.save(first_step_path(tmp_path / "reference.npy"), step * 0)  # a reference that did not move
+    assert to_reference(results, tmp_path, "reference")["near"]["first_step_rel_diff"] is None
 
 
 def test_image_distance_is_zero_for_identical_images_and_psnr_otherwise():
