@@ -211,13 +211,15 @@ def to_reference(results: dict[str, dict], scratch: Path, reference: str) -> dic
     (``first_step_rel_diff``); empty until ``reference`` measured."""
     if results.get(reference, {}).get("status") != "ok":
         return {}
-    images, first_step = np.load(scratch / f"{reference}.npy"), first_step_path(scratch / f"{reference}.npy")
+    images = np.load(scratch / f"{reference}.npy")
+    reference_step = first_step_path(scratch / f"{reference}.npy")
+    first_step = np.load(reference_step) if reference_step.is_file() else None
     distances = {}
     for name in (name for name, result in results.items() if result["status"] == "ok"):
         distances[name] = image_distance(np.load(scratch / f"{name}.npy"), images)
         own = first_step_path(scratch / f"{name}.npy")
-        if own.is_file() and first_step.is_file():
-            distances[name]["first_step_rel_diff"] = first_step_distance(np.load(own), np.load(first_step))
+        if first_step is not None and own.is_file():
+            distances[name]["first_step_rel_diff"] = first_step_distance(np.load(own), first_step)
     return distances
 
 
