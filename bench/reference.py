@@ -40,6 +40,7 @@ from safetensors.torch import load_file
 
 from handler.config import MAX_SEED, StepCache
 from handler.families import SCHEDULERS
+from handler.families.sd import flat_text_model
 
 
 @dataclass(frozen=True)
@@ -91,6 +92,7 @@ class Reference:
         num_inference_steps: int,
         *,
         negative_prompt: str | None = None,
+        clip_skip: int | None = None,
         num_images_per_prompt: int = 1,
         scheduler: str | None = None,
         guidance_scale: float = 7.5,
@@ -114,8 +116,9 @@ class Reference:
         (``first_block_cache``); with textual-inversion ``embeddings`` loaded for this call only
         (``load_textual_inversion``, each under its file stem; SDXL's ``clip_l`` and ``clip_g``
         into its two text encoders, as diffusers' documentation does); with LyCORIS files and weights
-        merged into the weights for this call only (``merged_lycoris``); ``scheduler`` None: the
-        model's own."""
+        merged into the weights for this call only (``merged_lycoris``); ``clip_skip`` passed on
+        where given (SD 1.x/2.x's text encoder as diffusers PR #14043 reads it:
+        ``handler.families.sd.flat_text_model``); ``scheduler`` None: the model's own."""
         seeds = [(seed + index) % (MAX_SEED + 1) for index in range(num_images_per_prompt)]
         inputs: dict = {"width": width, "height": height}
         pipeline = self.pipeline
@@ -129,6 +132,8 @@ class Reference:
         elif controlnets:
             pipeline = AutoPipelineForText2Image.from_pipe(self.pipeline, **nets)
         inputs.update(extra)
+        if clip_skip is not None:
+            inputs["clip_skip"] = clip_skip
         if image is not None:
             inputs["strength"] = strength
         names = [f"reference{index}" for index in range(len(loras))]
@@ -288,7 +293,8 @@ class Reference:
         caching = (
             contextlib.nullcontext() if first_block is None else first_block_cache(pipeline.transformer, first_block)
         )
-        with caching:
+        text_model = flat_text_model(pipeline.text_encoder) if "clip_skip" in inputs else contextlib.nullcontext()
+        with caching, text_model:
             output = pipeline(
                 prompt=prompt,
                 negative_prompt=negative_prompt,

@@ -55,6 +55,9 @@ class FamilyRules:
     max_steps: int | None = None
     cache_branches: int = 0  # DeepCache branches its denoiser serves (0: none; a UNet: 3 a down block)
     first_block_cache: bool = False  # whether its denoiser serves first-block caching (an SD 3.x transformer)
+    # The most CLIP layers a prompt may skip (``clip_skip``): each CLIP text encoder keeps one
+    # (SD 1.x's CLIP ViT-L/14, 12 layers, from its last hidden states).
+    max_clip_skip: int = 11
 
     def serves(self, cache: StepCache) -> bool:
         """Whether the denoiser serves a step cache (off always)."""
@@ -118,6 +121,7 @@ class RequestDefaults(_Section):
     """Values used for the fields a request leaves out."""
 
     negative_prompt: str | None = None
+    clip_skip: int | None = Field(None, ge=0, description="CLIP layers a prompt skips (diffusers' clip_skip)")
     num_inference_steps: int = Field(25, ge=1)
     guidance_scale: float = Field(7.5, ge=0)
     width: int | None = Field(None, ge=8, multiple_of=8, description="None: the model's native size")
@@ -645,7 +649,8 @@ class HandlerSettings(_Section):
         """These settings for a loaded model: its native size as the default for an unset
         width/height, and the model's own scheduler where the configured default is one its family
         does not serve; checked against the limits again. Raises ValueError for a configured default
-        or warm-up size off the family's grid or larger than the model takes."""
+        or warm-up size off the family's grid or larger than the model takes, or a default
+        ``clip_skip`` beyond its text encoders."""
         defaults = self.defaults.model_dump()
         defaults["width"] = defaults["width"] or width
         defaults["height"] = defaults["height"] or height
@@ -659,6 +664,11 @@ class HandlerSettings(_Section):
                     + (f" and at most {rules.max_side}" if rules.max_side else "")
                     + f" for this {rules.family} model (got {size[0]}x{size[1]})"
                 )
+        if (self.defaults.clip_skip or 0) > rules.max_clip_skip:
+            raise ValueError(
+                f"defaults.clip_skip {self.defaults.clip_skip} is more than this {rules.family} model's CLIP text "
+                f"encoders can skip, keeping one of their layers: at most {rules.max_clip_skip}"
+            )
         return type(self).model_validate({**self.model_dump(), "defaults": defaults})
 
     def warmup_shapes(self) -> tuple[WarmupShape, ...]:

@@ -51,6 +51,7 @@ SSE_CONTENT_TYPE = "text/event-stream"
 # Stable Diffusion's own parameters, passed as extra fields (the SDK's extra_body) in diffusers' names.
 SD_PARAMETERS = (
     "negative_prompt",
+    "clip_skip",
     "seed",
     "num_inference_steps",
     "guidance_scale",
@@ -94,6 +95,7 @@ class ImageGenerationParams(BaseModel):
     stream: bool | None = Field(None, description="server-sent events (continuous batching)")
     partial_images: int | None = Field(None, ge=0, le=MAX_PARTIAL_IMAGES, description="previews while streaming")
     negative_prompt: Any = None
+    clip_skip: Any = None
     seed: Any = None
     num_inference_steps: Any = None
     guidance_scale: Any = None

@@ -49,6 +49,15 @@ def above_limit(value: float, limit: float, setting: str) -> PydanticCustomError
     )
 
 
+def above_model_limit(value: float, limit: float, what: str) -> PydanticCustomError:
+    """The error of a value above what the served model takes (``what``: the limit, in words)."""
+    return PydanticCustomError(
+        "less_than_equal",
+        "Input should be less than or equal to {limit} ({what}), got {value}",
+        {"limit": limit, "what": what, "value": value},
+    )
+
+
 def at_most(items: list, limit: int, what: str, setting: str) -> None:
     """Raises where a request lists more ``what`` than the configured ``setting`` allows."""
     if len(items) > limit:

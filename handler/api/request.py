@@ -35,6 +35,12 @@ class GenerationRequest(TextRules, LimitRules, SizeRules, StreamRules, AdapterRu
 
     prompt: str = Field(description="what to draw; must contain a non-blank character")
     negative_prompt: str | None = Field(None, description="what to steer away from")
+    clip_skip: int | None = Field(
+        None,
+        ge=0,
+        description="CLIP layers the prompt skips (diffusers' clip_skip: 1 takes the layer before the one the model "
+        "conditions on, A1111's 'Clip skip: 2'); the negative prompt is encoded without it, as diffusers does",
+    )
     num_inference_steps: int = Field(ge=1, description="denoising steps")
     guidance_scale: float = Field(ge=0, allow_inf_nan=False, description="classifier-free guidance scale")
     seed: int | None = Field(None, ge=0, le=MAX_SEED, description="seed of the first image; random if left out")
@@ -123,6 +129,7 @@ class GenerationRequest(TextRules, LimitRules, SizeRules, StreamRules, AdapterRu
         excluded |= {"image"} if self.image is not None else {"image", "strength"}
         excluded |= {"controlnets"} if self.loras else {"controlnets", "loras"}
         excluded |= {"cache"} if self.cache.mode == "off" else set()
+        excluded |= {"clip_skip"} if self.clip_skip is None else set()
         parameters = self.model_dump(exclude=excluded)
         if self.controlnets:  # their settings, not their images
             parameters["controlnets"] = [choice.model_dump(exclude={"image"}) for choice in self.controlnets]

@@ -13,7 +13,7 @@ from pydantic_core import PydanticCustomError
 
 from handler.api.choices import ControlNetChoice, LoraChoice
 from handler.api.input_image import as_mask, as_rgb, read_image
-from handler.api.policy import above_limit, at_most, policy_of
+from handler.api.policy import above_limit, above_model_limit, at_most, policy_of
 from handler.config import StepCache
 
 # What a list field looks like, for its error (in a form or query: that list as JSON text).
@@ -30,7 +30,8 @@ UPPER_LIMITS = {
 
 
 class TextRules(BaseModel):
-    """The prompt and negative prompt: text the tokenizer reads, within the configured length."""
+    """The prompt and negative prompt: text the tokenizer reads, within the configured length; the
+    CLIP layers the prompt skips, within the model's text encoders."""
 
     @field_validator("prompt", check_fields=False)
     @classmethod
@@ -43,6 +44,15 @@ class TextRules(BaseModel):
     @classmethod
     def _negative_prompt_length(cls, value: str | None, info: ValidationInfo) -> str | None:
         return value if value is None else cls._prompt_text(value, info)
+
+    @field_validator("clip_skip", check_fields=False)
+    @classmethod
+    def _clip_skip_within_the_encoders(cls, value: int | None, info: ValidationInfo) -> int | None:
+        rules = policy_of(info).rules
+        if value is not None and value > rules.max_clip_skip:
+            what = f"the most layers this {rules.family} model's CLIP text encoders can skip, keeping one"
+            raise above_model_limit(value, rules.max_clip_skip, what)
+        return value
 
     @staticmethod
     def _prompt_text(value: str, info: ValidationInfo) -> str:
@@ -80,11 +90,8 @@ class LimitRules(BaseModel):
             raise above_limit(value, limit, setting)
         rules = policy.rules
         if info.field_name == "num_inference_steps" and rules.max_steps is not None and value > rules.max_steps:
-            raise PydanticCustomError(
-                "less_than_equal",
-                "Input should be less than or equal to {limit} (the most steps this {family} model's schedules "
-                "take), got {value}",
-                {"limit": rules.max_steps, "family": rules.family, "value": value},
+            raise above_model_limit(
+                value, rules.max_steps, f"the most steps this {rules.family} model's schedules take"
             )
         return value
 
@@ -126,12 +133,8 @@ class SizeRules(BaseModel):
         if value > limits.max_side:
             raise above_limit(value, limits.max_side, "max_side")
         if value > policy.max_side:
-            raise PydanticCustomError(
-                "less_than_equal",
-                "Input should be less than or equal to {limit} (the largest side this {family} model's denoiser "
-                "takes), got {value}",
-                {"limit": policy.max_side, "family": rules.family, "value": value},
-            )
+            what = f"the largest side this {rules.family} model's denoiser takes"
+            raise above_model_limit(value, policy.max_side, what)
         if info.field_name == "height" and isinstance(info.data.get("width"), int):
             pixels = info.data["width"] * value
             if pixels > limits.max_pixels:

@@ -36,6 +36,7 @@ class JobSpec:
     adapters: Adapters = ()  # LoRA adapters (ids of the engine's library) and scales, active in its forwards
     controls: tuple[ControlSpec, ...] = ()  # ControlNets (ids of the engine's library) with their images
     cache: StepCache | None = None  # its step cache (None: every step runs the whole denoiser)
+    clip_skip: int | None = None  # CLIP layers its prompt skips (diffusers' clip_skip; None: none)
 
     @property
     def images(self) -> int:

@@ -8,7 +8,8 @@ own (4- or 16-channel) denoiser; a job with ControlNets mirrors ``StableDiffusio
 (from an image, its ``Img2Img`` variant). What differs between the families is theirs
 (``handler.families``); the loop reads the same for all. Their numbered steps map to:
 
-- ``start``: 3. encode the prompts of the jobs started together in one call (SDXL: and 7. its
+- ``start``: 3. encode the prompts of the jobs started together in one call per ``clip_skip``
+  among them (negative prompts without it, as ``encode_prompt`` encodes them; SDXL: and 7. its
   added time ids); 4. each job's own scheduler and timesteps (a copy of one built per scheduler,
   step count and, where the schedule depends on it, latent shape; from an image, the last
   ``strength`` of them, ``get_timesteps``); 5. initial latents from one CPU generator per image
@@ -33,9 +34,9 @@ own (4- or 16-channel) denoiser; a job with ControlNets mirrors ``StableDiffusio
   to the host (with ``decode_stream: own``, on CUDA on a stream of their own, beside the next
   forward) and leaves the rest to whoever asks for the images (``handler.engine.decoding``).
 
-Left out, because no request can ask for it: ``guidance_rescale``, ``clip_skip``,
-``cross_attention_kwargs`` and its one LoRA scale (each LoRA's weight is the request's), IP-Adapter
-images, caller-supplied latents, embeddings, timesteps or sigmas,
+Left out, because no request can ask for it: ``guidance_rescale``, ``cross_attention_kwargs`` and
+its one LoRA scale (each LoRA's weight is the request's), IP-Adapter images, caller-supplied
+latents, embeddings, timesteps or sigmas,
 ``denoising_start``/``denoising_end``, ``prompt_2``/``negative_prompt_2`` (and SD 3's ``prompt_3``),
 SDXL's negative size conditioning and aesthetic scores, SD 3.5's skip-layer guidance, inpainting's
 ``padding_mask_crop`` and 9- or 33-channel inpainting denoisers, ControlNet inpainting, guess mode

@@ -59,6 +59,8 @@ Residuals = tuple[list[torch.Tensor], torch.Tensor]
 # A diffusers scheduler class (its from_config is added at run time) and the settings it needs on top
 # of the model's scheduler config.
 SchedulerChoice = tuple[Any, dict[str, Any]]
+# A text a job's rows encode, with the CLIP layers it skips (``clip_skip``; None: the family's default).
+Text = tuple[str, int | None]
 
 
 class Scheduler(Protocol):
@@ -121,6 +123,9 @@ class PromptSpec(Protocol):
 
     @property
     def negative_prompt(self) -> str | None: ...
+
+    @property
+    def clip_skip(self) -> int | None: ...
 
     @property
     def width(self) -> int: ...
@@ -307,6 +312,10 @@ class Family(ABC):
     # configured one, as the UNets do).
     own_attention: ClassVar[type | None] = None
     takes_controlnets: ClassVar[bool] = False  # FamilyRules.controlnets
+    # Which hidden states of its CLIP encoders a prompt conditions on, counted from the last, less 1
+    # (``encode_prompt``: the last with the final layer norm for SD 1.x/2.x, the penultimate for SDXL
+    # and SD 3.x); a request's ``clip_skip`` takes that many layers earlier.
+    clip_layer_from_last: ClassVar[int] = 1
 
     def __init__(self, pipeline: Pipeline, device: torch.device, dtype: torch.dtype, max_sequence_length: int = 256):
         self.pipeline = pipeline
@@ -355,6 +364,7 @@ class Family(ABC):
             self.max_side,
             self.takes_controlnets,
             self.max_steps,
+            max_clip_skip=self.max_clip_skip,
         )
 
     @property
@@ -366,6 +376,14 @@ class Family(ABC):
     def max_steps(self) -> int | None:
         """The most denoising steps its schedulers take (None: any)."""
         return None
+
+    @property
+    def max_clip_skip(self) -> int:
+        """The most layers a prompt's ``clip_skip`` may skip: each CLIP text encoder keeps one of
+        its layers (SD 1.x's CLIP ViT-L/14 of 12 layers: 11; SDXL's: 10)."""
+        encoders = [getattr(self.pipeline, name, None) for name in ("text_encoder", "text_encoder_2")]
+        layers = [encoder.config.num_hidden_layers for encoder in encoders if encoder is not None]
+        return max(min(layers, default=0) - self.clip_layer_from_last, 0)
 
     @property
     def own_scheduler(self) -> SchedulerName:
@@ -387,18 +405,24 @@ class Family(ABC):
 
     def encode(self, specs: Sequence[PromptSpec]) -> list[Conditioning]:
         """``encode_prompt`` for jobs started together: every distinct text they need (their
-        prompts, and the negative prompts of guided jobs) through the text encoder(s) in ONE call,
-        then each job's rows (``num_images_per_prompt`` of each text, [negative; positive] with
-        guidance). Each text is encoded on its own row, padded to the tokenizer's length, so a
-        job's rows equal its own ``encode_prompt`` call to float rounding."""
-        texts = list(dict.fromkeys(text for spec in specs for text in self._texts(spec)))
+        prompts, and the negative prompts of guided jobs) through the text encoder(s) in ONE call
+        per ``clip_skip`` among them, then each job's rows (``num_images_per_prompt`` of each text,
+        [negative; positive] with guidance). Each text is encoded on its own row, padded to the
+        tokenizer's length, so a job's rows equal its own ``encode_prompt`` call to float rounding."""
+        wanted = list(dict.fromkeys(text for spec in specs for text in self._texts(spec)))
+        embedded: dict[Text, TextEmbedding] = {}
         with torch.inference_mode():
-            embedded = dict(zip(texts, self._encode_texts(texts), strict=True)) if texts else {}
+            for clip_skip in dict.fromkeys(skip for _, skip in wanted):
+                texts = [text for text in wanted if text[1] == clip_skip]
+                embedded.update(zip(texts, self._encode_texts([prompt for prompt, _ in texts], clip_skip), strict=True))
             return [self._condition(spec, self._rows(spec, embedded)) for spec in specs]
 
-    def _texts(self, spec: PromptSpec) -> list[str]:
+    def _texts(self, spec: PromptSpec) -> list[Text]:
+        """The texts of a job's rows: its prompt with its ``clip_skip``, and with guidance its
+        negative text, which diffusers' ``encode_prompt`` encodes without it."""
+        prompt: Text = (spec.prompt, spec.clip_skip or None)  # skipping 0 layers is diffusers' default
         negative = self._negative_text(spec)
-        return [spec.prompt] if not spec.guided or negative is None else [spec.prompt, negative]
+        return [prompt] if not spec.guided or negative is None else [prompt, (negative, None)]
 
     def _negative_text(self, spec: PromptSpec) -> str | None:
         """What a job's unconditional rows encode: its negative prompt, "" without one (as
@@ -406,17 +430,18 @@ class Family(ABC):
         return spec.negative_prompt or ""
 
     @abstractmethod
-    def _encode_texts(self, texts: list[str]) -> list[TextEmbedding]:
-        """Each text on its own row through the text encoder(s)."""
+    def _encode_texts(self, texts: list[str], clip_skip: int | None) -> list[TextEmbedding]:
+        """Each text on its own row through the text encoder(s), the CLIP encoders' hidden states
+        taken ``clip_skip`` layers earlier than the family's default (None: the default)."""
 
-    def _rows(self, spec: PromptSpec, embedded: dict[str, TextEmbedding]) -> TextEmbedding:
+    def _rows(self, spec: PromptSpec, embedded: dict[Text, TextEmbedding]) -> TextEmbedding:
         """A job's text rows: each text's repeated per image, [negative; positive] with guidance."""
-        positive = embedded[spec.prompt].repeat(spec.images)
+        prompt, *negative = self._texts(spec)
+        positive = embedded[prompt].repeat(spec.images)
         if not spec.guided:
             return positive
-        text = self._negative_text(spec)
-        negative = embedded[spec.prompt].zeros() if text is None else embedded[text]
-        return TextEmbedding.concat([negative.repeat(spec.images), positive])
+        unconditional = embedded[negative[0]] if negative else embedded[prompt].zeros()
+        return TextEmbedding.concat([unconditional.repeat(spec.images), positive])
 
     @abstractmethod
     def _condition(self, spec: PromptSpec, rows: TextEmbedding) -> Conditioning:

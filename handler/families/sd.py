@@ -9,6 +9,8 @@ checker where it ships one (flagged images become black, as diffusers does).
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import Any, ClassVar
 
 import torch
@@ -69,6 +71,24 @@ def _downsampled(sampler: torch.nn.Module, side: int) -> int:
     return (padded - conv.kernel_size[0]) // conv.stride[0] + 1
 
 
+@contextlib.contextmanager
+def flat_text_model(encoder: torch.nn.Module) -> Iterator[None]:
+    """With a ``clip_skip``, diffusers 0.42.1's ``encode_prompt`` puts the hidden states it takes
+    through ``text_encoder.text_model.final_layer_norm``. transformers 5.6 flattened
+    ``CLIPTextModel`` (its ``final_layer_norm`` is its own, it has no ``text_model``), so that call
+    raises (diffusers issue #14124); diffusers PR #14043 reads the model itself where it has no
+    ``text_model``. During the block, the model answers to ``text_model`` as itself (an attribute,
+    not a submodule: its modules and state dict stay as they are)."""
+    if hasattr(encoder, "text_model"):
+        yield
+        return
+    object.__setattr__(encoder, "text_model", encoder)
+    try:
+        yield
+    finally:
+        object.__delattr__(encoder, "text_model")
+
+
 def _setting(config: Any, key: str) -> Any:
     """A config value, sequences as tuples (a saved config holds lists, a built one tuples)."""
     value = getattr(config, key, None)
@@ -105,8 +125,9 @@ class StableDiffusionFamily(Family):
         v_prediction = self.pipeline.scheduler.config.get("prediction_type") == "v_prediction"
         return "SD 2.x" if v_prediction or self.pipeline.unet.config.cross_attention_dim == 1024 else "SD 1.x"
 
-    def _encode_texts(self, texts: list[str]) -> list[TextEmbedding]:
-        hidden_states, _ = self.pipeline.encode_prompt(texts, self.device, 1, False)
+    def _encode_texts(self, texts: list[str], clip_skip: int | None) -> list[TextEmbedding]:
+        with flat_text_model(self.pipeline.text_encoder):
+            hidden_states, _ = self.pipeline.encode_prompt(texts, self.device, 1, False, clip_skip=clip_skip)
         return [TextEmbedding(row) for row in hidden_states.split(1)]
 
     def _condition(self, spec: PromptSpec, rows: TextEmbedding) -> Conditioning:

@@ -25,7 +25,7 @@ Knowingly different from diffusers: the inpaint pipeline's decode leaves out the
 ``shift_factor`` (diffusers issue #13611) although its encode subtracts it; inpainted images here
 are decoded as ``StableDiffusion3Pipeline`` and the img2img pipeline decode (with the shift).
 Left out, because no request can ask for it: skip-layer guidance, ``prompt_2``/``prompt_3``,
-``clip_skip``, IP-Adapter images, 33-channel inpainting transformers.
+IP-Adapter images, 33-channel inpainting transformers.
 """
 
 from __future__ import annotations
@@ -61,6 +61,7 @@ class StableDiffusion3Family(Family):
     schedulers: ClassVar[dict[SchedulerName, SchedulerChoice]] = SCHEDULERS
     strength_rounding: ClassVar[Literal["steps", "start"]] = "start"
     own_attention: ClassVar[type | None] = JointAttnProcessor2_0  # SDPA; no other processor fits
+    clip_layer_from_last: ClassVar[int] = 2  # the CLIP encoders' penultimate hidden states
 
     @classmethod
     def refuse(cls, pipeline: Pipeline) -> str | None:
@@ -87,7 +88,7 @@ class StableDiffusion3Family(Family):
         patches = self.pipeline.transformer.config.pos_embed_max_size
         return None if patches is None else patches * self.patch_size * self.pipeline.vae_scale_factor
 
-    def _encode_texts(self, texts: list[str]) -> list[TextEmbedding]:
+    def _encode_texts(self, texts: list[str], clip_skip: int | None) -> list[TextEmbedding]:
         """The three encoders (``encode_prompt``): joined hidden states and pooled projections."""
         hidden_states, _, pooled, _ = self.pipeline.encode_prompt(
             prompt=texts,
@@ -96,6 +97,7 @@ class StableDiffusion3Family(Family):
             device=self.device,
             num_images_per_prompt=1,
             do_classifier_free_guidance=False,
+            clip_skip=clip_skip,
             max_sequence_length=self.max_sequence_length,
         )
         return [

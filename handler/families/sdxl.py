@@ -25,6 +25,7 @@ class StableDiffusionXLFamily(StableDiffusionFamily):
     """SDXL."""
 
     pipeline_class: ClassVar[type] = StableDiffusionXLPipeline
+    clip_layer_from_last: ClassVar[int] = 2  # the penultimate hidden states
 
     def __init__(self, pipeline: Pipeline, device: torch.device, dtype: torch.dtype, max_sequence_length: int = 256):
         super().__init__(pipeline, device, dtype, max_sequence_length)
@@ -43,10 +44,14 @@ class StableDiffusionXLFamily(StableDiffusionFamily):
             return None
         return spec.negative_prompt or ""
 
-    def _encode_texts(self, texts: list[str]) -> list[TextEmbedding]:
+    def _encode_texts(self, texts: list[str], clip_skip: int | None) -> list[TextEmbedding]:
         """Both text encoders (``encode_prompt``): hidden states, and the second's pooled embedding."""
         hidden_states, _, pooled, _ = self.pipeline.encode_prompt(
-            prompt=texts, device=self.device, num_images_per_prompt=1, do_classifier_free_guidance=False
+            prompt=texts,
+            device=self.device,
+            num_images_per_prompt=1,
+            do_classifier_free_guidance=False,
+            clip_skip=clip_skip,
         )
         return [
             TextEmbedding(row, pooled_row)

@@ -42,6 +42,7 @@ def job_spec(
             for net, choice in zip(nets, request.controlnets, strict=True)
         ),
         None if request.cache.mode == "off" else request.cache,
+        request.clip_skip,
     )
 
 

@@ -85,6 +85,7 @@ def boundary_values(limits: RequestLimits) -> dict[str, list[Any]]:
     return {
         "prompt": texts,
         "negative_prompt": [None, *texts],
+        "clip_skip": [None, 0, 1, 11, 12, -1, 1.0, "1", True, 10**12],
         "num_inference_steps": [0, 1, 2, steps, steps + 1, -1, 2.0, 2.5, "2", True, 10**12],
         "guidance_scale": [
             0,

@@ -42,6 +42,7 @@ def spec(
     adapters=(),
     controls=(),
     cache=None,
+    clip_skip=None,
 ) -> JobSpec:
     """A job of ``images`` images (seeds ``seed``, ``seed + 1``, ...) at ``side`` x ``side``
     (``cache``: a ``StepCache``)."""
@@ -61,6 +62,7 @@ def spec(
         adapters,
         controls,
         cache,
+        clip_skip,
     )
 
 
@@ -93,6 +95,7 @@ def expected(
         job.height,
         job.num_inference_steps,
         negative_prompt=job.negative_prompt,
+        clip_skip=job.clip_skip,
         num_images_per_prompt=job.images,
         scheduler=job.scheduler,
         guidance_scale=job.guidance_scale,

@@ -195,6 +195,7 @@ def call_reference(references: dict, served: Served, body: dict):
         body.get("height", served.side),
         body["num_inference_steps"],
         negative_prompt=body.get("negative_prompt"),
+        clip_skip=body.get("clip_skip"),
         num_images_per_prompt=body.get("num_images_per_prompt", 1),
         scheduler=body.get("scheduler", served.scheduler(0)),
         guidance_scale=body.get("guidance_scale", 7.5),
@@ -297,7 +298,9 @@ def test_a_seeded_request_gets_diffusers_images(served, references):
     assert_diffusers_images(references, served, body, served.client.predict(body))
 
 
-def test_mixed_steps_schedulers_and_guidance_share_forwards_and_each_gets_diffusers_images(served, references):
+def test_mixed_steps_schedulers_guidance_and_clip_skip_share_forwards_and_each_gets_diffusers_images(
+    served, references
+):
     bodies = [
         {
             "prompt": "a green triangle",
@@ -319,6 +322,7 @@ def test_mixed_steps_schedulers_and_guidance_share_forwards_and_each_gets_diffus
             "seed": 4,
             "num_inference_steps": 6,
             "num_images_per_prompt": 2,
+            "clip_skip": 1,
             "response_format": "json",
         },
     ]

@@ -162,6 +162,19 @@ def test_a_model_gets_its_familys_scheduler_where_the_configured_default_is_not_
         ).for_model(64, 64, sd3)
 
 
+def test_a_default_clip_skip_is_checked_against_the_models_text_encoders():
+    settings = HandlerSettings.model_validate({"defaults": {"clip_skip": 2}})
+    assert settings.for_model(64, 64).defaults.clip_skip == 2
+    sdxl = FamilyRules("SDXL", max_clip_skip=10)
+    assert HandlerSettings.model_validate({"defaults": {"clip_skip": 10}}).for_model(64, 64, sdxl)
+    with pytest.raises(
+        ValueError, match=r"defaults.clip_skip 11 .* this SDXL model's CLIP text encoders .* at most 10"
+    ):
+        HandlerSettings.model_validate({"defaults": {"clip_skip": 11}}).for_model(64, 64, sdxl)
+    with pytest.raises(ValidationError, match="clip_skip"):
+        HandlerSettings.model_validate({"defaults": {"clip_skip": -1}})
+
+
 def test_model_path_is_relative_to_the_archive_unless_absolute():
     assert HandlerSettings().resolve_model_path("/models/sd") == Path("/models/sd/model")
     assert HandlerSettings(model_path="/weights/sd15").resolve_model_path("/models/sd") == Path("/weights/sd15")

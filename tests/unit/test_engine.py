@@ -4,6 +4,7 @@ and guidance; SDXL's conditioning and float16 VAE; the safety checker; unsupport
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import get_args
 
 import numpy as np
@@ -30,6 +31,7 @@ from tests.harness.engine_runs import (
     spec,
     tiny_engine,
 )
+from tests.harness.images import assert_moved
 
 FAMILIES = ("sd1", "sd2", "sdxl")
 
@@ -86,6 +88,34 @@ def test_jobs_started_together_share_one_text_encoder_call_and_each_gives_its_di
     assert calls == 1
     for job, images in zip(jobs, decoded, strict=True):
         assert_same_images(images, expected(references[family], job))
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_jobs_with_a_clip_skip_give_diffusers_images_with_it(engines, references, family, monkeypatch):
+    """Jobs started together without a ``clip_skip``, with 0 (diffusers' default too), with 1 and a
+    negative prompt (which ``encode_prompt`` encodes without it) and with the most the tiny text
+    encoders allow: one text-encoder call per value, each image diffusers' call with its
+    ``clip_skip`` (SD 1.x/2.x's through diffusers PR #14043's reading of the flattened
+    ``CLIPTextModel``)."""
+    side = 96 if family == "sd2" else 64
+    engine = engines[family]
+    jobs = [
+        spec(seed=1, side=side, steps=4),
+        spec(seed=1, side=side, steps=4, clip_skip=0),
+        spec(seed=1, side=side, steps=4, clip_skip=1, negative="blue"),
+        spec("a green triangle", seed=2, images=2, side=side, steps=4, clip_skip=engine.family.rules.max_clip_skip),
+    ]
+    decoded, calls = run_counting_text_encodings(engine, jobs, monkeypatch)
+    assert calls == 3
+    for job, images in zip(jobs, decoded, strict=True):
+        assert_same_images(images, expected(references[family], job))
+    assert_moved(decoded[2].images[0], run(engine, [(0, replace(jobs[2], clip_skip=None))])[0].images[0], "clip_skip 1")
+
+
+def test_the_most_layers_a_prompt_may_skip_leave_each_clip_encoder_a_layer(engines):
+    """SD 1.x/2.x condition on the last hidden states, SDXL on the penultimate; the tiny CLIP
+    encoders have 5 layers."""
+    assert [engines[family].family.rules.max_clip_skip for family in FAMILIES] == [4, 4, 3]
 
 
 @pytest.mark.parametrize("family", FAMILIES)

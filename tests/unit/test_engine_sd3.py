@@ -30,6 +30,7 @@ from tests.harness.engine_runs import (
     run_counting_text_encodings,
 )
 from tests.harness.engine_runs import spec as any_family_spec
+from tests.harness.images import assert_moved
 
 FAMILIES = ("sd3", "sd35")
 FLOW = "flow_match_euler"
@@ -83,6 +84,23 @@ def test_jobs_started_together_share_one_text_encoder_call(engines, references, 
     assert calls == 1
     for job, images in zip(jobs, decoded, strict=True):
         assert_same_images(images, expected(references["sd3"], job))
+
+
+def test_jobs_with_a_clip_skip_give_diffusers_images_with_it(engines, references, monkeypatch):
+    """The CLIP encoders' hidden states ``clip_skip`` layers earlier (T5's and the pooled
+    projections as they are): one text-encoder call per value among jobs started together, the
+    negative prompts in the call without one, as ``encode_prompt`` encodes them."""
+    engine = engines["sd3"]
+    jobs = [
+        spec("a red circle", seed=1, steps=3),
+        spec("a red circle", seed=1, steps=3, clip_skip=1, negative="red"),
+        spec("a green triangle", seed=2, images=2, steps=2, clip_skip=engine.family.rules.max_clip_skip),
+    ]
+    decoded, calls = run_counting_text_encodings(engine, jobs, monkeypatch)
+    assert calls == 3
+    for job, images in zip(jobs, decoded, strict=True):
+        assert_same_images(images, expected(references["sd3"], job))
+    assert_moved(decoded[1].images[0], decoded[0].images[0], "clip_skip 1")
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -205,7 +223,10 @@ def test_the_family_is_detected_with_its_rules(engines):
         assert "JointAttnProcessor2_0" in engine.description
         assert engine.family.native_size() == (64, 64) and engine.latent_shape(64, 48) == (16, 6, 8)
     rules = engines["sd3"].family.rules
-    assert rules == FamilyRules("SD 3.x", (FLOW,), FLOW, 16, "start", max_side=32 * 2 * 8, controlnets=False)
+    # the tiny CLIP encoders have 5 layers, and SD 3 conditions on their penultimate hidden states
+    assert rules == FamilyRules(
+        "SD 3.x", (FLOW,), FLOW, 16, "start", max_side=32 * 2 * 8, controlnets=False, max_clip_skip=3
+    )
     assert [rules.image_steps(steps, strength) for steps, strength in ((5, 0.7), (2, 0.3), (10, 1.0))] == [4, 1, 10]
     assert [FamilyRules().image_steps(steps, strength) for steps, strength in ((5, 0.7), (2, 0.3))] == [3, 0]
 

@@ -38,6 +38,7 @@ def test_every_field_is_taken_as_sent():
     body = {
         "prompt": "a cat",
         "negative_prompt": "blurry",
+        "clip_skip": 2,
         "num_inference_steps": 30,
         "guidance_scale": 1,
         "seed": MAX_SEED,
@@ -96,6 +97,9 @@ def test_stream_is_a_rule_of_the_engine_not_of_the_client():
         ({"prompt": "x", "scheduler": "lms"}, "scheduler", "literal_error"),
         ({"prompt": "x", "output_format": "gif"}, "output_format", "literal_error"),
         ({"prompt": "x", "response_format": "base64"}, "response_format", "literal_error"),
+        ({"prompt": "x", "clip_skip": -1}, "clip_skip", "greater_than_equal"),
+        ({"prompt": "x", "clip_skip": 12}, "clip_skip", "less_than_equal"),
+        ({"prompt": "x", "clip_skip": "1"}, "clip_skip", "int_type"),
         ({"prompt": "x", "steps": 4}, "steps", "unknown_field"),
         ({"prompt": "x", "extra": {"nested": [1]}}, "extra", "unknown_field"),
     ],
@@ -213,6 +217,8 @@ def test_each_image_has_its_own_reproducible_seed():
 
 
 def test_reported_parameters_are_the_effective_ones():
+    skipping = decode_body({"prompt": "x", "seed": 1, "clip_skip": 1}, "application/json", POLICY)
+    assert skipping.parameters()["clip_skip"] == 1
     request = decode_body({"prompt": "x", "seed": 1}, "application/json", POLICY)
     assert request.parameters() == {
         "prompt": "x",
@@ -292,6 +298,11 @@ def test_the_familys_rules_name_what_it_allows():
     assert fields == [("width", "multiple_of"), ("height", "less_than_equal")]
     assert "multiple of 16 for SD 3.x models (given: 72)" in message and "largest side this SD 3.x model" in message
     assert decode_body({"prompt": "x", "width": 72}, "application/json", POLICY).width == 72
+    fields, message = errors_of(
+        {"prompt": "x", "clip_skip": 4}, policy=replace(SD3_POLICY, rules=replace(SD3_POLICY.rules, max_clip_skip=3))
+    )
+    assert fields == [("clip_skip", "less_than_equal")]
+    assert "less than or equal to 3 (the most layers this SD 3.x model's CLIP text encoders can skip" in message
 
 
 def test_more_steps_than_the_models_training_timesteps_are_refused_naming_the_field():
