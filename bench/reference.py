@@ -96,6 +96,7 @@ class Reference:
         num_images_per_prompt: int = 1,
         scheduler: str | None = None,
         guidance_scale: float = 7.5,
+        guidance_rescale: float = 0.0,
         image: Image | None = None,
         mask: Image | None = None,
         strength: float = 1.0,
@@ -116,9 +117,10 @@ class Reference:
         (``first_block_cache``); with textual-inversion ``embeddings`` loaded for this call only
         (``load_textual_inversion``, each under its file stem; SDXL's ``clip_l`` and ``clip_g``
         into its two text encoders, as diffusers' documentation does); with LyCORIS files and weights
-        merged into the weights for this call only (``merged_lycoris``); ``clip_skip`` passed on
-        where given (SD 1.x/2.x's text encoder as diffusers PR #14043 reads it:
-        ``handler.families.sd.flat_text_model``); ``scheduler`` None: the model's own."""
+        merged into the weights for this call only (``merged_lycoris``); ``clip_skip`` and
+        ``guidance_rescale`` passed on where given (SD 1.x/2.x's text encoder as diffusers PR
+        #14043 reads it: ``handler.families.sd.flat_text_model``); ``scheduler`` None: the model's
+        own."""
         seeds = [(seed + index) % (MAX_SEED + 1) for index in range(num_images_per_prompt)]
         inputs: dict = {"width": width, "height": height}
         pipeline = self.pipeline
@@ -134,6 +136,8 @@ class Reference:
         inputs.update(extra)
         if clip_skip is not None:
             inputs["clip_skip"] = clip_skip
+        if guidance_rescale:
+            inputs["guidance_rescale"] = guidance_rescale
         if image is not None:
             inputs["strength"] = strength
         names = [f"reference{index}" for index in range(len(loras))]

@@ -58,6 +58,7 @@ class FamilyRules:
     # The most CLIP layers a prompt may skip (``clip_skip``): each CLIP text encoder keeps one
     # (SD 1.x's CLIP ViT-L/14, 12 layers, from its last hidden states).
     max_clip_skip: int = 11
+    guidance_rescale: bool = True  # whether its text-to-image pipeline takes guidance_rescale (the UNet families')
 
     def serves(self, cache: StepCache) -> bool:
         """Whether the denoiser serves a step cache (off always)."""
@@ -124,6 +125,12 @@ class RequestDefaults(_Section):
     clip_skip: int | None = Field(None, ge=0, description="CLIP layers a prompt skips (diffusers' clip_skip)")
     num_inference_steps: int = Field(25, ge=1)
     guidance_scale: float = Field(7.5, ge=0)
+    guidance_rescale: float = Field(
+        0.0,
+        ge=0,
+        le=1,
+        description="rescales guided noise toward the prompt's own spread (diffusers' guidance_rescale)",
+    )
     width: int | None = Field(None, ge=8, multiple_of=8, description="None: the model's native size")
     height: int | None = Field(None, ge=8, multiple_of=8, description="None: the model's native size")
     num_images_per_prompt: int = Field(1, ge=1)
@@ -664,6 +671,11 @@ class HandlerSettings(_Section):
                     + (f" and at most {rules.max_side}" if rules.max_side else "")
                     + f" for this {rules.family} model (got {size[0]}x{size[1]})"
                 )
+        if self.defaults.guidance_rescale and not rules.guidance_rescale:
+            raise ValueError(
+                f"defaults.guidance_rescale {self.defaults.guidance_rescale:g}: {rules.family} pipelines have no "
+                "guidance_rescale (set it to 0)"
+            )
         if (self.defaults.clip_skip or 0) > rules.max_clip_skip:
             raise ValueError(
                 f"defaults.clip_skip {self.defaults.clip_skip} is more than this {rules.family} model's CLIP text "

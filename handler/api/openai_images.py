@@ -55,6 +55,7 @@ SD_PARAMETERS = (
     "seed",
     "num_inference_steps",
     "guidance_scale",
+    "guidance_rescale",
     "scheduler",
     "loras",
     "controlnets",
@@ -99,6 +100,7 @@ class ImageGenerationParams(BaseModel):
     seed: Any = None
     num_inference_steps: Any = None
     guidance_scale: Any = None
+    guidance_rescale: Any = None
     scheduler: Any = None
     loras: Any = None
     controlnets: Any = None

@@ -43,6 +43,14 @@ class GenerationRequest(TextRules, LimitRules, SizeRules, StreamRules, AdapterRu
     )
     num_inference_steps: int = Field(ge=1, description="denoising steps")
     guidance_scale: float = Field(ge=0, allow_inf_nan=False, description="classifier-free guidance scale")
+    guidance_rescale: float = Field(
+        ge=0,
+        le=1,
+        allow_inf_nan=False,
+        description="with guidance, rescales the guided noise toward the spread of the prompt's own (diffusers' "
+        "guidance_rescale, Lin et al. 3.4: 0 off, 0.7 suggested with v-prediction and zero terminal SNR); SD 1.x/2.x "
+        "and SDXL",
+    )
     seed: int | None = Field(None, ge=0, le=MAX_SEED, description="seed of the first image; random if left out")
     width: int = Field(ge=8, description="image width in pixels, on the model family's grid (8, SD 3.x: 16)")
     height: int = Field(ge=8, description="image height in pixels, on the model family's grid (8, SD 3.x: 16)")
@@ -130,6 +138,7 @@ class GenerationRequest(TextRules, LimitRules, SizeRules, StreamRules, AdapterRu
         excluded |= {"controlnets"} if self.loras else {"controlnets", "loras"}
         excluded |= {"cache"} if self.cache.mode == "off" else set()
         excluded |= {"clip_skip"} if self.clip_skip is None else set()
+        excluded |= {"guidance_rescale"} if not self.guidance_rescale else set()
         parameters = self.model_dump(exclude=excluded)
         if self.controlnets:  # their settings, not their images
             parameters["controlnets"] = [choice.model_dump(exclude={"image"}) for choice in self.controlnets]

@@ -78,7 +78,7 @@ class TextRules(BaseModel):
 
 
 class LimitRules(BaseModel):
-    """The operator's upper limits and the model family's schedulers and schedule."""
+    """The operator's upper limits and the model family's schedulers, schedule and guidance."""
 
     @field_validator(*UPPER_LIMITS, check_fields=False)
     @classmethod
@@ -92,6 +92,19 @@ class LimitRules(BaseModel):
         if info.field_name == "num_inference_steps" and rules.max_steps is not None and value > rules.max_steps:
             raise above_model_limit(
                 value, rules.max_steps, f"the most steps this {rules.family} model's schedules take"
+            )
+        return value
+
+    @field_validator("guidance_rescale", check_fields=False)
+    @classmethod
+    def _guidance_rescale_of_the_family(cls, value: float, info: ValidationInfo) -> float:
+        rules = policy_of(info).rules
+        if value and not rules.guidance_rescale:
+            raise PydanticCustomError(
+                "guidance_rescale_unavailable",
+                "guidance_rescale is served for SD 1.x/2.x and SDXL models (their pipelines take it); this is an "
+                "{family} model: leave it out or 0",
+                {"family": rules.family},
             )
         return value
 

@@ -37,6 +37,7 @@ class JobSpec:
     controls: tuple[ControlSpec, ...] = ()  # ControlNets (ids of the engine's library) with their images
     cache: StepCache | None = None  # its step cache (None: every step runs the whole denoiser)
     clip_skip: int | None = None  # CLIP layers its prompt skips (diffusers' clip_skip; None: none)
+    guidance_rescale: float = 0.0  # diffusers' guidance_rescale of its guided noise (0: none)
 
     @property
     def images(self) -> int:

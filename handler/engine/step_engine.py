@@ -34,17 +34,18 @@ own (4- or 16-channel) denoiser; a job with ControlNets mirrors ``StableDiffusio
   to the host (with ``decode_stream: own``, on CUDA on a stream of their own, beside the next
   forward) and leaves the rest to whoever asks for the images (``handler.engine.decoding``).
 
-Left out, because no request can ask for it: ``guidance_rescale``, ``cross_attention_kwargs`` and
-its one LoRA scale (each LoRA's weight is the request's), IP-Adapter images, caller-supplied
-latents, embeddings, timesteps or sigmas,
-``denoising_start``/``denoising_end``, ``prompt_2``/``negative_prompt_2`` (and SD 3's ``prompt_3``),
-SDXL's negative size conditioning and aesthetic scores, SD 3.5's skip-layer guidance, inpainting's
-``padding_mask_crop`` and 9- or 33-channel inpainting denoisers, ControlNet inpainting, guess mode
-and global-pooling ControlNets, output types other than PIL, step callbacks. UNets with a guidance
-embedding (``time_cond_proj_dim``, LCM) are refused at load. Different by design: jobs of one shape
-share one denoiser forward, so an image equals diffusers' to float rounding, not bit for bit; SDXL's
-VAE is kept in float32 instead of being upcast around each decode (same arithmetic); SD 3's
-inpainting decodes with the VAE's shift factor (``handler.families.sd3``).
+Left out, because no request can ask for it: ``cross_attention_kwargs`` and its one LoRA scale
+(each LoRA's weight is the request's), IP-Adapter images, caller-supplied latents, embeddings,
+timesteps or sigmas, ``denoising_start``/``denoising_end``, ``prompt_2``/``negative_prompt_2``
+(and SD 3's ``prompt_3``), SDXL's negative size conditioning and aesthetic scores, SD 3.5's
+skip-layer guidance, inpainting's ``padding_mask_crop`` and 9- or 33-channel inpainting denoisers,
+ControlNet inpainting, guess mode and global-pooling ControlNets, output types other than PIL, step
+callbacks. UNets with a guidance embedding (``time_cond_proj_dim``, LCM) are refused at load.
+Different by design: jobs of one shape share one denoiser forward, so an image equals diffusers' to
+float rounding, not bit for bit; SDXL's VAE is kept in float32 instead of being upcast around each
+decode (same arithmetic); SD 3's inpainting decodes with the VAE's shift factor
+(``handler.families.sd3``); ``guidance_rescale`` applies to every guided job of a UNet family,
+where diffusers' SD 1.x/2.x image-to-image, inpaint and ControlNet pipelines have none.
 """
 
 from __future__ import annotations
@@ -57,6 +58,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
 import torch
+from diffusers.pipelines.stable_diffusion.pipeline_stable_diffusion import rescale_noise_cfg
 from diffusers.utils.torch_utils import randn_tensor
 
 from handler.adapters.controlnets import Control, ControlNetLibrary
@@ -334,6 +336,8 @@ class StepEngine:
         if job.guided:
             unconditional, conditional = noise.chunk(2)
             noise = unconditional + job.spec.guidance_scale * (conditional - unconditional)
+            if job.spec.guidance_rescale > 0:  # the UNet pipelines' step 7, per image
+                noise = rescale_noise_cfg(noise, conditional, guidance_rescale=job.spec.guidance_rescale)
         job.latents = schedules.step(
             job.scheduler,
             noise,

@@ -312,6 +312,7 @@ class Family(ABC):
     # configured one, as the UNets do).
     own_attention: ClassVar[type | None] = None
     takes_controlnets: ClassVar[bool] = False  # FamilyRules.controlnets
+    takes_guidance_rescale: ClassVar[bool] = True  # FamilyRules.guidance_rescale
     # Which hidden states of its CLIP encoders a prompt conditions on, counted from the last, less 1
     # (``encode_prompt``: the last with the final layer norm for SD 1.x/2.x, the penultimate for SDXL
     # and SD 3.x); a request's ``clip_skip`` takes that many layers earlier.
@@ -365,6 +366,7 @@ class Family(ABC):
             self.takes_controlnets,
             self.max_steps,
             max_clip_skip=self.max_clip_skip,
+            guidance_rescale=self.takes_guidance_rescale,
         )
 
     @property

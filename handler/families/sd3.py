@@ -62,6 +62,7 @@ class StableDiffusion3Family(Family):
     strength_rounding: ClassVar[Literal["steps", "start"]] = "start"
     own_attention: ClassVar[type | None] = JointAttnProcessor2_0  # SDPA; no other processor fits
     clip_layer_from_last: ClassVar[int] = 2  # the CLIP encoders' penultimate hidden states
+    takes_guidance_rescale: ClassVar[bool] = False  # StableDiffusion3Pipeline has none
 
     @classmethod
     def refuse(cls, pipeline: Pipeline) -> str | None:

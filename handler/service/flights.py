@@ -43,6 +43,7 @@ def job_spec(
         ),
         None if request.cache.mode == "off" else request.cache,
         request.clip_skip,
+        request.guidance_rescale,
     )
 
 

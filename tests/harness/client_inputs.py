@@ -101,6 +101,7 @@ def boundary_values(limits: RequestLimits) -> dict[str, list[Any]]:
             "7.5",
             True,
         ],
+        "guidance_rescale": [0, 0.0, 0.7, 1, 1.0000001, -0.1, math.nan, math.inf, "0.7", True, None],
         "seed": [None, 0, -1, MAX_SEED, MAX_SEED + 1, 1.0, "1", True],
         "width": sides,
         "height": sides,

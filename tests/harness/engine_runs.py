@@ -43,6 +43,7 @@ def spec(
     controls=(),
     cache=None,
     clip_skip=None,
+    rescale=0.0,
 ) -> JobSpec:
     """A job of ``images`` images (seeds ``seed``, ``seed + 1``, ...) at ``side`` x ``side``
     (``cache``: a ``StepCache``)."""
@@ -63,6 +64,7 @@ def spec(
         controls,
         cache,
         clip_skip,
+        rescale,
     )
 
 
@@ -99,6 +101,7 @@ def expected(
         num_images_per_prompt=job.images,
         scheduler=job.scheduler,
         guidance_scale=job.guidance_scale,
+        guidance_rescale=job.guidance_rescale,
         image=job.image,
         mask=job.mask,
         strength=job.strength,
@@ -197,12 +200,12 @@ def stepped_together(engine: StepEngine, jobs: list[DenoiseJob]) -> list[Decoded
 def jobs_of_every_kind(
     engine: StepEngine, scheduler: str, side: int = 32, steps: int = 4, cached: bool = False, first_block: bool = False
 ) -> list[DenoiseJob]:
-    """A plain job, one with a LoRA, one with a LoRA and a ControlNet (where the family takes
-    them), an image-to-image and an inpainting job, all stepped together; ``cached``: and, where
-    the engine serves DeepCache, a cached job with the LoRA and the ControlNet and one of a branch
-    in another block (their cached steps differ); ``first_block``:
-    and, where it serves first-block caching, a job with it and the LoRA (its threshold skips
-    every step after the first on the tiny models)."""
+    """A plain job (with ``guidance_rescale`` where the family takes it), one with a LoRA, one with
+    a LoRA and a ControlNet (where the family takes them), an image-to-image and an inpainting job,
+    all stepped together; ``cached``: and, where the engine serves DeepCache, a cached job with the
+    LoRA and the ControlNet and one of a branch in another block (their cached steps differ);
+    ``first_block``: and, where it serves first-block caching, a job with it and the LoRA (its
+    threshold skips every step after the first on the tiny models)."""
     lora = engine.loras.acquire([("attention", 0.8)], in_use=())
     controls = ()
     if engine.family.rules.controlnets:
@@ -227,7 +230,7 @@ def jobs_of_every_kind(
     ]
     return engine.start(
         [
-            spec("plain", 1, images=2, **common),
+            spec("plain", 1, images=2, rescale=0.7 if engine.family.rules.guidance_rescale else 0.0, **common),
             spec("lora", 2, adapters=lora, **common),
             spec("lora and control", 3, adapters=lora, controls=controls, **common),
             spec("image", 4, image=picture(side, 1), strength=0.8, guidance=1.0, **common),

@@ -37,6 +37,9 @@ class SolidColorEngine:
     # no ControlNet directory, for any family that takes ControlNets
     controlnets = ControlNetLibrary(SimpleNamespace(rules=FamilyRules()), None, 1, torch.device("cpu"), torch.float32)
     embeddings = None  # no embedding directory
+    # What the service's row costs read of a family: as for one without ControlNets, they count no
+    # denoiser operations, and a new shape's rows cost their count.
+    family = SimpleNamespace(rules=FamilyRules(controlnets=False))
     row_counts: tuple[int, ...] = ()  # no padding
     cuda_graphs = False
     padding = StepEngine.padding  # the step engine's rule

@@ -199,6 +199,7 @@ def call_reference(references: dict, served: Served, body: dict):
         num_images_per_prompt=body.get("num_images_per_prompt", 1),
         scheduler=body.get("scheduler", served.scheduler(0)),
         guidance_scale=body.get("guidance_scale", 7.5),
+        guidance_rescale=body.get("guidance_rescale", 0.0),
         image=None if "image" not in body else Image.open(io.BytesIO(base64.b64decode(body["image"]))).convert("RGB"),
         mask=None if "mask" not in body else diffusers_mask(base64.b64decode(body["mask"])),
         strength=body.get("strength", 0.8),
@@ -298,9 +299,11 @@ def test_a_seeded_request_gets_diffusers_images(served, references):
     assert_diffusers_images(references, served, body, served.client.predict(body))
 
 
-def test_mixed_steps_schedulers_guidance_and_clip_skip_share_forwards_and_each_gets_diffusers_images(
+def test_mixed_steps_schedulers_guidance_and_prompt_settings_share_forwards_and_each_gets_diffusers_images(
     served, references
 ):
+    """Requests with their own steps, scheduler, guidance, ``clip_skip`` and (where the family's
+    pipelines take it) ``guidance_rescale`` in one denoiser forward."""
     bodies = [
         {
             "prompt": "a green triangle",
@@ -326,6 +329,11 @@ def test_mixed_steps_schedulers_guidance_and_clip_skip_share_forwards_and_each_g
             "response_format": "json",
         },
     ]
+    if served.family != "sd3":
+        bodies[0]["guidance_rescale"] = 0.7
+    else:  # StableDiffusion3Pipeline has no guidance_rescale
+        refused = served.client.predict({**bodies[0], "guidance_rescale": 0.7})
+        assert refused.status_code == 400 and "guidance_rescale" in refused.text, refused.text
     (long, long_done), followers = behind_long(served.client, bodies)
     assert long.status_code == 200, long.text
     for body, (response, _) in zip(bodies, followers, strict=True):

@@ -175,6 +175,16 @@ def test_a_default_clip_skip_is_checked_against_the_models_text_encoders():
         HandlerSettings.model_validate({"defaults": {"clip_skip": -1}})
 
 
+def test_a_default_guidance_rescale_needs_a_family_whose_pipelines_take_it():
+    rescaled = HandlerSettings.model_validate({"defaults": {"guidance_rescale": 0.7}})
+    assert rescaled.for_model(64, 64).defaults.guidance_rescale == 0.7
+    sd3 = FamilyRules("SD 3.x", ("flow_match_euler",), "flow_match_euler", 16, "start", guidance_rescale=False)
+    with pytest.raises(ValueError, match=r"defaults.guidance_rescale 0.7: SD 3.x pipelines have no guidance_rescale"):
+        rescaled.for_model(64, 64, sd3)
+    with pytest.raises(ValidationError, match="guidance_rescale"):
+        HandlerSettings.model_validate({"defaults": {"guidance_rescale": 1.5}})
+
+
 def test_model_path_is_relative_to_the_archive_unless_absolute():
     assert HandlerSettings().resolve_model_path("/models/sd") == Path("/models/sd/model")
     assert HandlerSettings(model_path="/weights/sd15").resolve_model_path("/models/sd") == Path("/weights/sd15")

@@ -112,6 +112,33 @@ def test_jobs_with_a_clip_skip_give_diffusers_images_with_it(engines, references
     assert_moved(decoded[2].images[0], run(engine, [(0, replace(jobs[2], clip_skip=None))])[0].images[0], "clip_skip 1")
 
 
+@pytest.mark.parametrize("family", FAMILIES)
+def test_jobs_with_a_guidance_rescale_give_diffusers_images_with_it(engines, references, family):
+    """``guidance_rescale`` per job (diffusers' ``rescale_noise_cfg`` on its own rows), beside
+    jobs without it and an unguided one, which ignores it as diffusers does; SDXL's img2img and
+    inpaint pipelines take it too. diffusers' SD 1.x/2.x img2img and inpaint pipelines have none:
+    there it applies as the text-to-image pipeline applies it (README), which moves the image."""
+    side = 96 if family == "sd2" else 64
+    engine = engines[family]
+    plan = [
+        (0, spec(seed=1, side=side, steps=5, guidance=12.0, rescale=1.0)),
+        (0, spec(seed=1, side=side, steps=5, guidance=12.0)),
+        (0, spec("a green triangle", seed=2, images=2, side=side, steps=4, scheduler="euler_a", rescale=1.0)),
+        (1, spec("a yellow square", seed=3, side=side, steps=3, guidance=1.0, rescale=0.5)),
+    ]
+    if family == "sdxl":
+        plan.append((1, spec(seed=4, side=side, steps=4, image=picture(side), strength=0.8, rescale=0.7)))
+        plan.append((1, spec(seed=5, side=side, steps=4, image=picture(side), mask=hole(side), rescale=0.7)))
+    decoded = run(engine, plan)
+    for (_, job), images in zip(plan, decoded, strict=True):
+        assert_same_images(images, expected(references[family], job))
+    assert_moved(decoded[0].images[0], decoded[1].images[0], "guidance_rescale 1")
+    if family != "sdxl":
+        job = spec(seed=4, side=side, steps=4, guidance=12.0, image=picture(side), strength=0.8, rescale=1.0)
+        rescaled, plain = run(engine, [(0, job), (0, replace(job, guidance_rescale=0.0))])
+        assert_moved(rescaled.images[0], plain.images[0], "guidance_rescale from an image")
+
+
 def test_the_most_layers_a_prompt_may_skip_leave_each_clip_encoder_a_layer(engines):
     """SD 1.x/2.x condition on the last hidden states, SDXL on the penultimate; the tiny CLIP
     encoders have 5 layers."""

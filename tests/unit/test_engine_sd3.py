@@ -225,7 +225,15 @@ def test_the_family_is_detected_with_its_rules(engines):
     rules = engines["sd3"].family.rules
     # the tiny CLIP encoders have 5 layers, and SD 3 conditions on their penultimate hidden states
     assert rules == FamilyRules(
-        "SD 3.x", (FLOW,), FLOW, 16, "start", max_side=32 * 2 * 8, controlnets=False, max_clip_skip=3
+        "SD 3.x",
+        (FLOW,),
+        FLOW,
+        16,
+        "start",
+        max_side=32 * 2 * 8,
+        controlnets=False,
+        max_clip_skip=3,
+        guidance_rescale=False,
     )
     assert [rules.image_steps(steps, strength) for steps, strength in ((5, 0.7), (2, 0.3), (10, 1.0))] == [4, 1, 10]
     assert [FamilyRules().image_steps(steps, strength) for steps, strength in ((5, 0.7), (2, 0.3))] == [3, 0]

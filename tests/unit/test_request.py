@@ -41,6 +41,7 @@ def test_every_field_is_taken_as_sent():
         "clip_skip": 2,
         "num_inference_steps": 30,
         "guidance_scale": 1,
+        "guidance_rescale": 0.7,
         "seed": MAX_SEED,
         "width": 256,
         "height": 512,
@@ -97,6 +98,9 @@ def test_stream_is_a_rule_of_the_engine_not_of_the_client():
         ({"prompt": "x", "scheduler": "lms"}, "scheduler", "literal_error"),
         ({"prompt": "x", "output_format": "gif"}, "output_format", "literal_error"),
         ({"prompt": "x", "response_format": "base64"}, "response_format", "literal_error"),
+        ({"prompt": "x", "guidance_rescale": -0.1}, "guidance_rescale", "greater_than_equal"),
+        ({"prompt": "x", "guidance_rescale": 1.5}, "guidance_rescale", "less_than_equal"),
+        ({"prompt": "x", "guidance_rescale": math.nan}, "guidance_rescale", "finite_number"),
         ({"prompt": "x", "clip_skip": -1}, "clip_skip", "greater_than_equal"),
         ({"prompt": "x", "clip_skip": 12}, "clip_skip", "less_than_equal"),
         ({"prompt": "x", "clip_skip": "1"}, "clip_skip", "int_type"),
@@ -303,6 +307,11 @@ def test_the_familys_rules_name_what_it_allows():
     )
     assert fields == [("clip_skip", "less_than_equal")]
     assert "less than or equal to 3 (the most layers this SD 3.x model's CLIP text encoders can skip" in message
+    body = {"prompt": "x", "guidance_rescale": 0.7, "scheduler": "flow_match_euler"}
+    fields, message = errors_of(
+        body, policy=replace(SD3_POLICY, rules=replace(SD3_POLICY.rules, guidance_rescale=False))
+    )
+    assert fields == [("guidance_rescale", "guidance_rescale_unavailable")] and "SD 3.x model" in message
 
 
 def test_more_steps_than_the_models_training_timesteps_are_refused_naming_the_field():
