@@ -118,9 +118,10 @@ class Reference:
         (``load_textual_inversion``, each under its file stem; SDXL's ``clip_l`` and ``clip_g``
         into its two text encoders, as diffusers' documentation does); with LyCORIS files and weights
         merged into the weights for this call only (``merged_lycoris``); ``clip_skip`` and
-        ``guidance_rescale`` passed on where given (SD 1.x/2.x's text encoder as diffusers PR
-        #14043 reads it: ``handler.families.sd.flat_text_model``); ``scheduler`` None: the model's
-        own."""
+        ``guidance_rescale`` passed on where given, to a pipeline that takes them (SD 1.x/2.x's
+        text encoder read as diffusers PR #14043 reads it: ``handler.families.sd.flat_text_model``;
+        diffusers' SD 1.x/2.x img2img and inpaint pipelines and the ControlNet pipelines take no
+        ``guidance_rescale``); ``scheduler`` None: the model's own."""
         seeds = [(seed + index) % (MAX_SEED + 1) for index in range(num_images_per_prompt)]
         inputs: dict = {"width": width, "height": height}
         pipeline = self.pipeline

@@ -20,7 +20,7 @@ from handler.api.errors import RequestError, field_errors
 from handler.api.input_image import fit, peek_size
 from handler.api.policy import RequestPolicy, policy_of
 from handler.api.rules import AdapterRules, CacheRules, ImageRules, LimitRules, SizeRules, StreamRules, TextRules
-from handler.config import MAX_SEED, OutputFormat, ResponseFormat, SchedulerName, StepCache
+from handler.config import MAX_SEED, OutputFormat, ResponseFormat, SchedulerName, StepCache, guided_at
 
 # Most previews a streamed request may ask for (as the OpenAI Images API allows).
 MAX_PARTIAL_IMAGES = 3
@@ -39,7 +39,8 @@ class GenerationRequest(TextRules, LimitRules, SizeRules, StreamRules, AdapterRu
         None,
         ge=0,
         description="CLIP layers the prompt skips (diffusers' clip_skip: 1 takes the layer before the one the model "
-        "conditions on, A1111's 'Clip skip: 2'); the negative prompt is encoded without it, as diffusers does",
+        "conditions on; on SD 1.x, A1111's 'Clip skip: 2'); the negative prompt is encoded without it, as diffusers "
+        "does",
     )
     num_inference_steps: int = Field(ge=1, description="denoising steps")
     guidance_scale: float = Field(ge=0, allow_inf_nan=False, description="classifier-free guidance scale")
@@ -138,7 +139,7 @@ class GenerationRequest(TextRules, LimitRules, SizeRules, StreamRules, AdapterRu
         excluded |= {"controlnets"} if self.loras else {"controlnets", "loras"}
         excluded |= {"cache"} if self.cache.mode == "off" else set()
         excluded |= {"clip_skip"} if self.clip_skip is None else set()
-        excluded |= {"guidance_rescale"} if not self.guidance_rescale else set()
+        excluded |= {"guidance_rescale"} if not (self.guidance_rescale and guided_at(self.guidance_scale)) else set()
         parameters = self.model_dump(exclude=excluded)
         if self.controlnets:  # their settings, not their images
             parameters["controlnets"] = [choice.model_dump(exclude={"image"}) for choice in self.controlnets]

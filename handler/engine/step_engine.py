@@ -8,9 +8,9 @@ own (4- or 16-channel) denoiser; a job with ControlNets mirrors ``StableDiffusio
 (from an image, its ``Img2Img`` variant). What differs between the families is theirs
 (``handler.families``); the loop reads the same for all. Their numbered steps map to:
 
-- ``start``: 3. encode the prompts of the jobs started together in one call per ``clip_skip``
-  among them (negative prompts without it, as ``encode_prompt`` encodes them; SDXL: and 7. its
-  added time ids); 4. each job's own scheduler and timesteps (a copy of one built per scheduler,
+- ``start``: 3. encode the prompts of the jobs started together in one call per LoRA set and
+  ``clip_skip`` among them (negative prompts without it, as ``encode_prompt`` encodes them; SDXL:
+  and 7. its added time ids); 4. each job's own scheduler and timesteps (a copy of one built per scheduler,
   step count and, where the schedule depends on it, latent shape; from an image, the last
   ``strength`` of them, ``get_timesteps``); 5. initial latents from one CPU generator per image
   (from an image: its VAE latents noised to the first timestep, ``prepare_latents``; with a mask
@@ -45,7 +45,8 @@ Different by design: jobs of one shape share one denoiser forward, so an image e
 float rounding, not bit for bit; SDXL's VAE is kept in float32 instead of being upcast around each
 decode (same arithmetic); SD 3's inpainting decodes with the VAE's shift factor
 (``handler.families.sd3``); ``guidance_rescale`` applies to every guided job of a UNet family,
-where diffusers' SD 1.x/2.x image-to-image, inpaint and ControlNet pipelines have none.
+where diffusers' SD 1.x/2.x image-to-image and inpaint pipelines and every ControlNet pipeline
+(SDXL's included) have none.
 """
 
 from __future__ import annotations
@@ -134,8 +135,8 @@ class StepEngine:
 
     def start(self, specs: Sequence[JobSpec]) -> list[DenoiseJob]:
         """``__call__`` steps 3 to 7 for jobs started together: their prompts through the text
-        encoder(s) in one call per LoRA set (its adapters active), then each job's scheduler,
-        latents and step arguments."""
+        encoder(s) in one call per LoRA set (its adapters active) and ``clip_skip``, then each job's
+        scheduler, latents and step arguments."""
         conditionings: dict[int, Conditioning] = {}
         with queued_copies(self.device):  # diffusers' copies to the device wait for no forward queued before
             for adapters in dict.fromkeys(spec.adapters for spec in specs):

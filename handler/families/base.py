@@ -313,9 +313,9 @@ class Family(ABC):
     own_attention: ClassVar[type | None] = None
     takes_controlnets: ClassVar[bool] = False  # FamilyRules.controlnets
     takes_guidance_rescale: ClassVar[bool] = True  # FamilyRules.guidance_rescale
-    # Which hidden states of its CLIP encoders a prompt conditions on, counted from the last, less 1
-    # (``encode_prompt``: the last with the final layer norm for SD 1.x/2.x, the penultimate for SDXL
-    # and SD 3.x); a request's ``clip_skip`` takes that many layers earlier.
+    # Which hidden states of its CLIP encoders a prompt conditions on, counted from the end: 1 the
+    # last (then the final layer norm: SD 1.x/2.x), 2 the penultimate (SDXL, SD 3.x); ``clip_skip``
+    # k takes ``hidden_states[-(k + clip_layer_from_last)]`` (``encode_prompt``).
     clip_layer_from_last: ClassVar[int] = 1
 
     def __init__(self, pipeline: Pipeline, device: torch.device, dtype: torch.dtype, max_sequence_length: int = 256):

@@ -126,7 +126,8 @@ class StableDiffusionFamily(Family):
         return "SD 2.x" if v_prediction or self.pipeline.unet.config.cross_attention_dim == 1024 else "SD 1.x"
 
     def _encode_texts(self, texts: list[str], clip_skip: int | None) -> list[TextEmbedding]:
-        with flat_text_model(self.pipeline.text_encoder):
+        flat = flat_text_model(self.pipeline.text_encoder) if clip_skip is not None else contextlib.nullcontext()
+        with flat:  # on the loop thread alone, as every text encoding
             hidden_states, _ = self.pipeline.encode_prompt(texts, self.device, 1, False, clip_skip=clip_skip)
         return [TextEmbedding(row) for row in hidden_states.split(1)]
 

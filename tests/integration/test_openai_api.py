@@ -70,12 +70,16 @@ def test_a_step_cache_through_extra_body_matches_the_native_api(server):
     assert not np.array_equal(native, uncached), "the cache changed nothing"
 
 
-def test_a_clip_skip_through_extra_body_matches_the_native_api(server):
-    result = sdk(server).images.generate(prompt="a red circle", extra_body={"seed": 4, "clip_skip": 1, **FAST})
+def test_prompt_settings_through_extra_body_match_the_native_api(server):
+    settings = {"clip_skip": 1, "guidance_rescale": 0.7}
+    result = sdk(server).images.generate(prompt="a red circle", extra_body={"seed": 4, **settings, **FAST})
     assert result.data is not None
-    native = Client(server).image(prompt="a red circle", seed=4, clip_skip=1)
+    native = Client(server).image(prompt="a red circle", seed=4, **settings)
     assert_same_image(image_of(result.data[0].b64_json), native)
-    assert not np.array_equal(native, Client(server).image(prompt="a red circle", seed=4)), "clip_skip changed nothing"
+    for name in settings:
+        assert not np.array_equal(
+            native, Client(server).image(prompt="a red circle", seed=4, **{**settings, name: 0})
+        ), f"{name} changed nothing"
 
 
 @pytest.mark.parametrize(("output_format", "kind"), [("jpeg", "JPEG"), ("webp", "WEBP"), ("png", "PNG")])

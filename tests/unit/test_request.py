@@ -221,8 +221,11 @@ def test_each_image_has_its_own_reproducible_seed():
 
 
 def test_reported_parameters_are_the_effective_ones():
-    skipping = decode_body({"prompt": "x", "seed": 1, "clip_skip": 1}, "application/json", POLICY)
-    assert skipping.parameters()["clip_skip"] == 1
+    settings = {"prompt": "x", "seed": 1, "clip_skip": 1, "guidance_rescale": 0.7}
+    reported = decode_body(settings, "application/json", POLICY).parameters()
+    assert {name: reported[name] for name in settings} == settings
+    unguided = decode_body({**settings, "guidance_scale": 1}, "application/json", POLICY).parameters()
+    assert "guidance_rescale" not in unguided, "diffusers ignores it without guidance"
     request = decode_body({"prompt": "x", "seed": 1}, "application/json", POLICY)
     assert request.parameters() == {
         "prompt": "x",
@@ -287,7 +290,17 @@ def test_bad_loras_are_refused_by_field_and_rule(loras, field, rule):
 SD3_POLICY = replace(
     POLICY,
     defaults=RequestDefaults(width=64, height=64, scheduler="flow_match_euler"),
-    rules=FamilyRules("SD 3.x", ("flow_match_euler",), "flow_match_euler", 16, "start", max_side=256),
+    rules=FamilyRules(
+        "SD 3.x",
+        ("flow_match_euler",),
+        "flow_match_euler",
+        16,
+        "start",
+        max_side=256,
+        controlnets=False,
+        max_clip_skip=10,
+        guidance_rescale=False,
+    ),
 )
 
 
@@ -302,15 +315,11 @@ def test_the_familys_rules_name_what_it_allows():
     assert fields == [("width", "multiple_of"), ("height", "less_than_equal")]
     assert "multiple of 16 for SD 3.x models (given: 72)" in message and "largest side this SD 3.x model" in message
     assert decode_body({"prompt": "x", "width": 72}, "application/json", POLICY).width == 72
-    fields, message = errors_of(
-        {"prompt": "x", "clip_skip": 4}, policy=replace(SD3_POLICY, rules=replace(SD3_POLICY.rules, max_clip_skip=3))
-    )
+    fields, message = errors_of({"prompt": "x", "clip_skip": 11, "scheduler": "flow_match_euler"}, policy=SD3_POLICY)
     assert fields == [("clip_skip", "less_than_equal")]
-    assert "less than or equal to 3 (the most layers this SD 3.x model's CLIP text encoders can skip" in message
+    assert "less than or equal to 10 (the most layers this SD 3.x model's CLIP text encoders can skip" in message
     body = {"prompt": "x", "guidance_rescale": 0.7, "scheduler": "flow_match_euler"}
-    fields, message = errors_of(
-        body, policy=replace(SD3_POLICY, rules=replace(SD3_POLICY.rules, guidance_rescale=False))
-    )
+    fields, message = errors_of(body, policy=SD3_POLICY)
     assert fields == [("guidance_rescale", "guidance_rescale_unavailable")] and "SD 3.x model" in message
 
 

@@ -136,8 +136,6 @@ def test_the_profile_counts_padding_against_memory_once_the_shape_ran_out_of_mem
 class CompilingEngine(SolidColorEngine):
     """Steps on a clock of their own: a row count's calls take ``seconds`` in turn, then its last."""
 
-    family = SimpleNamespace(rules=SimpleNamespace(controlnets=False))  # no row costs to count
-
     def __init__(self, cuda_graphs: bool, seconds: tuple[float, ...]):
         super().__init__()
         self.cuda_graphs, self.seconds = cuda_graphs, seconds
