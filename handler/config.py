@@ -656,8 +656,9 @@ class HandlerSettings(_Section):
         """These settings for a loaded model: its native size as the default for an unset
         width/height, and the model's own scheduler where the configured default is one its family
         does not serve; checked against the limits again. Raises ValueError for a configured default
-        or warm-up size off the family's grid or larger than the model takes, or a default
-        ``clip_skip`` beyond its text encoders."""
+        or warm-up size off the family's grid or larger than the model takes, a default
+        ``guidance_rescale`` its family's pipelines do not take, or a default ``clip_skip`` beyond
+        its text encoders."""
         defaults = self.defaults.model_dump()
         defaults["width"] = defaults["width"] or width
         defaults["height"] = defaults["height"] or height
