@@ -298,8 +298,7 @@ class Reference:
         caching = (
             contextlib.nullcontext() if first_block is None else first_block_cache(pipeline.transformer, first_block)
         )
-        text_model = flat_text_model(pipeline.text_encoder) if "clip_skip" in inputs else contextlib.nullcontext()
-        with caching, text_model:
+        with caching, flat_text_model(pipeline.text_encoder, inputs.get("clip_skip")):
             output = pipeline(
                 prompt=prompt,
                 negative_prompt=negative_prompt,

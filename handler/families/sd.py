@@ -72,14 +72,14 @@ def _downsampled(sampler: torch.nn.Module, side: int) -> int:
 
 
 @contextlib.contextmanager
-def flat_text_model(encoder: torch.nn.Module) -> Iterator[None]:
+def flat_text_model(encoder: torch.nn.Module, clip_skip: int | None) -> Iterator[None]:
     """With a ``clip_skip``, diffusers 0.42.1's ``encode_prompt`` puts the hidden states it takes
     through ``text_encoder.text_model.final_layer_norm``. transformers 5.6 flattened
     ``CLIPTextModel`` (its ``final_layer_norm`` is its own, it has no ``text_model``), so that call
     raises (diffusers issue #14124); diffusers PR #14043 reads the model itself where it has no
-    ``text_model``. During the block, the model answers to ``text_model`` as itself (an attribute,
-    not a submodule: its modules and state dict stay as they are)."""
-    if hasattr(encoder, "text_model"):
+    ``text_model``. During the block, with a ``clip_skip``, the model answers to ``text_model`` as
+    itself (an attribute, not a submodule: its modules and state dict stay as they are)."""
+    if clip_skip is None or hasattr(encoder, "text_model"):
         yield
         return
     object.__setattr__(encoder, "text_model", encoder)
@@ -126,8 +126,7 @@ class StableDiffusionFamily(Family):
         return "SD 2.x" if v_prediction or self.pipeline.unet.config.cross_attention_dim == 1024 else "SD 1.x"
 
     def _encode_texts(self, texts: list[str], clip_skip: int | None) -> list[TextEmbedding]:
-        flat = flat_text_model(self.pipeline.text_encoder) if clip_skip is not None else contextlib.nullcontext()
-        with flat:  # on the loop thread alone, as every text encoding
+        with flat_text_model(self.pipeline.text_encoder, clip_skip):  # on the loop thread alone, as every encoding
             hidden_states, _ = self.pipeline.encode_prompt(texts, self.device, 1, False, clip_skip=clip_skip)
         return [TextEmbedding(row) for row in hidden_states.split(1)]
 
