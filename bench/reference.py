@@ -20,7 +20,7 @@ decoded as ``StableDiffusion3Pipeline`` decodes them, which is what the engine s
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -106,6 +106,7 @@ class Reference:
         first_block: float | None = None,
         embeddings: Sequence[Path] = (),
         lycoris: Sequence[tuple[Path, float]] = (),
+        other_prompts: Mapping[str, str | None] | None = None,
     ) -> ReferenceOutput:
         """One request: ``num_images_per_prompt`` images of one prompt, image k from ``seed + k``
         (wrapping past the largest seed, as requests do); from ``image`` (of the request's size)
@@ -118,7 +119,8 @@ class Reference:
         (``load_textual_inversion``, each under its file stem; SDXL's ``clip_l`` and ``clip_g``
         into its two text encoders, as diffusers' documentation does); with LyCORIS files and weights
         merged into the weights for this call only (``merged_lycoris``); ``clip_skip`` and
-        ``guidance_rescale`` passed on where given, to a pipeline that takes them (SD 1.x/2.x's
+        ``guidance_rescale`` and ``other_prompts`` (``prompt_2``, ``negative_prompt_2``, ...)
+        passed on where given, to a pipeline that takes them (SD 1.x/2.x's
         text encoder read as diffusers PR #14043 reads it: ``handler.families.sd.flat_text_model``;
         diffusers' SD 1.x/2.x img2img and inpaint pipelines and the ControlNet pipelines take no
         ``guidance_rescale``); ``scheduler`` None: the model's own."""
@@ -139,6 +141,7 @@ class Reference:
             inputs["clip_skip"] = clip_skip
         if guidance_rescale:
             inputs["guidance_rescale"] = guidance_rescale
+        inputs.update({name: text for name, text in (other_prompts or {}).items() if text is not None})
         if image is not None:
             inputs["strength"] = strength
         names = [f"reference{index}" for index in range(len(loras))]

@@ -59,6 +59,12 @@ class FamilyRules:
     # (SD 1.x's CLIP ViT-L/14, 12 layers, from its last hidden states).
     max_clip_skip: int = 11
     guidance_rescale: bool = True  # whether its text-to-image pipeline takes guidance_rescale (the UNet families')
+    # How many of the pipeline's prompts (prompt, prompt_2, prompt_3) a request may give: one per
+    # text encoder the model is served with (SD 1.x/2.x: 1, SDXL: 2, SD 3.x: 3, 2 without T5).
+    prompts: int = 1
+    # Whether its unguided rows are zeros where a request has no negative_prompt (SDXL's
+    # force_zeros_for_empty_prompt): then negative_prompt_2 alone would not be encoded.
+    zeros_without_negative: bool = False
 
     def serves(self, cache: StepCache) -> bool:
         """Whether the denoiser serves a step cache (off always)."""

@@ -51,6 +51,10 @@ SSE_CONTENT_TYPE = "text/event-stream"
 # Stable Diffusion's own parameters, passed as extra fields (the SDK's extra_body) in diffusers' names.
 SD_PARAMETERS = (
     "negative_prompt",
+    "prompt_2",
+    "negative_prompt_2",
+    "prompt_3",
+    "negative_prompt_3",
     "clip_skip",
     "seed",
     "num_inference_steps",
@@ -96,6 +100,10 @@ class ImageGenerationParams(BaseModel):
     stream: bool | None = Field(None, description="server-sent events (continuous batching)")
     partial_images: int | None = Field(None, ge=0, le=MAX_PARTIAL_IMAGES, description="previews while streaming")
     negative_prompt: Any = None
+    prompt_2: Any = None
+    negative_prompt_2: Any = None
+    prompt_3: Any = None
+    negative_prompt_3: Any = None
     clip_skip: Any = None
     seed: Any = None
     num_inference_steps: Any = None

@@ -19,7 +19,16 @@ from handler.api.choices import ControlNetChoice, LoraChoice
 from handler.api.errors import RequestError, field_errors
 from handler.api.input_image import fit, peek_size
 from handler.api.policy import RequestPolicy, policy_of
-from handler.api.rules import AdapterRules, CacheRules, ImageRules, LimitRules, SizeRules, StreamRules, TextRules
+from handler.api.rules import (
+    OTHER_PROMPTS,
+    AdapterRules,
+    CacheRules,
+    ImageRules,
+    LimitRules,
+    SizeRules,
+    StreamRules,
+    TextRules,
+)
 from handler.config import MAX_SEED, OutputFormat, ResponseFormat, SchedulerName, StepCache, guided_at
 
 # Most previews a streamed request may ask for (as the OpenAI Images API allows).
@@ -35,6 +44,19 @@ class GenerationRequest(TextRules, LimitRules, SizeRules, StreamRules, AdapterRu
 
     prompt: str = Field(description="what to draw; must contain a non-blank character")
     negative_prompt: str | None = Field(None, description="what to steer away from")
+    prompt_2: str | None = Field(
+        None, description="SDXL, SD 3.x: what the second text encoder (CLIP-G) reads; left out or empty: the prompt"
+    )
+    negative_prompt_2: str | None = Field(
+        None,
+        description="SDXL, SD 3.x: the second text encoder's negative prompt; left out or empty: the negative prompt",
+    )
+    prompt_3: str | None = Field(
+        None, description="SD 3.x with T5: what the third text encoder (T5) reads; left out or empty: the prompt"
+    )
+    negative_prompt_3: str | None = Field(
+        None, description="SD 3.x with T5: T5's negative prompt; left out or empty: the negative prompt"
+    )
     clip_skip: int | None = Field(
         None,
         ge=0,
@@ -139,6 +161,7 @@ class GenerationRequest(TextRules, LimitRules, SizeRules, StreamRules, AdapterRu
         excluded |= {"controlnets"} if self.loras else {"controlnets", "loras"}
         excluded |= {"cache"} if self.cache.mode == "off" else set()
         excluded |= {"clip_skip"} if self.clip_skip is None else set()
+        excluded |= {field for field in OTHER_PROMPTS if getattr(self, field) is None}
         excluded |= {"guidance_rescale"} if not (self.guidance_rescale and guided_at(self.guidance_scale)) else set()
         parameters = self.model_dump(exclude=excluded)
         if self.controlnets:  # their settings, not their images

@@ -28,10 +28,14 @@ UPPER_LIMITS = {
     "num_images_per_prompt": "max_images_per_request",
 }
 
+# The prompts of a pipeline's second and third text encoders, by the encoder that reads them.
+OTHER_PROMPTS = {"prompt_2": 2, "negative_prompt_2": 2, "prompt_3": 3, "negative_prompt_3": 3}
+
 
 class TextRules(BaseModel):
-    """The prompt and negative prompt: text the tokenizer reads, within the configured length; the
-    CLIP layers the prompt skips, within the model's text encoders."""
+    """The prompts and negative prompts: text the tokenizer reads, within the configured length,
+    each for a text encoder the model is served with; the CLIP layers the prompt skips, within the
+    model's text encoders."""
 
     @field_validator("prompt", check_fields=False)
     @classmethod
@@ -44,6 +48,37 @@ class TextRules(BaseModel):
     @classmethod
     def _negative_prompt_length(cls, value: str | None, info: ValidationInfo) -> str | None:
         return value if value is None else cls._prompt_text(value, info)
+
+    @field_validator(*OTHER_PROMPTS, check_fields=False)
+    @classmethod
+    def _prompt_of_a_served_encoder(cls, value: str | None, info: ValidationInfo) -> str | None:
+        """``prompt_2``/``prompt_3`` and their negatives where the model has that text encoder; a
+        ``negative_prompt_2`` that would be encoded (not where an absent negative prompt is zeros)."""
+        if value is None:
+            return value
+        field, rules = str(info.field_name), policy_of(info).rules
+        if OTHER_PROMPTS[field] > rules.prompts:
+            raise PydanticCustomError(
+                "prompt_unavailable",
+                "{field} is read by a text encoder {encoder}, which this {family} model is served without: leave "
+                "it out (SDXL models read prompt_2 and negative_prompt_2; SD 3.x models also prompt_3 and "
+                "negative_prompt_3 where served with T5)",
+                {"field": field, "encoder": OTHER_PROMPTS[field], "family": rules.family},
+            )
+        if (
+            value
+            and field == "negative_prompt_2"
+            and rules.zeros_without_negative
+            and info.data.get("negative_prompt", "") is None
+        ):
+            raise PydanticCustomError(
+                "negative_prompt_missing",
+                "negative_prompt_2 is encoded only beside a negative_prompt: without one this {family} model's "
+                "unguided rows are zeros (its force_zeros_for_empty_prompt, as in diffusers); give negative_prompt "
+                'too ("" for none)',
+                {"family": rules.family},
+            )
+        return cls._prompt_text(value, info)
 
     @field_validator("clip_skip", check_fields=False)
     @classmethod

@@ -16,6 +16,10 @@ from handler.families import Conditioning, Family, Scheduler, schedules
 from handler.families.deep_cache import RowCache
 from handler.families.first_block_cache import FirstBlockCache
 
+# A job's texts, as diffusers' pipelines name them: the prompt and negative prompt, and those of the
+# second and third text encoders.
+PROMPT_FIELDS = ("prompt", "negative_prompt", "prompt_2", "negative_prompt_2", "prompt_3", "negative_prompt_3")
+
 
 @dataclass(frozen=True)
 class JobSpec:
@@ -38,6 +42,12 @@ class JobSpec:
     cache: StepCache | None = None  # its step cache (None: every step runs the whole denoiser)
     clip_skip: int | None = None  # CLIP layers its prompt skips (diffusers' clip_skip; None: none)
     guidance_rescale: float = 0.0  # diffusers' guidance_rescale of its guided noise (0: none)
+    # The prompts of the second and third text encoders (SDXL's, SD 3.x's; None: the prompt's or
+    # the negative prompt's, as diffusers' ``prompt_2 = prompt_2 or prompt``).
+    prompt_2: str | None = None
+    negative_prompt_2: str | None = None
+    prompt_3: str | None = None
+    negative_prompt_3: str | None = None
 
     @property
     def images(self) -> int:

@@ -8,10 +8,11 @@ own (4- or 16-channel) denoiser; a job with ControlNets mirrors ``StableDiffusio
 (from an image, its ``Img2Img`` variant). What differs between the families is theirs
 (``handler.families``); the loop reads the same for all. Their numbered steps map to:
 
-- ``start``: 3. encode the prompts of the jobs started together in one call per LoRA set and
-  ``clip_skip`` among them (negative prompts without it, as ``encode_prompt`` encodes them; SDXL:
-  and 7. its added time ids); 4. each job's own scheduler and timesteps (a copy of one built per scheduler,
-  step count and, where the schedule depends on it, latent shape; from an image, the last
+- ``start``: 3. encode the prompts of the jobs started together (each text encoder's own:
+  ``prompt_2``, ``prompt_3`` where given) in one call per LoRA set and ``clip_skip`` among them
+  (negative prompts without it, as ``encode_prompt`` encodes them; SDXL: and 7. its added time
+  ids); 4. each job's own scheduler and timesteps (a copy of one built per scheduler, step count
+  and, where the schedule depends on it, latent shape; from an image, the last
   ``strength`` of them, ``get_timesteps``); 5. initial latents from one CPU generator per image
   (from an image: its VAE latents noised to the first timestep, ``prepare_latents``; with a mask
   also ``prepare_mask_latents``); 6. ``prepare_extra_step_kwargs`` (eta 0 and the generators,
@@ -36,8 +37,8 @@ own (4- or 16-channel) denoiser; a job with ControlNets mirrors ``StableDiffusio
 
 Left out, because no request can ask for it: ``cross_attention_kwargs`` and its one LoRA scale
 (each LoRA's weight is the request's), IP-Adapter images, caller-supplied latents, embeddings,
-timesteps or sigmas, ``denoising_start``/``denoising_end``, ``prompt_2``/``negative_prompt_2``
-(and SD 3's ``prompt_3``), SDXL's negative size conditioning and aesthetic scores, SD 3.5's
+timesteps or sigmas, ``denoising_start``/``denoising_end``, SDXL's negative size conditioning and
+aesthetic scores, SD 3.5's
 skip-layer guidance, inpainting's ``padding_mask_crop`` and 9- or 33-channel inpainting denoisers,
 ControlNet inpainting, guess mode and global-pooling ControlNets, output types other than PIL, step
 callbacks. UNets with a guidance embedding (``time_cond_proj_dim``, LCM) are refused at load.

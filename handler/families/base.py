@@ -59,8 +59,9 @@ Residuals = tuple[list[torch.Tensor], torch.Tensor]
 # A diffusers scheduler class (its from_config is added at run time) and the settings it needs on top
 # of the model's scheduler config.
 SchedulerChoice = tuple[Any, dict[str, Any]]
-# A text a job's rows encode, with the CLIP layers it skips (``clip_skip``; None: the family's default).
-Text = tuple[str, int | None]
+# A text a job's rows encode: what each text encoder reads (``prompt``, ``prompt_2``, ``prompt_3``),
+# with the CLIP layers it skips (``clip_skip``; None: the family's default).
+Text = tuple[tuple[str, ...], int | None]
 
 
 class Scheduler(Protocol):
@@ -126,6 +127,18 @@ class PromptSpec(Protocol):
 
     @property
     def clip_skip(self) -> int | None: ...
+
+    @property
+    def prompt_2(self) -> str | None: ...
+
+    @property
+    def negative_prompt_2(self) -> str | None: ...
+
+    @property
+    def prompt_3(self) -> str | None: ...
+
+    @property
+    def negative_prompt_3(self) -> str | None: ...
 
     @property
     def width(self) -> int: ...
@@ -367,6 +380,8 @@ class Family(ABC):
             self.max_steps,
             max_clip_skip=self.max_clip_skip,
             guidance_rescale=self.takes_guidance_rescale,
+            prompts=self.prompts,
+            zeros_without_negative=self.zeros_without_negative,
         )
 
     @property
@@ -386,6 +401,17 @@ class Family(ABC):
         encoders = [getattr(self.pipeline, name, None) for name in ("text_encoder", "text_encoder_2")]
         layers = [encoder.config.num_hidden_layers for encoder in encoders if encoder is not None]
         return max(min(layers, default=0) - self.clip_layer_from_last, 0)
+
+    @property
+    def prompts(self) -> int:
+        """How many of the pipeline's prompts (``prompt``, ``prompt_2``, ``prompt_3``) a job may
+        give: one per text encoder the model is served with (one here)."""
+        return 1
+
+    @property
+    def zeros_without_negative(self) -> bool:
+        """Whether its unguided rows are zeros where a job has no negative prompt (not here)."""
+        return False
 
     @property
     def own_scheduler(self) -> SchedulerName:
@@ -416,25 +442,34 @@ class Family(ABC):
         with torch.inference_mode():
             for clip_skip in dict.fromkeys(skip for _, skip in wanted):
                 texts = [text for text in wanted if text[1] == clip_skip]
-                embedded.update(zip(texts, self._encode_texts([prompt for prompt, _ in texts], clip_skip), strict=True))
+                embedded.update(
+                    zip(texts, self._encode_texts([prompts for prompts, _ in texts], clip_skip), strict=True)
+                )
             return [self._condition(spec, self._rows(spec, embedded)) for spec in specs]
 
     def _texts(self, spec: PromptSpec) -> list[Text]:
-        """The texts of a job's rows: its prompt with its ``clip_skip``, and with guidance its
-        negative text, which diffusers' ``encode_prompt`` encodes without it."""
-        prompt: Text = (spec.prompt, spec.clip_skip or None)  # skipping 0 layers is diffusers' default
-        negative = self._negative_text(spec)
+        """The texts of a job's rows: its prompts with its ``clip_skip``, and with guidance its
+        negative texts, which diffusers' ``encode_prompt`` encodes without it."""
+        prompt: Text = (self._per_encoder(spec.prompt, spec.prompt_2, spec.prompt_3), spec.clip_skip or None)
+        negative = self._negative_texts(spec)  # skipping 0 layers (above) is diffusers' default too
         return [prompt] if not spec.guided or negative is None else [prompt, (negative, None)]
 
-    def _negative_text(self, spec: PromptSpec) -> str | None:
-        """What a job's unconditional rows encode: its negative prompt, "" without one (as
+    def _per_encoder(self, text: str, text_2: str | None, text_3: str | None) -> tuple[str, ...]:
+        """What each of the text encoders reads: ``text_2`` and ``text_3`` where given, else
+        ``text`` (diffusers' ``prompt_2 = prompt_2 or prompt``)."""
+        return (text, text_2 or text, text_3 or text)[: self.prompts]
+
+    def _negative_texts(self, spec: PromptSpec) -> tuple[str, ...] | None:
+        """What a job's unconditional rows encode: its negative prompts, "" without one (as
         ``encode_prompt`` does); None where the family conditions on zeros instead."""
-        return spec.negative_prompt or ""
+        negative = spec.negative_prompt or ""
+        return self._per_encoder(negative, spec.negative_prompt_2, spec.negative_prompt_3)
 
     @abstractmethod
-    def _encode_texts(self, texts: list[str], clip_skip: int | None) -> list[TextEmbedding]:
-        """Each text on its own row through the text encoder(s), the CLIP encoders' hidden states
-        taken ``clip_skip`` layers earlier than the family's default (None: the default)."""
+    def _encode_texts(self, texts: list[tuple[str, ...]], clip_skip: int | None) -> list[TextEmbedding]:
+        """Each text on its own row through the text encoder(s) (``texts``: what each encoder
+        reads, ``_per_encoder``), the CLIP encoders' hidden states taken ``clip_skip`` layers
+        earlier than the family's default (None: the default)."""
 
     def _rows(self, spec: PromptSpec, embedded: dict[Text, TextEmbedding]) -> TextEmbedding:
         """A job's text rows: each text's repeated per image, [negative; positive] with guidance."""

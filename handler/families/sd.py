@@ -125,9 +125,10 @@ class StableDiffusionFamily(Family):
         v_prediction = self.pipeline.scheduler.config.get("prediction_type") == "v_prediction"
         return "SD 2.x" if v_prediction or self.pipeline.unet.config.cross_attention_dim == 1024 else "SD 1.x"
 
-    def _encode_texts(self, texts: list[str], clip_skip: int | None) -> list[TextEmbedding]:
+    def _encode_texts(self, texts: list[tuple[str, ...]], clip_skip: int | None) -> list[TextEmbedding]:
+        prompts = [prompt for (prompt,) in texts]  # one text encoder
         with flat_text_model(self.pipeline.text_encoder, clip_skip):  # on the loop thread alone, as every encoding
-            hidden_states, _ = self.pipeline.encode_prompt(texts, self.device, 1, False, clip_skip=clip_skip)
+            hidden_states, _ = self.pipeline.encode_prompt(prompts, self.device, 1, False, clip_skip=clip_skip)
         return [TextEmbedding(row) for row in hidden_states.split(1)]
 
     def _condition(self, spec: PromptSpec, rows: TextEmbedding) -> Conditioning:

@@ -24,8 +24,8 @@ What differs from the UNet families:
 Knowingly different from diffusers: the inpaint pipeline's decode leaves out the VAE's
 ``shift_factor`` (diffusers issue #13611) although its encode subtracts it; inpainted images here
 are decoded as ``StableDiffusion3Pipeline`` and the img2img pipeline decode (with the shift).
-Left out, because no request can ask for it: skip-layer guidance, ``prompt_2``/``prompt_3``,
-IP-Adapter images, 33-channel inpainting transformers.
+Left out, because no request can ask for it: skip-layer guidance, IP-Adapter images, 33-channel
+inpainting transformers.
 """
 
 from __future__ import annotations
@@ -89,12 +89,18 @@ class StableDiffusion3Family(Family):
         patches = self.pipeline.transformer.config.pos_embed_max_size
         return None if patches is None else patches * self.patch_size * self.pipeline.vae_scale_factor
 
-    def _encode_texts(self, texts: list[str], clip_skip: int | None) -> list[TextEmbedding]:
+    @property
+    def prompts(self) -> int:
+        """``prompt_2`` for CLIP-G and ``prompt_3`` for T5, where the model is served with it."""
+        return 2 if self.pipeline.text_encoder_3 is None else 3
+
+    def _encode_texts(self, texts: list[tuple[str, ...]], clip_skip: int | None) -> list[TextEmbedding]:
         """The three encoders (``encode_prompt``): joined hidden states and pooled projections."""
+        prompts, prompts_2, *prompts_3 = (list(column) for column in zip(*texts, strict=True))
         hidden_states, _, pooled, _ = self.pipeline.encode_prompt(
-            prompt=texts,
-            prompt_2=None,
-            prompt_3=None,
+            prompt=prompts,
+            prompt_2=prompts_2,
+            prompt_3=prompts_3[0] if prompts_3 else None,
             device=self.device,
             num_images_per_prompt=1,
             do_classifier_free_guidance=False,

@@ -39,15 +39,25 @@ class StableDiffusionXLFamily(StableDiffusionFamily):
     def name(self) -> str:
         return "SDXL"
 
-    def _negative_text(self, spec: PromptSpec) -> str | None:
-        if spec.negative_prompt is None and self.pipeline.config.force_zeros_for_empty_prompt:
-            return None
-        return spec.negative_prompt or ""
+    @property
+    def prompts(self) -> int:
+        return 2  # prompt_2: the second text encoder's
 
-    def _encode_texts(self, texts: list[str], clip_skip: int | None) -> list[TextEmbedding]:
+    @property
+    def zeros_without_negative(self) -> bool:  # force_zeros_for_empty_prompt
+        return bool(self.pipeline.config.force_zeros_for_empty_prompt)
+
+    def _negative_texts(self, spec: PromptSpec) -> tuple[str, ...] | None:
+        if spec.negative_prompt is None and self.zeros_without_negative:
+            return None  # whatever negative_prompt_2 says, as encode_prompt (a request is refused it)
+        return super()._negative_texts(spec)
+
+    def _encode_texts(self, texts: list[tuple[str, ...]], clip_skip: int | None) -> list[TextEmbedding]:
         """Both text encoders (``encode_prompt``): hidden states, and the second's pooled embedding."""
+        prompts, prompts_2 = (list(column) for column in zip(*texts, strict=True))
         hidden_states, _, pooled, _ = self.pipeline.encode_prompt(
-            prompt=texts,
+            prompt=prompts,
+            prompt_2=prompts_2,
             device=self.device,
             num_images_per_prompt=1,
             do_classifier_free_guidance=False,

@@ -28,7 +28,7 @@ from handler.api.protocol import (
 )
 from handler.api.request import GenerationRequest
 from handler.api.routes import route
-from handler.engine.jobs import DenoiseJob, JobSpec
+from handler.engine.jobs import PROMPT_FIELDS, DenoiseJob, JobSpec
 from handler.engine.loading import release_cached_memory
 from handler.engine.scheduling import StepProfile
 from handler.engine.step_engine import StepEngine
@@ -223,15 +223,16 @@ class Admission:
         return ids
 
     def _embeddings(self, rid: str, request: GenerationRequest, starting: set[str]) -> dict[str, str] | Response:
-        """The tokens of the embeddings the request's prompt and negative prompt name (name -> token),
-        loaded where needed, keeping those of the requests ``starting`` with it (their text encoders
-        have not run yet), or its answer: 400 naming the field whose text named one that cannot be served."""
+        """The tokens of the embeddings the request's prompts and negative prompts name (name ->
+        token), loaded where needed, keeping those of the requests ``starting`` with it (their text
+        encoders have not run yet), or its answer: 400 naming the field whose text named one that
+        cannot be served."""
         library = self.engine.embeddings
         tokens: dict[str, str] = {}
         if library is None:
             return tokens
-        named = library.named_in(request.prompt, request.negative_prompt)
-        for field, said in zip(("prompt", "negative_prompt"), named, strict=True):
+        named = library.named_in(*(getattr(request, field) for field in PROMPT_FIELDS))
+        for field, said in zip(PROMPT_FIELDS, named, strict=True):
             names = [name for name in said if name not in tokens]
             if not names:
                 continue

@@ -23,10 +23,15 @@ def job_spec(
     """What the engine generates for a validated request (image k from seed + k), with its LoRA
     adapters, ControlNets (``nets``: ids, one per ``request.controlnets``) and the tokens of the
     embeddings its prompts name (``embeddings``: name -> token) as the engine's libraries resolved them."""
-    tokens, negative = embeddings or {}, request.negative_prompt
+    tokens = embeddings or {}
+
+    def text(field: str) -> str | None:
+        given = getattr(request, field)
+        return None if given is None else rewrite(given, tokens)
+
     return JobSpec(
         rewrite(request.prompt, tokens),
-        None if negative is None else rewrite(negative, tokens),
+        text("negative_prompt"),
         tuple(request.image_seeds()),
         request.width,
         request.height,
@@ -44,6 +49,10 @@ def job_spec(
         None if request.cache.mode == "off" else request.cache,
         request.clip_skip,
         request.guidance_rescale,
+        text("prompt_2"),
+        text("negative_prompt_2"),
+        text("prompt_3"),
+        text("negative_prompt_3"),
     )
 
 

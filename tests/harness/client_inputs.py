@@ -85,6 +85,10 @@ def boundary_values(limits: RequestLimits) -> dict[str, list[Any]]:
     return {
         "prompt": texts,
         "negative_prompt": [None, *texts],
+        "prompt_2": [None, *texts],
+        "negative_prompt_2": [None, "", "blurry", "\ud800"],
+        "prompt_3": [None, "", "a blue square", "x" * (chars + 1)],
+        "negative_prompt_3": [None, "", "blurry"],
         "clip_skip": [None, 0, 1, 11, 12, -1, 1.0, "1", True, 10**12],
         "num_inference_steps": [0, 1, 2, steps, steps + 1, -1, 2.0, 2.5, "2", True, 10**12],
         "guidance_scale": [

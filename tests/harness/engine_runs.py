@@ -5,6 +5,7 @@ family share."""
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -13,7 +14,7 @@ from PIL import Image
 from bench.reference import ControlNetCall, Reference, cache_options
 from handler.adapters.controlnets import ControlSpec
 from handler.config import HandlerSettings, StepCache
-from handler.engine.jobs import DenoiseJob, JobSpec
+from handler.engine.jobs import PROMPT_FIELDS, DenoiseJob, JobSpec
 from handler.engine.loading import load_engine
 from handler.engine.step_engine import StepEngine
 from handler.families import Decoded
@@ -21,6 +22,7 @@ from handler.service.loops import build_service
 from model_making.make_controlnet import write_controlnet
 from model_making.make_lora import write_lora
 from server.paths import CONTROLNET_DIR, TINY_MODEL_DIRS
+from tests.harness.images import assert_moved
 
 # Jobs stepped together and alone differ by float rounding only; in 8 bits an image may differ by
 # this much per channel value (0-255).
@@ -44,9 +46,10 @@ def spec(
     cache=None,
     clip_skip=None,
     rescale=0.0,
+    **other_prompts,
 ) -> JobSpec:
     """A job of ``images`` images (seeds ``seed``, ``seed + 1``, ...) at ``side`` x ``side``
-    (``cache``: a ``StepCache``)."""
+    (``cache``: a ``StepCache``; ``other_prompts``: ``prompt_2``, ``negative_prompt_2``, ...)."""
     seeds = tuple(range(seed, seed + images))
     return JobSpec(
         prompt,
@@ -65,6 +68,7 @@ def spec(
         cache,
         clip_skip,
         rescale,
+        **other_prompts,
     )
 
 
@@ -108,6 +112,7 @@ def expected(
         loras=loras,
         controlnets=controlnets,
         lycoris=lycoris,
+        other_prompts={name: getattr(job, name) for name in PROMPT_FIELDS[2:]},
         **cache_options(job.cache),
     )
 
@@ -128,14 +133,20 @@ def run(engine: StepEngine, plan: list[tuple[int, JobSpec]]) -> list[Decoded]:
     return [finished[index] for index in range(len(plan))]
 
 
-def run_counting_text_encodings(engine: StepEngine, jobs: list[JobSpec], monkeypatch) -> tuple[list[Decoded], int]:
-    """``jobs`` started together and run to the end, with the pipeline's ``encode_prompt`` calls counted."""
+def run_together_as_diffusers(
+    engine: StepEngine, reference: Reference, jobs: list[JobSpec], monkeypatch
+) -> tuple[list[Decoded], int]:
+    """``jobs`` started together and run to the end, each one's images asserted equal to diffusers'
+    call for it; returns them, and how many times the pipeline's ``encode_prompt`` was called."""
     calls = []
     real = engine.pipeline.encode_prompt
     monkeypatch.setattr(
         engine.pipeline, "encode_prompt", lambda *args, **kwargs: calls.append(1) or real(*args, **kwargs)
     )
-    return run(engine, [(0, job) for job in jobs]), len(calls)
+    decoded, encodings = run(engine, [(0, job) for job in jobs]), len(calls)
+    for job, images in zip(jobs, decoded, strict=True):
+        assert_same_images(images, expected(reference, job))
+    return decoded, encodings
 
 
 def assert_same_images(actual: Decoded, reference, tolerance: int = TOLERANCE) -> None:
@@ -144,6 +155,13 @@ def assert_same_images(actual: Decoded, reference, tolerance: int = TOLERANCE) -
         difference = np.abs(np.asarray(ours, dtype=np.int16) - np.asarray(theirs, dtype=np.int16))
         assert difference.max() <= tolerance, f"images differ by up to {difference.max()}"
     assert actual.nsfw_content_detected == reference.nsfw_content_detected
+
+
+def assert_moved_without(engine: StepEngine, job: JobSpec, decoded: Decoded, **left_out) -> None:
+    """A positive control: the job's first image moved against the same job run with the fields
+    ``left_out`` (set to their values there)."""
+    without = run(engine, [(0, replace(job, **left_out))])[0]
+    assert_moved(decoded.images[0], without.images[0], ", ".join(left_out))
 
 
 def tiny_engine(family: str, **settings) -> StepEngine:

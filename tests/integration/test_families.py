@@ -36,6 +36,7 @@ from bench.reference import ControlNetCall, Reference, cache_options
 from handler.api.encode import EXIF_IMAGE_DESCRIPTION
 from handler.api.protocol import NSFW_HEADER
 from handler.config import StepCache
+from handler.engine.jobs import PROMPT_FIELDS
 from model_making.make_controlnet import write_controlnet
 from model_making.make_lora import write_lora
 from model_making.make_tiny_model import CALIBRATION, CALIBRATION_FILE, build_pipeline, write_lcm_model
@@ -196,6 +197,7 @@ def call_reference(references: dict, served: Served, body: dict):
         body["num_inference_steps"],
         negative_prompt=body.get("negative_prompt"),
         clip_skip=body.get("clip_skip"),
+        other_prompts={name: body.get(name) for name in PROMPT_FIELDS[2:]},
         num_images_per_prompt=body.get("num_images_per_prompt", 1),
         scheduler=body.get("scheduler", served.scheduler(0)),
         guidance_scale=body.get("guidance_scale", 7.5),
@@ -220,7 +222,7 @@ def call_reference(references: dict, served: Served, body: dict):
         embeddings=[
             served.files / "embeddings" / f"{name}.safetensors"
             for name in EMBEDDINGS
-            if name in f"{body['prompt']} {body.get('negative_prompt') or ''}"
+            if name in " ".join(body.get(field) or "" for field in PROMPT_FIELDS)
         ],
     )
 
@@ -302,8 +304,9 @@ def test_a_seeded_request_gets_diffusers_images(served, references):
 def test_mixed_steps_schedulers_guidance_and_prompt_settings_share_forwards_and_each_gets_diffusers_images(
     served, references
 ):
-    """Requests with their own steps, scheduler, guidance, ``clip_skip`` and (where the family's
-    pipelines take it) ``guidance_rescale`` in one denoiser forward."""
+    """Requests with their own steps, scheduler, guidance, ``clip_skip``, (where the family's
+    pipelines take them) ``guidance_rescale`` and the other text encoders' prompts in one denoiser
+    forward."""
     bodies = [
         {
             "prompt": "a green triangle",
@@ -334,6 +337,13 @@ def test_mixed_steps_schedulers_guidance_and_prompt_settings_share_forwards_and_
     else:  # StableDiffusion3Pipeline has no guidance_rescale
         refused = served.client.predict({**bodies[0], "guidance_rescale": 0.7})
         assert refused.status_code == 400 and "guidance_rescale" in refused.text, refused.text
+    other_prompts = {"prompt_2": "a red square", "negative_prompt": "blurry", "negative_prompt_2": "green"}
+    other_prompts |= {"prompt_3": "a red circle"} if served.family == "sd3" else {}
+    if served.family in ("sdxl", "sd3"):
+        bodies[2].update(other_prompts)
+    else:  # one text encoder
+        refused = served.client.predict({**bodies[2], **other_prompts})
+        assert refused.status_code == 400 and "prompt_2 is read by a text encoder 2" in refused.text, refused.text
     (long, long_done), followers = behind_long(served.client, bodies)
     assert long.status_code == 200, long.text
     for body, (response, _) in zip(bodies, followers, strict=True):
@@ -352,6 +362,7 @@ def test_mixed_steps_schedulers_guidance_and_prompt_settings_share_forwards_and_
 @pytest.mark.parametrize("masked", [False, True], ids=["img2img", "inpaint"])
 def test_an_sdk_edit_gets_the_img2img_or_inpaint_pipelines_images(served, references, masked):
     picture, mask = edit_inputs(served.side)
+    other_prompts = {"prompt_2": "a red circle"} if served.family in ("sdxl", "sd3") else {}
     client = OpenAI(
         base_url=f"{served.server.predictions_url}/1.0/v1", api_key=served.server.keys.inference, max_retries=0
     )
@@ -360,10 +371,11 @@ def test_an_sdk_edit_gets_the_img2img_or_inpaint_pipelines_images(served, refere
         prompt="a blue square",
         n=2,
         **({"mask": ("mask.png", mask, "image/png")} if masked else {}),
-        extra_body={"seed": 3, "num_inference_steps": 5, "strength": 0.7},
+        extra_body={"seed": 3, "num_inference_steps": 5, "strength": 0.7, **other_prompts},
     )
     assert result.data is not None and [item.model_extra["seed"] for item in result.data] == [3, 4]
     body = {"prompt": "a blue square", "seed": 3, "num_inference_steps": 5, "num_images_per_prompt": 2}
+    body |= other_prompts
     body.update(image=base64.b64encode(picture).decode(), strength=0.7)
     if masked:
         body["mask"] = base64.b64encode(mask).decode()
@@ -405,9 +417,10 @@ def test_requests_with_other_lora_sets_share_forwards_and_each_gets_diffusers_im
 
 
 def test_embeddings_a_prompt_names_share_forwards_and_each_gets_diffusers_images(served, references):
-    """Requests naming embeddings in their prompt or negative prompt, one naming a broken one and one
-    naming none, behind a long one: each equals diffusers' call with load_textual_inversion, the
-    broken one is a 400 naming its prompt, and the listing holds the embeddings (none for SD 3)."""
+    """Requests naming embeddings in their prompt or negative prompt (SDXL: in ``prompt_2`` too), one
+    naming a broken one and one naming none, behind a long one: each equals diffusers' call with
+    load_textual_inversion, the broken one is a 400 naming its prompt, and the listing holds the
+    embeddings (none for SD 3)."""
     server = served.server
     listed = requests.get(f"{server.predictions_url}/1.0/v1/models", headers=server.auth(), timeout=60).json()
     names = {embedding["name"] for embedding in listed["data"][0]["embeddings"]}
@@ -422,6 +435,8 @@ def test_embeddings_a_prompt_names_share_forwards_and_each_gets_diffusers_images
         {**base, "prompt": f"a {BROKEN_EMBEDDING} square", "seed": 7},
         {**base, "prompt": "a green triangle", "seed": 8},
     ]
+    if served.family == "sdxl":  # the second text encoder's prompt names one, the first's none
+        bodies[3]["prompt_2"] = "a tinystyle green triangle"
     _, followers = behind_long(served.client, bodies)
     refused = followers[2][0]
     assert refused.status_code == 400 and refused.json()["errors"][0]["rule"] == "embedding_unloadable"

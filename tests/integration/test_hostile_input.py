@@ -44,6 +44,8 @@ CASES = [
     ("negative guidance", body(guidance_scale=-1), JSON, 400, "guidance_scale", "greater than or equal to 0"),
     ("NaN guidance rescale", b'{"prompt": "x", "guidance_rescale": NaN}', JSON, 400, "guidance_rescale", "finite"),
     ("guidance rescale above 1", body(guidance_rescale=1.5), JSON, 400, "guidance_rescale", "less than or equal to 1"),
+    ("second prompt on one encoder", body(prompt_2="a cat"), JSON, 400, "prompt_2", "text encoder 2"),
+    ("third negative prompt", body(negative_prompt_3="blurry"), JSON, 400, "negative_prompt_3", "text encoder 3"),
     ("negative clip skip", body(clip_skip=-1), JSON, 400, "clip_skip", "greater than or equal to 0"),
     ("clip skip beyond the encoder", body(clip_skip=12), JSON, 400, "clip_skip", "CLIP text encoders can skip"),
     ("zero steps", body(num_inference_steps=0), JSON, 400, "num_inference_steps", "greater than or equal to 1"),

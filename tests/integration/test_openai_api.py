@@ -124,6 +124,7 @@ def test_parameters_without_meaning_here_are_accepted_and_ignored(server):
         ({"extra_body": {"width": 64}}, "width"),
         ({"extra_body": {"cache": {"mode": "deep", "interval": 99}}}, "cache"),
         ({"partial_images": 2}, "partial_images"),
+        ({"extra_body": {"prompt_2": "a cat"}}, "prompt_2"),  # the default model has one text encoder
     ],
 )
 def test_a_refusal_is_the_sdk_bad_request_error_naming_the_parameter(server, arguments, param):

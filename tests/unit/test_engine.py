@@ -22,12 +22,13 @@ from handler.families.sd import SCHEDULERS
 from model_making.make_tiny_model import write_lcm_model
 from server.paths import TINY_MODEL_DIRS
 from tests.harness.engine_runs import (
+    assert_moved_without,
     assert_same_images,
     expected,
     hole,
     picture,
     run,
-    run_counting_text_encodings,
+    run_together_as_diffusers,
     spec,
     tiny_engine,
 )
@@ -84,10 +85,8 @@ def test_jobs_started_together_share_one_text_encoder_call_and_each_gives_its_di
         spec("a blue circle", seed=6, side=side, steps=3, scheduler="dpmpp_2m", negative="a red circle"),
     ]
     engine = engines[family]
-    decoded, calls = run_counting_text_encodings(engine, jobs, monkeypatch)
+    decoded, calls = run_together_as_diffusers(engine, references[family], jobs, monkeypatch)
     assert calls == 1
-    for job, images in zip(jobs, decoded, strict=True):
-        assert_same_images(images, expected(references[family], job))
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -105,11 +104,9 @@ def test_jobs_with_a_clip_skip_give_diffusers_images_with_it(engines, references
         spec(seed=1, side=side, steps=4, clip_skip=1, negative="blue"),
         spec("a green triangle", seed=2, images=2, side=side, steps=4, clip_skip=engine.family.rules.max_clip_skip),
     ]
-    decoded, calls = run_counting_text_encodings(engine, jobs, monkeypatch)
+    decoded, calls = run_together_as_diffusers(engine, references[family], jobs, monkeypatch)
     assert calls == 3
-    for job, images in zip(jobs, decoded, strict=True):
-        assert_same_images(images, expected(references[family], job))
-    assert_moved(decoded[2].images[0], run(engine, [(0, replace(jobs[2], clip_skip=None))])[0].images[0], "clip_skip 1")
+    assert_moved_without(engine, jobs[2], decoded[2], clip_skip=None)
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -137,6 +134,30 @@ def test_jobs_with_a_guidance_rescale_give_diffusers_images_with_it(engines, ref
         job = spec(seed=4, side=side, steps=4, guidance=12.0, image=picture(side), strength=0.8, rescale=1.0)
         rescaled, plain = run(engine, [(0, job), (0, replace(job, guidance_rescale=0.0))])
         assert_moved(rescaled.images[0], plain.images[0], "guidance_rescale from an image")
+
+
+def test_sdxl_jobs_with_the_second_encoders_prompts_give_diffusers_images_with_them(engines, references, monkeypatch):
+    """``prompt_2`` and ``negative_prompt_2`` (what SDXL's second text encoder reads; else the
+    prompt's and the negative prompt's), beside jobs without them and one whose ``prompt_2`` is its
+    prompt: one text-encoder call, each image diffusers' call with them."""
+    engine = engines["sdxl"]
+    jobs = [
+        spec(seed=1, steps=4),
+        spec(seed=1, steps=4, prompt_2="a blue square"),
+        spec(seed=1, steps=4, prompt_2="a red circle"),
+        spec("a green triangle", seed=2, images=2, steps=4, negative="red", prompt_2="a yellow square"),
+        spec(seed=3, steps=3, scheduler="euler_a", negative="", negative_prompt_2="a red circle"),
+    ]
+    decoded, calls = run_together_as_diffusers(engine, references["sdxl"], jobs, monkeypatch)
+    assert calls == 1
+    assert_moved(decoded[1].images[0], decoded[0].images[0], "prompt_2")
+    assert_moved_without(engine, jobs[4], decoded[4], negative_prompt_2=None)
+
+
+def test_the_prompts_a_job_may_give_are_one_per_text_encoder(engines):
+    """SD 1.x/2.x one, SDXL two (its unguided rows zeros without a negative prompt)."""
+    rules = [engines[family].family.rules for family in FAMILIES]
+    assert [(rule.prompts, rule.zeros_without_negative) for rule in rules] == [(1, False), (1, False), (2, True)]
 
 
 def test_the_most_layers_a_prompt_may_skip_leave_each_clip_encoder_a_layer(engines):

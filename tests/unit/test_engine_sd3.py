@@ -9,7 +9,6 @@ from __future__ import annotations
 import functools
 import json
 import shutil
-from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -23,12 +22,13 @@ from handler.engine.step_engine import StepEngine
 from handler.families import StableDiffusion3Family, base
 from server.paths import TINY_MODEL_DIRS
 from tests.harness.engine_runs import (
+    assert_moved_without,
     assert_same_images,
     expected,
     hole,
     picture,
     run,
-    run_counting_text_encodings,
+    run_together_as_diffusers,
 )
 from tests.harness.engine_runs import spec as any_family_spec
 from tests.harness.images import assert_moved
@@ -81,10 +81,8 @@ def test_jobs_started_together_share_one_text_encoder_call(engines, references, 
         spec("a red circle", seed=5, images=2, steps=3, negative="red"),
         spec("a green triangle", seed=2, steps=2, guidance=1.0),
     ]
-    decoded, calls = run_counting_text_encodings(engine, jobs, monkeypatch)
+    decoded, calls = run_together_as_diffusers(engine, references["sd3"], jobs, monkeypatch)
     assert calls == 1
-    for job, images in zip(jobs, decoded, strict=True):
-        assert_same_images(images, expected(references["sd3"], job))
 
 
 def test_jobs_with_a_clip_skip_give_diffusers_images_with_it(engines, references, monkeypatch):
@@ -97,12 +95,29 @@ def test_jobs_with_a_clip_skip_give_diffusers_images_with_it(engines, references
         spec("a red circle", seed=1, steps=3, clip_skip=1, negative="red"),
         spec("a green triangle", seed=2, images=2, steps=2, clip_skip=engine.family.rules.max_clip_skip),
     ]
-    decoded, calls = run_counting_text_encodings(engine, jobs, monkeypatch)
+    decoded, calls = run_together_as_diffusers(engine, references["sd3"], jobs, monkeypatch)
     assert calls == 3
-    for job, images in zip(jobs, decoded, strict=True):
-        assert_same_images(images, expected(references["sd3"], job))
-    without = run(engine, [(0, replace(jobs[1], clip_skip=None))])[0]
-    assert_moved(decoded[1].images[0], without.images[0], "clip_skip 1")
+    assert_moved_without(engine, jobs[1], decoded[1], clip_skip=None)
+
+
+def test_jobs_with_each_text_encoders_own_prompts_give_diffusers_images_with_them(engines, references, monkeypatch):
+    """``prompt_2`` (CLIP-G), ``prompt_3`` (T5) and their negatives, each the prompt's or the
+    negative prompt's where left out (a ``negative_prompt_2`` alone beside "" for the others, SD 3
+    having no zero negative): one text-encoder call per ``clip_skip`` among jobs started together,
+    each image diffusers' call with them."""
+    engine = engines["sd3"]
+    jobs = [
+        spec("a red circle", seed=1, steps=3),
+        spec("a red circle", seed=1, steps=3, prompt_2="a blue square", prompt_3="a green triangle"),
+        spec("a red circle", seed=1, steps=3, prompt_3="a green triangle", negative_prompt_2="red"),
+        spec(
+            "a yellow square", seed=2, images=2, steps=2, negative="blue", negative_prompt_3="a red circle", clip_skip=1
+        ),
+    ]
+    decoded, calls = run_together_as_diffusers(engine, references["sd3"], jobs, monkeypatch)
+    assert calls == 2
+    assert_moved(decoded[1].images[0], decoded[0].images[0], "prompt_2 and prompt_3")
+    assert_moved_without(engine, jobs[2], decoded[2], negative_prompt_2=None)
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -192,6 +207,7 @@ def test_controlnet_residuals_are_refused_by_the_transformer_family(engines):
 def test_without_t5_the_model_conditions_on_zeros_as_diffusers_does_without_its_encoder():
     engine = engine_for(TINY_MODEL_DIRS["sd3"], text_encoder_3=False)
     assert engine.pipeline.text_encoder_3 is None and "text_encoder_3=False" in engine.description
+    assert engine.family.rules.prompts == 2  # no prompt_3 for an encoder it is served without
     job = spec(images=2, steps=4, negative="blue")
     (started,) = engine.start([job])
     t5_rows = started.conditioning.hidden_states[:, 77:]
@@ -236,6 +252,7 @@ def test_the_family_is_detected_with_its_rules(engines):
         controlnets=False,
         max_clip_skip=3,
         guidance_rescale=False,
+        prompts=3,
     )
     assert [rules.image_steps(steps, strength) for steps, strength in ((5, 0.7), (2, 0.3), (10, 1.0))] == [4, 1, 10]
     assert [FamilyRules().image_steps(steps, strength) for steps, strength in ((5, 0.7), (2, 0.3))] == [3, 0]

@@ -55,6 +55,7 @@ def test_every_field_is_taken_as_sent():
     }
     request = decode_body(body, "application/json", replace(POLICY, streaming=True))
     unset = {"image": None, "mask": None, "strength": None, "loras": [], "controlnets": []}
+    unset |= dict.fromkeys(["prompt_2", "negative_prompt_2", "prompt_3", "negative_prompt_3"])
     unset["cache"] = StepCache().model_dump()
     assert request.model_dump() == {**body, "guidance_scale": 1.0, **unset}
 
@@ -287,6 +288,7 @@ def test_bad_loras_are_refused_by_field_and_rule(loras, field, rule):
     assert caught.value.errors[0].label(FIELD_LABELS) == "loras"
 
 
+JSON = "application/json"
 SD3_POLICY = replace(
     POLICY,
     defaults=RequestDefaults(width=64, height=64, scheduler="flow_match_euler"),
@@ -300,8 +302,10 @@ SD3_POLICY = replace(
         controlnets=False,
         max_clip_skip=10,
         guidance_rescale=False,
+        prompts=3,
     ),
 )
+SDXL_POLICY = replace(POLICY, rules=FamilyRules("SDXL", max_clip_skip=10, prompts=2, zeros_without_negative=True))
 
 
 def test_the_familys_rules_name_what_it_allows():
@@ -321,6 +325,38 @@ def test_the_familys_rules_name_what_it_allows():
     body = {"prompt": "x", "guidance_rescale": 0.7, "scheduler": "flow_match_euler"}
     fields, message = errors_of(body, policy=SD3_POLICY)
     assert fields == [("guidance_rescale", "guidance_rescale_unavailable")] and "SD 3.x model" in message
+
+
+def test_each_text_encoders_prompts_are_taken_where_the_model_is_served_with_that_encoder():
+    sdxl = {"prompt": "x", "negative_prompt": "", "prompt_2": "y", "negative_prompt_2": "z"}
+    request = decode_body(sdxl, "application/json", SDXL_POLICY)
+    assert {name: request.parameters()[name] for name in sdxl} == sdxl
+    assert (
+        "prompt_3" not in request.parameters()
+        and "prompt_2" not in decode_body({"prompt": "x"}, JSON, POLICY).parameters()
+    )
+    sd3 = {
+        "prompt": "x",
+        "negative_prompt_2": "y",
+        "prompt_3": "z",
+        "negative_prompt_3": "",
+        "scheduler": "flow_match_euler",
+    }
+    assert decode_body(sd3, JSON, SD3_POLICY).negative_prompt_2 == "y", "SD 3 has no zero negative prompt"
+    assert decode_body({"prompt": "x", "negative_prompt_2": ""}, JSON, SDXL_POLICY).negative_prompt_2 == ""
+
+    fields, message = errors_of({"prompt": "x", "prompt_2": "y", "negative_prompt_3": ""})
+    assert fields == [("prompt_2", "prompt_unavailable"), ("negative_prompt_3", "prompt_unavailable")]
+    assert "prompt_2 is read by a text encoder 2, which this SD 1.x model is served without" in message
+    fields, message = errors_of({"prompt": "x", "prompt_3": "y"}, policy=SDXL_POLICY)
+    assert fields == [("prompt_3", "prompt_unavailable")] and "text encoder 3, which this SDXL model" in message
+    fields, message = errors_of({"prompt": "x", "negative_prompt_2": "y"}, policy=SDXL_POLICY)
+    assert fields == [("negative_prompt_2", "negative_prompt_missing")]
+    assert "without one this SDXL model's unguided rows are zeros" in message and "give negative_prompt too" in message
+    fields, message = errors_of(
+        {"prompt": "x", "negative_prompt": "", "prompt_2": "y" * 51, "negative_prompt_2": "\ud800"}, policy=SDXL_POLICY
+    )
+    assert fields == [("prompt_2", "string_too_long"), ("negative_prompt_2", "string_unicode")]
 
 
 def test_more_steps_than_the_models_training_timesteps_are_refused_naming_the_field():
