@@ -34,6 +34,10 @@ TORCHSERVE_RESPONSE_TIMEOUT = 120
 # batch (decode, encode) before TorchServe's timeout kills the worker with the batch in flight.
 REQUEST_TIMEOUT_SHARE = 0.9
 
+# The prompts of a pipeline's second and third text encoders (SDXL's and SD 3.x's CLIP-G, SD 3.x's T5),
+# as diffusers names them, by the encoder that reads them.
+OTHER_PROMPTS = {"prompt_2": 2, "negative_prompt_2": 2, "prompt_3": 3, "negative_prompt_3": 3}
+
 
 @dataclass(frozen=True)
 class FamilyRules:
@@ -59,9 +63,9 @@ class FamilyRules:
     # (SD 1.x's CLIP ViT-L/14, 12 layers, from its last hidden states).
     max_clip_skip: int = 11
     guidance_rescale: bool = True  # whether its text-to-image pipeline takes guidance_rescale (the UNet families')
-    # How many of the pipeline's prompts (prompt, prompt_2, prompt_3) a request may give: one per
-    # text encoder the model is served with (SD 1.x/2.x: 1, SDXL: 2, SD 3.x: 3, 2 without T5).
-    prompts: int = 1
+    # The text encoders a request's prompts address (prompt, and OTHER_PROMPTS by their encoder): those
+    # the model is served with (SD 1.x/2.x: 1, SDXL: 2, SD 3.x: 3, 2 without T5).
+    text_encoders: int = 1
     # Whether its unguided rows are zeros where a request has no negative_prompt (SDXL's
     # force_zeros_for_empty_prompt): then negative_prompt_2 alone would not be encoded.
     zeros_without_negative: bool = False
@@ -96,7 +100,9 @@ class _Section(BaseModel):
 class RequestLimits(_Section):
     """Bounds every request is checked against before it reaches the pipeline."""
 
-    max_prompt_chars: int = Field(1000, ge=1, description="longest prompt or negative prompt, in characters")
+    max_prompt_chars: int = Field(
+        1000, ge=1, description="longest prompt or negative prompt (of any text encoder), in characters"
+    )
     max_inference_steps: int = Field(100, ge=1, description="most denoising steps a request may ask for")
     max_guidance_scale: float = Field(30.0, gt=0, description="largest classifier-free guidance scale")
     min_side: int = Field(64, ge=8, multiple_of=8, description="smallest width or height, in pixels")

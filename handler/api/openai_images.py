@@ -42,7 +42,7 @@ from handler.api.protocol import (
     without_body,
 )
 from handler.api.request import MAX_PARTIAL_IMAGES, GenerationRequest, validate_fields, validate_model
-from handler.config import OutputFormat
+from handler.config import OTHER_PROMPTS, OutputFormat
 
 GENERATIONS = "v1/images/generations"
 EDITS = "v1/images/edits"
@@ -51,10 +51,7 @@ SSE_CONTENT_TYPE = "text/event-stream"
 # Stable Diffusion's own parameters, passed as extra fields (the SDK's extra_body) in diffusers' names.
 SD_PARAMETERS = (
     "negative_prompt",
-    "prompt_2",
-    "negative_prompt_2",
-    "prompt_3",
-    "negative_prompt_3",
+    *OTHER_PROMPTS,
     "clip_skip",
     "seed",
     "num_inference_steps",

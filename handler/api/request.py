@@ -19,17 +19,8 @@ from handler.api.choices import ControlNetChoice, LoraChoice
 from handler.api.errors import RequestError, field_errors
 from handler.api.input_image import fit, peek_size
 from handler.api.policy import RequestPolicy, policy_of
-from handler.api.rules import (
-    OTHER_PROMPTS,
-    AdapterRules,
-    CacheRules,
-    ImageRules,
-    LimitRules,
-    SizeRules,
-    StreamRules,
-    TextRules,
-)
-from handler.config import MAX_SEED, OutputFormat, ResponseFormat, SchedulerName, StepCache, guided_at
+from handler.api.rules import AdapterRules, CacheRules, ImageRules, LimitRules, SizeRules, StreamRules, TextRules
+from handler.config import MAX_SEED, OTHER_PROMPTS, OutputFormat, ResponseFormat, SchedulerName, StepCache, guided_at
 
 # Most previews a streamed request may ask for (as the OpenAI Images API allows).
 MAX_PARTIAL_IMAGES = 3

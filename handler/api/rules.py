@@ -14,7 +14,7 @@ from pydantic_core import PydanticCustomError
 from handler.api.choices import ControlNetChoice, LoraChoice
 from handler.api.input_image import as_mask, as_rgb, read_image
 from handler.api.policy import above_limit, above_model_limit, at_most, policy_of
-from handler.config import StepCache
+from handler.config import OTHER_PROMPTS, StepCache
 
 # What a list field looks like, for its error (in a form or query: that list as JSON text).
 LIST_EXAMPLES = {
@@ -28,8 +28,8 @@ UPPER_LIMITS = {
     "num_images_per_prompt": "max_images_per_request",
 }
 
-# The prompts of a pipeline's second and third text encoders, by the encoder that reads them.
-OTHER_PROMPTS = {"prompt_2": 2, "negative_prompt_2": 2, "prompt_3": 3, "negative_prompt_3": 3}
+# What OTHER_PROMPTS's encoders are, in a refusal's words.
+ENCODER_NAMES = {2: "a second text encoder (CLIP-G)", 3: "a third text encoder (T5)"}
 
 
 class TextRules(BaseModel):
@@ -57,14 +57,15 @@ class TextRules(BaseModel):
         if value is None:
             return value
         field, rules = str(info.field_name), policy_of(info).rules
-        if OTHER_PROMPTS[field] > rules.prompts:
+        if OTHER_PROMPTS[field] > rules.text_encoders:
             raise PydanticCustomError(
                 "prompt_unavailable",
-                "{field} is read by a text encoder {encoder}, which this {family} model is served without: leave "
-                "it out (SDXL models read prompt_2 and negative_prompt_2; SD 3.x models also prompt_3 and "
-                "negative_prompt_3 where served with T5)",
-                {"field": field, "encoder": OTHER_PROMPTS[field], "family": rules.family},
+                "{field} is for {encoder}, which this {family} model is served without: leave it out (SDXL models "
+                "read prompt_2 and negative_prompt_2; SD 3.x models also prompt_3 and negative_prompt_3 where "
+                "served with T5)",
+                {"field": field, "encoder": ENCODER_NAMES[OTHER_PROMPTS[field]], "family": rules.family},
             )
+        # negative_prompt is validated before (declared first); where it failed, it is not in info.data
         if (
             value
             and field == "negative_prompt_2"

@@ -11,14 +11,14 @@ from PIL.Image import Image
 
 from handler.adapters.controlnets import Control, ControlSpec
 from handler.adapters.loras import Adapters
-from handler.config import SchedulerName, StepCache, guided_at
+from handler.config import OTHER_PROMPTS, SchedulerName, StepCache, guided_at
 from handler.families import Conditioning, Family, Scheduler, schedules
 from handler.families.deep_cache import RowCache
 from handler.families.first_block_cache import FirstBlockCache
 
 # A job's texts, as diffusers' pipelines name them: the prompt and negative prompt, and those of the
 # second and third text encoders.
-PROMPT_FIELDS = ("prompt", "negative_prompt", "prompt_2", "negative_prompt_2", "prompt_3", "negative_prompt_3")
+PROMPT_FIELDS = ("prompt", "negative_prompt", *OTHER_PROMPTS)
 
 
 @dataclass(frozen=True)

@@ -380,7 +380,7 @@ class Family(ABC):
             self.max_steps,
             max_clip_skip=self.max_clip_skip,
             guidance_rescale=self.takes_guidance_rescale,
-            prompts=self.prompts,
+            text_encoders=self.text_encoders,
             zeros_without_negative=self.zeros_without_negative,
         )
 
@@ -403,9 +403,9 @@ class Family(ABC):
         return max(min(layers, default=0) - self.clip_layer_from_last, 0)
 
     @property
-    def prompts(self) -> int:
-        """How many of the pipeline's prompts (``prompt``, ``prompt_2``, ``prompt_3``) a job may
-        give: one per text encoder the model is served with (one here)."""
+    def text_encoders(self) -> int:
+        """The text encoders a job's prompts address (``prompt``, ``prompt_2``, ``prompt_3``): those
+        the model is served with (one here)."""
         return 1
 
     @property
@@ -457,7 +457,7 @@ class Family(ABC):
     def _per_encoder(self, text: str, text_2: str | None, text_3: str | None) -> tuple[str, ...]:
         """What each of the text encoders reads: ``text_2`` and ``text_3`` where given, else
         ``text`` (diffusers' ``prompt_2 = prompt_2 or prompt``)."""
-        return (text, text_2 or text, text_3 or text)[: self.prompts]
+        return (text, text_2 or text, text_3 or text)[: self.text_encoders]
 
     def _negative_texts(self, spec: PromptSpec) -> tuple[str, ...] | None:
         """What a job's unconditional rows encode: its negative prompts, "" without one (as

@@ -90,7 +90,7 @@ class StableDiffusion3Family(Family):
         return None if patches is None else patches * self.patch_size * self.pipeline.vae_scale_factor
 
     @property
-    def prompts(self) -> int:
+    def text_encoders(self) -> int:
         """``prompt_2`` for CLIP-G and ``prompt_3`` for T5, where the model is served with it."""
         return 2 if self.pipeline.text_encoder_3 is None else 3
 

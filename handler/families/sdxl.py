@@ -40,8 +40,8 @@ class StableDiffusionXLFamily(StableDiffusionFamily):
         return "SDXL"
 
     @property
-    def prompts(self) -> int:
-        return 2  # prompt_2: the second text encoder's
+    def text_encoders(self) -> int:
+        return 2  # prompt_2: the second's
 
     @property
     def zeros_without_negative(self) -> bool:  # force_zeros_for_empty_prompt

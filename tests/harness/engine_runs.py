@@ -13,8 +13,8 @@ from PIL import Image
 
 from bench.reference import ControlNetCall, Reference, cache_options
 from handler.adapters.controlnets import ControlSpec
-from handler.config import HandlerSettings, StepCache
-from handler.engine.jobs import PROMPT_FIELDS, DenoiseJob, JobSpec
+from handler.config import OTHER_PROMPTS, HandlerSettings, StepCache
+from handler.engine.jobs import DenoiseJob, JobSpec
 from handler.engine.loading import load_engine
 from handler.engine.step_engine import StepEngine
 from handler.families import Decoded
@@ -112,7 +112,7 @@ def expected(
         loras=loras,
         controlnets=controlnets,
         lycoris=lycoris,
-        other_prompts={name: getattr(job, name) for name in PROMPT_FIELDS[2:]},
+        other_prompts={name: getattr(job, name) for name in OTHER_PROMPTS},
         **cache_options(job.cache),
     )
 

@@ -35,7 +35,7 @@ from safetensors.torch import save_file
 from bench.reference import ControlNetCall, Reference, cache_options
 from handler.api.encode import EXIF_IMAGE_DESCRIPTION
 from handler.api.protocol import NSFW_HEADER
-from handler.config import StepCache
+from handler.config import OTHER_PROMPTS, StepCache
 from handler.engine.jobs import PROMPT_FIELDS
 from model_making.make_controlnet import write_controlnet
 from model_making.make_lora import write_lora
@@ -197,7 +197,7 @@ def call_reference(references: dict, served: Served, body: dict):
         body["num_inference_steps"],
         negative_prompt=body.get("negative_prompt"),
         clip_skip=body.get("clip_skip"),
-        other_prompts={name: body.get(name) for name in PROMPT_FIELDS[2:]},
+        other_prompts={name: body.get(name) for name in OTHER_PROMPTS},
         num_images_per_prompt=body.get("num_images_per_prompt", 1),
         scheduler=body.get("scheduler", served.scheduler(0)),
         guidance_scale=body.get("guidance_scale", 7.5),
@@ -343,7 +343,7 @@ def test_mixed_steps_schedulers_guidance_and_prompt_settings_share_forwards_and_
         bodies[2].update(other_prompts)
     else:  # one text encoder
         refused = served.client.predict({**bodies[2], **other_prompts})
-        assert refused.status_code == 400 and "prompt_2 is read by a text encoder 2" in refused.text, refused.text
+        assert refused.status_code == 400 and "prompt_2 is for a second text encoder" in refused.text, refused.text
     (long, long_done), followers = behind_long(served.client, bodies)
     assert long.status_code == 200, long.text
     for body, (response, _) in zip(bodies, followers, strict=True):

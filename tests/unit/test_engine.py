@@ -157,7 +157,7 @@ def test_sdxl_jobs_with_the_second_encoders_prompts_give_diffusers_images_with_t
 def test_the_prompts_a_job_may_give_are_one_per_text_encoder(engines):
     """SD 1.x/2.x one, SDXL two (its unguided rows zeros without a negative prompt)."""
     rules = [engines[family].family.rules for family in FAMILIES]
-    assert [(rule.prompts, rule.zeros_without_negative) for rule in rules] == [(1, False), (1, False), (2, True)]
+    assert [(rule.text_encoders, rule.zeros_without_negative) for rule in rules] == [(1, False), (1, False), (2, True)]
 
 
 def test_the_most_layers_a_prompt_may_skip_leave_each_clip_encoder_a_layer(engines):

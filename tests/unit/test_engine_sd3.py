@@ -111,13 +111,21 @@ def test_jobs_with_each_text_encoders_own_prompts_give_diffusers_images_with_the
         spec("a red circle", seed=1, steps=3, prompt_2="a blue square", prompt_3="a green triangle"),
         spec("a red circle", seed=1, steps=3, prompt_3="a green triangle", negative_prompt_2="red"),
         spec(
-            "a yellow square", seed=2, images=2, steps=2, negative="blue", negative_prompt_3="a red circle", clip_skip=1
+            "a yellow square",
+            seed=2,
+            images=2,
+            steps=3,
+            guidance=12.0,
+            negative="blue",
+            negative_prompt_3="green triangles on a black field",
+            clip_skip=1,
         ),
     ]
     decoded, calls = run_together_as_diffusers(engine, references["sd3"], jobs, monkeypatch)
     assert calls == 2
     assert_moved(decoded[1].images[0], decoded[0].images[0], "prompt_2 and prompt_3")
     assert_moved_without(engine, jobs[2], decoded[2], negative_prompt_2=None)
+    assert_moved_without(engine, jobs[3], decoded[3], negative_prompt_3=None)
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -207,8 +215,8 @@ def test_controlnet_residuals_are_refused_by_the_transformer_family(engines):
 def test_without_t5_the_model_conditions_on_zeros_as_diffusers_does_without_its_encoder():
     engine = engine_for(TINY_MODEL_DIRS["sd3"], text_encoder_3=False)
     assert engine.pipeline.text_encoder_3 is None and "text_encoder_3=False" in engine.description
-    assert engine.family.rules.prompts == 2  # no prompt_3 for an encoder it is served without
-    job = spec(images=2, steps=4, negative="blue")
+    assert engine.family.rules.text_encoders == 2  # no prompt_3 for an encoder it is served without
+    job = spec(images=2, steps=4, negative="blue", prompt_2="a green triangle")
     (started,) = engine.start([job])
     t5_rows = started.conditioning.hidden_states[:, 77:]
     assert t5_rows.shape[1] == 256 and torch.count_nonzero(t5_rows) == 0
@@ -252,7 +260,7 @@ def test_the_family_is_detected_with_its_rules(engines):
         controlnets=False,
         max_clip_skip=3,
         guidance_rescale=False,
-        prompts=3,
+        text_encoders=3,
     )
     assert [rules.image_steps(steps, strength) for steps, strength in ((5, 0.7), (2, 0.3), (10, 1.0))] == [4, 1, 10]
     assert [FamilyRules().image_steps(steps, strength) for steps, strength in ((5, 0.7), (2, 0.3))] == [3, 0]

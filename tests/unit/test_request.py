@@ -302,10 +302,10 @@ SD3_POLICY = replace(
         controlnets=False,
         max_clip_skip=10,
         guidance_rescale=False,
-        prompts=3,
+        text_encoders=3,
     ),
 )
-SDXL_POLICY = replace(POLICY, rules=FamilyRules("SDXL", max_clip_skip=10, prompts=2, zeros_without_negative=True))
+SDXL_POLICY = replace(POLICY, rules=FamilyRules("SDXL", max_clip_skip=10, text_encoders=2, zeros_without_negative=True))
 
 
 def test_the_familys_rules_name_what_it_allows():
@@ -329,7 +329,7 @@ def test_the_familys_rules_name_what_it_allows():
 
 def test_each_text_encoders_prompts_are_taken_where_the_model_is_served_with_that_encoder():
     sdxl = {"prompt": "x", "negative_prompt": "", "prompt_2": "y", "negative_prompt_2": "z"}
-    request = decode_body(sdxl, "application/json", SDXL_POLICY)
+    request = decode_body(sdxl, JSON, SDXL_POLICY)
     assert {name: request.parameters()[name] for name in sdxl} == sdxl
     assert (
         "prompt_3" not in request.parameters()
@@ -347,9 +347,11 @@ def test_each_text_encoders_prompts_are_taken_where_the_model_is_served_with_tha
 
     fields, message = errors_of({"prompt": "x", "prompt_2": "y", "negative_prompt_3": ""})
     assert fields == [("prompt_2", "prompt_unavailable"), ("negative_prompt_3", "prompt_unavailable")]
-    assert "prompt_2 is read by a text encoder 2, which this SD 1.x model is served without" in message
+    assert "prompt_2 is for a second text encoder (CLIP-G), which this SD 1.x model is served without" in message
     fields, message = errors_of({"prompt": "x", "prompt_3": "y"}, policy=SDXL_POLICY)
-    assert fields == [("prompt_3", "prompt_unavailable")] and "text encoder 3, which this SDXL model" in message
+    assert (
+        fields == [("prompt_3", "prompt_unavailable")] and "a third text encoder (T5), which this SDXL model" in message
+    )
     fields, message = errors_of({"prompt": "x", "negative_prompt_2": "y"}, policy=SDXL_POLICY)
     assert fields == [("negative_prompt_2", "negative_prompt_missing")]
     assert "without one this SDXL model's unguided rows are zeros" in message and "give negative_prompt too" in message

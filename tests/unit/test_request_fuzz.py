@@ -29,7 +29,16 @@ from handler.api.errors import UNKNOWN_FIELD_LABEL, RequestError
 from handler.api.policy import RequestPolicy
 from handler.api.protocol import IncomingRequest, Response, bad_request, decode
 from handler.api.request import FIELD_LABELS, GenerationRequest
-from handler.config import MAX_SEED, HandlerSettings, OutputFormat, ResponseFormat, SchedulerName
+from handler.config import (
+    MAX_SEED,
+    OTHER_PROMPTS,
+    FamilyRules,
+    HandlerSettings,
+    OutputFormat,
+    ResponseFormat,
+    SchedulerName,
+)
+from handler.engine.jobs import PROMPT_FIELDS
 from handler.sd_handler import to_incoming
 from tests.harness.client_inputs import (
     CONTENT_TYPE_HEADERS,
@@ -45,7 +54,30 @@ from tests.harness.stand_ins import FAILS_AT_START, FAILS_STEPPING, RecordingSin
 
 SHIPPED = HandlerSettings.from_model_yaml(SHIPPED_CONFIG).for_model(64, 64)
 POLICY = RequestPolicy(SHIPPED.limits, SHIPPED.defaults)
-POLICIES = st.sampled_from([POLICY, replace(POLICY, streaming=True)])
+# The other families' rules: more text encoders, SD 3.x's grid and scheduler.
+SDXL = FamilyRules("SDXL", max_clip_skip=10, text_encoders=2, zeros_without_negative=True)
+SD3 = FamilyRules(
+    "SD 3.x",
+    ("flow_match_euler",),
+    "flow_match_euler",
+    16,
+    "start",
+    controlnets=False,
+    max_clip_skip=10,
+    guidance_rescale=False,
+    text_encoders=3,
+)
+POLICIES = st.sampled_from(
+    [
+        POLICY,
+        replace(POLICY, streaming=True),
+        *(
+            RequestPolicy(settings.limits, settings.defaults, rules=rules)
+            for rules in (SDXL, SD3)
+            for settings in [HandlerSettings.from_model_yaml(SHIPPED_CONFIG).for_model(64, 64, rules)]
+        ),
+    ]
+)
 VALID = IncomingRequest({"prompt": "a red circle", "num_inference_steps": 3, "seed": 1}, JSON_CONTENT_TYPE)
 
 
@@ -159,10 +191,14 @@ def assert_clear_refusal(error: RequestError, sent: set[str]) -> None:
 def assert_within_policy(request: GenerationRequest, policy: RequestPolicy) -> None:
     """Every value has its type and is within the policy's limits, with a concrete seed."""
     limits = policy.limits
-    for text in filter(None, (request.prompt, request.negative_prompt)):
-        assert type(text) is str and len(text) <= limits.max_prompt_chars
-        text.encode("utf-8")  # no lone surrogates: the tokenizer refuses them
-    assert type(request.negative_prompt) in (str, type(None)) and request.prompt.strip()
+    for field in PROMPT_FIELDS:
+        text = getattr(request, field)
+        assert text is None or type(text) is str and len(text) <= limits.max_prompt_chars, field
+        if text:
+            text.encode("utf-8")  # no lone surrogates: the tokenizer refuses them
+    assert request.prompt.strip()
+    encoders = policy.rules.text_encoders
+    assert all(getattr(request, field) is None for field, encoder in OTHER_PROMPTS.items() if encoder > encoders)
     for value, upper in (
         (request.num_inference_steps, limits.max_inference_steps),
         (request.num_images_per_prompt, limits.max_images_per_request),
