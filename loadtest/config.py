@@ -3,12 +3,32 @@
 from __future__ import annotations
 
 import itertools
+import json
 from pathlib import Path
+from typing import Any
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from server.paths import BENCHMARK_CONFIG, ROOT
+
+# Request fields a mix entry's ``fields`` may not set: the load test sets them (the entry's own, a
+# prompt from the file, a random seed) or checks the answer's form (a PNG, JSON for several images).
+OWN_FIELDS = frozenset(
+    {
+        "prompt",
+        "seed",
+        "width",
+        "height",
+        "num_inference_steps",
+        "num_images_per_prompt",
+        "response_format",
+        "output_format",
+        "output_compression",
+        "stream",
+        "partial_images",
+    }
+)
 
 
 class _Section(BaseModel):
@@ -33,11 +53,42 @@ class MixEntry(_Section):
     height: int = Field(ge=8, multiple_of=8)
     num_inference_steps: int = Field(ge=1)
     num_images_per_prompt: int = Field(1, ge=1)
+    fields: dict[str, Any] = Field(
+        {},
+        description="more request fields, as the inference API takes them (scheduler, guidance_scale, loras, "
+        "clip_skip, cache, negative_prompt, ...): the server checks their values",
+    )
+
+    @field_validator("fields")
+    @classmethod
+    def _request_fields(cls, fields: dict[str, Any]) -> dict[str, Any]:
+        from handler.api.request import GenerationRequest  # only a mix with fields pays its imports (torch's)
+
+        unknown = sorted(set(fields) - set(GenerationRequest.model_fields))
+        if unknown:
+            raise ValueError(f"{', '.join(unknown)}: not a request field (see the README's request table)")
+        own = sorted(set(fields) & OWN_FIELDS)
+        if own:
+            raise ValueError(f"{', '.join(own)}: set by the load test, not by an entry's fields")
+        return fields
 
     @property
     def name(self) -> str:
         """The locust request name, one statistics row per kind."""
-        return f"{self.width}x{self.height} {self.num_inference_steps} steps x{self.num_images_per_prompt}"
+        name = f"{self.width}x{self.height} {self.num_inference_steps} steps x{self.num_images_per_prompt}"
+        return f"{name} {json.dumps(self.fields, sort_keys=True)}" if self.fields else name
+
+    def body(self, prompt: str, seed: int | None = None) -> dict[str, Any]:
+        """A request of this kind (``seed`` None: the server draws one)."""
+        body = {
+            **self.fields,
+            "prompt": prompt,
+            "width": self.width,
+            "height": self.height,
+            "num_inference_steps": self.num_inference_steps,
+            "num_images_per_prompt": self.num_images_per_prompt,
+        }
+        return body if seed is None else {**body, "seed": seed}
 
 
 class LoadtestSection(_Section):

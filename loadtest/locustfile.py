@@ -99,14 +99,7 @@ class StableDiffusionUser(HttpUser):
     @task
     def generate(self) -> None:
         entry = self.random.choices(CONFIG.request_mix, weights=[item.weight for item in CONFIG.request_mix])[0]
-        body = {
-            "prompt": self.random.choice(PROMPTS),
-            "width": entry.width,
-            "height": entry.height,
-            "num_inference_steps": entry.num_inference_steps,
-            "num_images_per_prompt": entry.num_images_per_prompt,
-            "seed": self.random.randrange(2**32),
-        }
+        body = entry.body(self.random.choice(PROMPTS), self.random.randrange(2**32))
         for retries in range(MAX_RETRIES + 1):
             context = {"runner": self.environment.runner, "images": entry.num_images_per_prompt, "retries": retries}
             with self.client.post(

@@ -80,7 +80,7 @@ def warm_up(server: TorchServe, config: BenchmarkConfig) -> None:
     """Requests of every kind in the mix, not measured."""
     for index in range(config.warmup_requests):
         entry = config.request_mix[index % len(config.request_mix)]
-        body = {"prompt": "warm-up", **entry.model_dump(exclude={"weight"})}
+        body = entry.body("warm-up")
         requests.post(
             server.predictions_url, json=body, headers=server.auth(), timeout=REGISTER_TIMEOUT_S
         ).raise_for_status()

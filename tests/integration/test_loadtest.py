@@ -64,6 +64,10 @@ def test_sweep_over_both_modes_writes_a_report_naming_the_best(tmp_path):
         "duration_s_per_point": 90,
     }
     config["sla"] = {"p95_seconds": 60.0, "max_error_ratio": 0.0}
+    # first, so the warm-up (which raises on a refusal) sends it: a kind with its own request fields,
+    # half the mix (32 requests all of other kinds: one chance in 2^32)
+    own = {"scheduler": "euler_a", "guidance_scale": 1.0, "clip_skip": 1, "negative_prompt": "blurry"}
+    config["request_mix"].insert(0, {"weight": 10, "width": 64, "height": 64, "num_inference_steps": 4, "fields": own})
     config["warmup_requests"] = 2
     config_path = tmp_path / "benchmark_config.yaml"
     config_path.write_text(yaml.safe_dump(config))
@@ -84,6 +88,9 @@ def test_sweep_over_both_modes_writes_a_report_naming_the_best(tmp_path):
         (True, 4),
     ]
     assert all(point["requests"] >= 8 and point["failures"] == 0 and point["meets_sla"] for point in points)
+    sent = [row for log in (out / "points").glob("*_requests.csv") for row in csv.DictReader(log.open())]
+    own_kind = [row for row in sent if '"scheduler": "euler_a"' in row["name"]]
+    assert own_kind and all(row["ok"] == "1" for row in own_kind), "the kind with its own fields was not answered"
     assert points[0]["mean_batch_size"] == 1.0 and points[2]["mean_batch_size"] > 1.0
     assert points[3]["mean_step_images"] > 1.0, "continuous batching with 4 in flight never shared a forward"
     report = (out / "report.md").read_text()

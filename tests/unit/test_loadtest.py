@@ -12,7 +12,7 @@ import pytest
 from pydantic import ValidationError
 
 from loadtest.client import post
-from loadtest.config import SLA, BenchmarkConfig
+from loadtest.config import SLA, BenchmarkConfig, MixEntry
 from loadtest.report import best_point, write_report
 from loadtest.results import PointResult, ServerFigures, server_figures
 from loadtest.run import LoadResult, summarize
@@ -61,6 +61,8 @@ def test_the_sweep_leaves_out_continuous_batching_with_more_than_one_worker():
         {"sla": {"p95_seconds": 0, "max_error_ratio": 0.01}},
         {"request_mix": []},
         {"request_mix": [{"weight": 1, "width": 100, "height": 64, "num_inference_steps": 4}]},
+        {"request_mix": [{"weight": 1, "width": 64, "height": 64, "num_inference_steps": 4, "fields": {"steps": 4}}]},
+        {"request_mix": [{"weight": 1, "width": 64, "height": 64, "num_inference_steps": 4, "fields": {"seed": 4}}]},
         {"sweep": {"batch_size": []}},
         {"unknown": 1},
     ],
@@ -70,6 +72,29 @@ def test_bad_configs_are_refused(change):
     data.update(change)
     with pytest.raises(ValidationError):
         BenchmarkConfig.model_validate(data)
+
+
+def test_a_kind_with_request_fields_sends_them_and_is_named_by_them():
+    entry = MixEntry(
+        weight=1, width=64, height=96, num_inference_steps=4, fields={"scheduler": "euler_a", "clip_skip": 1}
+    )
+    assert entry.body("a cat", 7) == {
+        "scheduler": "euler_a",
+        "clip_skip": 1,
+        "prompt": "a cat",
+        "width": 64,
+        "height": 96,
+        "num_inference_steps": 4,
+        "num_images_per_prompt": 1,
+        "seed": 7,
+    }
+    assert "seed" not in entry.body("warm-up")
+    assert entry.name == '64x96 4 steps x1 {"clip_skip": 1, "scheduler": "euler_a"}'
+    assert MixEntry(weight=1, width=64, height=64, num_inference_steps=4).name == "64x64 4 steps x1"
+    with pytest.raises(ValidationError, match=r"steps, zz: not a request field"):
+        MixEntry(weight=1, width=64, height=64, num_inference_steps=4, fields={"zz": 1, "steps": 2})
+    with pytest.raises(ValidationError, match=r"response_format, seed: set by the load test"):
+        MixEntry(weight=1, width=64, height=64, num_inference_steps=4, fields={"seed": 1, "response_format": "json"})
 
 
 def write_log(path, rows):
