@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import itertools
 import json
 from pathlib import Path
@@ -13,7 +14,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 from server.paths import BENCHMARK_CONFIG, ROOT
 
 # Request fields a mix entry's ``fields`` may not set: the load test sets them (the entry's own, a
-# prompt from the file, a random seed) or checks the answer's form (a PNG, JSON for several images).
+# prompt from the file, a random seed, and the answer's form it checks: a PNG, JSON for several images).
 OWN_FIELDS = frozenset(
     {
         "prompt",
@@ -29,6 +30,8 @@ OWN_FIELDS = frozenset(
         "partial_images",
     }
 )
+# The longest fields a kind's name shows as JSON.
+MAX_NAMED_FIELDS = 100
 
 
 class _Section(BaseModel):
@@ -56,27 +59,32 @@ class MixEntry(_Section):
     fields: dict[str, Any] = Field(
         {},
         description="more request fields, as the inference API takes them (scheduler, guidance_scale, loras, "
-        "clip_skip, cache, negative_prompt, ...): the server checks their values",
+        "clip_skip, cache, negative_prompt, ...): the server checks their names and values",
     )
 
     @field_validator("fields")
     @classmethod
     def _request_fields(cls, fields: dict[str, Any]) -> dict[str, Any]:
-        from handler.api.request import GenerationRequest  # only a mix with fields pays its imports (torch's)
-
-        unknown = sorted(set(fields) - set(GenerationRequest.model_fields))
-        if unknown:
-            raise ValueError(f"{', '.join(unknown)}: not a request field (see the README's request table)")
         own = sorted(set(fields) & OWN_FIELDS)
         if own:
             raise ValueError(f"{', '.join(own)}: set by the load test, not by an entry's fields")
+        try:
+            json.dumps(fields, allow_nan=False)
+        except (TypeError, ValueError) as error:  # YAML's dates, .nan
+            raise ValueError(f"fields must be JSON values, as a request carries them: {error}") from None
         return fields
 
     @property
     def name(self) -> str:
-        """The locust request name, one statistics row per kind."""
+        """The locust request name, one statistics row per kind: its fields as JSON, or where that
+        is long (an image in base64) their names and a digest of it."""
         name = f"{self.width}x{self.height} {self.num_inference_steps} steps x{self.num_images_per_prompt}"
-        return f"{name} {json.dumps(self.fields, sort_keys=True)}" if self.fields else name
+        if not self.fields:
+            return name
+        fields = json.dumps(self.fields, sort_keys=True)
+        if len(fields) > MAX_NAMED_FIELDS:
+            fields = f"{', '.join(sorted(self.fields))} #{hashlib.sha1(fields.encode()).hexdigest()[:8]}"
+        return f"{name} {fields}"
 
     def body(self, prompt: str, seed: int | None = None) -> dict[str, Any]:
         """A request of this kind (``seed`` None: the server draws one)."""
@@ -87,6 +95,8 @@ class MixEntry(_Section):
             "height": self.height,
             "num_inference_steps": self.num_inference_steps,
             "num_images_per_prompt": self.num_images_per_prompt,
+            "response_format": "image",
+            "output_format": "png",
         }
         return body if seed is None else {**body, "seed": seed}
 

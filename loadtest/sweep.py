@@ -77,13 +77,15 @@ class ModelRegistration:
 
 
 def warm_up(server: TorchServe, config: BenchmarkConfig) -> None:
-    """Requests of every kind in the mix, not measured."""
+    """Requests of every kind in the mix, not measured; a refused one stops the sweep, naming its
+    kind and the server's answer (a kind's fields are checked by the server)."""
     for index in range(config.warmup_requests):
         entry = config.request_mix[index % len(config.request_mix)]
-        body = entry.body("warm-up")
-        requests.post(
-            server.predictions_url, json=body, headers=server.auth(), timeout=REGISTER_TIMEOUT_S
-        ).raise_for_status()
+        answer = requests.post(
+            server.predictions_url, json=entry.body("warm-up"), headers=server.auth(), timeout=REGISTER_TIMEOUT_S
+        )
+        if not answer.ok:
+            raise RuntimeError(f"warm-up request {entry.name!r} answered {answer.status_code}: {answer.text[:500]}")
 
 
 def measure(

@@ -2,11 +2,14 @@
 retries of requests whose connection ended without an answer (against a stand-in endpoint)."""
 
 import csv
+import datetime
+import http.server
 import json
 import re
 import socket
 import threading
 from dataclasses import asdict
+from types import SimpleNamespace
 
 import pytest
 from pydantic import ValidationError
@@ -16,6 +19,7 @@ from loadtest.config import SLA, BenchmarkConfig, MixEntry
 from loadtest.report import best_point, write_report
 from loadtest.results import PointResult, ServerFigures, server_figures
 from loadtest.run import LoadResult, summarize
+from loadtest.sweep import warm_up
 from server.archive import BATCH_DELAY_MS
 from server.paths import BENCHMARK_CONFIG, ROOT
 
@@ -61,7 +65,7 @@ def test_the_sweep_leaves_out_continuous_batching_with_more_than_one_worker():
         {"sla": {"p95_seconds": 0, "max_error_ratio": 0.01}},
         {"request_mix": []},
         {"request_mix": [{"weight": 1, "width": 100, "height": 64, "num_inference_steps": 4}]},
-        {"request_mix": [{"weight": 1, "width": 64, "height": 64, "num_inference_steps": 4, "fields": {"steps": 4}}]},
+        {"request_mix": [{"weight": 1, "width": 64, "height": 64, "num_inference_steps": 4, "fields": {"width": 4}}]},
         {"request_mix": [{"weight": 1, "width": 64, "height": 64, "num_inference_steps": 4, "fields": {"seed": 4}}]},
         {"sweep": {"batch_size": []}},
         {"unknown": 1},
@@ -86,15 +90,21 @@ def test_a_kind_with_request_fields_sends_them_and_is_named_by_them():
         "height": 96,
         "num_inference_steps": 4,
         "num_images_per_prompt": 1,
+        "response_format": "image",
+        "output_format": "png",
         "seed": 7,
     }
     assert "seed" not in entry.body("warm-up")
     assert entry.name == '64x96 4 steps x1 {"clip_skip": 1, "scheduler": "euler_a"}'
     assert MixEntry(weight=1, width=64, height=64, num_inference_steps=4).name == "64x64 4 steps x1"
-    with pytest.raises(ValidationError, match=r"steps, zz: not a request field"):
-        MixEntry(weight=1, width=64, height=64, num_inference_steps=4, fields={"zz": 1, "steps": 2})
     with pytest.raises(ValidationError, match=r"response_format, seed: set by the load test"):
         MixEntry(weight=1, width=64, height=64, num_inference_steps=4, fields={"seed": 1, "response_format": "json"})
+    with pytest.raises(ValidationError, match=r"fields must be JSON values"):
+        MixEntry(
+            weight=1, width=64, height=64, num_inference_steps=4, fields={"negative_prompt": datetime.date.today()}
+        )
+    edit = MixEntry(weight=1, width=64, height=64, num_inference_steps=4, fields={"image": "x" * 1000, "strength": 0.5})
+    assert re.fullmatch(r"64x64 4 steps x1 image, strength #[0-9a-f]{8}", edit.name), edit.name
 
 
 def write_log(path, rows):
@@ -103,6 +113,32 @@ def write_log(path, rows):
         writer.writerow(["name", "ok", "latency_s", "images", "end_time"])
         writer.writerows(rows)
     return path
+
+
+def test_a_warm_up_request_the_server_refuses_stops_the_sweep_naming_its_kind_and_the_answer():
+    refusal = b'{"code": 400, "errors": [{"field": "zz", "rule": "extra_forbidden"}]}'
+
+    class Refusing(http.server.BaseHTTPRequestHandler):
+        def do_POST(self) -> None:
+            self.rfile.read(int(self.headers["Content-Length"]))
+            self.send_response(400)
+            self.send_header("Content-Length", str(len(refusal)))
+            self.end_headers()
+            self.wfile.write(refusal)
+
+        def log_message(self, *args) -> None:
+            pass
+
+    endpoint = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Refusing)
+    threading.Thread(target=endpoint.serve_forever, daemon=True).start()
+    server = SimpleNamespace(predictions_url=f"http://127.0.0.1:{endpoint.server_port}/p", auth=dict)
+    entry = {"weight": 1, "width": 64, "height": 64, "num_inference_steps": 4, "fields": {"zz": 1}}
+    config = CONFIG.model_copy(update={"request_mix": [MixEntry.model_validate(entry)], "warmup_requests": 1})
+    try:
+        with pytest.raises(RuntimeError, match=r"warm-up request '64x64 4 steps x1 \{\"zz\": 1\}' answered 400: .*zz"):
+            warm_up(server, config)
+    finally:
+        endpoint.shutdown()
 
 
 def test_summary_has_exact_percentiles_and_throughput(tmp_path):
