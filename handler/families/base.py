@@ -461,7 +461,10 @@ class Family(ABC):
 
     def _negative_texts(self, spec: PromptSpec) -> tuple[str, ...] | None:
         """What a job's unconditional rows encode: its negative prompts, "" without one (as
-        ``encode_prompt`` does); None where the family conditions on zeros instead."""
+        ``encode_prompt`` does); None where the family conditions on zeros instead (then whatever
+        ``negative_prompt_2`` says, as ``encode_prompt``; a request is refused it)."""
+        if spec.negative_prompt is None and self.zeros_without_negative:
+            return None
         negative = spec.negative_prompt or ""
         return self._per_encoder(negative, spec.negative_prompt_2, spec.negative_prompt_3)
 

@@ -47,11 +47,6 @@ class StableDiffusionXLFamily(StableDiffusionFamily):
     def zeros_without_negative(self) -> bool:  # force_zeros_for_empty_prompt
         return bool(self.pipeline.config.force_zeros_for_empty_prompt)
 
-    def _negative_texts(self, spec: PromptSpec) -> tuple[str, ...] | None:
-        if spec.negative_prompt is None and self.zeros_without_negative:
-            return None  # whatever negative_prompt_2 says, as encode_prompt (a request is refused it)
-        return super()._negative_texts(spec)
-
     def _encode_texts(self, texts: list[tuple[str, ...]], clip_skip: int | None) -> list[TextEmbedding]:
         """Both text encoders (``encode_prompt``): hidden states, and the second's pooled embedding."""
         prompts, prompts_2 = (list(column) for column in zip(*texts, strict=True))
