@@ -39,6 +39,32 @@ REQUEST_TIMEOUT_SHARE = 0.9
 OTHER_PROMPTS = {"prompt_2": 2, "negative_prompt_2": 2, "prompt_3": 3, "negative_prompt_3": 3}
 
 
+# A request's skip-layer guidance, in diffusers' names: the blocks, then the settings its SkipLayerGuidance defaults.
+SKIP_LAYER_FIELDS = (
+    "skip_guidance_layers",
+    "skip_layer_guidance_scale",
+    "skip_layer_guidance_start",
+    "skip_layer_guidance_stop",
+)
+
+
+@dataclass(frozen=True)
+class SkipLayerGuidance:
+    """SD 3.x's skip-layer guidance (``StableDiffusion3Pipeline``'s ``skip_guidance_layers``,
+    ``skip_layer_guidance_scale``, ``_start`` and ``_stop``, diffusers 0.42.1, with its defaults):
+    at the steps ``i`` of ``n`` with ``n * start < i < n * stop``, the guided noise gains ``scale``
+    times the prompt's noise less that of a forward with the transformer blocks ``layers`` skipped."""
+
+    layers: tuple[int, ...]
+    scale: float = 2.8
+    start: float = 0.01
+    stop: float = 0.2
+
+    def acts(self, step: int, steps: int) -> bool:
+        """Whether it acts at step ``step`` (from 0) of ``steps``, as ``__call__``'s ``should_skip_layers``."""
+        return steps * self.start < step < steps * self.stop
+
+
 @dataclass(frozen=True)
 class FamilyRules:
     """What a model family allows in a request, as its family module (``handler.families``) states
@@ -69,6 +95,9 @@ class FamilyRules:
     # Whether its unguided rows are zeros where a request has no negative_prompt (SDXL's
     # force_zeros_for_empty_prompt): then negative_prompt_2 alone would not be encoded.
     zeros_without_negative: bool = False
+    # The transformer blocks a request's skip_guidance_layers may name (SD 3.x: its blocks; 0: none,
+    # skip-layer guidance is not served).
+    transformer_blocks: int = 0
 
     def serves(self, cache: StepCache) -> bool:
         """Whether the denoiser serves a step cache (off always)."""

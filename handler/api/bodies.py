@@ -1,7 +1,7 @@
 """Bodies and forms as TorchServe hands them over, turned into request fields: JSON objects, a
 ``text/plain`` prompt, a body without a Content-Type, form and query fields (text, with file parts).
-A form's list and object fields (``loras``, ``controlnets``, ``cache``) arrive as JSON text and
-are parsed here, once."""
+A form's list and object fields (``loras``, ``controlnets``, ``cache``, ``skip_guidance_layers``)
+arrive as JSON text and are parsed here, once."""
 
 from __future__ import annotations
 
@@ -103,7 +103,7 @@ def _json_or_prompt(raw: bytes | bytearray) -> tuple[Any, bool]:
 # Form fields that carry files, not text.
 FILE_FIELDS = frozenset({"image", "mask"})
 # Form fields that carry lists or objects, as JSON text.
-JSON_FIELDS = ("loras", "controlnets", "cache")
+JSON_FIELDS = ("loras", "controlnets", "cache", "skip_guidance_layers")
 
 
 def form_text(fields: dict[str, Any]) -> dict[str, Any]:

@@ -42,7 +42,7 @@ from handler.api.protocol import (
     without_body,
 )
 from handler.api.request import MAX_PARTIAL_IMAGES, GenerationRequest, validate_fields, validate_model
-from handler.config import OTHER_PROMPTS, OutputFormat
+from handler.config import OTHER_PROMPTS, SKIP_LAYER_FIELDS, OutputFormat
 
 GENERATIONS = "v1/images/generations"
 EDITS = "v1/images/edits"
@@ -57,6 +57,7 @@ SD_PARAMETERS = (
     "num_inference_steps",
     "guidance_scale",
     "guidance_rescale",
+    *SKIP_LAYER_FIELDS,
     "scheduler",
     "loras",
     "controlnets",
@@ -106,6 +107,10 @@ class ImageGenerationParams(BaseModel):
     num_inference_steps: Any = None
     guidance_scale: Any = None
     guidance_rescale: Any = None
+    skip_guidance_layers: Any = None
+    skip_layer_guidance_scale: Any = None
+    skip_layer_guidance_start: Any = None
+    skip_layer_guidance_stop: Any = None
     scheduler: Any = None
     loras: Any = None
     controlnets: Any = None

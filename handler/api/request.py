@@ -10,7 +10,7 @@ and forms become fields in ``handler.api.bodies``.
 from __future__ import annotations
 
 import secrets
-from typing import Any, TypeVar
+from typing import Annotated, Any, TypeVar
 
 from PIL.Image import Image
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, model_validator
@@ -19,8 +19,27 @@ from handler.api.choices import ControlNetChoice, LoraChoice
 from handler.api.errors import RequestError, field_errors
 from handler.api.input_image import fit, peek_size
 from handler.api.policy import RequestPolicy, policy_of
-from handler.api.rules import AdapterRules, CacheRules, ImageRules, LimitRules, SizeRules, StreamRules, TextRules
-from handler.config import MAX_SEED, OTHER_PROMPTS, OutputFormat, ResponseFormat, SchedulerName, StepCache, guided_at
+from handler.api.rules import (
+    AdapterRules,
+    CacheRules,
+    ImageRules,
+    LimitRules,
+    SizeRules,
+    SkipLayerRules,
+    StreamRules,
+    TextRules,
+)
+from handler.config import (
+    MAX_SEED,
+    OTHER_PROMPTS,
+    SKIP_LAYER_FIELDS,
+    OutputFormat,
+    ResponseFormat,
+    SchedulerName,
+    SkipLayerGuidance,
+    StepCache,
+    guided_at,
+)
 
 # Most previews a streamed request may ask for (as the OpenAI Images API allows).
 MAX_PARTIAL_IMAGES = 3
@@ -28,7 +47,21 @@ MAX_PARTIAL_IMAGES = 3
 Model = TypeVar("Model", bound=BaseModel)
 
 
-class GenerationRequest(TextRules, LimitRules, SizeRules, StreamRules, AdapterRules, ImageRules, CacheRules):
+def _window_share(where: str, default: float) -> Any:
+    """A share of the steps bounding skip-layer guidance's window (its default filled where the blocks are given)."""
+    return Field(
+        None,
+        ge=0,
+        le=1,
+        allow_inf_nan=False,
+        validate_default=True,
+        description=f"with skip_guidance_layers: the share of the steps {where} (left out: {default})",
+    )
+
+
+class GenerationRequest(
+    TextRules, LimitRules, SkipLayerRules, SizeRules, StreamRules, AdapterRules, ImageRules, CacheRules
+):
     """One text-to-image request, in diffusers' parameter names."""
 
     model_config = ConfigDict(extra="forbid", frozen=True, arbitrary_types_allowed=True)
@@ -65,6 +98,22 @@ class GenerationRequest(TextRules, LimitRules, SizeRules, StreamRules, AdapterRu
         "guidance_rescale, Lin et al. 3.4: 0 off, 0.7 suggested with v-prediction and zero terminal SNR); SD 1.x/2.x "
         "and SDXL",
     )
+    skip_guidance_layers: list[Annotated[int, Field(ge=0)]] | None = Field(
+        None,
+        min_length=1,
+        description="SD 3.x, with guidance: skip-layer guidance, the transformer blocks (from 0) its extra rows skip "
+        "(diffusers' skip_guidance_layers; SD 3.5 Medium's card suggests [7, 8, 9]); left out: none",
+    )
+    skip_layer_guidance_scale: float | None = Field(
+        None,
+        ge=0,
+        allow_inf_nan=False,
+        validate_default=True,
+        description="with skip_guidance_layers: how strongly the guidance steers away from the skipped blocks' "
+        f"prediction (left out: {SkipLayerGuidance.scale})",
+    )
+    skip_layer_guidance_start: float | None = _window_share("after which it acts", SkipLayerGuidance.start)
+    skip_layer_guidance_stop: float | None = _window_share("before which it stops acting", SkipLayerGuidance.stop)
     seed: int | None = Field(None, ge=0, le=MAX_SEED, description="seed of the first image; random if left out")
     width: int = Field(ge=8, description="image width in pixels, on the model family's grid (8, SD 3.x: 16)")
     height: int = Field(ge=8, description="image height in pixels, on the model family's grid (8, SD 3.x: 16)")
@@ -133,6 +182,19 @@ class GenerationRequest(TextRules, LimitRules, SizeRules, StreamRules, AdapterRu
         spaced = (round(steps * index / parts) for index in range(1, parts))
         return frozenset(step for step in spaced if 0 < step < steps)
 
+    def skip_layer_guidance(self) -> SkipLayerGuidance | None:
+        """Its skip-layer guidance (None: none asked for)."""
+        if self.skip_guidance_layers is None:
+            return None
+        assert self.skip_layer_guidance_scale is not None  # filled where the layers are given
+        assert self.skip_layer_guidance_start is not None and self.skip_layer_guidance_stop is not None
+        return SkipLayerGuidance(
+            tuple(sorted(set(self.skip_guidance_layers))),
+            self.skip_layer_guidance_scale,
+            self.skip_layer_guidance_start,
+            self.skip_layer_guidance_stop,
+        )
+
     def with_seed(self) -> GenerationRequest:
         """This request with a concrete seed, drawn at random when the client sent none."""
         if self.seed is not None:
@@ -154,6 +216,7 @@ class GenerationRequest(TextRules, LimitRules, SizeRules, StreamRules, AdapterRu
         excluded |= {"clip_skip"} if self.clip_skip is None else set()
         excluded |= {field for field in OTHER_PROMPTS if getattr(self, field) is None}
         excluded |= {"guidance_rescale"} if not (self.guidance_rescale and guided_at(self.guidance_scale)) else set()
+        excluded |= set(SKIP_LAYER_FIELDS) if self.skip_guidance_layers is None else set()
         parameters = self.model_dump(exclude=excluded)
         if self.controlnets:  # their settings, not their images
             parameters["controlnets"] = [choice.model_dump(exclude={"image"}) for choice in self.controlnets]

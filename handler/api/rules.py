@@ -14,12 +14,13 @@ from pydantic_core import PydanticCustomError
 from handler.api.choices import ControlNetChoice, LoraChoice
 from handler.api.input_image import as_mask, as_rgb, read_image
 from handler.api.policy import above_limit, above_model_limit, at_most, policy_of
-from handler.config import OTHER_PROMPTS, StepCache
+from handler.config import OTHER_PROMPTS, SkipLayerGuidance, StepCache, guided_at
 
 # What a list field looks like, for its error (in a form or query: that list as JSON text).
 LIST_EXAMPLES = {
     "loras": {"field": "loras", "example": '[{"name": "outline", "scale": 0.8}]'},
     "controlnets": {"field": "controlnets", "example": '[{"name": "shapes-mask", "scale": 0.9}] with file parts'},
+    "skip_guidance_layers": {"field": "skip_guidance_layers", "example": "[7, 8, 9]"},
 }
 # Fields bounded above by an operator setting in RequestLimits.
 UPPER_LIMITS = {
@@ -159,6 +160,83 @@ class LimitRules(BaseModel):
         return value
 
 
+class SkipLayerRules(BaseModel):
+    """Skip-layer guidance: SD 3.x's, with guidance, over blocks the model's transformer has; its
+    settings only beside its blocks (left out there: diffusers' defaults)."""
+
+    @field_validator("skip_guidance_layers", check_fields=False)
+    @classmethod
+    def _blocks_of_the_transformer(cls, value: list[int] | None, info: ValidationInfo) -> list[int] | None:
+        if value is None:
+            return value
+        rules = policy_of(info).rules
+        if not rules.transformer_blocks:
+            raise PydanticCustomError(
+                "skip_layer_guidance_unavailable",
+                "skip-layer guidance is served for SD 3.x models (StableDiffusion3Pipeline's skip_guidance_layers); "
+                "this is an {family} model: leave skip_guidance_layers out",
+                {"family": rules.family},
+            )
+        guidance = info.data.get("guidance_scale")  # absent where it failed its own rules
+        if guidance is not None and not guided_at(guidance):
+            raise PydanticCustomError(
+                "guidance_needed",
+                "skip-layer guidance acts on classifier-free guidance, which a guidance_scale of {guidance} turns "
+                "off (diffusers ignores skip_guidance_layers there): give guidance_scale above 1, or leave "
+                "skip_guidance_layers out",
+                {"guidance": guidance},
+            )
+        outside = sorted({layer for layer in value if layer >= rules.transformer_blocks})
+        if outside:
+            raise PydanticCustomError(
+                "block_out_of_range",
+                "skip_guidance_layers names {outside}: this {family} model's transformer has {blocks} blocks, "
+                "0 to {last}",
+                {
+                    "outside": outside,
+                    "family": rules.family,
+                    "blocks": rules.transformer_blocks,
+                    "last": rules.transformer_blocks - 1,
+                },
+            )
+        return value
+
+    @field_validator(
+        "skip_layer_guidance_scale", "skip_layer_guidance_start", "skip_layer_guidance_stop", check_fields=False
+    )
+    @classmethod
+    def _setting_beside_its_blocks(cls, value: float | None, info: ValidationInfo) -> float | None:
+        """Given only with ``skip_guidance_layers`` (diffusers would ignore it); left out beside
+        them, diffusers' default; the scale within ``max_guidance_scale``, the start before the stop."""
+        field = str(info.field_name)
+        if "skip_guidance_layers" not in info.data:  # it failed its own rules: nothing to add
+            return value
+        if info.data["skip_guidance_layers"] is None:
+            if value is not None:
+                raise PydanticCustomError(
+                    "skip_guidance_layers_missing",
+                    "{field} sets skip-layer guidance, which skip_guidance_layers turns on: give the blocks "
+                    "(such as [7, 8, 9]) or leave {field} out",
+                    {"field": field},
+                )
+            return value
+        if value is None:
+            value = getattr(SkipLayerGuidance, field.removeprefix("skip_layer_guidance_"))
+        if field == "skip_layer_guidance_scale":
+            limit = policy_of(info).limits.max_guidance_scale
+            if value > limit:
+                raise above_limit(value, limit, "max_guidance_scale")
+        start = info.data.get("skip_layer_guidance_start")
+        if field == "skip_layer_guidance_stop" and start is not None and value <= start:
+            raise PydanticCustomError(
+                "stop_before_start",
+                "skip_layer_guidance_stop ({stop}) must be above skip_layer_guidance_start ({start}): between them "
+                "no step would be guided",
+                {"stop": value, "start": start},
+            )
+        return value
+
+
 class SizeRules(BaseModel):
     """Width and height: on the family's grid, within the sides and pixels configured and the denoiser takes."""
 
@@ -231,7 +309,7 @@ class AdapterRules(BaseModel):
     """LoRAs and ControlNets: lists (a form's JSON text is parsed before), within the limits, where
     the family takes them."""
 
-    @field_validator("loras", "controlnets", mode="before", check_fields=False)
+    @field_validator("loras", "controlnets", "skip_guidance_layers", mode="before", check_fields=False)
     @classmethod
     def _a_list_not_text(cls, value: Any, info: ValidationInfo) -> Any:
         """A form's list fields were parsed from their JSON text (``handler.api.bodies``); text left

@@ -11,7 +11,7 @@ from PIL.Image import Image
 
 from handler.adapters.controlnets import Control, ControlSpec
 from handler.adapters.loras import Adapters
-from handler.config import OTHER_PROMPTS, SchedulerName, StepCache, guided_at
+from handler.config import OTHER_PROMPTS, SchedulerName, SkipLayerGuidance, StepCache, guided_at
 from handler.families import Conditioning, Family, Scheduler, schedules
 from handler.families.deep_cache import RowCache
 from handler.families.first_block_cache import FirstBlockCache
@@ -48,6 +48,7 @@ class JobSpec:
     negative_prompt_2: str | None = None
     prompt_3: str | None = None
     negative_prompt_3: str | None = None
+    skip_layer_guidance: SkipLayerGuidance | None = None  # SD 3.x's, with guidance (None: none)
 
     @property
     def images(self) -> int:
@@ -60,7 +61,8 @@ class JobSpec:
 
     @property
     def rows(self) -> int:
-        """Rows of every denoiser forward of this job: its images, twice with guidance."""
+        """Rows of its denoiser forwards: its images, twice with guidance (a step with skip-layer
+        guidance adds its images once more: ``DenoiseJob.rows``)."""
         return self.images * (2 if self.guided else 1)
 
 
@@ -101,6 +103,8 @@ class DenoiseJob:
     controls: tuple[Control, ...] = ()
     host_timesteps: list[float] = field(default_factory=list)  # a CPU copy of ``timesteps``
     cache: RowCache | FirstBlockCache | None = None  # its step cache: what it keeps from its last full step
+    skip_mask: torch.Tensor | None = None  # the blocks its skip-layer guidance skips, (blocks,) on the device
+    _skip_conditioning: Conditioning | None = field(default=None, repr=False)  # forward_conditioning's
 
     def acting(self) -> list[Control]:
         """The ControlNets that act in its next step."""
@@ -138,5 +142,23 @@ class DenoiseJob:
         return tuple(self.latents.shape[1:])
 
     @property
+    def skips_layers(self) -> bool:
+        """Whether its next step runs skip-layer guidance: its images once more, at the prompt's
+        conditioning, with the guidance's blocks skipped (after its guided rows)."""
+        guidance = self.spec.skip_layer_guidance
+        return guidance is not None and self.guided and guidance.acts(self.step, self.total_steps)
+
+    @property
     def rows(self) -> int:
-        return self.spec.rows
+        """Rows of its next denoiser forward."""
+        return self.spec.rows + (self.images if self.skips_layers else 0)
+
+    def forward_conditioning(self) -> Conditioning:
+        """Its rows' conditioning in its next forward: with skip-layer guidance, the prompt's rows
+        (its last ``images``) once more (made once, on the device)."""
+        if not self.skips_layers:
+            return self.conditioning
+        if self._skip_conditioning is None:
+            prompt = self.conditioning.rows(slice(self.images, None))
+            self._skip_conditioning = Conditioning.concat([self.conditioning, prompt])
+        return self._skip_conditioning

@@ -27,7 +27,11 @@ own (4- or 16-channel) denoiser; a job with ControlNets mirrors ``StableDiffusio
   cached step runs only the shallow branch in that forward, the deep blocks running as a sub-batch of
   the other rows (``handler.families.deep_cache``); a job with a first-block cache (SD 3.x) runs the first
   transformer block in the step's forward and the other blocks only where its first block's residual
-  changed by more than its threshold (``handler.families.first_block_cache``). A step reads no
+  changed by more than its threshold (``handler.families.first_block_cache``). An SD 3.x job with
+  skip-layer guidance at a step of its window adds its images' rows once more (the prompt's
+  conditioning; ``StableDiffusion3Pipeline``'s second transformer call), which take each skipped
+  block's inputs back in that forward, and its guided noise gains their difference from the
+  prompt's (``handler.families.first_block_cache.SkipRows``). A step reads no
   tensor value on the host (``handler.families.schedules``): on a GPU, nothing in it waits for the
   device; first-block caching's decision is the one exception, a step with such jobs reads one vector.
 - ``decode``: the end of ``__call__``: VAE decode, the safety checker (SD, where the model has one)
@@ -38,8 +42,7 @@ own (4- or 16-channel) denoiser; a job with ControlNets mirrors ``StableDiffusio
 Left out, because no request can ask for it: ``cross_attention_kwargs`` and its one LoRA scale
 (each LoRA's weight is the request's), IP-Adapter images, caller-supplied latents, embeddings,
 timesteps or sigmas, ``denoising_start``/``denoising_end``, SDXL's negative size conditioning and
-aesthetic scores, SD 3.5's
-skip-layer guidance, inpainting's ``padding_mask_crop`` and 9- or 33-channel inpainting denoisers,
+aesthetic scores, inpainting's ``padding_mask_crop`` and 9- or 33-channel inpainting denoisers,
 ControlNet inpainting, guess mode and global-pooling ControlNets, output types other than PIL, step
 callbacks. UNets with a guidance embedding (``time_cond_proj_dim``, LCM) are refused at load.
 Different by design: jobs of one shape share one denoiser forward, so an image equals diffusers' to
@@ -72,10 +75,10 @@ from handler.engine.decoding import DecodeFailed, DecodeStream, LaterDecode
 from handler.engine.jobs import DenoiseJob, Inpainting, JobSpec
 from handler.engine.timing import Span
 from handler.families import Conditioning, Decoded, Family, Pipeline, Residuals, Scheduler, schedules
-from handler.families.base import mark_rows, padded_rows, steps_by_index
+from handler.families.base import SubBatchRows, mark_rows, padded_rows, steps_by_index
 from handler.families.deep_cache import Branch, CacheRows, DeepCacheHooks, RowCache, branches, kept_row_shape
-from handler.families.first_block_cache import FirstBlockCache, FirstBlockHooks, kept_row_elements
-from handler.families.transfer import queued_copies, to_host
+from handler.families.first_block_cache import FirstBlockCache, FirstBlockHooks, SkipRows, kept_row_elements
+from handler.families.transfer import queued_copies, to_device, to_host
 
 
 @dataclass
@@ -106,8 +109,12 @@ class StepEngine:
     def rules(self) -> FamilyRules:
         """The family's request rules, with the step caches this engine serves."""
         served = branches(self.family.denoiser) if self.deep_cache is not None else 0
+        blocks = 0 if self.first_block is None else self.first_block.blocks
         return dataclasses.replace(
-            self.family.rules, cache_branches=served, first_block_cache=self.first_block is not None
+            self.family.rules,
+            cache_branches=served,
+            first_block_cache=self.first_block is not None,
+            transformer_blocks=blocks,
         )
 
     def warm_up_cache(self) -> StepCache | None:
@@ -181,7 +188,16 @@ class StepEngine:
                 step_kwargs,
                 controls=self._controls(spec),
                 host_timesteps=host_timesteps,
+                skip_mask=self._skip_mask(spec),
             )
+
+    def _skip_mask(self, spec: JobSpec) -> torch.Tensor | None:
+        """The transformer blocks a job's skip-layer guidance skips, on the device (None: it has none)."""
+        if spec.skip_layer_guidance is None:
+            return None
+        if self.first_block is None:
+            raise ValueError(f"skip-layer guidance is not served by this engine ({self.family.name})")
+        return to_device(self.first_block.skip_mask(spec.skip_layer_guidance.layers), self.device)
 
     def _controls(self, spec: JobSpec) -> tuple[Control, ...]:
         """The ControlNet pipelines' ``prepare_image`` for each of a job's control images."""
@@ -242,6 +258,7 @@ class StepEngine:
             inpainting=inpainting,
             controls=self._controls(spec),
             host_timesteps=host_timesteps[start:],
+            skip_mask=self._skip_mask(spec),
         )
 
     def step(self, jobs: list[DenoiseJob]) -> int:
@@ -276,20 +293,20 @@ class StepEngine:
         inputs, timesteps = [], []
         for job in jobs:
             timestep = job.timesteps[job.step]
-            job_rows = torch.cat([job.latents] * 2) if job.guided else job.latents
+            job_rows = torch.cat([job.latents] * (job.rows // job.images))  # guided: twice; skipping layers: 3 times
             inputs.append(family.model_input(job.scheduler, job_rows, timestep))
             timesteps.append(timestep.float().expand(job.rows))
         rows, padding = sum(job.rows for job in jobs), self.padding(jobs)
-        replays = self.cuda_graphs and not _cached(jobs)
+        replays = self.cuda_graphs and not _own_forward(jobs)
         latents = padded_rows(torch.cat(inputs), padding)
         timestep_rows = padded_rows(torch.cat(timesteps), padding)
-        conditioning = Conditioning.concat([job.conditioning for job in jobs]).padded(padding)
+        conditioning = Conditioning.concat([job.forward_conditioning() for job in jobs]).padded(padding)
         residuals, control_forwards = self.controlnets.residuals(
             [(job.acting(), job.rows) for job in jobs] + [([], padding)], latents, timestep_rows, conditioning
         )
         # The padding rows take the last job's LoRA set: a set every row shares stays one scalar weight.
         sets = [(job.spec.adapters, job.rows) for job in jobs] + [(jobs[-1].spec.adapters, padding)]
-        with self.loras.rows(sets, self.device) as slot_rows, self._step_cache(jobs, sets):
+        with self.loras.rows(sets, self.device) as slot_rows, self._per_row_blocks(jobs):
             if self.dynamic_rows:
                 rows_dynamic(latents, timestep_rows, conditioning, residuals, slot_rows)
             if replays:  # each step a new run of the graphs: the last run's outputs are done with
@@ -301,19 +318,35 @@ class StepEngine:
 
     def padding(self, jobs: list[DenoiseJob]) -> int:
         """The rows a forward of ``jobs`` runs beyond theirs: copies of the last row up to the least
-        of ``row_counts`` at or above them; none with a step cache (its forward runs any count)."""
-        if _cached(jobs):
+        of ``row_counts`` at or above them; none with a step cache or skip-layer guidance (its
+        forward runs any count)."""
+        if _own_forward(jobs):
             return 0
         rows = sum(job.rows for job in jobs)
         return padded_count(rows, self.row_counts) - rows
 
-    def _step_cache(
-        self, jobs: list[DenoiseJob], sets: list[tuple[Adapters, int]]
-    ) -> contextlib.AbstractContextManager[None]:
-        """The step cache over a forward's rows, where a job in it has one (DeepCache or first-block
-        caching); a sub-batch of its jobs (by index) takes their LoRA sets (``sets``)."""
-        if not _cached(jobs):
+    def _per_row_blocks(self, jobs: list[DenoiseJob]) -> contextlib.AbstractContextManager[None]:
+        """The denoiser's blocks acting per row over a forward's rows, where a job in it has a step
+        cache (DeepCache or first-block caching) or skips layers; a sub-batch of its parts (by
+        index) takes their LoRA sets."""
+        if not _own_forward(jobs):
             return contextlib.nullcontext()
+        if self.first_block is not None:
+            parts = [part for job in jobs for part in _transformer_parts(job)]
+            return self.first_block.forward(
+                [(cache, rows) for cache, rows, _ in parts],
+                self._sub_batch_rows([(job.spec.adapters, rows) for _, rows, job in parts]),
+                self._skip_rows(jobs),
+            )
+        assert self.deep_cache is not None
+        rows = [
+            CacheRows(job.cache if isinstance(job.cache, RowCache) else None, job.rows, job.cached_step) for job in jobs
+        ]
+        return self.deep_cache.forward(rows, self._sub_batch_rows([(job.spec.adapters, job.rows) for job in jobs]))
+
+    def _sub_batch_rows(self, sets: list[tuple[Adapters, int]]) -> SubBatchRows:
+        """The LoRA rows of a sub-batch of a forward's parts (by index), each part's LoRA set and
+        rows in ``sets``."""
 
         @contextlib.contextmanager
         def sub_batch_rows(running: list[int]) -> Iterator[SlotRows | None]:
@@ -323,23 +356,34 @@ class StepEngine:
                     mark_rows(sum(rows for _, rows in subset), slot_rows or ())
                 yield slot_rows
 
-        if self.first_block is not None:
-            caches = [(job.cache if isinstance(job.cache, FirstBlockCache) else None, job.rows) for job in jobs]
-            return self.first_block.forward(caches, sub_batch_rows)
-        assert self.deep_cache is not None
-        rows = [
-            CacheRows(job.cache if isinstance(job.cache, RowCache) else None, job.rows, job.cached_step) for job in jobs
-        ]
-        return self.deep_cache.forward(rows, sub_batch_rows)
+        return sub_batch_rows
+
+    def _skip_rows(self, jobs: list[DenoiseJob]) -> SkipRows | None:
+        """The blocks each row of a forward skips (skip-layer guidance; None: no row skips any):
+        a job's guided rows none, its skip-layer rows its guidance's."""
+        skipping = [job for job in jobs if job.skips_layers]
+        if not skipping:
+            return None
+        assert self.first_block is not None
+        pieces = []
+        for job in jobs:
+            pieces.append(torch.zeros((job.spec.rows, self.first_block.blocks), dtype=torch.bool, device=self.device))
+            if job.skips_layers:
+                assert job.skip_mask is not None  # made at its start
+                pieces.append(job.skip_mask.expand(job.images, -1))
+        layers = {layer for job in skipping for layer in _skip_layers(job)}
+        return SkipRows(torch.cat(pieces), frozenset(layers))
 
     def _advance(self, job: DenoiseJob, noise: torch.Tensor) -> None:
         """A job's guidance and ``scheduler.step`` on its rows' noise prediction (and, inpainting,
         the unmasked area put back at the next noise level)."""
         if job.guided:
-            unconditional, conditional = noise.chunk(2)
+            unconditional, conditional, *skipped = noise.split(job.images)
             noise = unconditional + job.spec.guidance_scale * (conditional - unconditional)
             if job.spec.guidance_rescale > 0:  # the UNet pipelines' step 7, per image
                 noise = rescale_noise_cfg(noise, conditional, guidance_rescale=job.spec.guidance_rescale)
+            if skipped and job.spec.skip_layer_guidance is not None:  # StableDiffusion3Pipeline's, after the guidance
+                noise = noise + (conditional - skipped[0]) * job.spec.skip_layer_guidance.scale
         job.latents = schedules.step(
             job.scheduler,
             noise,
@@ -410,10 +454,22 @@ def rows_dynamic(
     mark_rows(latents.shape[0], [*tensors, *(slot_rows or ())])
 
 
-def _cached(jobs: list[DenoiseJob]) -> bool:
-    """Whether a job of a forward has a step cache: the forward then runs the denoiser's own forward
-    around its compiled regions, at any row count."""
-    return any(job.cache is not None for job in jobs)
+def _own_forward(jobs: list[DenoiseJob]) -> bool:
+    """Whether a job of a forward has a step cache or skips layers: the forward then runs the
+    denoiser's own forward (around its compiled regions), its blocks acting per row, at any row count."""
+    return any(job.cache is not None or job.skips_layers for job in jobs)
+
+
+def _transformer_parts(job: DenoiseJob) -> list[tuple[FirstBlockCache | None, int, DenoiseJob]]:
+    """A job's parts of a transformer's forward: its guided rows with its first-block cache, and
+    its skip-layer guidance rows (which run every block but the skipped ones, never cached)."""
+    cache = job.cache if isinstance(job.cache, FirstBlockCache) else None
+    return [(cache, job.spec.rows, job)] + ([(None, job.images, job)] if job.skips_layers else [])
+
+
+def _skip_layers(job: DenoiseJob) -> tuple[int, ...]:
+    assert job.spec.skip_layer_guidance is not None
+    return job.spec.skip_layer_guidance.layers
 
 
 def padded_count(rows: int, counts: Sequence[int]) -> int:

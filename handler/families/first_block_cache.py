@@ -26,6 +26,12 @@ a forward without such rows runs the whole-model graph as ever.
 diffusers' hook keeps the encoder hidden states' residual of the last block too, which fails on SD 3
 (its last block is ``context_pre_only``: it returns no encoder hidden states); the model discards
 them after that block, so only the hidden states' residual is kept here.
+
+The same wrappers serve skip-layer guidance (``StableDiffusion3Pipeline``'s ``skip_guidance_layers``)
+inside the step's one forward: diffusers runs a second transformer call over the prompt's rows with
+``skip_layers``, whose blocks it does not call; here those rows join the forward, and after each
+block they skip, they take its inputs back (``SkipRows``). A job's skip-layer rows are a part of
+their own: never cached, they run every block they do not skip.
 """
 
 from __future__ import annotations
@@ -69,6 +75,29 @@ def kept_row_elements(transformer: Any, latent: tuple[int, int, int]) -> int:
     return 2 * tokens * config.num_attention_heads * config.attention_head_dim
 
 
+@dataclass(frozen=True)
+class SkipRows:
+    """Which rows of a forward skip which transformer blocks: ``mask`` (rows, blocks) on the device,
+    and the blocks some row skips (on the host: blocks no row skips run as they are)."""
+
+    mask: torch.Tensor
+    blocks: frozenset[int]
+
+    def taken(self, rows: RowBlocks, parts: Sequence[int]) -> SkipRows:
+        """Those of a sub-batch of the forward's parts."""
+        return SkipRows(rows.taken(self.mask, parts), self.blocks)
+
+    def after(self, index: int, before: tuple[Any, torch.Tensor], after: tuple[Any, torch.Tensor]) -> Any:
+        """Block ``index``'s (encoder hidden states, hidden states) with the rows that skip it given
+        its inputs back (``SD3Transformer2DModel.forward``'s ``is_skip``); the last block's encoder
+        hidden states stay None (it returns none: nothing reads them)."""
+        if index not in self.blocks:
+            return after
+        skips = self.mask[:, index].view(-1, 1, 1)
+        encoder = None if after[0] is None else torch.where(skips, before[0], after[0])
+        return encoder, torch.where(skips, before[1], after[1])
+
+
 @dataclass
 class _Pass:
     """One forward's rows: each job's cache (None: none) and row count, and what the cached jobs
@@ -76,6 +105,7 @@ class _Pass:
 
     jobs: Sequence[tuple[FirstBlockCache | None, int]]
     sub_batch_rows: SubBatchRows
+    skips: SkipRows | None = None
     done: bool = False  # the first block ran the others: the transformer's own calls pass through
     # (cache, first-block residual, other blocks' residual) of a job that computed; residuals None: it skipped
     kept: list[tuple[FirstBlockCache, torch.Tensor | None, torch.Tensor | None]] = field(default_factory=list)
@@ -94,8 +124,8 @@ class _Pass:
 
 
 class FirstBlockHooks:
-    """Wrappers on an SD 3 transformer's blocks, acting per row inside ``forward``; outside it every
-    block runs as it is."""
+    """Wrappers on an SD 3 transformer's blocks, acting per row inside ``forward`` (first-block
+    caching, skip-layer guidance); outside it every block runs as it is."""
 
     def __init__(self, transformer: torch.nn.Module, regions: RegionCompiler | None = None):
         blocks = list(transformer.transformer_blocks)  # type: ignore[arg-type]  # a ModuleList
@@ -103,19 +133,30 @@ class FirstBlockHooks:
         self.compiled = regions is not None  # its blocks run compiled apart in a cached forward
         self._pass: _Pass | None = None
         self._others = blocks[1:]
+        self.blocks = len(blocks)
         region_of = regions or (lambda forward: forward)
         blocks[0].forward = self._first(blocks[0].forward, region_of(blocks[0].forward))
         for block in self._others:
             block.forward = self._passing(block.forward, region_of(block.forward))
 
+    def skip_mask(self, layers: Sequence[int]) -> torch.Tensor:
+        """A (blocks,) host mask of ``layers``: the blocks a row that skips them skips."""
+        mask = torch.zeros(self.blocks, dtype=torch.bool)
+        mask[list(layers)] = True
+        return mask
+
     @contextlib.contextmanager
     def forward(
-        self, jobs: Sequence[tuple[FirstBlockCache | None, int]], sub_batch_rows: SubBatchRows
+        self,
+        jobs: Sequence[tuple[FirstBlockCache | None, int]],
+        sub_batch_rows: SubBatchRows,
+        skips: SkipRows | None = None,
     ) -> Iterator[None]:
         """Within it, the transformer's forward over these rows caches per job (its own forward, not
-        its whole-model graph); ``sub_batch_rows`` gives a sub-batch of the jobs (by index) its LoRA
-        rows. The jobs keep their residuals when the forward went through (a retried one decides afresh)."""
-        self._pass = current = _Pass(jobs, sub_batch_rows)
+        its whole-model graph), and the rows of ``skips`` skip their blocks; ``sub_batch_rows`` gives
+        a sub-batch of the jobs (by index) its LoRA rows. The jobs keep their residuals when the
+        forward went through (a retried one decides afresh)."""
+        self._pass = current = _Pass(jobs, sub_batch_rows, skips)
         try:
             with eager_call(self._transformer):
                 yield
@@ -132,6 +173,9 @@ class FirstBlockHooks:
             if current is None:
                 return forward(**kwargs)
             encoder, hidden = region(**kwargs)
+            if current.skips is not None:
+                inputs = (kwargs["encoder_hidden_states"], kwargs["hidden_states"])
+                encoder, hidden = current.skips.after(0, inputs, (encoder, hidden))
             hidden = self._others_or_kept(current, kwargs, encoder, hidden)
             current.done = True
             return encoder, hidden
@@ -161,7 +205,7 @@ class FirstBlockHooks:
         residual = first - kwargs["hidden_states"]
         computes = _decide(current.jobs, residual, blocks.spans)
         if all(computes):
-            last = self._others_on(first, encoder, kwargs)
+            last = self._others_on(first, encoder, kwargs, current.skips)
         else:
             last = self._sub_batch(current, blocks, computes, first, encoder, kwargs)
         for (cache, _), computed, span in zip(current.jobs, computes, blocks.spans, strict=True):
@@ -189,6 +233,7 @@ class FirstBlockHooks:
                     blocks.taken(first, running),
                     blocks.taken(encoder, running),
                     {**kwargs, "temb": blocks.taken(kwargs["temb"], running)},
+                    None if current.skips is None else current.skips.taken(blocks, running),
                 )
             ran = iter(hidden.split([current.jobs[index][1] for index in running]))
         pieces = [
@@ -197,16 +242,19 @@ class FirstBlockHooks:
         ]
         return torch.cat(pieces)
 
-    def _others_on(self, hidden: torch.Tensor, encoder: torch.Tensor, kwargs: dict[str, Any]) -> torch.Tensor:
-        """The other blocks over these rows: the last one's hidden states."""
+    def _others_on(
+        self, hidden: torch.Tensor, encoder: torch.Tensor, kwargs: dict[str, Any], skips: SkipRows | None
+    ) -> torch.Tensor:
+        """The other blocks over these rows, those of ``skips`` skipping theirs: the last one's hidden states."""
         attention = kwargs.get("joint_attention_kwargs")
-        for block in self._others:
-            encoder, hidden = block(
+        for index, block in enumerate(self._others, start=1):
+            out = block(
                 hidden_states=hidden,
                 encoder_hidden_states=encoder,
                 temb=kwargs["temb"],
                 joint_attention_kwargs=attention,
             )
+            encoder, hidden = out if skips is None else skips.after(index, (encoder, hidden), out)
         return hidden
 
 

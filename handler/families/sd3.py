@@ -24,8 +24,9 @@ What differs from the UNet families:
 Knowingly different from diffusers: the inpaint pipeline's decode leaves out the VAE's
 ``shift_factor`` (diffusers issue #13611) although its encode subtracts it; inpainted images here
 are decoded as ``StableDiffusion3Pipeline`` and the img2img pipeline decode (with the shift).
-Left out, because no request can ask for it: skip-layer guidance, IP-Adapter images, 33-channel
-inpainting transformers.
+Skip-layer guidance (``skip_guidance_layers``) runs in the step's one forward: the engine's rows,
+the transformer's block wrappers (``handler.families.first_block_cache``). Left out, because no
+request can ask for it: IP-Adapter images, 33-channel inpainting transformers.
 """
 
 from __future__ import annotations

@@ -53,6 +53,7 @@ def job_spec(
         text("negative_prompt_2"),
         text("prompt_3"),
         text("negative_prompt_3"),
+        request.skip_layer_guidance(),
     )
 
 

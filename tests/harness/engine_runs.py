@@ -13,7 +13,7 @@ from PIL import Image
 
 from bench.reference import ControlNetCall, Reference, cache_options
 from handler.adapters.controlnets import ControlSpec
-from handler.config import OTHER_PROMPTS, HandlerSettings, StepCache
+from handler.config import OTHER_PROMPTS, HandlerSettings, SkipLayerGuidance, StepCache
 from handler.engine.jobs import DenoiseJob, JobSpec
 from handler.engine.loading import load_engine
 from handler.engine.step_engine import StepEngine
@@ -46,10 +46,11 @@ def spec(
     cache=None,
     clip_skip=None,
     rescale=0.0,
-    **other_prompts,
+    **more,
 ) -> JobSpec:
     """A job of ``images`` images (seeds ``seed``, ``seed + 1``, ...) at ``side`` x ``side``
-    (``cache``: a ``StepCache``; ``other_prompts``: ``prompt_2``, ``negative_prompt_2``, ...)."""
+    (``cache``: a ``StepCache``; ``more``: ``prompt_2``, ``negative_prompt_2``, ...,
+    ``skip_layer_guidance``)."""
     seeds = tuple(range(seed, seed + images))
     return JobSpec(
         prompt,
@@ -68,7 +69,7 @@ def spec(
         cache,
         clip_skip,
         rescale,
-        **other_prompts,
+        **more,
     )
 
 
@@ -113,6 +114,7 @@ def expected(
         controlnets=controlnets,
         lycoris=lycoris,
         other_prompts={name: getattr(job, name) for name in OTHER_PROMPTS},
+        skip_layer_guidance=job.skip_layer_guidance,
         **cache_options(job.cache),
     )
 
@@ -215,15 +217,27 @@ def stepped_together(engine: StepEngine, jobs: list[DenoiseJob]) -> list[Decoded
     return [engine.decode(job.latents, job.spec.width, job.spec.height) for job in jobs]
 
 
+# Skip-layer guidance over the tiny transformers' middle block at every step after the first.
+EVERY_STEP_SKIPPING = SkipLayerGuidance((1,), scale=2.0, start=0.0, stop=1.0)
+
+
 def jobs_of_every_kind(
-    engine: StepEngine, scheduler: str, side: int = 32, steps: int = 4, cached: bool = False, first_block: bool = False
+    engine: StepEngine,
+    scheduler: str,
+    side: int = 32,
+    steps: int = 4,
+    cached: bool = False,
+    first_block: bool = False,
+    skip_layers: bool = False,
 ) -> list[DenoiseJob]:
     """A plain job (with ``guidance_rescale`` where the family takes it), one with a LoRA, one with
     a LoRA and a ControlNet (where the family takes them), an image-to-image and an inpainting job,
     all stepped together; ``cached``: and, where the engine serves DeepCache, a cached job with the
     LoRA and the ControlNet and one of a branch in another block (their cached steps differ);
     ``first_block``: and, where it serves first-block caching, a job with it and the LoRA (its
-    threshold skips every step after the first on the tiny models)."""
+    threshold skips every step after the first on the tiny models); ``skip_layers``: and, where it
+    serves skip-layer guidance, a job with it and the LoRA, acting at every step after the first
+    (before the cached jobs)."""
     lora = engine.loras.acquire([("attention", 0.8)], in_use=())
     controls = ()
     if engine.family.rules.controlnets:
@@ -253,6 +267,11 @@ def jobs_of_every_kind(
             spec("lora and control", 3, adapters=lora, controls=controls, **common),
             spec("image", 4, image=picture(side, 1), strength=0.8, guidance=1.0, **common),
             spec("inpaint", 5, image=picture(side, 2), mask=hole(side), strength=0.9, **common),
+            *(
+                [spec("skip layers", 8, adapters=lora, skip_layer_guidance=EVERY_STEP_SKIPPING, **common)]
+                if skip_layers and engine.rules.transformer_blocks
+                else []
+            ),
             *cached_specs,
         ]
     )

@@ -35,7 +35,7 @@ from safetensors.torch import save_file
 from bench.reference import ControlNetCall, Reference, cache_options
 from handler.api.encode import EXIF_IMAGE_DESCRIPTION
 from handler.api.protocol import NSFW_HEADER
-from handler.config import OTHER_PROMPTS, StepCache
+from handler.config import OTHER_PROMPTS, SKIP_LAYER_FIELDS, SkipLayerGuidance, StepCache
 from handler.engine.jobs import PROMPT_FIELDS
 from model_making.make_controlnet import write_controlnet
 from model_making.make_lora import write_lora
@@ -185,6 +185,16 @@ def reference(references: dict, served: Served, body: dict):
     return references[key]
 
 
+def skip_layer_guidance(body: dict) -> SkipLayerGuidance | None:
+    """A body's skip-layer guidance, diffusers' defaults for the settings it leaves out."""
+    if "skip_guidance_layers" not in body:
+        return None
+    settings = {
+        field.removeprefix("skip_layer_guidance_"): body[field] for field in SKIP_LAYER_FIELDS[1:] if field in body
+    }
+    return SkipLayerGuidance(tuple(body["skip_guidance_layers"]), **settings)
+
+
 def call_reference(references: dict, served: Served, body: dict):
     """``reference``'s call."""
     if served.family not in references:
@@ -198,6 +208,7 @@ def call_reference(references: dict, served: Served, body: dict):
         negative_prompt=body.get("negative_prompt"),
         clip_skip=body.get("clip_skip"),
         other_prompts={name: body.get(name) for name in OTHER_PROMPTS},
+        skip_layer_guidance=skip_layer_guidance(body),
         num_images_per_prompt=body.get("num_images_per_prompt", 1),
         scheduler=body.get("scheduler", served.scheduler(0)),
         guidance_scale=body.get("guidance_scale", 7.5),
@@ -305,8 +316,8 @@ def test_mixed_steps_schedulers_guidance_and_prompt_settings_share_forwards_and_
     served, references
 ):
     """Requests with their own steps, scheduler, guidance, ``clip_skip``, (where the family's
-    pipelines take them) ``guidance_rescale`` and the other text encoders' prompts in one denoiser
-    forward."""
+    pipelines take them) ``guidance_rescale``, the other text encoders' prompts and skip-layer
+    guidance in one denoiser forward."""
     bodies = [
         {
             "prompt": "a green triangle",
@@ -339,6 +350,8 @@ def test_mixed_steps_schedulers_guidance_and_prompt_settings_share_forwards_and_
         assert refused.status_code == 400 and "guidance_rescale" in refused.text, refused.text
     other_prompts = {"prompt_2": "a red square", "negative_prompt": "blurry", "negative_prompt_2": "green"}
     other_prompts |= {"prompt_3": "a red circle"} if served.family == "sd3" else {}
+    if served.family == "sd3":  # its skip-layer rows join the forward at steps 1 to 3
+        bodies[2].update(skip_guidance_layers=[1], skip_layer_guidance_stop=0.6)
     if served.family in ("sdxl", "sd3"):
         bodies[2].update(other_prompts)
     else:  # one text encoder

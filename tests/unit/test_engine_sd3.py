@@ -6,6 +6,7 @@ shifting, serving without T5; and the family's rules (LoRAs: ``test_engine_loras
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import shutil
@@ -16,7 +17,7 @@ import pytest
 import torch
 
 from bench.reference import Reference
-from handler.config import FamilyRules, HandlerSettings
+from handler.config import FamilyRules, HandlerSettings, SkipLayerGuidance, StepCache
 from handler.engine.loading import load_engine
 from handler.engine.step_engine import StepEngine
 from handler.families import StableDiffusion3Family, base
@@ -35,6 +36,18 @@ from tests.harness.images import assert_moved
 
 FAMILIES = ("sd3", "sd35")
 FLOW = "flow_match_euler"
+
+
+def count_forward_rows(engine: StepEngine, monkeypatch) -> list[int]:
+    """The rows of each denoiser forward the engine runs from now on (around the family's call)."""
+    rows, forward = [], engine.family.forward
+
+    def counted(latents, *args, **kwargs):
+        rows.append(latents.shape[0])
+        return forward(latents, *args, **kwargs)
+
+    monkeypatch.setattr(engine.family, "forward", counted)
+    return rows
 
 
 # SD 3 jobs: the family's scheduler, guidance 5.
@@ -126,6 +139,74 @@ def test_jobs_with_each_text_encoders_own_prompts_give_diffusers_images_with_the
     assert_moved(decoded[1].images[0], decoded[0].images[0], "prompt_2 and prompt_3")
     assert_moved_without(engine, jobs[2], decoded[2], negative_prompt_2=None)
     assert_moved_without(engine, jobs[3], decoded[3], negative_prompt_3=None)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_jobs_with_skip_layer_guidance_share_forwards_and_give_diffusers_images(
+    engines, references, family, monkeypatch
+):
+    """Skip-layer guidance with its own blocks, scale and window per job (diffusers' defaults for
+    one), beside a job without it: its rows join the step's one forward at the steps it acts, each
+    image diffusers' call with it; it moves the image."""
+    engine = engines[family]
+    jobs = [
+        spec("a red circle", seed=1, steps=6),
+        spec("a red circle", seed=1, images=2, steps=6, skip_layer_guidance=SkipLayerGuidance((1,), stop=0.5)),
+        spec(
+            "a yellow square",
+            seed=3,
+            steps=5,
+            negative="blue",
+            skip_layer_guidance=SkipLayerGuidance((2, 0), scale=4.0, start=0.2, stop=0.9),
+        ),
+        spec("a blue square", seed=4, steps=12, skip_layer_guidance=SkipLayerGuidance((1,))),
+    ]
+    rows = count_forward_rows(engine, monkeypatch)
+    decoded, _ = run_together_as_diffusers(engine, references[family], jobs, monkeypatch)
+    # step 0: 2 + 4 + 2 + 2 rows; a skip-layer row per image of job 1 at steps 1 and 2 (6 x 0.01 < i
+    # < 6 x 0.5), of job 2 at steps 2 to 4 (1 < i < 4.5), of job 3 at steps 1 and 2 (0.12 < i < 2.4)
+    assert rows[:5] == [10, 13, 14, 11, 11]
+    assert_moved_without(engine, jobs[1], decoded[1], skip_layer_guidance=None)
+    assert_moved_without(engine, jobs[2], decoded[2], skip_layer_guidance=None)
+
+
+def test_skip_layer_guidance_beside_first_block_caching_gives_diffusers_images(engines, references):
+    """A job with both runs its skip-layer rows through every block it does not skip, never cached:
+    at threshold 0 it equals diffusers' call with skip-layer guidance alone; a skip-layer job shares
+    the forward with a cached job whose rows skip the blocks after the first (a sub-batch that
+    leaves them out), and equals diffusers' call too."""
+    engine, reference = engines["sd3"], references["sd3"]
+    guidance = SkipLayerGuidance((1,), scale=3.0, start=0.0, stop=1.0)
+    both = spec(
+        "a red circle",
+        seed=1,
+        steps=4,
+        cache=StepCache(mode="first_block", threshold=0.0),
+        skip_layer_guidance=guidance,
+    )
+    cached = spec("a blue square", seed=2, steps=4, cache=StepCache(mode="first_block", threshold=0.5))
+    skipping = spec("a yellow square", seed=3, steps=4, skip_layer_guidance=guidance)
+    running = engine.start([both, cached, skipping])
+    while not all(job.done for job in running):
+        engine.step(running)
+    assert running[1].cached_steps > 0
+    for job, started in zip([both, cached, skipping], running, strict=True):
+        ours = engine.decode(started.latents, job.width, job.height)
+        theirs = expected(reference, dataclasses.replace(job, cache=None) if job is both else job)
+        assert_same_images(ours, theirs)
+
+
+@pytest.mark.parametrize("masked", [False, True], ids=["img2img", "inpaint"])
+def test_skip_layer_guidance_from_an_image_acts_over_the_steps_it_runs(engines, masked):
+    """diffusers' SD 3 img2img and inpaint pipelines have no skip-layer guidance (no call to equal):
+    here its window spans the steps the job runs, as for text to image, and it moves the image."""
+    engine = engines["sd3"]
+    guidance = SkipLayerGuidance((1,), scale=4.0, start=0.0, stop=0.9)
+    job = spec(
+        steps=6, image=picture(64), mask=hole(64) if masked else None, strength=0.7, skip_layer_guidance=guidance
+    )
+    (decoded,) = run(engine, [(0, job)])
+    assert_moved_without(engine, job, decoded, skip_layer_guidance=None)
 
 
 @pytest.mark.parametrize("family", FAMILIES)

@@ -11,7 +11,15 @@ from handler.api.errors import RequestError
 from handler.api.policy import RequestPolicy
 from handler.api.protocol import IncomingRequest, decode
 from handler.api.request import FIELD_LABELS, GenerationRequest
-from handler.config import MAX_SEED, FamilyRules, RequestDefaults, RequestLimits, StepCache
+from handler.config import (
+    MAX_SEED,
+    SKIP_LAYER_FIELDS,
+    FamilyRules,
+    RequestDefaults,
+    RequestLimits,
+    SkipLayerGuidance,
+    StepCache,
+)
 
 POLICY = RequestPolicy(
     RequestLimits(
@@ -55,7 +63,7 @@ def test_every_field_is_taken_as_sent():
     }
     request = decode_body(body, "application/json", replace(POLICY, streaming=True))
     unset = {"image": None, "mask": None, "strength": None, "loras": [], "controlnets": []}
-    unset |= dict.fromkeys(["prompt_2", "negative_prompt_2", "prompt_3", "negative_prompt_3"])
+    unset |= dict.fromkeys(["prompt_2", "negative_prompt_2", "prompt_3", "negative_prompt_3", *SKIP_LAYER_FIELDS])
     unset["cache"] = StepCache().model_dump()
     assert request.model_dump() == {**body, "guidance_scale": 1.0, **unset}
 
@@ -303,6 +311,7 @@ SD3_POLICY = replace(
         max_clip_skip=10,
         guidance_rescale=False,
         text_encoders=3,
+        transformer_blocks=24,
     ),
 )
 SDXL_POLICY = replace(POLICY, rules=FamilyRules("SDXL", max_clip_skip=10, text_encoders=2, zeros_without_negative=True))
@@ -359,6 +368,60 @@ def test_each_text_encoders_prompts_are_taken_where_the_model_is_served_with_tha
         {"prompt": "x", "negative_prompt": "", "prompt_2": "y" * 51, "negative_prompt_2": "\ud800"}, policy=SDXL_POLICY
     )
     assert fields == [("prompt_2", "string_too_long"), ("negative_prompt_2", "string_unicode")]
+
+
+def test_skip_layer_guidance_is_taken_with_diffusers_defaults_and_reported():
+    request = decode_body({"prompt": "x", "skip_guidance_layers": [9, 7, 8, 7]}, "application/json", SD3_POLICY)
+    assert request.skip_layer_guidance() == SkipLayerGuidance((7, 8, 9), 2.8, 0.01, 0.2)
+    reported = request.parameters()
+    assert {name: reported[name] for name in SKIP_LAYER_FIELDS} == {
+        "skip_guidance_layers": [9, 7, 8, 7],
+        "skip_layer_guidance_scale": 2.8,
+        "skip_layer_guidance_start": 0.01,
+        "skip_layer_guidance_stop": 0.2,
+    }
+    given = {"skip_guidance_layers": [0, 23], "skip_layer_guidance_scale": 3, "skip_layer_guidance_stop": 1}
+    request = decode_body({"prompt": "x", **given}, "application/json", SD3_POLICY)
+    assert request.skip_layer_guidance() == SkipLayerGuidance((0, 23), 3.0, 0.01, 1.0)
+    plain = decode_body({"prompt": "x"}, "application/json", SD3_POLICY)
+    assert plain.skip_layer_guidance() is None and not set(SKIP_LAYER_FIELDS) & set(plain.parameters())
+    form = decode_form({"prompt": "x", "skip_guidance_layers": "[7, 8]", "skip_layer_guidance_scale": "2"}, SD3_POLICY)
+    assert form.skip_layer_guidance() == SkipLayerGuidance((7, 8), 2.0)
+
+
+def test_skip_layer_guidance_is_refused_naming_the_field_where_diffusers_would_not_apply_it():
+    fields, message = errors_of({"prompt": "x", "skip_guidance_layers": [7]})
+    assert fields == [("skip_guidance_layers", "skip_layer_guidance_unavailable")]
+    assert "served for SD 3.x models" in message and "this is an SD 1.x model" in message
+    fields, message = errors_of({"prompt": "x", "skip_guidance_layers": [7], "guidance_scale": 1}, policy=SD3_POLICY)
+    assert fields == [("skip_guidance_layers", "guidance_needed")] and "guidance_scale above 1" in message
+    fields, message = errors_of({"prompt": "x", "skip_guidance_layers": [7, 24, 30]}, policy=SD3_POLICY)
+    assert fields == [("skip_guidance_layers", "block_out_of_range")]
+    assert "names [24, 30]: this SD 3.x model's transformer has 24 blocks, 0 to 23" in message
+    assert errors_of({"prompt": "x", "skip_guidance_layers": []}, policy=SD3_POLICY)[0] == [
+        ("skip_guidance_layers", "too_short")
+    ]
+    assert (
+        errors_of({"prompt": "x", "skip_guidance_layers": [-1]}, policy=SD3_POLICY)[0][0][0] == "skip_guidance_layers.0"
+    )
+    fields, message = errors_of({"prompt": "x", "skip_guidance_layers": "7,8"}, policy=SD3_POLICY)
+    assert fields == [("skip_guidance_layers", "json")] and "[7, 8, 9]" in message
+    fields, message = errors_of({"prompt": "x", "skip_layer_guidance_scale": 3}, policy=SD3_POLICY)
+    assert fields == [("skip_layer_guidance_scale", "skip_guidance_layers_missing")]
+    assert "give the blocks" in message
+    layers = {"prompt": "x", "skip_guidance_layers": [7]}
+    fields, message = errors_of(
+        {**layers, "skip_layer_guidance_start": 0.5, "skip_layer_guidance_stop": 0.2}, policy=SD3_POLICY
+    )
+    assert fields == [("skip_layer_guidance_stop", "stop_before_start")]
+    fields, message = errors_of({**layers, "skip_layer_guidance_scale": 31}, policy=SD3_POLICY)
+    assert fields == [("skip_layer_guidance_scale", "less_than_equal")] and "max_guidance_scale" in message
+    for field, value in [
+        ("skip_layer_guidance_start", 1.5),
+        ("skip_layer_guidance_scale", -1),
+        ("skip_layer_guidance_stop", "nan"),
+    ]:
+        assert errors_of({**layers, field: value}, policy=SD3_POLICY)[0][0][0] == field
 
 
 def test_more_steps_than_the_models_training_timesteps_are_refused_naming_the_field():

@@ -32,11 +32,13 @@ from handler.api.request import FIELD_LABELS, GenerationRequest
 from handler.config import (
     MAX_SEED,
     OTHER_PROMPTS,
+    SKIP_LAYER_FIELDS,
     FamilyRules,
     HandlerSettings,
     OutputFormat,
     ResponseFormat,
     SchedulerName,
+    guided_at,
 )
 from handler.engine.jobs import PROMPT_FIELDS
 from handler.sd_handler import to_incoming
@@ -66,6 +68,7 @@ SD3 = FamilyRules(
     max_clip_skip=10,
     guidance_rescale=False,
     text_encoders=3,
+    transformer_blocks=24,
 )
 POLICIES = st.sampled_from(
     [
@@ -199,6 +202,13 @@ def assert_within_policy(request: GenerationRequest, policy: RequestPolicy) -> N
     assert request.prompt.strip()
     encoders = policy.rules.text_encoders
     assert all(getattr(request, field) is None for field, encoder in OTHER_PROMPTS.items() if encoder > encoders)
+    guidance = request.skip_layer_guidance()
+    if guidance is None:
+        assert all(getattr(request, field) is None for field in SKIP_LAYER_FIELDS)
+    else:
+        assert guided_at(request.guidance_scale) and policy.rules.transformer_blocks
+        assert all(type(layer) is int and 0 <= layer < policy.rules.transformer_blocks for layer in guidance.layers)
+        assert 0 <= guidance.start < guidance.stop <= 1 and 0 <= guidance.scale <= limits.max_guidance_scale
     for value, upper in (
         (request.num_inference_steps, limits.max_inference_steps),
         (request.num_images_per_prompt, limits.max_images_per_request),
