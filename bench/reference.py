@@ -145,6 +145,8 @@ class Reference:
             inputs["guidance_rescale"] = guidance_rescale
         inputs.update({name: text for name, text in (other_prompts or {}).items() if text is not None})
         if skip_layer_guidance is not None:
+            if image is not None:
+                raise ValueError("diffusers' SD 3 img2img and inpaint pipelines take no skip-layer guidance")
             inputs.update(
                 skip_guidance_layers=list(skip_layer_guidance.layers),
                 skip_layer_guidance_scale=skip_layer_guidance.scale,

@@ -177,6 +177,12 @@ class SkipLayerRules(BaseModel):
                 "this is an {family} model: leave skip_guidance_layers out",
                 {"family": rules.family},
             )
+        if len(value) > rules.transformer_blocks:
+            raise PydanticCustomError(
+                "too_long",
+                "skip_guidance_layers lists {count} blocks: this {family} model's transformer has {blocks}",
+                {"count": len(value), "family": rules.family, "blocks": rules.transformer_blocks},
+            )
         guidance = info.data.get("guidance_scale")  # absent where it failed its own rules
         if guidance is not None and not guided_at(guidance):
             raise PydanticCustomError(
@@ -208,7 +214,14 @@ class SkipLayerRules(BaseModel):
     def _setting_beside_its_blocks(cls, value: float | None, info: ValidationInfo) -> float | None:
         """Given only with ``skip_guidance_layers`` (diffusers would ignore it); left out beside
         them, diffusers' default; the scale within ``max_guidance_scale``, the start before the stop."""
-        field = str(info.field_name)
+        field, rules = str(info.field_name), policy_of(info).rules
+        if value is not None and not rules.transformer_blocks:
+            raise PydanticCustomError(
+                "skip_layer_guidance_unavailable",
+                "skip-layer guidance is served for SD 3.x models (StableDiffusion3Pipeline's {field}); this is an "
+                "{family} model: leave {field} out",
+                {"field": field, "family": rules.family},
+            )
         if "skip_guidance_layers" not in info.data:  # it failed its own rules: nothing to add
             return value
         if info.data["skip_guidance_layers"] is None:
@@ -220,6 +233,7 @@ class SkipLayerRules(BaseModel):
                     {"field": field},
                 )
             return value
+        given = value is not None
         if value is None:
             value = getattr(SkipLayerGuidance, field.removeprefix("skip_layer_guidance_"))
         if field == "skip_layer_guidance_scale":
@@ -230,9 +244,9 @@ class SkipLayerRules(BaseModel):
         if field == "skip_layer_guidance_stop" and start is not None and value <= start:
             raise PydanticCustomError(
                 "stop_before_start",
-                "skip_layer_guidance_stop ({stop}) must be above skip_layer_guidance_start ({start}): between them "
-                "no step would be guided",
-                {"stop": value, "start": start},
+                "skip_layer_guidance_stop ({stop}{default}) must be above skip_layer_guidance_start ({start}): "
+                "between them no step would be guided",
+                {"stop": value, "start": start, "default": "" if given else ", its default where left out"},
             )
         return value
 

@@ -100,12 +100,12 @@ class RowCosts:
         return Cost(time, max(time, job.rows))
 
     def at_start(self, spec: JobSpec, shape: Shape) -> float:
-        """What a job of ``spec`` costs in its first step (every ControlNet it names acting; time
-        and memory alike)."""
+        """What a job of ``spec`` costs at its costliest step (every ControlNet it names acting, its
+        skip-layer rows joined; time and memory alike)."""
         costs = self._shapes.get(shape)
         if costs is None:
-            return float(spec.rows)
-        return spec.rows * (1.0 + sum(self._controlnet(costs, control.net) for control in spec.controls))
+            return float(spec.most_rows)
+        return spec.most_rows * (1.0 + sum(self._controlnet(costs, control.net) for control in spec.controls))
 
     def _shallow(self, costs: _ShapeCosts, branch: Branch) -> float:
         if branch not in costs.shallow:

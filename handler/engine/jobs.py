@@ -65,6 +65,12 @@ class JobSpec:
         guidance adds its images once more: ``DenoiseJob.rows``)."""
         return self.images * (2 if self.guided else 1)
 
+    @property
+    def most_rows(self) -> int:
+        """Rows of its largest forward: with skip-layer guidance, its images once more (what
+        admission checks against memory, whether or not its window holds a step)."""
+        return self.rows + (self.images if self.guided and self.skip_layer_guidance is not None else 0)
+
 
 @dataclass(frozen=True)
 class Inpainting:
@@ -104,7 +110,6 @@ class DenoiseJob:
     host_timesteps: list[float] = field(default_factory=list)  # a CPU copy of ``timesteps``
     cache: RowCache | FirstBlockCache | None = None  # its step cache: what it keeps from its last full step
     skip_mask: torch.Tensor | None = None  # the blocks its skip-layer guidance skips, (blocks,) on the device
-    _skip_conditioning: Conditioning | None = field(default=None, repr=False)  # forward_conditioning's
 
     def acting(self) -> list[Control]:
         """The ControlNets that act in its next step."""
@@ -146,19 +151,18 @@ class DenoiseJob:
         """Whether its next step runs skip-layer guidance: its images once more, at the prompt's
         conditioning, with the guidance's blocks skipped (after its guided rows)."""
         guidance = self.spec.skip_layer_guidance
-        return guidance is not None and self.guided and guidance.acts(self.step, self.total_steps)
+        return (
+            guidance is not None and self.guided and guidance.scale != 0 and guidance.acts(self.step, self.total_steps)
+        )
 
     @property
     def rows(self) -> int:
         """Rows of its next denoiser forward."""
         return self.spec.rows + (self.images if self.skips_layers else 0)
 
-    def forward_conditioning(self) -> Conditioning:
-        """Its rows' conditioning in its next forward: with skip-layer guidance, the prompt's rows
-        (its last ``images``) once more (made once, on the device)."""
+    def forward_conditioning(self) -> list[Conditioning]:
+        """Its rows' conditioning in its next forward, in pieces (the forward joins them): with
+        skip-layer guidance, the prompt's rows (its last ``images``, a view) once more."""
         if not self.skips_layers:
-            return self.conditioning
-        if self._skip_conditioning is None:
-            prompt = self.conditioning.rows(slice(self.images, None))
-            self._skip_conditioning = Conditioning.concat([self.conditioning, prompt])
-        return self._skip_conditioning
+            return [self.conditioning]
+        return [self.conditioning, self.conditioning.rows(slice(self.images, None))]

@@ -148,7 +148,7 @@ class StepProfile:
         return self.engine.padding(jobs) if jobs[0].latent_shape in self.memory_caps else 0
 
     def fits_job(self, spec: JobSpec) -> bool:
-        """False when a job like ``spec`` (its rows, with its ControlNets) already ran out of memory alone."""
+        """False when a job like ``spec`` (its most rows, with its ControlNets) already ran out of memory alone."""
         shape = self.engine.latent_shape(spec.width, spec.height)
         return self.fits(shape, self.costs.at_start(spec, shape))
 

@@ -267,9 +267,11 @@ class StepEngine:
         the least of ``row_counts`` at or above them (the compiled denoiser's CUDA graphs, or its
         graphs of two rows and more for a single row: copies of the last row with its LoRA set,
         without ControlNet, dropped after). Jobs at a DeepCache cached step skip the deep blocks
-        (``handler.families.deep_cache``); jobs with a first-block cache decide inside the forward
-        (``handler.families.first_block_cache``). A forward with a step cache runs the denoiser's
-        own forward (around its compiled regions), unpadded. All jobs must share a latent shape.
+        (``handler.families.deep_cache``); jobs with a first-block cache decide inside the forward,
+        and jobs at a step of their skip-layer guidance add rows that skip its blocks
+        (``handler.families.first_block_cache``). A forward with a step cache or skip-layer rows
+        runs the denoiser's own forward (around its compiled regions), unpadded, whichever job
+        brings them. All jobs must share a latent shape.
         Returns the ControlNet forwards run."""
         shapes = {job.latent_shape for job in jobs}
         if len(shapes) != 1:
@@ -300,7 +302,8 @@ class StepEngine:
         replays = self.cuda_graphs and not _own_forward(jobs)
         latents = padded_rows(torch.cat(inputs), padding)
         timestep_rows = padded_rows(torch.cat(timesteps), padding)
-        conditioning = Conditioning.concat([job.forward_conditioning() for job in jobs]).padded(padding)
+        conditioning = Conditioning.concat([piece for job in jobs for piece in job.forward_conditioning()])
+        conditioning = conditioning.padded(padding)
         residuals, control_forwards = self.controlnets.residuals(
             [(job.acting(), job.rows) for job in jobs] + [([], padding)], latents, timestep_rows, conditioning
         )

@@ -170,30 +170,33 @@ def test_jobs_with_skip_layer_guidance_share_forwards_and_give_diffusers_images(
     assert_moved_without(engine, jobs[2], decoded[2], skip_layer_guidance=None)
 
 
-def test_skip_layer_guidance_beside_first_block_caching_gives_diffusers_images(engines, references):
+@pytest.mark.parametrize("family", FAMILIES)
+def test_skip_layer_guidance_beside_first_block_caching_gives_diffusers_images(engines, references, family):
     """A job with both runs its skip-layer rows through every block it does not skip, never cached:
     at threshold 0 it equals diffusers' call with skip-layer guidance alone; a skip-layer job shares
-    the forward with a cached job whose rows skip the blocks after the first (a sub-batch that
-    leaves them out), and equals diffusers' call too."""
-    engine, reference = engines["sd3"], references["sd3"]
+    the forward with cached jobs whose rows skip the blocks after the first (a sub-batch that leaves
+    them out), and equals diffusers' call too; a job whose guided rows are cached still guides
+    with its skip-layer rows (no diffusers call to equal: they move its image)."""
+    engine, reference = engines[family], references[family]
     guidance = SkipLayerGuidance((1,), scale=3.0, start=0.0, stop=1.0)
-    both = spec(
-        "a red circle",
-        seed=1,
-        steps=4,
-        cache=StepCache(mode="first_block", threshold=0.0),
-        skip_layer_guidance=guidance,
-    )
-    cached = spec("a blue square", seed=2, steps=4, cache=StepCache(mode="first_block", threshold=0.5))
+    both = spec("a red circle", seed=1, steps=4, cache=first_block(0.0), skip_layer_guidance=guidance)
+    cached = spec("a blue square", seed=2, steps=4, cache=first_block(0.5))
     skipping = spec("a yellow square", seed=3, steps=4, skip_layer_guidance=guidance)
-    running = engine.start([both, cached, skipping])
+    cached_skipping = spec("a green triangle", seed=4, steps=4, cache=first_block(0.5), skip_layer_guidance=guidance)
+    running = engine.start([both, cached, skipping, cached_skipping])
     while not all(job.done for job in running):
         engine.step(running)
-    assert running[1].cached_steps > 0
-    for job, started in zip([both, cached, skipping], running, strict=True):
+    assert running[1].cached_steps > 0 and running[3].cached_steps > 0
+    for job, started in zip([both, cached, skipping], running[:3], strict=True):
         ours = engine.decode(started.latents, job.width, job.height)
         theirs = expected(reference, dataclasses.replace(job, cache=None) if job is both else job)
         assert_same_images(ours, theirs)
+    last = engine.decode(running[3].latents, cached_skipping.width, cached_skipping.height)
+    assert_moved_without(engine, cached_skipping, last, skip_layer_guidance=None)
+
+
+def first_block(threshold: float) -> StepCache:
+    return StepCache(mode="first_block", threshold=threshold)
 
 
 @pytest.mark.parametrize("masked", [False, True], ids=["img2img", "inpaint"])

@@ -375,7 +375,7 @@ def test_skip_layer_guidance_is_taken_with_diffusers_defaults_and_reported():
     assert request.skip_layer_guidance() == SkipLayerGuidance((7, 8, 9), 2.8, 0.01, 0.2)
     reported = request.parameters()
     assert {name: reported[name] for name in SKIP_LAYER_FIELDS} == {
-        "skip_guidance_layers": [9, 7, 8, 7],
+        "skip_guidance_layers": [7, 8, 9],
         "skip_layer_guidance_scale": 2.8,
         "skip_layer_guidance_start": 0.01,
         "skip_layer_guidance_stop": 0.2,
@@ -406,6 +406,11 @@ def test_skip_layer_guidance_is_refused_naming_the_field_where_diffusers_would_n
     )
     fields, message = errors_of({"prompt": "x", "skip_guidance_layers": "7,8"}, policy=SD3_POLICY)
     assert fields == [("skip_guidance_layers", "json")] and "[7, 8, 9]" in message
+    fields, message = errors_of({"prompt": "x", "skip_layer_guidance_scale": 3})
+    assert fields == [("skip_layer_guidance_scale", "skip_layer_guidance_unavailable")]
+    assert "served for SD 3.x models" in message and "leave skip_layer_guidance_scale out" in message
+    fields, message = errors_of({"prompt": "x", "skip_guidance_layers": [7] * 25}, policy=SD3_POLICY)
+    assert fields == [("skip_guidance_layers", "too_long")] and "lists 25 blocks" in message
     fields, message = errors_of({"prompt": "x", "skip_layer_guidance_scale": 3}, policy=SD3_POLICY)
     assert fields == [("skip_layer_guidance_scale", "skip_guidance_layers_missing")]
     assert "give the blocks" in message
@@ -414,6 +419,9 @@ def test_skip_layer_guidance_is_refused_naming_the_field_where_diffusers_would_n
         {**layers, "skip_layer_guidance_start": 0.5, "skip_layer_guidance_stop": 0.2}, policy=SD3_POLICY
     )
     assert fields == [("skip_layer_guidance_stop", "stop_before_start")]
+    fields, message = errors_of({**layers, "skip_layer_guidance_start": 0.5}, policy=SD3_POLICY)
+    assert fields == [("skip_layer_guidance_stop", "stop_before_start")]
+    assert "skip_layer_guidance_stop (0.2, its default where left out) must be above" in message
     fields, message = errors_of({**layers, "skip_layer_guidance_scale": 31}, policy=SD3_POLICY)
     assert fields == [("skip_layer_guidance_scale", "less_than_equal")] and "max_guidance_scale" in message
     for field, value in [

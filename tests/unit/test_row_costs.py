@@ -15,7 +15,7 @@ from handler.adapters.controlnets import ControlSpec
 from handler.config import StepCache
 from handler.engine.costs import ATTENTION_FORMULAS, Cost, RowCosts
 from handler.engine.scheduling import StepProfile, choose
-from tests.harness.engine_runs import engine_with_adapters, picture, spec
+from tests.harness.engine_runs import EVERY_STEP_SKIPPING, engine_with_adapters, picture, spec
 
 SIDE = 64
 
@@ -93,6 +93,22 @@ def test_a_first_block_row_and_an_sd3_row_cost_their_rows(tmp_path):
     costs.count(job)
     engine.step([job])
     assert costs.of(job) == Cost.rows(job.rows)
+
+
+def test_skip_layer_rows_cost_rows_at_their_steps_and_admission_counts_them(tmp_path):
+    """A job's skip-layer rows cost a row each at the steps of its window; admission checks its
+    largest forward, so once one ran out of memory alone, another like it is refused, a plain job
+    of its guided rows is not."""
+    engine = engine_with_adapters("sd3", tmp_path)
+    skipping = spec(side=SIDE, steps=4, scheduler="flow_match_euler", skip_layer_guidance=EVERY_STEP_SKIPPING)
+    plain = spec(side=SIDE, steps=4, scheduler="flow_match_euler")
+    (job,) = engine.start([skipping])
+    profile = StepProfile(engine, max_images=16)
+    assert profile.cost(job) == Cost.rows(2) and profile.costs.at_start(skipping, job.latent_shape) == 3
+    engine.step([job])
+    assert profile.cost(job) == Cost.rows(3)
+    profile.ran_out_of_memory(job.latent_shape, job.rows, alone=True, padding=0)
+    assert not profile.fits_job(skipping) and profile.fits_job(plain)
 
 
 def test_a_controlnets_out_of_memory_limits_by_its_cost_not_its_rows(engine):
