@@ -38,7 +38,7 @@ from diffusers import (
 from PIL.Image import Image
 from safetensors.torch import load_file
 
-from handler.config import MAX_SEED, SkipLayerGuidance, StepCache
+from handler.config import MAX_SEED, SizeConditioning, SkipLayerGuidance, StepCache
 from handler.families import SCHEDULERS
 from handler.families.sd import flat_text_model
 
@@ -108,6 +108,7 @@ class Reference:
         lycoris: Sequence[tuple[Path, float]] = (),
         other_prompts: Mapping[str, str | None] | None = None,
         skip_layer_guidance: SkipLayerGuidance | None = None,
+        size_conditioning: SizeConditioning | None = None,
     ) -> ReferenceOutput:
         """One request: ``num_images_per_prompt`` images of one prompt, image k from ``seed + k``
         (wrapping past the largest seed, as requests do); from ``image`` (of the request's size)
@@ -121,9 +122,10 @@ class Reference:
         into its two text encoders, as diffusers' documentation does); with LyCORIS files and weights
         merged into the weights for this call only (``merged_lycoris``); ``clip_skip`` and
         ``guidance_rescale`` and ``other_prompts`` (``prompt_2``, ``negative_prompt_2``, ...)
-        and ``skip_layer_guidance`` (as ``skip_guidance_layers`` and its settings) passed on where
-        given, to a pipeline that takes them (SD 1.x/2.x's text encoder read as diffusers PR #14043
-        reads it: ``handler.families.sd.flat_text_model``;
+        and ``skip_layer_guidance`` (as ``skip_guidance_layers`` and its settings) and SDXL's
+        ``size_conditioning`` (``original_size``, ...) passed on where given, to a pipeline that
+        takes them (SD 1.x/2.x's text encoder read as diffusers PR #14043 reads it:
+        ``handler.families.sd.flat_text_model``;
         diffusers' SD 1.x/2.x img2img and inpaint pipelines and the ControlNet pipelines take no
         ``guidance_rescale``); ``scheduler`` None: the model's own."""
         seeds = [(seed + index) % (MAX_SEED + 1) for index in range(num_images_per_prompt)]
@@ -144,6 +146,8 @@ class Reference:
         if guidance_rescale:
             inputs["guidance_rescale"] = guidance_rescale
         inputs.update({name: text for name, text in (other_prompts or {}).items() if text is not None})
+        if size_conditioning is not None:
+            inputs.update({name: value for name, value in vars(size_conditioning).items() if value is not None})
         if skip_layer_guidance is not None:
             if image is not None:
                 raise ValueError("diffusers' SD 3 img2img and inpaint pipelines take no skip-layer guidance")

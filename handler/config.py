@@ -48,6 +48,32 @@ SKIP_LAYER_FIELDS = (
 )
 
 
+# SDXL's size and crop conditioning, in diffusers' names: (height, width) pairs, crops (top, left).
+SIZE_CONDITIONING_FIELDS = (
+    "original_size",
+    "crops_coords_top_left",
+    "target_size",
+    "negative_original_size",
+    "negative_crops_coords_top_left",
+    "negative_target_size",
+)
+Pair = tuple[int, int]
+MAX_CONDITIONED_PIXELS = 2**16 - 1  # the largest size or crop offset a request may condition on
+
+
+@dataclass(frozen=True)
+class SizeConditioning:
+    """SDXL's micro-conditioning as a request gives it (None: left out): what its pipelines turn into
+    the UNet's six time ids per row (``handler.families.sdxl``)."""
+
+    original_size: Pair | None = None
+    crops_coords_top_left: Pair | None = None
+    target_size: Pair | None = None
+    negative_original_size: Pair | None = None
+    negative_crops_coords_top_left: Pair | None = None
+    negative_target_size: Pair | None = None
+
+
 @dataclass(frozen=True)
 class SkipLayerGuidance:
     """SD 3.x's skip-layer guidance (``StableDiffusion3Pipeline``'s ``skip_guidance_layers``,
@@ -98,6 +124,7 @@ class FamilyRules:
     # The transformer blocks a request's skip_guidance_layers may name (SD 3.x: its blocks; 0: none,
     # skip-layer guidance is not served).
     transformer_blocks: int = 0
+    size_conditioning: bool = False  # whether it takes SDXL's size and crop conditioning (original_size, ...)
 
     def serves(self, cache: StepCache) -> bool:
         """Whether the denoiser serves a step cache (off always)."""

@@ -42,7 +42,7 @@ from handler.api.protocol import (
     without_body,
 )
 from handler.api.request import MAX_PARTIAL_IMAGES, GenerationRequest, validate_fields, validate_model
-from handler.config import OTHER_PROMPTS, SKIP_LAYER_FIELDS, OutputFormat
+from handler.config import OTHER_PROMPTS, SIZE_CONDITIONING_FIELDS, SKIP_LAYER_FIELDS, OutputFormat
 
 GENERATIONS = "v1/images/generations"
 EDITS = "v1/images/edits"
@@ -58,6 +58,7 @@ SD_PARAMETERS = (
     "guidance_scale",
     "guidance_rescale",
     *SKIP_LAYER_FIELDS,
+    *SIZE_CONDITIONING_FIELDS,
     "scheduler",
     "loras",
     "controlnets",
@@ -111,6 +112,12 @@ class ImageGenerationParams(BaseModel):
     skip_layer_guidance_scale: Any = None
     skip_layer_guidance_start: Any = None
     skip_layer_guidance_stop: Any = None
+    original_size: Any = None
+    crops_coords_top_left: Any = None
+    target_size: Any = None
+    negative_original_size: Any = None
+    negative_crops_coords_top_left: Any = None
+    negative_target_size: Any = None
     scheduler: Any = None
     loras: Any = None
     controlnets: Any = None

@@ -24,18 +24,22 @@ from handler.api.rules import (
     CacheRules,
     ImageRules,
     LimitRules,
+    SizeConditioningRules,
     SizeRules,
     SkipLayerRules,
     StreamRules,
     TextRules,
 )
 from handler.config import (
+    MAX_CONDITIONED_PIXELS,
     MAX_SEED,
     OTHER_PROMPTS,
+    SIZE_CONDITIONING_FIELDS,
     SKIP_LAYER_FIELDS,
     OutputFormat,
     ResponseFormat,
     SchedulerName,
+    SizeConditioning,
     SkipLayerGuidance,
     StepCache,
     guided_at,
@@ -45,6 +49,16 @@ from handler.config import (
 MAX_PARTIAL_IMAGES = 3
 
 Model = TypeVar("Model", bound=BaseModel)
+
+
+# Two sizes or offsets in pixels, or left out.
+ConditionedPair = list[Annotated[int, Field(ge=0, le=MAX_CONDITIONED_PIXELS)]] | None
+
+
+def _pair(description: str) -> Any:
+    """An SDXL size-conditioning field: two integers, or left out (its rules run either way: a pair's
+    refusal may be that its partner is missing)."""
+    return Field(None, min_length=2, max_length=2, validate_default=True, description=description)
 
 
 def _window_share(where: str, default: float) -> Any:
@@ -60,7 +74,15 @@ def _window_share(where: str, default: float) -> Any:
 
 
 class GenerationRequest(
-    TextRules, LimitRules, SkipLayerRules, SizeRules, StreamRules, AdapterRules, ImageRules, CacheRules
+    TextRules,
+    LimitRules,
+    SkipLayerRules,
+    SizeRules,
+    StreamRules,
+    AdapterRules,
+    ImageRules,
+    CacheRules,
+    SizeConditioningRules,
 ):
     """One text-to-image request, in diffusers' parameter names."""
 
@@ -152,6 +174,30 @@ class GenerationRequest(
         "the blocks after the first skipped while its residual changes by at most threshold), or "
         '{"mode": "off"}; left out, the server\'s default'
     )
+    original_size: ConditionedPair = _pair(
+        "SDXL: the size [height, width] the UNet is told the training image had (diffusers' original_size); left "
+        "out: the request's size"
+    )
+    crops_coords_top_left: ConditionedPair = _pair(
+        "SDXL: the crop's top-left corner [top, left] the UNet is told of (diffusers' crops_coords_top_left); left "
+        "out: [0, 0]"
+    )
+    target_size: ConditionedPair = _pair(
+        "SDXL: the size [height, width] the UNet is told to aim for (diffusers' target_size); left out: the "
+        "request's size"
+    )
+    negative_original_size: ConditionedPair = _pair(
+        "SDXL: original_size of the unguided rows (diffusers' negative_original_size; text to image: with "
+        "negative_target_size only); left out: original_size"
+    )
+    negative_target_size: ConditionedPair = _pair(
+        "SDXL: target_size of the unguided rows (diffusers' negative_target_size; text to image: with "
+        "negative_original_size only); left out: target_size"
+    )
+    negative_crops_coords_top_left: ConditionedPair = _pair(
+        "SDXL text to image, with both negative sizes: crops_coords_top_left of the unguided rows (diffusers' "
+        "negative_crops_coords_top_left); left out: [0, 0]"
+    )
 
     @model_validator(mode="before")
     @classmethod
@@ -181,6 +227,11 @@ class GenerationRequest(
         parts = self.partial_images + 1
         spaced = (round(steps * index / parts) for index in range(1, parts))
         return frozenset(step for step in spaced if 0 < step < steps)
+
+    def size_conditioning(self) -> SizeConditioning | None:
+        """Its SDXL size and crop conditioning (None: none given)."""
+        given = {field: tuple(getattr(self, field)) for field in SIZE_CONDITIONING_FIELDS if getattr(self, field)}
+        return SizeConditioning(**given) if given else None
 
     def skip_layer_guidance(self) -> SkipLayerGuidance | None:
         """Its skip-layer guidance (None: none asked for)."""
@@ -217,6 +268,7 @@ class GenerationRequest(
         excluded |= {field for field in OTHER_PROMPTS if getattr(self, field) is None}
         excluded |= {"guidance_rescale"} if not (self.guidance_rescale and guided_at(self.guidance_scale)) else set()
         excluded |= set(SKIP_LAYER_FIELDS) if self.skip_guidance_layers is None else set()
+        excluded |= {field for field in SIZE_CONDITIONING_FIELDS if getattr(self, field) is None}
         parameters = self.model_dump(exclude=excluded)
         if self.controlnets:  # their settings, not their images
             parameters["controlnets"] = [choice.model_dump(exclude={"image"}) for choice in self.controlnets]

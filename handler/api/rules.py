@@ -14,13 +14,14 @@ from pydantic_core import PydanticCustomError
 from handler.api.choices import ControlNetChoice, LoraChoice
 from handler.api.input_image import as_mask, as_rgb, read_image
 from handler.api.policy import above_limit, above_model_limit, at_most, policy_of
-from handler.config import OTHER_PROMPTS, SkipLayerGuidance, StepCache, guided_at
+from handler.config import OTHER_PROMPTS, SIZE_CONDITIONING_FIELDS, FamilyRules, SkipLayerGuidance, StepCache, guided_at
 
 # What a list field looks like, for its error (in a form or query: that list as JSON text).
 LIST_EXAMPLES = {
     "loras": {"field": "loras", "example": '[{"name": "outline", "scale": 0.8}]'},
     "controlnets": {"field": "controlnets", "example": '[{"name": "shapes-mask", "scale": 0.9}] with file parts'},
     "skip_guidance_layers": {"field": "skip_guidance_layers", "example": "[7, 8, 9]"},
+    **{field: {"field": field, "example": "[1024, 1024]"} for field in SIZE_CONDITIONING_FIELDS},
 }
 # Fields bounded above by an operator setting in RequestLimits.
 UPPER_LIMITS = {
@@ -31,6 +32,22 @@ UPPER_LIMITS = {
 
 # What OTHER_PROMPTS's encoders are, in a refusal's words.
 ENCODER_NAMES = {2: "a second text encoder (CLIP-G)", 3: "a third text encoder (T5)"}
+
+
+# What a family's pipelines may not take, in a refusal's words.
+SKIP_LAYER_GUIDANCE = (
+    "skip-layer guidance is served for SD 3.x models (StableDiffusion3Pipeline's skip_guidance_layers)"
+)
+SIZE_CONDITIONING = "size and crop conditioning is SDXL's (its UNet's time ids: original_size, target_size, ...)"
+
+
+def _not_served(rule: str, what: str, field: str, rules: FamilyRules) -> PydanticCustomError:
+    """A refusal of a field this family's pipelines do not take: what it is, and to leave it out."""
+    return PydanticCustomError(
+        rule,
+        "{what}; this is an {family} model: leave {field} out",
+        {"what": what, "family": rules.family, "field": field},
+    )
 
 
 class TextRules(BaseModel):
@@ -171,12 +188,7 @@ class SkipLayerRules(BaseModel):
             return value
         rules = policy_of(info).rules
         if not rules.transformer_blocks:
-            raise PydanticCustomError(
-                "skip_layer_guidance_unavailable",
-                "skip-layer guidance is served for SD 3.x models (StableDiffusion3Pipeline's skip_guidance_layers); "
-                "this is an {family} model: leave skip_guidance_layers out",
-                {"family": rules.family},
-            )
+            raise _not_served("skip_layer_guidance_unavailable", SKIP_LAYER_GUIDANCE, "skip_guidance_layers", rules)
         if len(value) > rules.transformer_blocks:
             raise PydanticCustomError(
                 "too_long",
@@ -216,12 +228,7 @@ class SkipLayerRules(BaseModel):
         them, diffusers' default; the scale within ``max_guidance_scale``, the start before the stop."""
         field, rules = str(info.field_name), policy_of(info).rules
         if value is not None and not rules.transformer_blocks:
-            raise PydanticCustomError(
-                "skip_layer_guidance_unavailable",
-                "skip-layer guidance is served for SD 3.x models (StableDiffusion3Pipeline's {field}); this is an "
-                "{family} model: leave {field} out",
-                {"field": field, "family": rules.family},
-            )
+            raise _not_served("skip_layer_guidance_unavailable", SKIP_LAYER_GUIDANCE, field, rules)
         if "skip_guidance_layers" not in info.data:  # it failed its own rules: nothing to add
             return value
         if info.data["skip_guidance_layers"] is None:
@@ -323,7 +330,7 @@ class AdapterRules(BaseModel):
     """LoRAs and ControlNets: lists (a form's JSON text is parsed before), within the limits, where
     the family takes them."""
 
-    @field_validator("loras", "controlnets", "skip_guidance_layers", mode="before", check_fields=False)
+    @field_validator("loras", "controlnets", *LIST_EXAMPLES, mode="before", check_fields=False)
     @classmethod
     def _a_list_not_text(cls, value: Any, info: ValidationInfo) -> Any:
         """A form's list fields were parsed from their JSON text (``handler.api.bodies``); text left
@@ -454,4 +461,46 @@ class CacheRules(BaseModel):
                 "cache.branch must be 0..{last} for this model's UNet (3 per down block), got {branch}",
                 {"last": rules.cache_branches - 1, "branch": value.branch},
             )
+        return value
+
+
+class SizeConditioningRules(BaseModel):
+    """SDXL's size and crop conditioning: on SDXL models only, and only where the job's pipeline reads
+    it (declared after ``image``, which decides the pipeline)."""
+
+    @field_validator(*SIZE_CONDITIONING_FIELDS, check_fields=False)
+    @classmethod
+    def _read_by_the_pipeline(cls, value: list[int] | None, info: ValidationInfo) -> list[int] | None:
+        field, rules = str(info.field_name), policy_of(info).rules
+        if value is not None and not rules.size_conditioning:
+            raise _not_served("size_conditioning_unavailable", SIZE_CONDITIONING, field, rules)
+        if "image" not in info.data:  # it failed its own rules: which pipeline is unknown
+            return value
+        text_to_image = info.data["image"] is None
+        if field == "negative_target_size" and text_to_image:
+            given = {name for name in ("negative_original_size",) if info.data.get(name) is not None}
+            if value is not None:
+                given.add(field)
+            if len(given) == 1:
+                (alone,) = given
+                raise PydanticCustomError(
+                    "negative_size_alone",
+                    "StableDiffusionXLPipeline reads negative_original_size and negative_target_size together only "
+                    "(a text-to-image request's unguided rows take the positive sizes otherwise): {alone} was given "
+                    "alone; give both, or neither",
+                    {"alone": alone},
+                )
+        if field == "negative_crops_coords_top_left" and value is not None:
+            if not text_to_image:
+                raise PydanticCustomError(
+                    "negative_crops_unread",
+                    "diffusers' SDXL img2img and inpaint pipelines condition the unguided rows on "
+                    "crops_coords_top_left, not negative_crops_coords_top_left: leave it out with an image",
+                )
+            if info.data.get("negative_original_size") is None or info.data.get("negative_target_size") is None:
+                raise PydanticCustomError(
+                    "negative_size_alone",
+                    "StableDiffusionXLPipeline reads negative_crops_coords_top_left only with negative_original_size "
+                    "and negative_target_size: give both sizes too, or leave it out",
+                )
         return value

@@ -11,7 +11,7 @@ from PIL.Image import Image
 
 from handler.adapters.controlnets import Control, ControlSpec
 from handler.adapters.loras import Adapters
-from handler.config import OTHER_PROMPTS, SchedulerName, SkipLayerGuidance, StepCache, guided_at
+from handler.config import OTHER_PROMPTS, SchedulerName, SizeConditioning, SkipLayerGuidance, StepCache, guided_at
 from handler.families import Conditioning, Family, Scheduler, schedules
 from handler.families.deep_cache import RowCache
 from handler.families.first_block_cache import FirstBlockCache
@@ -49,6 +49,7 @@ class JobSpec:
     prompt_3: str | None = None
     negative_prompt_3: str | None = None
     skip_layer_guidance: SkipLayerGuidance | None = None  # SD 3.x's, with guidance (None: none)
+    size_conditioning: SizeConditioning | None = None  # SDXL's sizes and crops (None: the pipeline's defaults)
 
     @property
     def images(self) -> int:

@@ -41,10 +41,10 @@ own (4- or 16-channel) denoiser; a job with ControlNets mirrors ``StableDiffusio
 
 Left out, because no request can ask for it: ``cross_attention_kwargs`` and its one LoRA scale
 (each LoRA's weight is the request's), IP-Adapter images, caller-supplied latents, embeddings,
-timesteps or sigmas, ``denoising_start``/``denoising_end``, SDXL's negative size conditioning and
-aesthetic scores, inpainting's ``padding_mask_crop`` and 9- or 33-channel inpainting denoisers,
-ControlNet inpainting, guess mode and global-pooling ControlNets, output types other than PIL, step
-callbacks. UNets with a guidance embedding (``time_cond_proj_dim``, LCM) are refused at load.
+timesteps or sigmas, ``denoising_start``/``denoising_end``, SDXL's aesthetic scores, inpainting's
+``padding_mask_crop`` and 9- or 33-channel inpainting denoisers, ControlNet inpainting, guess mode
+and global-pooling ControlNets, output types other than PIL, step callbacks. UNets with a guidance
+embedding (``time_cond_proj_dim``, LCM) are refused at load.
 Different by design: jobs of one shape share one denoiser forward, so an image equals diffusers' to
 float rounding, not bit for bit; SDXL's VAE is kept in float32 instead of being upcast around each
 decode (same arithmetic); SD 3's inpainting decodes with the VAE's shift factor

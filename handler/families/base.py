@@ -40,7 +40,7 @@ from diffusers import FlowMatchEulerDiscreteScheduler
 from diffusers.image_processor import VaeImageProcessor
 from PIL.Image import Image
 
-from handler.config import FamilyRules, SchedulerName
+from handler.config import FamilyRules, SchedulerName, SizeConditioning
 from handler.families.transfer import to_device
 
 # Scheduler templates a family keeps: one per (scheduler, steps, timestep options) in use, such as
@@ -139,6 +139,12 @@ class PromptSpec(Protocol):
 
     @property
     def negative_prompt_3(self) -> str | None: ...
+
+    @property
+    def size_conditioning(self) -> SizeConditioning | None: ...
+
+    @property
+    def image(self) -> Image | None: ...
 
     @property
     def width(self) -> int: ...
@@ -326,6 +332,7 @@ class Family(ABC):
     own_attention: ClassVar[type | None] = None
     takes_controlnets: ClassVar[bool] = False  # FamilyRules.controlnets
     takes_guidance_rescale: ClassVar[bool] = True  # FamilyRules.guidance_rescale
+    takes_size_conditioning: ClassVar[bool] = False  # FamilyRules.size_conditioning
     # Which hidden states of its CLIP encoders a prompt conditions on, counted from the end: 1 the
     # last (then the final layer norm: SD 1.x/2.x), 2 the penultimate (SDXL, SD 3.x); ``clip_skip``
     # k takes ``hidden_states[-(k + clip_layer_from_last)]`` (``encode_prompt``).
@@ -382,6 +389,7 @@ class Family(ABC):
             guidance_rescale=self.takes_guidance_rescale,
             text_encoders=self.text_encoders,
             zeros_without_negative=self.zeros_without_negative,
+            size_conditioning=self.takes_size_conditioning,
         )
 
     @property

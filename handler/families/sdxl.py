@@ -2,7 +2,8 @@
 the model's own 4-channel UNet.
 
 What differs from SD 1.x/2.x (``handler.families.sd``): two text encoders, the second's pooled
-embedding and the six size/crop time ids as the UNet's added conditioning, zeros for an absent
+embedding and the six size/crop time ids as the UNet's added conditioning (a request's sizes and crop
+as each pipeline reads them: ``time_id_sizes``), zeros for an absent
 negative prompt (``force_zeros_for_empty_prompt``); the VAE in float32 where it asks for it
 (``force_upcast``) and its latents mean and std where it has them (the img2img pipeline's encode,
 every decode, not the inpaint pipeline's encode); the watermarker where one is installed, no safety
@@ -16,6 +17,7 @@ from typing import ClassVar
 import torch
 from diffusers import StableDiffusionXLPipeline
 
+from handler.config import SizeConditioning
 from handler.families.base import Conditioning, Decoded, Family, Pipeline, PromptSpec, TextEmbedding
 from handler.families.sd import StableDiffusionFamily
 from handler.families.transfer import to_device
@@ -26,6 +28,7 @@ class StableDiffusionXLFamily(StableDiffusionFamily):
 
     pipeline_class: ClassVar[type] = StableDiffusionXLPipeline
     clip_layer_from_last: ClassVar[int] = 2  # the penultimate hidden states
+    takes_size_conditioning: ClassVar[bool] = True
 
     def __init__(self, pipeline: Pipeline, device: torch.device, dtype: torch.dtype, max_sequence_length: int = 256):
         super().__init__(pipeline, device, dtype, max_sequence_length)
@@ -64,21 +67,20 @@ class StableDiffusionXLFamily(StableDiffusionFamily):
         ]
 
     def _condition(self, spec: PromptSpec, rows: TextEmbedding) -> Conditioning:
-        """``__call__`` steps 3 and 7 for one job's rows: embeddings and pooled embeddings, time ids
-        from the original and target size (the request's size) and a (0, 0) crop."""
+        """``__call__`` steps 3 and 7 for one job's rows: embeddings and pooled embeddings, and the
+        time ids of its sizes and crop (``time_id_sizes``), the unguided rows' first with guidance."""
         pipeline, pooled = self.pipeline, rows.pooled
         assert pooled is not None  # SDXL's second encoder pools
         projection_dim = (
             int(pooled.shape[-1]) if pipeline.text_encoder_2 is None else pipeline.text_encoder_2.config.projection_dim
         )
-        time_ids = pipeline._get_add_time_ids(
-            (spec.height, spec.width),
-            (0, 0),
-            (spec.height, spec.width),
-            dtype=rows.hidden_states.dtype,
-            text_encoder_projection_dim=projection_dim,
+        negative, positive = (
+            pipeline._get_add_time_ids(
+                *sizes, dtype=rows.hidden_states.dtype, text_encoder_projection_dim=projection_dim
+            ).repeat(spec.images, 1)
+            for sizes in time_id_sizes(spec)
         )
-        time_ids = time_ids.to(self.device).repeat(pooled.shape[0], 1)
+        time_ids = (torch.cat([negative, positive]) if spec.guided else positive).to(self.device)
         return Conditioning(
             rows.hidden_states.to(self.device), {"text_embeds": pooled.to(self.device), "time_ids": time_ids}
         )
@@ -117,3 +119,25 @@ class StableDiffusionXLFamily(StableDiffusionFamily):
         if self.pipeline.watermark is not None:
             image = self.pipeline.watermark.apply_watermark(image)
         return Family.postprocess(self, image)  # no safety checker
+
+
+Sizes = tuple[tuple[int, int], tuple[int, int], tuple[int, int]]  # original size, crop's top left, target size
+
+
+def time_id_sizes(spec: PromptSpec) -> tuple[Sizes, Sizes]:
+    """The (original size, crop, target size) of a job's unguided and guided rows, as its pipeline
+    reads the request's (``__call__``'s step 7): the sizes default to the image's, the crop to (0, 0).
+    ``StableDiffusionXLPipeline`` (and its ControlNet pipeline) give the unguided rows their own only
+    where both negative sizes are given (then with the negative crop), the positive ones otherwise;
+    the img2img and inpaint pipelines take each negative size left out from the positive one, and
+    the positive crop (``_get_add_time_ids`` without aesthetic scores)."""
+    given = spec.size_conditioning or SizeConditioning()
+    size = (spec.height, spec.width)
+    original, target = given.original_size or size, given.target_size or size
+    positive = (original, given.crops_coords_top_left or (0, 0), target)
+    negative_original, negative_target = given.negative_original_size, given.negative_target_size
+    if spec.image is not None:
+        return (negative_original or original, positive[1], negative_target or target), positive
+    if negative_original is None or negative_target is None:
+        return positive, positive
+    return (negative_original, given.negative_crops_coords_top_left or (0, 0), negative_target), positive

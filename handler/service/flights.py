@@ -54,6 +54,7 @@ def job_spec(
         text("prompt_3"),
         text("negative_prompt_3"),
         request.skip_layer_guidance(),
+        request.size_conditioning(),
     )
 
 

@@ -115,6 +115,7 @@ def expected(
         lycoris=lycoris,
         other_prompts={name: getattr(job, name) for name in OTHER_PROMPTS},
         skip_layer_guidance=job.skip_layer_guidance,
+        size_conditioning=job.size_conditioning,
         **cache_options(job.cache),
     )
 

@@ -35,7 +35,14 @@ from safetensors.torch import save_file
 from bench.reference import ControlNetCall, Reference, cache_options
 from handler.api.encode import EXIF_IMAGE_DESCRIPTION
 from handler.api.protocol import NSFW_HEADER
-from handler.config import OTHER_PROMPTS, SKIP_LAYER_FIELDS, SkipLayerGuidance, StepCache
+from handler.config import (
+    OTHER_PROMPTS,
+    SIZE_CONDITIONING_FIELDS,
+    SKIP_LAYER_FIELDS,
+    SizeConditioning,
+    SkipLayerGuidance,
+    StepCache,
+)
 from handler.engine.jobs import PROMPT_FIELDS
 from model_making.make_controlnet import write_controlnet
 from model_making.make_lora import write_lora
@@ -209,6 +216,9 @@ def call_reference(references: dict, served: Served, body: dict):
         clip_skip=body.get("clip_skip"),
         other_prompts={name: body.get(name) for name in OTHER_PROMPTS},
         skip_layer_guidance=skip_layer_guidance(body),
+        size_conditioning=SizeConditioning(
+            **{field: tuple(body[field]) for field in SIZE_CONDITIONING_FIELDS if field in body}
+        ),
         num_images_per_prompt=body.get("num_images_per_prompt", 1),
         scheduler=body.get("scheduler", served.scheduler(0)),
         guidance_scale=body.get("guidance_scale", 7.5),
@@ -352,6 +362,9 @@ def test_mixed_steps_schedulers_guidance_and_prompt_settings_share_forwards_and_
     other_prompts |= {"prompt_3": "a red circle"} if served.family == "sd3" else {}
     if served.family == "sd3":  # its skip-layer rows join the forward at steps 1 to 3
         bodies[2].update(skip_guidance_layers=[1], skip_layer_guidance_stop=0.6)
+    if served.family == "sdxl":  # its own time ids, the unguided rows' too
+        bodies[2].update(original_size=[128, 96], crops_coords_top_left=[0, 8], target_size=[64, 64])
+        bodies[2].update(negative_original_size=[32, 32], negative_target_size=[48, 48])
     if served.family in ("sdxl", "sd3"):
         bodies[2].update(other_prompts)
     else:  # one text encoder

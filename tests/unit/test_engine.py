@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from bench.reference import Reference
-from handler.config import UNET_SCHEDULERS, HandlerSettings, SchedulerName
+from handler.config import UNET_SCHEDULERS, HandlerSettings, SchedulerName, SizeConditioning
 from handler.engine.jobs import JobSpec
 from handler.engine.loading import load_engine
 from handler.engine.step_engine import StepEngine
@@ -152,6 +152,46 @@ def test_sdxl_jobs_with_the_second_encoders_prompts_give_diffusers_images_with_t
     assert calls == 1
     assert_moved(decoded[1].images[0], decoded[0].images[0], "prompt_2")
     assert_moved_without(engine, jobs[4], decoded[4], negative_prompt_2=None)
+
+
+def test_sdxl_jobs_with_their_own_sizes_and_crops_give_each_pipelines_images(engines, references, monkeypatch):
+    """SDXL's size and crop conditioning (time ids) per job, as each pipeline reads it: text to image
+    with its sizes and crop, and with both negative sizes and a negative crop; image to image and
+    inpainting with one negative size each (the other, and the crop, the positive ones), all in
+    one forward, each image diffusers' call with them."""
+    engine = engines["sdxl"]
+    negatives = SizeConditioning(negative_original_size=(32, 32), negative_target_size=(48, 48))
+    jobs = [
+        spec(seed=1, steps=4),
+        spec(seed=1, steps=4, size_conditioning=SizeConditioning((128, 96), (8, 16), (64, 64))),
+        spec(
+            seed=2,
+            steps=4,
+            negative="blue",
+            size_conditioning=replace(negatives, negative_crops_coords_top_left=(4, 4)),
+        ),
+        spec(
+            seed=3,
+            steps=4,
+            image=picture(64),
+            strength=0.8,
+            size_conditioning=SizeConditioning((96, 96), (8, 8), negative_original_size=(16, 16)),
+        ),
+        spec(
+            seed=4,
+            steps=4,
+            image=picture(64, 1),
+            mask=hole(64),
+            strength=0.9,
+            size_conditioning=SizeConditioning(negative_target_size=(128, 128)),
+        ),
+    ]
+    decoded, _ = run_together_as_diffusers(engine, references["sdxl"], jobs, monkeypatch)
+    assert_moved(decoded[1].images[0], decoded[0].images[0], "original_size, crops_coords_top_left, target_size")
+    assert_moved_without(engine, jobs[2], decoded[2], size_conditioning=None)
+    assert_moved_without(
+        engine, jobs[3], decoded[3], size_conditioning=replace(jobs[3].size_conditioning, negative_original_size=None)
+    )
 
 
 def test_the_prompts_a_job_may_give_are_one_per_text_encoder(engines):

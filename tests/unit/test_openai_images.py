@@ -91,6 +91,7 @@ def test_output_compression_is_the_quality_of_lossy_formats():
         ({"partial_images": 2}, "partial_images", "needs_stream"),
         ({"stream": True}, "stream", "streaming_unavailable"),
         ({"skip_guidance_layers": [7]}, "skip_guidance_layers", "skip_layer_guidance_unavailable"),
+        ({"target_size": [64, 64]}, "target_size", "size_conditioning_unavailable"),
     ],
 )
 def test_a_refusal_is_a_400_in_openai_shape_naming_the_parameter(fields, param, code):

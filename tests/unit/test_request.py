@@ -13,10 +13,12 @@ from handler.api.protocol import IncomingRequest, decode
 from handler.api.request import FIELD_LABELS, GenerationRequest
 from handler.config import (
     MAX_SEED,
+    SIZE_CONDITIONING_FIELDS,
     SKIP_LAYER_FIELDS,
     FamilyRules,
     RequestDefaults,
     RequestLimits,
+    SizeConditioning,
     SkipLayerGuidance,
     StepCache,
 )
@@ -63,7 +65,16 @@ def test_every_field_is_taken_as_sent():
     }
     request = decode_body(body, "application/json", replace(POLICY, streaming=True))
     unset = {"image": None, "mask": None, "strength": None, "loras": [], "controlnets": []}
-    unset |= dict.fromkeys(["prompt_2", "negative_prompt_2", "prompt_3", "negative_prompt_3", *SKIP_LAYER_FIELDS])
+    unset |= dict.fromkeys(
+        [
+            "prompt_2",
+            "negative_prompt_2",
+            "prompt_3",
+            "negative_prompt_3",
+            *SKIP_LAYER_FIELDS,
+            *SIZE_CONDITIONING_FIELDS,
+        ]
+    )
     unset["cache"] = StepCache().model_dump()
     assert request.model_dump() == {**body, "guidance_scale": 1.0, **unset}
 
@@ -314,7 +325,10 @@ SD3_POLICY = replace(
         transformer_blocks=24,
     ),
 )
-SDXL_POLICY = replace(POLICY, rules=FamilyRules("SDXL", max_clip_skip=10, text_encoders=2, zeros_without_negative=True))
+SDXL_POLICY = replace(
+    POLICY,
+    rules=FamilyRules("SDXL", max_clip_skip=10, text_encoders=2, zeros_without_negative=True, size_conditioning=True),
+)
 
 
 def test_the_familys_rules_name_what_it_allows():
@@ -430,6 +444,48 @@ def test_skip_layer_guidance_is_refused_naming_the_field_where_diffusers_would_n
         ("skip_layer_guidance_stop", "nan"),
     ]:
         assert errors_of({**layers, field: value}, policy=SD3_POLICY)[0][0][0] == field
+
+
+def test_sdxl_sizes_and_crops_are_taken_as_pairs_and_reported():
+    sizes = {"original_size": [2048, 1536], "crops_coords_top_left": [0, 64], "target_size": [1024, 1024]}
+    request = decode_body({"prompt": "x", **sizes}, "application/json", SDXL_POLICY)
+    assert request.size_conditioning() == SizeConditioning((2048, 1536), (0, 64), (1024, 1024))
+    assert {name: request.parameters()[name] for name in sizes} == sizes
+    negatives = {"negative_original_size": [512, 512], "negative_target_size": [1024, 1024]}
+    request = decode_body(
+        {"prompt": "x", **negatives, "negative_crops_coords_top_left": [8, 8]}, "application/json", SDXL_POLICY
+    )
+    assert request.size_conditioning() == SizeConditioning(
+        negative_original_size=(512, 512), negative_target_size=(1024, 1024), negative_crops_coords_top_left=(8, 8)
+    )
+    plain = decode_body({"prompt": "x"}, "application/json", SDXL_POLICY)
+    assert plain.size_conditioning() is None and not set(SIZE_CONDITIONING_FIELDS) & set(plain.parameters())
+    form = decode_form({"prompt": "x", "original_size": "[512, 256]"}, SDXL_POLICY)
+    assert form.size_conditioning() == SizeConditioning(original_size=(512, 256))
+
+
+def test_sdxl_sizes_and_crops_a_pipeline_would_not_read_are_refused_naming_the_field():
+    fields, message = errors_of({"prompt": "x", "target_size": [64, 64]})
+    assert fields == [("target_size", "size_conditioning_unavailable")]
+    assert (
+        "size and crop conditioning is SDXL's" in message
+        and "this is an SD 1.x model: leave target_size out" in message
+    )
+    fields, message = errors_of({"prompt": "x", "negative_original_size": [64, 64]}, policy=SDXL_POLICY)
+    assert fields == [("negative_target_size", "negative_size_alone")] and "negative_original_size was given" in message
+    fields, message = errors_of({"prompt": "x", "negative_target_size": [64, 64]}, policy=SDXL_POLICY)
+    assert fields == [("negative_target_size", "negative_size_alone")] and "negative_target_size was given" in message
+    fields, _ = errors_of({"prompt": "x", "negative_crops_coords_top_left": [0, 8]}, policy=SDXL_POLICY)
+    assert fields == [("negative_crops_coords_top_left", "negative_size_alone")]
+    image = {"prompt": "x", "image": _b64(_png(_photo(64, 64)))}
+    assert decode_body({**image, "negative_original_size": [64, 64]}, "application/json", SDXL_POLICY)
+    fields, message = errors_of({**image, "negative_crops_coords_top_left": [0, 8]}, policy=SDXL_POLICY)
+    assert fields == [("negative_crops_coords_top_left", "negative_crops_unread")] and "img2img" in message
+    for value, rule in [([64], "too_short"), ([64, 64, 64], "too_long"), ("64x64", "json")]:
+        assert errors_of({"prompt": "x", "original_size": value}, policy=SDXL_POLICY)[0] == [("original_size", rule)]
+    assert errors_of({"prompt": "x", "crops_coords_top_left": [-1, 0]}, policy=SDXL_POLICY)[0][0][0] == (
+        "crops_coords_top_left.0"
+    )
 
 
 def test_more_steps_than_the_models_training_timesteps_are_refused_naming_the_field():

@@ -30,6 +30,7 @@ from handler.api.policy import RequestPolicy
 from handler.api.protocol import IncomingRequest, Response, bad_request, decode
 from handler.api.request import FIELD_LABELS, GenerationRequest
 from handler.config import (
+    MAX_CONDITIONED_PIXELS,
     MAX_SEED,
     OTHER_PROMPTS,
     SKIP_LAYER_FIELDS,
@@ -57,7 +58,7 @@ from tests.harness.stand_ins import FAILS_AT_START, FAILS_STEPPING, RecordingSin
 SHIPPED = HandlerSettings.from_model_yaml(SHIPPED_CONFIG).for_model(64, 64)
 POLICY = RequestPolicy(SHIPPED.limits, SHIPPED.defaults)
 # The other families' rules: more text encoders, SD 3.x's grid and scheduler.
-SDXL = FamilyRules("SDXL", max_clip_skip=10, text_encoders=2, zeros_without_negative=True)
+SDXL = FamilyRules("SDXL", max_clip_skip=10, text_encoders=2, zeros_without_negative=True, size_conditioning=True)
 SD3 = FamilyRules(
     "SD 3.x",
     ("flow_match_euler",),
@@ -202,6 +203,12 @@ def assert_within_policy(request: GenerationRequest, policy: RequestPolicy) -> N
     assert request.prompt.strip()
     encoders = policy.rules.text_encoders
     assert all(getattr(request, field) is None for field, encoder in OTHER_PROMPTS.items() if encoder > encoders)
+    sizes = request.size_conditioning()
+    if sizes is not None:
+        assert policy.rules.size_conditioning
+        assert all(0 <= value <= MAX_CONDITIONED_PIXELS for pair in vars(sizes).values() if pair for value in pair)
+        if request.image is None and sizes.negative_original_size is None:
+            assert sizes.negative_target_size is None and sizes.negative_crops_coords_top_left is None
     guidance = request.skip_layer_guidance()
     if guidance is None:
         assert all(getattr(request, field) is None for field in SKIP_LAYER_FIELDS)
