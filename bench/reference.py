@@ -175,7 +175,10 @@ class Reference:
             helper.enable()
         try:
             with self.merged_lycoris(lycoris):
-                one_by_one = isinstance(pipeline, StableDiffusion3Img2ImgPipeline) and len(seeds) > 1
+                one_by_one = len(seeds) > 1 and (
+                    isinstance(pipeline, StableDiffusion3Img2ImgPipeline)
+                    or _mispaired_time_ids(image, guidance_scale, size_conditioning)
+                )
                 calls = [(1, [one]) for one in seeds] if one_by_one else [(num_images_per_prompt, seeds)]
                 outputs = [
                     self._call(
@@ -389,3 +392,18 @@ def _lycoris_delta(parameters: dict[str, torch.Tensor]) -> torch.Tensor:
         return loha.diff_weight(*(parameters.get(name) for name in names), gamma=alpha / dim)
     names = ["lokr_w1", "lokr_w1_a", "lokr_w1_b", "lokr_w2", "lokr_w2_a", "lokr_w2_b", "lokr_t2"]
     return lokr.diff_weight(*(parameters.get(name) for name in names), gamma=alpha)
+
+
+def _mispaired_time_ids(image: Image | None, guidance_scale: float, sizes: SizeConditioning | None) -> bool:
+    """Whether diffusers' SDXL text-to-image pipelines (and their ControlNet pipeline) would pair
+    several images' rows with the other side's time ids: they repeat [negative; positive] ids per
+    image against [negatives; positives] embeddings, which only differ with both negative sizes
+    given. The server pairs each row with its own side's, so such a request's reference is one call
+    per image (as diffusers' img2img and inpaint pipelines pair them)."""
+    return (
+        image is None
+        and guidance_scale > 1
+        and sizes is not None
+        and sizes.negative_original_size is not None
+        and sizes.negative_target_size is not None
+    )

@@ -58,7 +58,9 @@ SIZE_CONDITIONING_FIELDS = (
     "negative_target_size",
 )
 Pair = tuple[int, int]
-MAX_CONDITIONED_PIXELS = 2**16 - 1  # the largest size or crop offset a request may condition on
+# The largest size or crop offset a request may condition on (ComfyUI's MAX_RESOLUTION; float16 time
+# ids hold integers up to 65504 only).
+MAX_CONDITIONED_SIDE = 16384
 
 
 @dataclass(frozen=True)

@@ -31,7 +31,7 @@ from handler.api.rules import (
     TextRules,
 )
 from handler.config import (
-    MAX_CONDITIONED_PIXELS,
+    MAX_CONDITIONED_SIDE,
     MAX_SEED,
     OTHER_PROMPTS,
     SIZE_CONDITIONING_FIELDS,
@@ -52,7 +52,7 @@ Model = TypeVar("Model", bound=BaseModel)
 
 
 # Two sizes or offsets in pixels, or left out.
-ConditionedPair = list[Annotated[int, Field(ge=0, le=MAX_CONDITIONED_PIXELS)]] | None
+ConditionedPair = list[Annotated[int, Field(ge=0, le=MAX_CONDITIONED_SIDE)]] | None
 
 
 def _pair(description: str) -> Any:
@@ -269,6 +269,8 @@ class GenerationRequest(
         excluded |= {"guidance_rescale"} if not (self.guidance_rescale and guided_at(self.guidance_scale)) else set()
         excluded |= set(SKIP_LAYER_FIELDS) if self.skip_guidance_layers is None else set()
         excluded |= {field for field in SIZE_CONDITIONING_FIELDS if getattr(self, field) is None}
+        if not guided_at(self.guidance_scale):  # the unguided rows' conditioning: none without guidance
+            excluded |= {field for field in SIZE_CONDITIONING_FIELDS if field.startswith("negative_")}
         parameters = self.model_dump(exclude=excluded)
         if self.controlnets:  # their settings, not their images
             parameters["controlnets"] = [choice.model_dump(exclude={"image"}) for choice in self.controlnets]

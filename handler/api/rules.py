@@ -477,27 +477,29 @@ class SizeConditioningRules(BaseModel):
         if "image" not in info.data:  # it failed its own rules: which pipeline is unknown
             return value
         text_to_image = info.data["image"] is None
-        if field == "negative_target_size" and text_to_image:
-            given = {name for name in ("negative_original_size",) if info.data.get(name) is not None}
-            if value is not None:
-                given.add(field)
-            if len(given) == 1:
-                (alone,) = given
+        if field == "negative_target_size" and text_to_image and "negative_original_size" in info.data:
+            original = info.data["negative_original_size"]
+            if (original is None) != (value is None):
                 raise PydanticCustomError(
                     "negative_size_alone",
-                    "StableDiffusionXLPipeline reads negative_original_size and negative_target_size together only "
-                    "(a text-to-image request's unguided rows take the positive sizes otherwise): {alone} was given "
-                    "alone; give both, or neither",
-                    {"alone": alone},
+                    "StableDiffusionXLPipeline (and its ControlNet pipeline) reads negative_original_size and "
+                    "negative_target_size together only (a text-to-image request's unguided rows take the positive "
+                    "sizes otherwise): {missing} is missing beside {given}; give both, or neither",
+                    {
+                        "missing": "negative_target_size" if value is None else "negative_original_size",
+                        "given": "negative_original_size" if value is None else "negative_target_size",
+                    },
                 )
         if field == "negative_crops_coords_top_left" and value is not None:
             if not text_to_image:
                 raise PydanticCustomError(
                     "negative_crops_unread",
-                    "diffusers' SDXL img2img and inpaint pipelines condition the unguided rows on "
-                    "crops_coords_top_left, not negative_crops_coords_top_left: leave it out with an image",
+                    "diffusers' SDXL img2img and inpaint pipelines (and the ControlNet img2img pipeline) condition "
+                    "the unguided rows on crops_coords_top_left, not negative_crops_coords_top_left: leave it out "
+                    "with an image",
                 )
-            if info.data.get("negative_original_size") is None or info.data.get("negative_target_size") is None:
+            sizes = [info.data.get(name, ()) for name in ("negative_original_size", "negative_target_size")]
+            if None in sizes:  # () where a size failed its own rules: its error says enough
                 raise PydanticCustomError(
                     "negative_size_alone",
                     "StableDiffusionXLPipeline reads negative_crops_coords_top_left only with negative_original_size "

@@ -47,7 +47,9 @@ and global-pooling ControlNets, output types other than PIL, step callbacks. UNe
 embedding (``time_cond_proj_dim``, LCM) are refused at load.
 Different by design: jobs of one shape share one denoiser forward, so an image equals diffusers' to
 float rounding, not bit for bit; SDXL's VAE is kept in float32 instead of being upcast around each
-decode (same arithmetic); SD 3's inpainting decodes with the VAE's shift factor
+decode (same arithmetic); SDXL's time ids pair each row with its own side's, where diffusers'
+text-to-image pipelines pair several images' rows with the other side's given both negative sizes
+(``handler.families.sdxl.time_id_sizes``); SD 3's inpainting decodes with the VAE's shift factor
 (``handler.families.sd3``); ``guidance_rescale`` applies to every guided job of a UNet family,
 where diffusers' SD 1.x/2.x image-to-image and inpaint pipelines and every ControlNet pipeline
 (SDXL's included) have none.

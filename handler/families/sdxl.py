@@ -68,7 +68,10 @@ class StableDiffusionXLFamily(StableDiffusionFamily):
 
     def _condition(self, spec: PromptSpec, rows: TextEmbedding) -> Conditioning:
         """``__call__`` steps 3 and 7 for one job's rows: embeddings and pooled embeddings, and the
-        time ids of its sizes and crop (``time_id_sizes``), the unguided rows' first with guidance."""
+        time ids of its sizes and crop (``time_id_sizes``), the unguided rows' first with guidance,
+        each row its own side's (diffusers' text-to-image pipelines repeat the [negative; positive]
+        pair per image instead, which pairs some rows of several images with the other side's where
+        the two differ; its img2img and inpaint pipelines pair them as here)."""
         pipeline, pooled = self.pipeline, rows.pooled
         assert pooled is not None  # SDXL's second encoder pools
         projection_dim = (

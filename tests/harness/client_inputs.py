@@ -110,7 +110,7 @@ def boundary_values(limits: RequestLimits) -> dict[str, list[Any]]:
         "skip_layer_guidance_scale": [None, 0, 2.8, limits.max_guidance_scale + 1, -1, math.nan, "2.8", True],
         "skip_layer_guidance_start": [None, 0, 0.01, 0.5, 1, 1.5, -0.1, math.inf],
         "skip_layer_guidance_stop": [None, 0, 0.2, 0.5, 1, 1.0000001, "0.2"],
-        "original_size": [None, [1024, 1024], [0, 65535], [65536, 1], [1024], [-1, 8], "[1024, 1024]", [1.5, 2]],
+        "original_size": [None, [1024, 1024], [0, 16384], [16385, 1], [1024], [-1, 8], "[1024, 1024]", [1.5, 2]],
         "target_size": [None, [64, 64], [64, 64, 64], [True, 1]],
         "crops_coords_top_left": [None, [0, 0], [8, 16], [0, -8]],
         "negative_original_size": [None, [512, 512], []],

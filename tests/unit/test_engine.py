@@ -156,7 +156,8 @@ def test_sdxl_jobs_with_the_second_encoders_prompts_give_diffusers_images_with_t
 
 def test_sdxl_jobs_with_their_own_sizes_and_crops_give_each_pipelines_images(engines, references, monkeypatch):
     """SDXL's size and crop conditioning (time ids) per job, as each pipeline reads it: text to image
-    with its sizes and crop, and with both negative sizes and a negative crop; image to image and
+    with its sizes and crop (guided, and not), and with both negative sizes and a negative crop (two
+    images: each row with its own side's ids, diffusers' call per image); image to image and
     inpainting with one negative size each (the other, and the crop, the positive ones), all in
     one forward, each image diffusers' call with them."""
     engine = engines["sdxl"]
@@ -166,6 +167,7 @@ def test_sdxl_jobs_with_their_own_sizes_and_crops_give_each_pipelines_images(eng
         spec(seed=1, steps=4, size_conditioning=SizeConditioning((128, 96), (8, 16), (64, 64))),
         spec(
             seed=2,
+            images=2,
             steps=4,
             negative="blue",
             size_conditioning=replace(negatives, negative_crops_coords_top_left=(4, 4)),
@@ -185,6 +187,7 @@ def test_sdxl_jobs_with_their_own_sizes_and_crops_give_each_pipelines_images(eng
             strength=0.9,
             size_conditioning=SizeConditioning(negative_target_size=(128, 128)),
         ),
+        spec(seed=5, steps=4, guidance=1.0, size_conditioning=SizeConditioning(target_size=(32, 128))),
     ]
     decoded, _ = run_together_as_diffusers(engine, references["sdxl"], jobs, monkeypatch)
     assert_moved(decoded[1].images[0], decoded[0].images[0], "original_size, crops_coords_top_left, target_size")
@@ -192,6 +195,8 @@ def test_sdxl_jobs_with_their_own_sizes_and_crops_give_each_pipelines_images(eng
     assert_moved_without(
         engine, jobs[3], decoded[3], size_conditioning=replace(jobs[3].size_conditioning, negative_original_size=None)
     )
+    assert_moved_without(engine, jobs[4], decoded[4], size_conditioning=None)
+    assert_moved_without(engine, jobs[5], decoded[5], size_conditioning=None)
 
 
 def test_the_prompts_a_job_may_give_are_one_per_text_encoder(engines):

@@ -460,6 +460,8 @@ def test_sdxl_sizes_and_crops_are_taken_as_pairs_and_reported():
     )
     plain = decode_body({"prompt": "x"}, "application/json", SDXL_POLICY)
     assert plain.size_conditioning() is None and not set(SIZE_CONDITIONING_FIELDS) & set(plain.parameters())
+    unguided = decode_body({"prompt": "x", "guidance_scale": 1, **negatives}, "application/json", SDXL_POLICY)
+    assert not set(negatives) & set(unguided.parameters()), "no unguided rows read them"
     form = decode_form({"prompt": "x", "original_size": "[512, 256]"}, SDXL_POLICY)
     assert form.size_conditioning() == SizeConditioning(original_size=(512, 256))
 
@@ -472,9 +474,17 @@ def test_sdxl_sizes_and_crops_a_pipeline_would_not_read_are_refused_naming_the_f
         and "this is an SD 1.x model: leave target_size out" in message
     )
     fields, message = errors_of({"prompt": "x", "negative_original_size": [64, 64]}, policy=SDXL_POLICY)
-    assert fields == [("negative_target_size", "negative_size_alone")] and "negative_original_size was given" in message
+    assert fields == [("negative_target_size", "negative_size_alone")]
+    assert "negative_target_size is missing beside negative_original_size" in message
     fields, message = errors_of({"prompt": "x", "negative_target_size": [64, 64]}, policy=SDXL_POLICY)
-    assert fields == [("negative_target_size", "negative_size_alone")] and "negative_target_size was given" in message
+    assert fields == [("negative_target_size", "negative_size_alone")]
+    assert "negative_original_size is missing beside negative_target_size" in message
+    broken = {
+        "negative_original_size": [64],
+        "negative_target_size": [64, 64],
+        "negative_crops_coords_top_left": [0, 0],
+    }
+    assert errors_of({"prompt": "x", **broken}, policy=SDXL_POLICY)[0] == [("negative_original_size", "too_short")]
     fields, _ = errors_of({"prompt": "x", "negative_crops_coords_top_left": [0, 8]}, policy=SDXL_POLICY)
     assert fields == [("negative_crops_coords_top_left", "negative_size_alone")]
     image = {"prompt": "x", "image": _b64(_png(_photo(64, 64)))}

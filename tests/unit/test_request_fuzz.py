@@ -30,7 +30,7 @@ from handler.api.policy import RequestPolicy
 from handler.api.protocol import IncomingRequest, Response, bad_request, decode
 from handler.api.request import FIELD_LABELS, GenerationRequest
 from handler.config import (
-    MAX_CONDITIONED_PIXELS,
+    MAX_CONDITIONED_SIDE,
     MAX_SEED,
     OTHER_PROMPTS,
     SKIP_LAYER_FIELDS,
@@ -206,7 +206,7 @@ def assert_within_policy(request: GenerationRequest, policy: RequestPolicy) -> N
     sizes = request.size_conditioning()
     if sizes is not None:
         assert policy.rules.size_conditioning
-        assert all(0 <= value <= MAX_CONDITIONED_PIXELS for pair in vars(sizes).values() if pair for value in pair)
+        assert all(0 <= value <= MAX_CONDITIONED_SIDE for pair in vars(sizes).values() if pair for value in pair)
         if request.image is None and sizes.negative_original_size is None:
             assert sizes.negative_target_size is None and sizes.negative_crops_coords_top_left is None
     guidance = request.skip_layer_guidance()
