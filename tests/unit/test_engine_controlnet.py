@@ -20,7 +20,7 @@ from safetensors.torch import load_file, save_file
 from bench.reference import ControlNetCall, Reference
 from handler.adapters.controlnets import ControlSpec
 from handler.adapters.library import EntryError
-from handler.config import HandlerSettings, StepCache
+from handler.config import HandlerSettings, SizeConditioning, StepCache
 from handler.engine.loading import load_engine
 from handler.families.sd import _downsampled
 from model_making.make_controlnet import write_controlnet
@@ -65,6 +65,11 @@ def test_jobs_with_other_controlnets_share_forwards_and_each_equals_diffusers(fa
         (1, (ControlSpec(depth, maps[0], 0.9, 0.0, 0.5),), picture(SIDE, 9), False),
         (1, (ControlSpec(edges, maps[2], 1.0),), None, True),
     ]
+    # SDXL's sizes as its ControlNet text-to-image and img2img pipelines read them
+    sizes = {
+        2: SizeConditioning((96, 96), negative_original_size=(32, 32), negative_target_size=(48, 48)),
+        3: SizeConditioning(crops_coords_top_left=(8, 8), negative_original_size=(16, 16)),
+    }
     jobs = []
     for index, (joins, controls, image, lora) in enumerate(plans):
         adapters = engine.loras.acquire([("attention", 0.8)], in_use=()) if lora else ()
@@ -79,6 +84,7 @@ def test_jobs_with_other_controlnets_share_forwards_and_each_equals_diffusers(fa
             strength=0.75 if image is not None else 1.0,
             adapters=adapters,
             controls=controls,
+            size_conditioning=sizes.get(index) if family == "sdxl" else None,
         )
         jobs.append((joins, job))
     together = run(engine, jobs)
