@@ -297,7 +297,8 @@ class StepEngine:
         inputs, timesteps = [], []
         for job in jobs:
             timestep = job.timesteps[job.step]
-            job_rows = torch.cat([job.latents] * (job.rows // job.images))  # guided: twice; skipping layers: 3 times
+            copies = job.rows // job.images  # guided: twice; at a skip-layer step: 3 times
+            job_rows = torch.cat([job.latents] * copies) if copies > 1 else job.latents
             inputs.append(family.model_input(job.scheduler, job_rows, timestep))
             timesteps.append(timestep.float().expand(job.rows))
         rows, padding = sum(job.rows for job in jobs), self.padding(jobs)
