@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -48,15 +49,6 @@ SKIP_LAYER_FIELDS = (
 )
 
 
-# SDXL's size and crop conditioning, in diffusers' names: (height, width) pairs, crops (top, left).
-SIZE_CONDITIONING_FIELDS = (
-    "original_size",
-    "crops_coords_top_left",
-    "target_size",
-    "negative_original_size",
-    "negative_crops_coords_top_left",
-    "negative_target_size",
-)
 Pair = tuple[int, int]
 # The largest size or crop offset a request may condition on (ComfyUI's MAX_RESOLUTION; float16 time
 # ids hold integers up to 65504 only).
@@ -74,6 +66,10 @@ class SizeConditioning:
     negative_original_size: Pair | None = None
     negative_crops_coords_top_left: Pair | None = None
     negative_target_size: Pair | None = None
+
+
+# SDXL's size and crop conditioning, in diffusers' names: (height, width) pairs, crops (top, left).
+SIZE_CONDITIONING_FIELDS = tuple(field.name for field in dataclasses.fields(SizeConditioning))
 
 
 @dataclass(frozen=True)

@@ -14,7 +14,15 @@ from pydantic_core import PydanticCustomError
 from handler.api.choices import ControlNetChoice, LoraChoice
 from handler.api.input_image import as_mask, as_rgb, read_image
 from handler.api.policy import above_limit, above_model_limit, at_most, policy_of
-from handler.config import OTHER_PROMPTS, SIZE_CONDITIONING_FIELDS, FamilyRules, SkipLayerGuidance, StepCache, guided_at
+from handler.config import (
+    OTHER_PROMPTS,
+    SIZE_CONDITIONING_FIELDS,
+    SKIP_LAYER_FIELDS,
+    FamilyRules,
+    SkipLayerGuidance,
+    StepCache,
+    guided_at,
+)
 
 # What a list field looks like, for its error (in a form or query: that list as JSON text).
 LIST_EXAMPLES = {
@@ -219,9 +227,7 @@ class SkipLayerRules(BaseModel):
             )
         return value
 
-    @field_validator(
-        "skip_layer_guidance_scale", "skip_layer_guidance_start", "skip_layer_guidance_stop", check_fields=False
-    )
+    @field_validator(*SKIP_LAYER_FIELDS[1:], check_fields=False)  # the settings after the blocks
     @classmethod
     def _setting_beside_its_blocks(cls, value: float | None, info: ValidationInfo) -> float | None:
         """Given only with ``skip_guidance_layers`` (diffusers would ignore it); left out beside
@@ -330,7 +336,7 @@ class AdapterRules(BaseModel):
     """LoRAs and ControlNets: lists (a form's JSON text is parsed before), within the limits, where
     the family takes them."""
 
-    @field_validator("loras", "controlnets", *LIST_EXAMPLES, mode="before", check_fields=False)
+    @field_validator(*LIST_EXAMPLES, mode="before", check_fields=False)
     @classmethod
     def _a_list_not_text(cls, value: Any, info: ValidationInfo) -> Any:
         """A form's list fields were parsed from their JSON text (``handler.api.bodies``); text left

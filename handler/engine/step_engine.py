@@ -371,14 +371,16 @@ class StepEngine:
         if not skipping:
             return None
         assert self.first_block is not None
-        pieces = []
+        rows = sum(job.rows for job in jobs)
+        mask = torch.zeros((rows, self.first_block.blocks), dtype=torch.bool, device=self.device)
+        stop = 0
         for job in jobs:
-            pieces.append(torch.zeros((job.spec.rows, self.first_block.blocks), dtype=torch.bool, device=self.device))
-            if job.skips_layers:
+            stop += job.rows
+            if job.skips_layers:  # its last rows
                 assert job.skip_mask is not None  # made at its start
-                pieces.append(job.skip_mask.expand(job.images, -1))
+                mask[stop - job.images : stop] = job.skip_mask
         layers = {layer for job in skipping for layer in _skip_layers(job)}
-        return SkipRows(torch.cat(pieces), frozenset(layers))
+        return SkipRows(mask, frozenset(layers))
 
     def _advance(self, job: DenoiseJob, noise: torch.Tensor) -> None:
         """A job's guidance and ``scheduler.step`` on its rows' noise prediction (and, inpainting,
