@@ -6,7 +6,7 @@ import dataclasses
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, ClassVar, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import (
     BaseModel,
@@ -196,6 +196,13 @@ class RequestDefaults(_Section):
         ge=0,
         le=1,
         description="rescales guided noise toward the prompt's own spread (diffusers' guidance_rescale)",
+    )
+    skip_guidance_layers: list[Annotated[int, Field(ge=0)]] | None = Field(
+        None,
+        min_length=1,
+        description="SD 3.x: the blocks skip-layer guidance skips for a guided request that leaves "
+        "skip_guidance_layers out (SD 3.5 Medium's card: [7, 8, 9]); an unguided request gets none, and one "
+        "that sends null opts out",
     )
     width: int | None = Field(None, ge=8, multiple_of=8, description="None: the model's native size")
     height: int | None = Field(None, ge=8, multiple_of=8, description="None: the model's native size")
@@ -723,8 +730,8 @@ class HandlerSettings(_Section):
         width/height, and the model's own scheduler where the configured default is one its family
         does not serve; checked against the limits again. Raises ValueError for a configured default
         or warm-up size off the family's grid or larger than the model takes, a default
-        ``guidance_rescale`` its family's pipelines do not take, or a default ``clip_skip`` beyond
-        its text encoders."""
+        ``guidance_rescale`` its family's pipelines do not take, default ``skip_guidance_layers``
+        its denoiser does not have, or a default ``clip_skip`` beyond its text encoders."""
         defaults = self.defaults.model_dump()
         defaults["width"] = defaults["width"] or width
         defaults["height"] = defaults["height"] or height
@@ -742,6 +749,17 @@ class HandlerSettings(_Section):
             raise ValueError(
                 f"defaults.guidance_rescale {self.defaults.guidance_rescale:g}: {rules.family} pipelines have no "
                 "guidance_rescale (set it to 0)"
+            )
+        layers, blocks = self.defaults.skip_guidance_layers, rules.transformer_blocks
+        if layers and not blocks:
+            raise ValueError(
+                f"defaults.skip_guidance_layers {layers}: {rules.family} models have no skip-layer guidance "
+                "(SD 3.x's; leave it unset)"
+            )
+        if layers and (len(layers) > blocks or max(layers) >= blocks):
+            raise ValueError(
+                f"defaults.skip_guidance_layers {layers}: this {rules.family} model's transformer has {blocks} "
+                f"blocks, 0 to {blocks - 1}, each listed at most once"
             )
         if (self.defaults.clip_skip or 0) > rules.max_clip_skip:
             raise ValueError(

@@ -210,6 +210,8 @@ class GenerationRequest(
         defaults = {**policy.defaults.model_dump(), "cache": policy.default_cache}
         if data.get("image") is None:
             defaults.pop("strength")
+        if _unguided(data.get("guidance_scale", defaults["guidance_scale"])):
+            defaults["skip_guidance_layers"] = None  # the default acts on guided requests only
         source = data.get("image") if data.get("image") is not None else _first_control_image(data.get("controlnets"))
         if source is not None and "width" not in data and "height" not in data:
             size = peek_size(source, policy.limits.max_input_pixels)
@@ -285,6 +287,15 @@ def _first_control_image(controlnets: Any) -> Any:
     if isinstance(controlnets, list) and controlnets and isinstance(controlnets[0], dict):
         return controlnets[0].get("image")
     return None
+
+
+def _unguided(guidance_scale: Any) -> bool:
+    """Whether a request's ``guidance_scale`` as sent (a form's as text) turns guidance off; one that is
+    not a number is not, its own rules refuse it."""
+    try:
+        return not guided_at(float(guidance_scale))
+    except (TypeError, ValueError):
+        return False
 
 
 # The fields the native API knows, as logs and metric labels name them.

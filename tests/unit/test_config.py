@@ -185,6 +185,23 @@ def test_a_default_guidance_rescale_needs_a_family_whose_pipelines_take_it():
         HandlerSettings.model_validate({"defaults": {"guidance_rescale": 1.5}})
 
 
+def test_a_default_skip_guidance_layers_needs_blocks_the_models_transformer_has():
+    layers = HandlerSettings.model_validate({"defaults": {"skip_guidance_layers": [7, 8, 9]}})
+    sd35 = FamilyRules("SD 3.x", ("flow_match_euler",), "flow_match_euler", 16, "start", transformer_blocks=24)
+    assert layers.for_model(64, 64, sd35).defaults.skip_guidance_layers == [7, 8, 9]
+    with pytest.raises(ValueError, match=r"skip_guidance_layers \[7, 8, 9\]: SD 1.x models have no skip-layer"):
+        layers.for_model(64, 64)
+    sd3 = replace(sd35, transformer_blocks=8)
+    with pytest.raises(ValueError, match=r"\[7, 8, 9\]: this SD 3.x model's transformer has 8 blocks, 0 to 7"):
+        layers.for_model(64, 64, sd3)
+    repeated = HandlerSettings.model_validate({"defaults": {"skip_guidance_layers": [1] * 9}})
+    with pytest.raises(ValueError, match="each listed at most once"):
+        repeated.for_model(64, 64, sd3)
+    for bad in ([], [-1], "7,8"):
+        with pytest.raises(ValidationError, match="skip_guidance_layers"):
+            HandlerSettings.model_validate({"defaults": {"skip_guidance_layers": bad}})
+
+
 def test_model_path_is_relative_to_the_archive_unless_absolute():
     assert HandlerSettings().resolve_model_path("/models/sd") == Path("/models/sd/model")
     assert HandlerSettings(model_path="/weights/sd15").resolve_model_path("/models/sd") == Path("/weights/sd15")

@@ -403,6 +403,35 @@ def test_skip_layer_guidance_is_taken_with_diffusers_defaults_and_reported():
     assert form.skip_layer_guidance() == SkipLayerGuidance((7, 8), 2.0)
 
 
+def test_an_operators_default_skip_layer_guidance_acts_on_guided_requests_that_leave_it_out():
+    """handler.defaults.skip_guidance_layers (an SD 3.5 Medium deployment's [7, 8, 9]): a guided request
+    without the field gets it with diffusers' settings, or with its own; an unguided one gets none (it
+    is not refused); one that sends null or its own blocks has what it sent."""
+    policy = replace(SD3_POLICY, defaults=SD3_POLICY.defaults.model_copy(update={"skip_guidance_layers": [7, 8, 9]}))
+    assert decode_body({"prompt": "x"}, JSON, policy).skip_layer_guidance() == SkipLayerGuidance((7, 8, 9))
+    request = decode_body({"prompt": "x", "skip_layer_guidance_scale": 2}, JSON, policy)
+    assert request.skip_layer_guidance() == SkipLayerGuidance((7, 8, 9), 2.0)
+    assert request.parameters()["skip_guidance_layers"] == [7, 8, 9]
+    for unguided in ({"guidance_scale": 1}, {"guidance_scale": 0.0}):
+        request = decode_body({"prompt": "x", **unguided}, JSON, policy)
+        assert request.skip_layer_guidance() is None and "skip_guidance_layers" not in request.parameters()
+    assert decode_form({"prompt": "x", "guidance_scale": "1"}, policy).skip_layer_guidance() is None
+    assert decode_form({"prompt": "x", "guidance_scale": "5"}, policy).skip_layer_guidance() is not None
+    assert decode_body({"prompt": "x", "skip_guidance_layers": None}, JSON, policy).skip_layer_guidance() is None
+    assert decode_body({"prompt": "x", "skip_guidance_layers": [3]}, JSON, policy).skip_layer_guidance() == (
+        SkipLayerGuidance((3,))
+    )
+    unguided_by_default = replace(policy, defaults=policy.defaults.model_copy(update={"guidance_scale": 1.0}))
+    assert decode_body({"prompt": "x"}, JSON, unguided_by_default).skip_layer_guidance() is None
+    request = decode_body({"prompt": "x", "guidance_scale": 4}, JSON, unguided_by_default)
+    assert request.skip_layer_guidance() == SkipLayerGuidance((7, 8, 9))
+    # what the request sends is checked as before: an unguided request naming the settings is refused
+    fields, _ = errors_of({"prompt": "x", "guidance_scale": 1, "skip_layer_guidance_scale": 3}, policy=policy)
+    assert fields == [("skip_layer_guidance_scale", "skip_guidance_layers_missing")]
+    fields, _ = errors_of({"prompt": "x", "guidance_scale": "many"}, policy=policy)
+    assert fields == [("guidance_scale", "float_type")]  # that field alone
+
+
 def test_skip_layer_guidance_is_refused_naming_the_field_where_diffusers_would_not_apply_it():
     fields, message = errors_of({"prompt": "x", "skip_guidance_layers": [7]})
     assert fields == [("skip_guidance_layers", "skip_layer_guidance_unavailable")]
