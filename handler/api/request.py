@@ -294,7 +294,7 @@ def _unguided(guidance_scale: Any) -> bool:
     not a number is not, its own rules refuse it."""
     try:
         return not guided_at(float(guidance_scale))
-    except (TypeError, ValueError):
+    except (TypeError, ValueError, OverflowError):  # a JSON integer too large for a float included
         return False
 
 

@@ -71,6 +71,9 @@ SD3 = FamilyRules(
     text_encoders=3,
     transformer_blocks=24,
 )
+SLG = HandlerSettings.from_model_yaml(
+    {**SHIPPED_CONFIG, "handler": {**SHIPPED_CONFIG["handler"], "defaults": {"skip_guidance_layers": [7, 8, 9]}}}
+).for_model(64, 64, SD3)
 POLICIES = st.sampled_from(
     [
         POLICY,
@@ -80,6 +83,8 @@ POLICIES = st.sampled_from(
             for rules in (SDXL, SD3)
             for settings in [HandlerSettings.from_model_yaml(SHIPPED_CONFIG).for_model(64, 64, rules)]
         ),
+        # an SD 3.5 Medium deployment's default skip-layer guidance: never on an unguided request
+        RequestPolicy(SLG.limits, SLG.defaults, rules=SD3),
     ]
 )
 VALID = IncomingRequest({"prompt": "a red circle", "num_inference_steps": 3, "seed": 1}, JSON_CONTENT_TYPE)
