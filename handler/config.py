@@ -72,6 +72,10 @@ class SizeConditioning:
 SIZE_CONDITIONING_FIELDS = tuple(field.name for field in dataclasses.fields(SizeConditioning))
 
 
+# The blocks of a request's (or the operator's default) skip_guidance_layers, numbered from 0.
+SkipLayers = list[Annotated[int, Field(ge=0)]]
+
+
 @dataclass(frozen=True)
 class SkipLayerGuidance:
     """SD 3.x's skip-layer guidance (``StableDiffusion3Pipeline``'s ``skip_guidance_layers``,
@@ -123,6 +127,27 @@ class FamilyRules:
     # skip-layer guidance is not served).
     transformer_blocks: int = 0
     size_conditioning: bool = False  # whether it takes SDXL's size and crop conditioning (original_size, ...)
+
+    def skip_layers_problem(self, layers: list[int]) -> tuple[str, str, dict[str, Any]] | None:
+        """What is wrong with skip-layer guidance over ``layers`` on this family's transformer (an error
+        type, its message template naming ``skip_guidance_layers`` and the template's values); None:
+        nothing. The request's rule and the operator's default share it."""
+        blocks = self.transformer_blocks
+        if len(layers) > blocks:
+            return (
+                "too_long",
+                "skip_guidance_layers lists {count} blocks: this {family} model's transformer has {blocks}",
+                {"count": len(layers), "family": self.family, "blocks": blocks},
+            )
+        outside = sorted({layer for layer in layers if layer >= blocks})
+        if outside:
+            return (
+                "block_out_of_range",
+                "skip_guidance_layers names {outside}: this {family} model's transformer has {blocks} blocks, "
+                "0 to {last}",
+                {"outside": outside, "family": self.family, "blocks": blocks, "last": blocks - 1},
+            )
+        return None
 
     def serves(self, cache: StepCache) -> bool:
         """Whether the denoiser serves a step cache (off always)."""
@@ -197,7 +222,7 @@ class RequestDefaults(_Section):
         le=1,
         description="rescales guided noise toward the prompt's own spread (diffusers' guidance_rescale)",
     )
-    skip_guidance_layers: list[Annotated[int, Field(ge=0)]] | None = Field(
+    skip_guidance_layers: SkipLayers | None = Field(
         None,
         min_length=1,
         description="SD 3.x: the blocks skip-layer guidance skips for a guided request that leaves "
@@ -680,6 +705,10 @@ class HandlerSettings(_Section):
         checks = {
             "num_inference_steps": defaults.num_inference_steps <= limits.max_inference_steps,
             "guidance_scale": defaults.guidance_scale <= limits.max_guidance_scale,
+            # the scale a request given the default blocks takes unless it sends its own: diffusers'
+            f"skip_guidance_layers' skip_layer_guidance_scale {SkipLayerGuidance.scale}": (
+                not defaults.skip_guidance_layers or SkipLayerGuidance.scale <= limits.max_guidance_scale
+            ),
             "num_images_per_prompt": defaults.num_images_per_prompt <= limits.max_images_per_request,
             "max_images_per_call": limits.max_images_per_request <= self.max_images_per_call,
             **{name: side is None or limits.min_side <= side <= limits.max_side for name, side in sides.items()},
@@ -750,17 +779,16 @@ class HandlerSettings(_Section):
                 f"defaults.guidance_rescale {self.defaults.guidance_rescale:g}: {rules.family} pipelines have no "
                 "guidance_rescale (set it to 0)"
             )
-        layers, blocks = self.defaults.skip_guidance_layers, rules.transformer_blocks
-        if layers and not blocks:
+        layers = self.defaults.skip_guidance_layers
+        if layers and not rules.transformer_blocks:
             raise ValueError(
                 f"defaults.skip_guidance_layers {layers}: {rules.family} models have no skip-layer guidance "
                 "(SD 3.x's; leave it unset)"
             )
-        if layers and (len(layers) > blocks or max(layers) >= blocks):
-            raise ValueError(
-                f"defaults.skip_guidance_layers {layers}: this {rules.family} model's transformer has {blocks} "
-                f"blocks, 0 to {blocks - 1}, each listed at most once"
-            )
+        problem = rules.skip_layers_problem(layers) if layers else None
+        if problem:
+            _, template, values = problem
+            raise ValueError(f"defaults.{template.format(**values)}")
         if (self.defaults.clip_skip or 0) > rules.max_clip_skip:
             raise ValueError(
                 f"defaults.clip_skip {self.defaults.clip_skip} is more than this {rules.family} model's CLIP text "

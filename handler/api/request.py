@@ -41,6 +41,7 @@ from handler.config import (
     SchedulerName,
     SizeConditioning,
     SkipLayerGuidance,
+    SkipLayers,
     StepCache,
     guided_at,
 )
@@ -120,7 +121,7 @@ class GenerationRequest(
         "guidance_rescale, Lin et al. 3.4: 0 off, 0.7 suggested with v-prediction and zero terminal SNR); SD 1.x/2.x "
         "and SDXL",
     )
-    skip_guidance_layers: list[Annotated[int, Field(ge=0)]] | None = Field(
+    skip_guidance_layers: SkipLayers | None = Field(
         None,
         min_length=1,
         description="SD 3.x, with guidance: skip-layer guidance, the transformer blocks (from 0) its extra rows skip "

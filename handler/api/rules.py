@@ -197,34 +197,10 @@ class SkipLayerRules(BaseModel):
         rules = policy_of(info).rules
         if not rules.transformer_blocks:
             raise _not_served("skip_layer_guidance_unavailable", SKIP_LAYER_GUIDANCE, "skip_guidance_layers", rules)
-        if len(value) > rules.transformer_blocks:
-            raise PydanticCustomError(
-                "too_long",
-                "skip_guidance_layers lists {count} blocks: this {family} model's transformer has {blocks}",
-                {"count": len(value), "family": rules.family, "blocks": rules.transformer_blocks},
-            )
-        guidance = info.data.get("guidance_scale")  # absent where it failed its own rules
-        if guidance is not None and not guided_at(guidance):
-            raise PydanticCustomError(
-                "guidance_needed",
-                "skip-layer guidance acts on classifier-free guidance, which a guidance_scale of {guidance} turns "
-                "off (diffusers ignores skip_guidance_layers there): give guidance_scale above 1, or leave "
-                "skip_guidance_layers out",
-                {"guidance": guidance},
-            )
-        outside = sorted({layer for layer in value if layer >= rules.transformer_blocks})
-        if outside:
-            raise PydanticCustomError(
-                "block_out_of_range",
-                "skip_guidance_layers names {outside}: this {family} model's transformer has {blocks} blocks, "
-                "0 to {last}",
-                {
-                    "outside": outside,
-                    "family": rules.family,
-                    "blocks": rules.transformer_blocks,
-                    "last": rules.transformer_blocks - 1,
-                },
-            )
+        problem = rules.skip_layers_problem(value)
+        if problem:
+            raise PydanticCustomError(*problem)
+        _guided_for("skip_guidance_layers", info)
         return value
 
     @field_validator(*SKIP_LAYER_FIELDS[1:], check_fields=False)  # the settings after the blocks
@@ -239,6 +215,7 @@ class SkipLayerRules(BaseModel):
             return value
         if info.data["skip_guidance_layers"] is None:
             if value is not None:
+                _guided_for(field, info)  # an unguided request: the blocks would not help (nor a default's)
                 raise PydanticCustomError(
                     "skip_guidance_layers_missing",
                     "{field} sets skip-layer guidance, which skip_guidance_layers turns on: give the blocks "
@@ -262,6 +239,18 @@ class SkipLayerRules(BaseModel):
                 {"stop": value, "start": start, "default": "" if given else ", its default where left out"},
             )
         return value
+
+
+def _guided_for(field: str, info: ValidationInfo) -> None:
+    """Refuses ``field`` (skip-layer guidance's) on a request whose ``guidance_scale`` turns guidance off."""
+    guidance = info.data.get("guidance_scale")  # absent where it failed its own rules
+    if guidance is not None and not guided_at(guidance):
+        raise PydanticCustomError(
+            "guidance_needed",
+            "skip-layer guidance acts on classifier-free guidance, which a guidance_scale of {guidance} turns "
+            "off (diffusers ignores {field} there): give guidance_scale above 1, or leave {field} out",
+            {"guidance": guidance, "field": field},
+        )
 
 
 class SizeRules(BaseModel):

@@ -192,11 +192,16 @@ def test_a_default_skip_guidance_layers_needs_blocks_the_models_transformer_has(
     with pytest.raises(ValueError, match=r"skip_guidance_layers \[7, 8, 9\]: SD 1.x models have no skip-layer"):
         layers.for_model(64, 64)
     sd3 = replace(sd35, transformer_blocks=8)
-    with pytest.raises(ValueError, match=r"\[7, 8, 9\]: this SD 3.x model's transformer has 8 blocks, 0 to 7"):
-        layers.for_model(64, 64, sd3)
+    with pytest.raises(ValueError, match=r"^defaults.skip_guidance_layers names \[8, 9\]: this SD 3.x model's "):
+        layers.for_model(64, 64, sd3)  # the request's own message, "transformer has 8 blocks, 0 to 7"
     repeated = HandlerSettings.model_validate({"defaults": {"skip_guidance_layers": [1] * 9}})
-    with pytest.raises(ValueError, match="each listed at most once"):
+    with pytest.raises(ValueError, match=r"skip_guidance_layers lists 9 blocks: this SD 3.x model's transformer has 8"):
         repeated.for_model(64, 64, sd3)
+    # diffusers' skip_layer_guidance_scale, which a request given the default blocks takes, within the limit
+    with pytest.raises(ValidationError, match=r"outside the configured limits.*skip_layer_guidance_scale 2.8"):
+        HandlerSettings.model_validate(
+            {"defaults": {"skip_guidance_layers": [7], "guidance_scale": 2}, "limits": {"max_guidance_scale": 2.5}}
+        )
     for bad in ([], [-1], "7,8"):
         with pytest.raises(ValidationError, match="skip_guidance_layers"):
             HandlerSettings.model_validate({"defaults": {"skip_guidance_layers": bad}})

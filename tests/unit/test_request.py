@@ -426,8 +426,12 @@ def test_an_operators_default_skip_layer_guidance_acts_on_guided_requests_that_l
     request = decode_body({"prompt": "x", "guidance_scale": 4}, JSON, unguided_by_default)
     assert request.skip_layer_guidance() == SkipLayerGuidance((7, 8, 9))
     # what the request sends is checked as before: an unguided request naming the settings is refused
-    fields, _ = errors_of({"prompt": "x", "guidance_scale": 1, "skip_layer_guidance_scale": 3}, policy=policy)
-    assert fields == [("skip_layer_guidance_scale", "skip_guidance_layers_missing")]
+    for settings_policy in (policy, SD3_POLICY):
+        fields, message = errors_of(
+            {"prompt": "x", "guidance_scale": 1, "skip_layer_guidance_scale": 3}, policy=settings_policy
+        )
+        assert fields == [("skip_layer_guidance_scale", "guidance_needed")]
+        assert "guidance_scale above 1, or leave skip_layer_guidance_scale out" in message
     for bad in ("many", 10**400):  # that field alone (the fuzz found the integer too large for a float)
         assert errors_of({"prompt": "x", "guidance_scale": bad}, policy=policy)[0][0][0] == "guidance_scale"
 
