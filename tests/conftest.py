@@ -5,7 +5,9 @@ Each test bounds its own ``max_examples``; no deadline, since a loaded CI machin
 Every ``torch.compile`` of the run, in this process and in the servers and benchmarks it starts,
 shares one inductor cache directory made fresh for the run (``TORCHINDUCTOR_CACHE_DIR``), so a graph
 two tests compile alike is compiled once; tests that measure a cold compile set a directory of
-their own. Inductor's CPU kernels are compiled without vector instructions
+their own. Inductor keys a CPU kernel by its compile command, include paths included, so pytest must
+run the interpreter the servers' workers run (``make test``'s ``.venv``, not a symlink to another
+path): else it compiles again what a worker compiled. Inductor's CPU kernels are compiled without vector instructions
 (``TORCHINDUCTOR_VEC_ISA_OK=0``, unless set): scalar C++ compiles in a fifth to a third less time here
 (docs/benchmarks.md), and the images stay within the tests' rounding tolerance. It changes nothing
 on a GPU, whose kernels are Triton's.

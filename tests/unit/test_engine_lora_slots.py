@@ -82,9 +82,11 @@ def lora_dir(tmp_path_factory) -> Path:
 def warmed(lora_dir, record_testsuite_property) -> tuple[StepEngine, int]:
     """The worker's engine after its warm-up, and the graphs compiled by then. What its build and
     warm-up took, the graphs inductor found in its cache or compiled, torch's threads and the load
-    average go to the run's JUnit report (``--junitxml``): in a full run the graphs are in the run's
-    cache (tests/integration/test_compile_cache.py compiled them), yet it took 82 s there against
-    37 s after that test alone (2026-11-30), which this is to explain."""
+    average go to the run's JUnit report (``--junitxml``). In a full run the graphs are in the run's
+    cache (tests/integration/test_compile_cache.py's worker compiled them): about 35 s here. Where
+    pytest's interpreter path differs from the worker's (a symlinked ``.venv``), inductor compiles
+    their C++ kernels again, since it keys them by the compile command and its include paths:
+    70 to 80 s (tests/conftest.py)."""
     torch._dynamo.reset()  # a worker's process: nothing learnt from other models' compiles
     started, before, load = time.perf_counter(), inductor_cache_counts(), os.getloadavg()[0]
     engine, warm_up_seconds = warmed_engine(MODEL, **compiled_lora_slots(lora_dir))
