@@ -277,8 +277,9 @@ class GenerationRequest(
         parameters = self.model_dump(exclude=excluded)
         if self.controlnets:  # their settings, not their images
             parameters["controlnets"] = [choice.model_dump(exclude={"image"}) for choice in self.controlnets]
-        if self.skip_guidance_layers is not None:  # each block once, in order
-            parameters["skip_guidance_layers"] = sorted(set(self.skip_guidance_layers))
+        guidance = self.skip_layer_guidance()
+        if guidance is not None:  # each block once, in order
+            parameters["skip_guidance_layers"] = list(guidance.layers)
         return parameters
 
 
