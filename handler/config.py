@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Any, ClassVar, Literal
 
+import numpy as np
 from pydantic import (
     BaseModel,
     ConfigDict,
@@ -47,6 +48,18 @@ SKIP_LAYER_FIELDS = (
     "skip_layer_guidance_start",
     "skip_layer_guidance_stop",
 )
+
+
+# A request's own schedule, in diffusers' names (``retrieve_timesteps``): the timesteps, or the sigmas.
+CUSTOM_SCHEDULE_FIELDS = ("timesteps", "sigmas")
+# The schedulers whose sigmas end with the final sigma, one more than the steps they run
+# (EulerDiscreteScheduler.set_timesteps); flow matching appends its own final 0.
+SIGMAS_WITH_FINAL: frozenset[SchedulerName] = frozenset({"euler"})
+# The largest first sigma a custom Euler schedule may start from: its latents (the noise times it) stay
+# well within float16 (65504).
+MAX_SIGMA = 1000.0
+# One problem with a request's field: an error type, its message template and the template's values.
+Problem = tuple[str, str, dict[str, Any]]
 
 
 Pair = tuple[int, int]
@@ -127,8 +140,18 @@ class FamilyRules:
     # skip-layer guidance is not served).
     transformer_blocks: int = 0
     size_conditioning: bool = False  # whether it takes SDXL's size and crop conditioning (original_size, ...)
+    # What each scheduler takes of a custom schedule (CUSTOM_SCHEDULE_FIELDS): what the family's
+    # pipeline and the scheduler's set_timesteps both take on the model's scheduler config.
+    custom_schedules: tuple[tuple[SchedulerName, tuple[str, ...]], ...] = (
+        ("euler", ("timesteps", "sigmas")),
+        ("dpmpp_2m", ("timesteps",)),
+    )
+    train_timesteps: int = 1000  # the model's training timesteps: a custom timestep is one of 0 .. this - 1
+    # The largest sigma of the model's training schedule (Euler's sigma at its last timestep: SD's
+    # scaled-linear betas); a custom Euler schedule has one sigma at most at or above it.
+    max_sigma: float = 14.6146
 
-    def skip_layers_problem(self, layers: list[int]) -> tuple[str, str, dict[str, Any]] | None:
+    def skip_layers_problem(self, layers: list[int]) -> Problem | None:
         """What is wrong with skip-layer guidance over ``layers`` on this family's transformer (an error
         type, its message template naming ``skip_guidance_layers`` and the template's values); None:
         nothing. The request's rule and the operator's default share it."""
@@ -148,6 +171,77 @@ class FamilyRules:
                 {"outside": outside, "family": self.family, "blocks": blocks, "last": blocks - 1},
             )
         return None
+
+    def schedulers_taking(self, field: str) -> list[SchedulerName]:
+        """The schedulers that take a custom schedule's ``field`` (``timesteps`` or ``sigmas``)."""
+        return [name for name, fields in self.custom_schedules if field in fields]
+
+    def schedule_steps(self, field: str, scheduler: str, entries: int) -> int:
+        """The steps a custom schedule of ``entries`` ``field`` values runs on ``scheduler``:
+        one per value, but for sigmas with the final one (``SIGMAS_WITH_FINAL``)."""
+        return entries - 1 if field == "sigmas" and scheduler in SIGMAS_WITH_FINAL else entries
+
+    def schedule_problem(self, field: str, scheduler: SchedulerName, values: list[float]) -> Problem | None:
+        """What is wrong with a custom schedule (``field``: timesteps or sigmas) on ``scheduler``:
+        one it takes, strictly decreasing (from the noisiest step) and within its range, sigmas as
+        the scheduler reads them (float32); None: nothing."""
+        if scheduler not in self.schedulers_taking(field):
+            takers = " or ".join(self.schedulers_taking(field)) or "none of its schedulers"
+            return (
+                "custom_schedule_unavailable",
+                "scheduler {scheduler} takes no custom {field} on this {family} model (diffusers' set_timesteps); "
+                "{takers} does: name it, or leave {field} out",
+                {"scheduler": scheduler, "field": field, "family": self.family, "takers": takers},
+            )
+        final = field == "sigmas" and scheduler in SIGMAS_WITH_FINAL
+        if final and len(values) < 2:
+            return (
+                "too_short",
+                "{scheduler}'s sigmas end with the final sigma (diffusers' EulerDiscreteScheduler): give at least "
+                "2, for one step",
+                {"scheduler": scheduler},
+            )
+        if field == "sigmas":
+            with np.errstate(over="ignore"):  # as set_timesteps reads them; beyond float32, inf
+                values = np.asarray(values, dtype=np.float64).astype(np.float32).tolist()
+        for index, value in enumerate(values):
+            if not self._in_range(field, final, index, len(values), value):
+                return (
+                    "schedule_out_of_range",
+                    "{field} entry {index} is {value}: {allowed}",
+                    {"field": field, "index": index, "value": value, "allowed": self._schedule_range(field, final)},
+                )
+            if index and value >= values[index - 1]:
+                return (
+                    "schedule_not_decreasing",
+                    "{field} must decrease strictly, from the noisiest step: entry {index} ({value}) is not below "
+                    "the one before it ({before})",
+                    {"field": field, "index": index, "value": value, "before": values[index - 1]},
+                )
+        return None
+
+    def _in_range(self, field: str, final: bool, index: int, count: int, value: float) -> bool:
+        """Whether value ``index`` of ``count`` of a custom schedule is one its scheduler reads
+        (``final``: sigmas that end with the final sigma)."""
+        if field == "timesteps":
+            return 0 <= value < self.train_timesteps
+        if not final:
+            return 0 < value <= 1
+        if index == 0:
+            return 0 < value <= MAX_SIGMA
+        return (value > 0 or index == count - 1 and value == 0) and value < self.max_sigma
+
+    def _schedule_range(self, field: str, final: bool) -> str:
+        """What a custom schedule's values may be, in words."""
+        if field == "timesteps":
+            return f"this model's timesteps run from {self.train_timesteps - 1} (the noisiest) to 0"
+        if final:
+            return (
+                f"Euler's sigmas are above 0 (the last, the final sigma, may be 0); the first at most {MAX_SIGMA:g}, "
+                f"the others below this model's largest, {self.max_sigma:.4f} (two at or above it would both run "
+                "at its last timestep)"
+            )
+        return "flow matching's sigmas are above 0 and at most 1 (the noisiest)"
 
     def serves(self, cache: StepCache) -> bool:
         """Whether the denoiser serves a step cache (off always)."""

@@ -1,7 +1,7 @@
 """Bodies and forms as TorchServe hands them over, turned into request fields: JSON objects, a
 ``text/plain`` prompt, a body without a Content-Type, form and query fields (text, with file parts).
-A form's list and object fields (``loras``, ``controlnets``, ``cache``, ``skip_guidance_layers``, SDXL's
-sizes) arrive as JSON text and are parsed here, once."""
+A form's list and object fields (``loras``, ``controlnets``, ``cache``, ``skip_guidance_layers``, a
+custom ``timesteps`` or ``sigmas``, SDXL's sizes) arrive as JSON text and are parsed here, once."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from typing import Any
 from handler.api.errors import FieldError, RequestError
 from handler.api.policy import RequestPolicy
 from handler.api.request import GenerationRequest, validate_fields
-from handler.config import SIZE_CONDITIONING_FIELDS
+from handler.config import CUSTOM_SCHEDULE_FIELDS, SIZE_CONDITIONING_FIELDS
 
 TEXT_CONTENT_PREFIX = "text/"
 # A form's file part holding the control image of a ControlNet entry.
@@ -104,7 +104,14 @@ def _json_or_prompt(raw: bytes | bytearray) -> tuple[Any, bool]:
 # Form fields that carry files, not text.
 FILE_FIELDS = frozenset({"image", "mask"})
 # Form fields that carry lists or objects, as JSON text.
-JSON_FIELDS = ("loras", "controlnets", "cache", "skip_guidance_layers", *SIZE_CONDITIONING_FIELDS)
+JSON_FIELDS = (
+    "loras",
+    "controlnets",
+    "cache",
+    "skip_guidance_layers",
+    *CUSTOM_SCHEDULE_FIELDS,
+    *SIZE_CONDITIONING_FIELDS,
+)
 
 
 def form_text(fields: dict[str, Any]) -> dict[str, Any]:

@@ -42,7 +42,13 @@ from handler.api.protocol import (
     without_body,
 )
 from handler.api.request import MAX_PARTIAL_IMAGES, GenerationRequest, validate_fields, validate_model
-from handler.config import OTHER_PROMPTS, SIZE_CONDITIONING_FIELDS, SKIP_LAYER_FIELDS, OutputFormat
+from handler.config import (
+    CUSTOM_SCHEDULE_FIELDS,
+    OTHER_PROMPTS,
+    SIZE_CONDITIONING_FIELDS,
+    SKIP_LAYER_FIELDS,
+    OutputFormat,
+)
 
 GENERATIONS = "v1/images/generations"
 EDITS = "v1/images/edits"
@@ -60,6 +66,7 @@ SD_PARAMETERS = (
     *SKIP_LAYER_FIELDS,
     *SIZE_CONDITIONING_FIELDS,
     "scheduler",
+    *CUSTOM_SCHEDULE_FIELDS,
     "loras",
     "controlnets",
     "cache",
@@ -119,6 +126,8 @@ class ImageGenerationParams(BaseModel):
     negative_crops_coords_top_left: Any = None
     negative_target_size: Any = None
     scheduler: Any = None
+    timesteps: Any = None
+    sigmas: Any = None
     loras: Any = None
     controlnets: Any = None
     cache: Any = None

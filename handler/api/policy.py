@@ -34,6 +34,11 @@ class RequestPolicy:
         """The largest width or height: the configured one, or less where the model takes less."""
         return min(self.limits.max_side, self.rules.max_side or self.limits.max_side)
 
+    @property
+    def max_steps(self) -> int:
+        """The most steps a request may run: the configured ones, or fewer where the model takes fewer."""
+        return min(self.limits.max_inference_steps, self.rules.max_steps or self.limits.max_inference_steps)
+
 
 def policy_of(info: ValidationInfo) -> RequestPolicy:
     """The policy a model is validated with (the defaults where none was given)."""

@@ -24,6 +24,7 @@ from handler.api.rules import (
     CacheRules,
     ImageRules,
     LimitRules,
+    ScheduleRules,
     SizeConditioningRules,
     SizeRules,
     SkipLayerRules,
@@ -31,6 +32,7 @@ from handler.api.rules import (
     TextRules,
 )
 from handler.config import (
+    CUSTOM_SCHEDULE_FIELDS,
     MAX_CONDITIONED_SIDE,
     MAX_SEED,
     OTHER_PROMPTS,
@@ -77,6 +79,7 @@ def _window_share(where: str, default: float) -> Any:
 class GenerationRequest(
     TextRules,
     LimitRules,
+    ScheduleRules,
     SkipLayerRules,
     SizeRules,
     StreamRules,
@@ -144,6 +147,18 @@ class GenerationRequest(
     scheduler: SchedulerName = Field(
         description="sampler used for denoising, one of the model family's: ddim, euler, euler_a, dpmpp_2m, pndm "
         "(SD 1.x/2.x, SDXL); flow_match_euler (SD 3.x)"
+    )
+    timesteps: list[Annotated[int, Field(ge=0)]] | None = Field(
+        None,
+        min_length=1,
+        description="a custom schedule: the timesteps the steps run at, decreasing (diffusers' timesteps; "
+        "schedulers euler and dpmpp_2m); num_inference_steps follows it",
+    )
+    sigmas: list[Annotated[float, Field(ge=0, allow_inf_nan=False)]] | None = Field(
+        None,
+        min_length=1,
+        description="a custom schedule: the noise levels the steps run at, decreasing (diffusers' sigmas; "
+        "euler, whose list ends with the final sigma, and flow_match_euler); num_inference_steps follows it",
     )
     output_format: OutputFormat = Field(description="encoding of the returned images")
     output_compression: int | None = Field(
@@ -213,6 +228,12 @@ class GenerationRequest(
             defaults.pop("strength")
         if _unguided(data.get("guidance_scale", defaults["guidance_scale"])):
             defaults["skip_guidance_layers"] = None  # the default acts on guided requests only
+        custom = [field for field in CUSTOM_SCHEDULE_FIELDS if isinstance(data.get(field), list)]
+        if custom:  # the steps of a custom schedule (the first: its rules refuse two, or steps beyond the limits)
+            scheduler = data.get("scheduler")
+            scheduler = scheduler if isinstance(scheduler, str) else defaults["scheduler"]
+            steps = policy.rules.schedule_steps(custom[0], scheduler, len(data[custom[0]]))
+            defaults["num_inference_steps"] = max(1, min(steps, policy.max_steps))
         source = data.get("image") if data.get("image") is not None else _first_control_image(data.get("controlnets"))
         if source is not None and "width" not in data and "height" not in data:
             size = peek_size(source, policy.limits.max_input_pixels)
@@ -268,6 +289,7 @@ class GenerationRequest(
         excluded |= {"controlnets"} if self.loras else {"controlnets", "loras"}
         excluded |= {"cache"} if self.cache.mode == "off" else set()
         excluded |= {"clip_skip"} if self.clip_skip is None else set()
+        excluded |= {field for field in CUSTOM_SCHEDULE_FIELDS if getattr(self, field) is None}
         excluded |= {field for field in OTHER_PROMPTS if getattr(self, field) is None}
         excluded |= {"guidance_rescale"} if not (self.guidance_rescale and guided_at(self.guidance_scale)) else set()
         excluded |= set(SKIP_LAYER_FIELDS) if self.skip_guidance_layers is None else set()

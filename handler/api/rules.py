@@ -15,6 +15,7 @@ from handler.api.choices import ControlNetChoice, LoraChoice
 from handler.api.input_image import as_mask, as_rgb, read_image
 from handler.api.policy import above_limit, above_model_limit, at_most, policy_of
 from handler.config import (
+    CUSTOM_SCHEDULE_FIELDS,
     OTHER_PROMPTS,
     SIZE_CONDITIONING_FIELDS,
     SKIP_LAYER_FIELDS,
@@ -29,6 +30,11 @@ LIST_EXAMPLES = {
     "loras": {"field": "loras", "example": '[{"name": "outline", "scale": 0.8}]'},
     "controlnets": {"field": "controlnets", "example": '[{"name": "shapes-mask", "scale": 0.9}] with file parts'},
     "skip_guidance_layers": {"field": "skip_guidance_layers", "example": "[7, 8, 9]"},
+    "timesteps": {"field": "timesteps", "example": "[999, 845, 730, 587]"},
+    "sigmas": {
+        "field": "sigmas",
+        "example": "[14.615, 6.475, 3.861, 0.0] (euler) or [1.0, 0.75, 0.5] (flow_match_euler)",
+    },
     **{field: {"field": field, "example": "[1024, 1024]"} for field in SIZE_CONDITIONING_FIELDS},
 }
 # Fields bounded above by an operator setting in RequestLimits.
@@ -181,6 +187,48 @@ class LimitRules(BaseModel):
                 "literal_error",
                 "Input should be {allowed} (the schedulers of {family} models)",
                 {"allowed": allowed, "family": rules.family},
+            )
+        return value
+
+
+class ScheduleRules(BaseModel):
+    """A custom schedule (``timesteps`` or ``sigmas``, not both, as ``retrieve_timesteps`` takes
+    one): for a scheduler that takes it, decreasing, within its range, and running the request's
+    ``num_inference_steps`` (which follows it where left out)."""
+
+    @field_validator(*CUSTOM_SCHEDULE_FIELDS, check_fields=False)
+    @classmethod
+    def _schedule_of_the_scheduler(cls, value: list[float] | None, info: ValidationInfo) -> list[float] | None:
+        field, rules = str(info.field_name), policy_of(info).rules
+        if value is None:
+            return value
+        if field == "sigmas" and "timesteps" not in info.data:  # they failed their own rules: sent both
+            return value
+        if field == "sigmas" and info.data["timesteps"] is not None:
+            raise PydanticCustomError(
+                "timesteps_and_sigmas", "give timesteps or sigmas, not both (a custom schedule is one of them)"
+            )
+        scheduler = info.data.get("scheduler")
+        if scheduler is None:  # it failed its own rules
+            return value
+        problem = rules.schedule_problem(field, scheduler, value)
+        if problem:
+            raise PydanticCustomError(*problem)
+        steps, given = rules.schedule_steps(field, scheduler, len(value)), info.data.get("num_inference_steps")
+        limit = policy_of(info).max_steps
+        if steps > limit:
+            raise PydanticCustomError(
+                "too_long",
+                "these {count} {field} run {steps} steps, more than the {limit} a request may run here "
+                "(max_inference_steps, and what this model's schedules take)",
+                {"count": len(value), "field": field, "steps": steps, "limit": limit},
+            )
+        if given is not None and given != steps:
+            raise PydanticCustomError(
+                "steps_mismatch",
+                "these {count} {field} run {steps} steps, but num_inference_steps is {given}: leave "
+                "num_inference_steps out (it follows {field}) or make it {steps}",
+                {"count": len(value), "field": field, "steps": steps, "given": given},
             )
         return value
 
@@ -404,7 +452,8 @@ class ImageRules(BaseModel):
             raise PydanticCustomError(
                 "no_steps",
                 "strength {strength} of {steps} steps leaves no denoising step (the image-to-image pipeline of "
-                "{family} models rounds {steps} x {strength} down to 0): raise strength or num_inference_steps",
+                "{family} models rounds {steps} x {strength} down to 0): raise strength or num_inference_steps "
+                "(with timesteps or sigmas: give more of them)",
                 {"strength": value, "steps": steps, "family": policy_of(info).rules.family},
             )
         return value

@@ -50,10 +50,19 @@ class JobSpec:
     negative_prompt_3: str | None = None
     skip_layer_guidance: SkipLayerGuidance | None = None  # SD 3.x's, with guidance (None: none)
     size_conditioning: SizeConditioning | None = None  # SDXL's sizes and crops (None: the pipeline's defaults)
+    # Its own schedule (diffusers' ``timesteps`` or ``sigmas``, which then run ``num_inference_steps``;
+    # None: the scheduler's for that many steps).
+    timesteps: tuple[int, ...] | None = None
+    sigmas: tuple[float, ...] | None = None
 
     @property
     def images(self) -> int:
         return len(self.seeds)
+
+    def custom_schedule(self) -> dict[str, list[float]]:
+        """Its own schedule as ``set_timesteps`` takes it (empty: none)."""
+        given = {"timesteps": self.timesteps, "sigmas": self.sigmas}
+        return {field: list(values) for field, values in given.items() if values is not None}
 
     @property
     def guided(self) -> bool:

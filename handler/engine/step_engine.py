@@ -11,8 +11,9 @@ own (4- or 16-channel) denoiser; a job with ControlNets mirrors ``StableDiffusio
 - ``start``: 3. encode the prompts of the jobs started together (each text encoder's own:
   ``prompt_2``, ``prompt_3`` where given) in one call per LoRA set and ``clip_skip`` among them
   (negative prompts without it, as ``encode_prompt`` encodes them; SDXL: and 7. its added time
-  ids); 4. each job's own scheduler and timesteps (a copy of one built per scheduler, step count
-  and, where the schedule depends on it, latent shape; from an image, the last
+  ids); 4. each job's own scheduler and timesteps (``retrieve_timesteps``: a copy of one built per
+  scheduler, step count or custom ``timesteps``/``sigmas`` and, where the schedule depends on it,
+  latent shape; from an image, the last
   ``strength`` of them, ``get_timesteps``); 5. initial latents from one CPU generator per image
   (from an image: its VAE latents noised to the first timestep, ``prepare_latents``; with a mask
   also ``prepare_mask_latents``); 6. ``prepare_extra_step_kwargs`` (eta 0 and the generators,
@@ -40,8 +41,8 @@ own (4- or 16-channel) denoiser; a job with ControlNets mirrors ``StableDiffusio
   forward) and leaves the rest to whoever asks for the images (``handler.engine.decoding``).
 
 Left out, because no request can ask for it: ``cross_attention_kwargs`` and its one LoRA scale
-(each LoRA's weight is the request's), IP-Adapter images, caller-supplied latents, embeddings,
-timesteps or sigmas, ``denoising_start``/``denoising_end``, SDXL's aesthetic scores, inpainting's
+(each LoRA's weight is the request's), IP-Adapter images, caller-supplied latents or
+embeddings, ``denoising_start``/``denoising_end``, SDXL's aesthetic scores, inpainting's
 ``padding_mask_crop`` and 9- or 33-channel inpainting denoisers, ControlNet inpainting, guess mode
 and global-pooling ControlNets, output types other than PIL, step callbacks. UNets with a guidance
 embedding (``time_cond_proj_dim``, LCM) are refused at load.
@@ -52,7 +53,9 @@ text-to-image pipelines pair several images' rows with the other side's given bo
 (``handler.families.sdxl.time_id_sizes``); SD 3's inpainting decodes with the VAE's shift factor
 (``handler.families.sd3``); ``guidance_rescale`` applies to every guided job of a UNet family,
 where diffusers' SD 1.x/2.x image-to-image and inpaint pipelines and every ControlNet pipeline
-(SDXL's included) have none.
+(SDXL's included) have none; a custom schedule (``timesteps``, ``sigmas``) also serves a job from an
+image with ControlNets, where diffusers' ControlNet img2img pipelines take none (cut by ``strength``
+as its other img2img pipelines cut it).
 """
 
 from __future__ import annotations
@@ -173,7 +176,9 @@ class StepEngine:
         dtype = conditioning.hidden_states.dtype
         shape = (spec.images, *self.latent_shape(spec.width, spec.height))
         with torch.inference_mode():
-            scheduler, host_timesteps = self.family.scheduler(spec.scheduler, spec.num_inference_steps, shape[1:])
+            scheduler, host_timesteps = self.family.scheduler(
+                spec.scheduler, spec.num_inference_steps, shape[1:], spec.custom_schedule()
+            )
             generators = [torch.Generator("cpu").manual_seed(seed) for seed in spec.seeds]
             if spec.image is not None:
                 return self._start_from_image(spec, conditioning, scheduler, host_timesteps, generators, shape)

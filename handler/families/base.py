@@ -6,7 +6,8 @@ for everything that differs between their diffusers pipelines:
 - text conditioning (``encode``): the texts of jobs started together through the family's text
   encoder(s) in one call, then each job's rows ([negative; positive] with guidance);
 - the schedule (``scheduler``, ``prepare_scheduler``, ``step_kwargs``): a fresh scheduler per job,
-  copied from one built per (scheduler, steps, and where the schedule depends on it, the shape);
+  copied from one built per (scheduler, steps or custom schedule, and where the schedule depends on
+  it, the shape);
 - the noise arithmetic (``initial_latents``, ``model_input``, ``add_noise``): the UNet schedulers'
   ``init_noise_sigma``, ``scale_model_input`` and ``add_noise`` against flow matching's plain noise
   and ``scale_noise``;
@@ -40,16 +41,19 @@ from diffusers import FlowMatchEulerDiscreteScheduler
 from diffusers.image_processor import VaeImageProcessor
 from PIL.Image import Image
 
-from handler.config import FamilyRules, SchedulerName, SizeConditioning
+from handler.config import CUSTOM_SCHEDULE_FIELDS, FamilyRules, SchedulerName, SizeConditioning
 from handler.families.transfer import to_device
 
-# Scheduler templates a family keeps: one per (scheduler, steps, timestep options) in use, such as
-# SD 3's ``mu`` per image size.
+# Scheduler templates a family keeps: one per (scheduler, steps, timestep options, custom schedule) in
+# use, such as SD 3's ``mu`` per image size.
 TEMPLATES_KEPT = 64
 # What diffusers' set_timesteps (0.42.1) leaves on the device it is given: the timesteps, and flow
 # matching's sigmas too (Euler, Euler ancestral and DPM++ copy theirs back to the host). A scheduler a
 # family offers is checked against diffusers' placement by tests/unit/test_host_reads.py.
 ON_DEVICE: dict[type, tuple[str, ...]] = {FlowMatchEulerDiscreteScheduler: ("timesteps", "sigmas")}
+# A custom schedule a scheduler's set_timesteps is tried with, to learn whether it takes one: timesteps
+# every UNet schedule has, sigmas within Euler's and flow matching's ranges.
+PROBES: dict[str, list[float]] = {"timesteps": [1, 0], "sigmas": [1.0, 0.5]}
 
 # A loaded diffusers pipeline of one of the families. diffusers registers a pipeline's components
 # (unet, transformer, vae, scheduler, ...) at run time, so its classes declare none of them to a type checker.
@@ -71,7 +75,9 @@ class Scheduler(Protocol):
     timesteps: torch.Tensor
     order: int
 
-    def set_timesteps(self, num_inference_steps: int, device: torch.device, **kwargs: Any) -> None: ...
+    def set_timesteps(
+        self, num_inference_steps: int | None = None, device: torch.device | None = None, **kwargs: Any
+    ) -> None: ...
 
     def step(
         self, model_output: torch.Tensor, timestep: torch.Tensor | int, sample: torch.Tensor, **kwargs: Any
@@ -99,17 +105,20 @@ def steps_by_index(scheduler: Any) -> TypeGuard[IndexedScheduler]:
 
 
 def set_timesteps_on_host(
-    scheduler: Scheduler, steps: int, device: torch.device, options: dict[str, float]
+    scheduler: Scheduler, steps: int | None, device: torch.device, options: dict[str, Any]
 ) -> list[float]:
-    """``scheduler.set_timesteps(steps, device=device, **options)`` without waiting for the device;
-    returns the timesteps' host copy. The schedulers here compute their schedule on the host and
-    copy it to the device (flow matching also computes ``1 - sigma`` and ``sigma * N`` there,
-    correctly rounded float32 arithmetic: the same bits on the host), and some
-    copy their sigmas back, a wait each, as is reading the timesteps back. Here it is made on the
-    host and what diffusers leaves on the device (``ON_DEVICE``) is queued there (``to_device``).
-    One schedule differs: Euler with continuous timesteps (v-prediction EDM configs) takes their
-    logarithm on the device in diffusers, here on the host (the last float32 bit may differ)."""
-    scheduler.set_timesteps(steps, device=torch.device("cpu"), **options)
+    """``scheduler.set_timesteps(steps, device=device, **options)`` without waiting for the device
+    (``steps`` None: a custom schedule's ``timesteps`` or ``sigmas`` in ``options`` give them, as
+    diffusers' ``retrieve_timesteps`` calls it); returns the timesteps' host copy. The schedulers
+    here compute their schedule on the host and copy it to the device (flow matching also computes
+    ``1 - sigma`` and ``sigma * N`` there, correctly rounded float32 arithmetic: the same bits on the
+    host), and some copy their sigmas back, a wait each, as is reading the timesteps back. Here it is
+    made on the host and what diffusers leaves on the device (``ON_DEVICE``) is queued there
+    (``to_device``). One schedule differs: Euler with continuous timesteps (v-prediction EDM
+    configs) takes their logarithm on the device in diffusers, here on the host (the last float32
+    bit may differ)."""
+    steps_given = {} if steps is None else {"num_inference_steps": steps}
+    scheduler.set_timesteps(**steps_given, device=torch.device("cpu"), **options)
     host = scheduler.timesteps.tolist()
     for name in ON_DEVICE.get(type(scheduler), ("timesteps",)):
         setattr(scheduler, name, to_device(getattr(scheduler, name), device))
@@ -390,7 +399,42 @@ class Family(ABC):
             text_encoders=self.text_encoders,
             zeros_without_negative=self.zeros_without_negative,
             size_conditioning=self.takes_size_conditioning,
+            custom_schedules=self.custom_schedules(),
+            train_timesteps=int(self.pipeline.scheduler.config.get("num_train_timesteps", 1000)),
+            max_sigma=self._max_sigma(),
         )
+
+    def _max_sigma(self) -> float:
+        """The largest sigma of the model's training schedule, as its Euler scheduler has it (1, flow
+        matching's, where the family has none)."""
+        if "euler" not in self.schedulers:
+            return 1.0
+        scheduler_class, overrides = self.schedulers["euler"]
+        return float(scheduler_class.from_config(self.pipeline.scheduler.config, **overrides).sigmas.max())
+
+    def custom_schedules(self) -> tuple[tuple[SchedulerName, tuple[str, ...]], ...]:
+        """What each of its schedulers takes of a custom schedule (``timesteps``, ``sigmas``): what the
+        family's pipeline takes and the scheduler's ``set_timesteps`` accepts on the model's scheduler
+        config (diffusers refuses custom timesteps beside Karras sigmas, for one), tried once here."""
+        called = inspect.signature(self.pipeline_class.__call__).parameters
+        taken = [
+            (name, tuple(field for field in CUSTOM_SCHEDULE_FIELDS if field in called and self._takes(name, field)))
+            for name in self.schedulers
+        ]
+        return tuple((name, fields) for name, fields in taken if fields)
+
+    def _takes(self, name: SchedulerName, field: str) -> bool:
+        """Whether scheduler ``name`` sets a custom schedule's ``field`` (``PROBES``) without refusing it."""
+        scheduler_class, overrides = self.schedulers[name]
+        scheduler = scheduler_class.from_config(self.pipeline.scheduler.config, **overrides)
+        if field not in inspect.signature(scheduler.set_timesteps).parameters:
+            return False
+        options = self._timestep_options(self.latent_shape(*self.native_size()))
+        try:
+            scheduler.set_timesteps(device=torch.device("cpu"), **options, **{field: PROBES[field]})
+        except Exception:  # diffusers refuses it (ValueError), or its config's arithmetic cannot take it
+            return False
+        return True
 
     @property
     def max_side(self) -> int | None:
@@ -498,19 +542,28 @@ class Family(ABC):
     # The schedule.
 
     def scheduler(
-        self, name: SchedulerName, steps: int, latent_shape: tuple[int, ...]
+        self,
+        name: SchedulerName,
+        steps: int,
+        latent_shape: tuple[int, ...],
+        custom: dict[str, list[float]] | None = None,
     ) -> tuple[Scheduler, list[float]]:
-        """A fresh scheduler with ``steps`` timesteps, and a CPU copy of them (what its steps read on
-        the host, ``handler.families.schedules``): a copy of one built and set once per (scheduler,
-        steps, timestep options), which costs a fifth of building it from the model's config, and
-        set without waiting for the device (``set_timesteps_on_host``). At most ``TEMPLATES_KEPT``
-        templates are kept, the least recently used dropped."""
-        options = self._timestep_options(latent_shape)
-        key = (name, steps, tuple(sorted(options.items())))
+        """A fresh scheduler with ``steps`` timesteps (``custom``: from a custom schedule's
+        ``timesteps`` or ``sigmas``, which run ``steps``), and a CPU copy of them (what its steps read
+        on the host, ``handler.families.schedules``): a copy of one built and set once per (scheduler,
+        steps, timestep options, custom schedule), which costs a fifth of building it from the
+        model's config, and set without waiting for the device (``set_timesteps_on_host``). At most
+        ``TEMPLATES_KEPT`` templates are kept, the least recently used dropped."""
+        options, custom = self._timestep_options(latent_shape), custom or {}
+        schedule = tuple((field, tuple(values)) for field, values in custom.items())
+        key = (name, steps, tuple(sorted(options.items())), schedule)
         if key not in self._templates:
             scheduler_class, overrides = self.schedulers[name]
             template = scheduler_class.from_config(self.pipeline.scheduler.config, **overrides)
-            self._templates[key] = (template, set_timesteps_on_host(template, steps, self.device, options))
+            host = set_timesteps_on_host(template, None if custom else steps, self.device, {**options, **custom})
+            if custom and len(host) != steps:
+                raise ValueError(f"{name}'s schedule from {custom} runs {len(host)} steps, not the job's {steps}")
+            self._templates[key] = (template, host)
             if len(self._templates) > TEMPLATES_KEPT:
                 self._templates.popitem(last=False)
         self._templates.move_to_end(key)

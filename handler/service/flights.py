@@ -55,6 +55,8 @@ def job_spec(
         text("negative_prompt_3"),
         request.skip_layer_guidance(),
         request.size_conditioning(),
+        None if request.timesteps is None else tuple(request.timesteps),
+        None if request.sigmas is None else tuple(request.sigmas),
     )
 
 

@@ -121,6 +121,8 @@ def boundary_values(limits: RequestLimits) -> dict[str, list[Any]]:
         "height": sides,
         "num_images_per_prompt": [0, 1, 2, images, images + 1, -1, 1.0, "1", True],
         "scheduler": [*get_args(SchedulerName), "DDIM", " ddim", "lms", "", None, 0],
+        "timesteps": [None, [999, 500, 20], [999], [20, 500], [1000], [0], [], [-1], [999.0], "[999]", [True], 999],
+        "sigmas": [None, [14.6, 2.0, 0.0], [1.0, 0.5], [2.0], [0.5, 0.0], [1.0, 1.0], [], [-0.1], "[1]", [math.inf]],
         "output_format": [*get_args(OutputFormat), "PNG", "gif", "", None],
         "response_format": [*get_args(ResponseFormat), "Image", "base64", "", None],
         "stream": [False, True, 0, 1, "true", None],

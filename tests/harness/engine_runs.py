@@ -13,7 +13,7 @@ from PIL import Image
 
 from bench.reference import ControlNetCall, Reference, cache_options
 from handler.adapters.controlnets import ControlSpec
-from handler.config import OTHER_PROMPTS, HandlerSettings, SkipLayerGuidance, StepCache
+from handler.config import OTHER_PROMPTS, FamilyRules, HandlerSettings, SkipLayerGuidance, StepCache
 from handler.engine.jobs import DenoiseJob, JobSpec
 from handler.engine.loading import load_engine
 from handler.engine.step_engine import StepEngine
@@ -50,7 +50,7 @@ def spec(
 ) -> JobSpec:
     """A job of ``images`` images (seeds ``seed``, ``seed + 1``, ...) at ``side`` x ``side``
     (``cache``: a ``StepCache``; ``more``: ``prompt_2``, ``negative_prompt_2``, ...,
-    ``skip_layer_guidance``)."""
+    ``skip_layer_guidance``, ``timesteps``, ``sigmas``)."""
     seeds = tuple(range(seed, seed + images))
     return JobSpec(
         prompt,
@@ -116,6 +116,8 @@ def expected(
         other_prompts={name: getattr(job, name) for name in OTHER_PROMPTS},
         skip_layer_guidance=job.skip_layer_guidance,
         size_conditioning=job.size_conditioning,
+        timesteps=job.timesteps,
+        sigmas=job.sigmas,
         **cache_options(job.cache),
     )
 
@@ -230,6 +232,7 @@ def jobs_of_every_kind(
     cached: bool = False,
     first_block: bool = False,
     skip_layers: bool = False,
+    custom_schedules: bool = False,
 ) -> list[DenoiseJob]:
     """A plain job (with ``guidance_rescale`` where the family takes it), one with a LoRA, one with
     a LoRA and a ControlNet (where the family takes them), an image-to-image and an inpainting job,
@@ -238,7 +241,8 @@ def jobs_of_every_kind(
     ``first_block``: and, where it serves first-block caching, a job with it and the LoRA (its
     threshold skips every step after the first on the tiny models); ``skip_layers``: and, where it
     serves skip-layer guidance, a job with it and the LoRA, acting at every step after the first
-    (before the cached jobs)."""
+    (before the cached jobs); ``custom_schedules``: and a job of each custom schedule (``timesteps``,
+    ``sigmas``) the scheduler takes, one of them from an image."""
     lora = engine.loras.acquire([("attention", 0.8)], in_use=())
     controls = ()
     if engine.family.rules.controlnets:
@@ -273,9 +277,29 @@ def jobs_of_every_kind(
                 if skip_layers and engine.rules.transformer_blocks
                 else []
             ),
+            *(
+                spec(f"custom {field}", 9 + index, image=picture(side, 4) if index else None, **schedule, **common)
+                for index, (field, schedule) in enumerate(custom_schedules_of(engine.rules, scheduler, steps).items())
+                if custom_schedules
+            ),
             *cached_specs,
         ]
     )
+
+
+def custom_schedules_of(rules: FamilyRules, scheduler: str, steps: int) -> dict[str, dict[str, tuple]]:
+    """Per custom schedule field the scheduler takes on this family, a schedule of ``steps`` steps
+    (as ``spec`` keywords): timesteps from the noisiest down, sigmas evenly spaced down to Euler's
+    final 0 or flow matching's last above it."""
+    schedules: dict[str, dict[str, tuple]] = {}
+    for field in dict(rules.custom_schedules).get(scheduler, ()):
+        final = rules.schedule_steps(field, scheduler, steps) < steps  # sigmas ending with the final one
+        if field == "timesteps":
+            schedules[field] = {field: tuple((rules.train_timesteps - 1) * (steps - i) // steps for i in range(steps))}
+        else:
+            top = 10.0 if final else 1.0
+            schedules[field] = {field: tuple(top * (steps - i) / steps for i in range(steps + final))}
+    return schedules
 
 
 def compiled_lora_slots(lora_dir: Path) -> dict:

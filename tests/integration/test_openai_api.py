@@ -70,6 +70,16 @@ def test_a_step_cache_through_extra_body_matches_the_native_api(server):
     assert not np.array_equal(native, uncached), "the cache changed nothing"
 
 
+def test_a_custom_schedule_through_extra_body_matches_the_native_api(server):
+    schedule = {"scheduler": "euler", "timesteps": [999, 700, 400, 100]}
+    result = sdk(server).images.generate(prompt="a red circle", extra_body={"seed": 5, **schedule, **FAST})
+    assert result.data is not None
+    native = Client(server).image(prompt="a red circle", seed=5, **schedule)
+    assert_same_image(image_of(result.data[0].b64_json), native)
+    own = Client(server).image(prompt="a red circle", seed=5, scheduler="euler")
+    assert not np.array_equal(native, own), "the timesteps changed nothing"
+
+
 def test_prompt_settings_through_extra_body_match_the_native_api(server):
     settings = {"clip_skip": 1, "guidance_rescale": 0.7}
     result = sdk(server).images.generate(prompt="a red circle", extra_body={"seed": 4, **settings, **FAST})

@@ -29,11 +29,12 @@ def test_every_marked_example_is_bash_or_python():
         "lora-curl",
         "controlnet-python",
         "sd3-curl",
+        "schedule-curl",
     } <= set(examples)
     assert all(language in RUNNERS for language, _ in examples.values())
 
 
-@pytest.mark.parametrize("name", ["json-curl", "prompt-as-body", "python-requests"])
+@pytest.mark.parametrize("name", ["json-curl", "prompt-as-body", "python-requests", "schedule-curl"])
 def test_a_readme_request_example_saves_a_png_of_the_default_size(name, server, cwd):
     result = run_example(name, server, cwd)
     assert decode_png((cwd / "image.png").read_bytes()).shape == (64, 64, 3)

@@ -4,6 +4,7 @@ and guidance; SDXL's conditioning and float16 VAE; the safety checker; unsupport
 
 from __future__ import annotations
 
+import functools
 from dataclasses import replace
 from typing import get_args
 
@@ -12,7 +13,7 @@ import pytest
 import torch
 
 from bench.reference import Reference
-from handler.config import UNET_SCHEDULERS, HandlerSettings, SchedulerName, SizeConditioning
+from handler.config import UNET_SCHEDULERS, FamilyRules, HandlerSettings, SchedulerName, SizeConditioning
 from handler.engine.jobs import JobSpec
 from handler.engine.loading import load_engine
 from handler.engine.step_engine import StepEngine
@@ -260,6 +261,25 @@ def test_edits_share_forwards_with_text_to_image_jobs_and_each_gives_its_diffuse
         assert_same_images(decoded, expected(references[family], job))
 
 
+@pytest.mark.parametrize("family", FAMILIES)
+def test_jobs_with_their_own_timesteps_or_sigmas_share_forwards_and_give_diffusers_images(engines, references, family):
+    """Custom schedules (diffusers' ``timesteps``, Euler's ``sigmas`` ending with the final one), text to
+    image and from an image, joining a job of the scheduler's own schedule."""
+    side = 96 if family == "sd2" else 64
+    euler, dpm = (functools.partial(spec, side=side, scheduler=name) for name in ("euler", "dpmpp_2m"))
+    image, inpaint = {"image": picture(side), "strength": 0.6}, {"image": picture(side, 1), "mask": hole(side)}
+    plan = [
+        (0, euler("a red circle", seed=1, steps=4, timesteps=(999, 700, 400, 100))),
+        (0, euler("a blue square", seed=3, steps=3, sigmas=(10.0, 3.0, 0.5, 0.0))),
+        (0, dpm("a green", seed=5, steps=4, timesteps=(950, 600, 250, 20))),
+        (1, euler("a star", seed=7, steps=5)),
+        (1, dpm("a moon", seed=8, steps=4, timesteps=(900, 650, 300, 1), **image)),
+        (1, euler("a sun", seed=9, steps=3, sigmas=(8.0, 2.0, 0.4, 0.0), strength=0.9, **inpaint)),
+    ]
+    for (_, job), decoded in zip(plan, run(engines[family], plan), strict=True):
+        assert_same_images(decoded, expected(references[family], job))
+
+
 def test_one_forward_needs_one_latent_shape(engines):
     engine = engines["sd1"]
     with pytest.raises(ValueError, match="one latent shape"):
@@ -276,6 +296,9 @@ def test_the_request_rules_name_the_schedulers_the_families_build():
 def test_families_are_detected_from_the_loaded_pipeline(engines):
     assert [engines[family].family.name for family in FAMILIES] == ["SD 1.x", "SD 2.x", "SDXL"]
     assert {engines[family].family.rules.max_steps for family in FAMILIES} == {998}  # their training timesteps, less 2
+    # what the UNet families' schedulers take of a custom schedule: the request rules' default
+    assert {engines[family].family.rules.custom_schedules for family in FAMILIES} == {FamilyRules().custom_schedules}
+    assert {round(engines[family].family.rules.max_sigma, 4) for family in FAMILIES} == {FamilyRules().max_sigma}
     assert "family=SDXL pipeline=StableDiffusionXLPipeline" in engines["sdxl"].description
 
 

@@ -222,6 +222,20 @@ def test_image_to_image_and_inpainting_give_the_img2img_and_inpaint_pipelines_im
     assert_same_images(decoded, expected(references[family], job))
 
 
+@pytest.mark.parametrize("family", FAMILIES)
+def test_jobs_with_their_own_sigmas_share_forwards_and_give_diffusers_images(engines, references, family):
+    """A custom schedule (diffusers' ``sigmas``, shifted by the scheduler as diffusers shifts them),
+    text to image and from an image, joining a job of the scheduler's own schedule."""
+    plan = [
+        (0, spec("a red circle", seed=1, steps=4, sigmas=(1.0, 0.8, 0.5, 0.2))),
+        (0, spec("a blue square", seed=3, steps=5)),
+        (1, spec("a green", seed=5, steps=3, sigmas=(0.9, 0.5, 0.1), image=picture(64), strength=0.7)),
+        (1, spec("a star", seed=6, steps=4, sigmas=(1.0, 0.7, 0.4, 0.1), image=picture(64, 1), mask=hole(64))),
+    ]
+    for (_, job), decoded in zip(plan, run(engines[family], plan), strict=True):
+        assert_same_images(decoded, expected(references[family], job))
+
+
 def test_inpainting_decodes_with_the_vaes_shift_where_diffusers_inpaint_pipeline_leaves_it_out(engines, references):
     """The one place we knowingly differ from diffusers (its issue #13611): the reference decodes
     the inpaint pipeline's latents as the text-to-image pipeline does; its raw output is darker."""
@@ -269,7 +283,8 @@ def dynamic_model(tmp_path_factory) -> Path:
 def test_dynamic_shifting_gives_each_size_its_own_schedule_and_diffusers_images(dynamic_model):
     engine, reference = engine_for(dynamic_model), Reference(dynamic_model)
     small, large = spec(side=64, steps=4), spec(side=128, seed=2, steps=4)
-    for job in (small, large):
+    custom = spec(side=128, seed=3, steps=3, sigmas=(1.0, 0.6, 0.3))  # shifted by its size's mu too
+    for job in (small, large, custom):
         (decoded,) = run(engine, [(0, job)])
         assert_same_images(decoded, expected(reference, job))
     shapes = [engine.latent_shape(side, side) for side in (64, 128)]
@@ -284,7 +299,7 @@ def test_scheduler_templates_per_image_size_are_bounded(dynamic_model, monkeypat
     sides = (32, 48, 64, 80, 96)
     for side in sides:
         family.scheduler(FLOW, 4, family.latent_shape(side, side))
-    latest = [(FLOW, 4, tuple(family._timestep_options(family.latent_shape(side, side)).items())) for side in sides]
+    latest = [(FLOW, 4, tuple(family._timestep_options(family.latent_shape(side, side)).items()), ()) for side in sides]
     assert list(family._templates) == latest[-3:], "the three most recently used, oldest first"
 
 
@@ -345,6 +360,8 @@ def test_the_family_is_detected_with_its_rules(engines):
         max_clip_skip=3,
         guidance_rescale=False,
         text_encoders=3,
+        custom_schedules=((FLOW, ("sigmas",)),),
+        max_sigma=1.0,
     )
     assert [rules.image_steps(steps, strength) for steps, strength in ((5, 0.7), (2, 0.3), (10, 1.0))] == [4, 1, 10]
     assert [FamilyRules().image_steps(steps, strength) for steps, strength in ((5, 0.7), (2, 0.3))] == [3, 0]

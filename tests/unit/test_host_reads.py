@@ -2,7 +2,8 @@
 nor does starting jobs wait for the forwards queued before it.
 
 Every family and scheduler the server offers, with LoRA rows, ControlNets (the UNet families), an
-image-to-image and an inpainting job and a DeepCache job (the UNet families) in the same forwards.
+image-to-image and an inpainting job, a DeepCache job (the UNet families) and jobs of each custom
+schedule (timesteps, sigmas) the scheduler takes in the same forwards.
 Counted per step after the first, under
 a ``TorchDispatchMode``: the operations that read a value (``aten._local_scalar_dense``,
 ``is_nonzero``, ``nonzero``, ``item``). A dispatch mode does not see a CPU tensor indexed with a
@@ -84,11 +85,11 @@ def test_a_step_reads_no_value_on_the_host_for_every_scheduler(engine):
     """Every step of every job, its first included: a second set of jobs joins the first after one
     step, as requests join a running batch (starting a job may read: admission is not a step)."""
     for scheduler in engine.family.rules.schedulers:
-        first = marked(jobs_of_every_kind(engine, scheduler, cached=True, skip_layers=True))
+        first = marked(jobs_of_every_kind(engine, scheduler, cached=True, skip_layers=True, custom_schedules=True))
         DeviceTimesteps.reads = []
         with HostReads() as reads:
             engine.step(first)
-        second = marked(jobs_of_every_kind(engine, scheduler, cached=True, skip_layers=True))
+        second = marked(jobs_of_every_kind(engine, scheduler, cached=True, skip_layers=True, custom_schedules=True))
         with reads:
             while not all(job.done for job in first + second):
                 engine.step([job for job in first + second if not job.done])
@@ -118,9 +119,9 @@ def test_on_a_gpu_a_step_never_synchronizes(family, tmp_path):
     finished jobs' decode."""
     engine = engine_with_adapters(family, tmp_path, device="cuda")
     for scheduler in engine.family.rules.schedulers:
-        first = jobs_of_every_kind(engine, scheduler, cached=True, skip_layers=True)
+        first = jobs_of_every_kind(engine, scheduler, cached=True, skip_layers=True, custom_schedules=True)
         engine.step(first)  # the engine's first forwards: cuDNN and cuBLAS set up their handles
-        second = jobs_of_every_kind(engine, scheduler, cached=True, skip_layers=True)
+        second = jobs_of_every_kind(engine, scheduler, cached=True, skip_layers=True, custom_schedules=True)
         latents = torch.cat([job.latents for job in first + second])
         engine.decode(latents, SIDE, SIDE)  # the VAE's first call
         torch.cuda.synchronize()
@@ -188,10 +189,10 @@ def test_every_copy_starting_jobs_makes_is_read_and_made_alike(engine, monkeypat
     monkeypatch.setattr(torch._C._nn, "_parse_to", parse)
     monkeypatch.setattr(transfer, "to_device", lambda *args: queued.append(args[1]) or to_device(*args))
     for scheduler in engine.family.rules.schedulers:
-        plain = jobs_of_every_kind(engine, scheduler, cached=True, skip_layers=True)
+        plain = jobs_of_every_kind(engine, scheduler, cached=True, skip_layers=True, custom_schedules=True)
         with monkeypatch.context() as forced:
             forced.setattr(step_engine, "queued_copies", lambda device: QueuedCopies(torch.device("cpu")))
-            rewritten = jobs_of_every_kind(engine, scheduler, cached=True, skip_layers=True)
+            rewritten = jobs_of_every_kind(engine, scheduler, cached=True, skip_layers=True, custom_schedules=True)
         assert queued and not unread, (
             f"{engine.family.name}, {scheduler}: {len(queued)} queued, left as asked: {unread}"
         )
@@ -214,10 +215,10 @@ def test_schedule_templates_leave_on_the_device_what_diffusers_leaves(engine, mo
         starting(engine, scheduler)
     templates = [template for template, _ in engine.family._templates.values()]
     assert templates and all(any(template is one for one in made) for template in templates)
-    for name, steps, options in engine.family._templates:
+    for name, steps, options, custom in engine.family._templates:
         scheduler_class, overrides = engine.family.schedulers[name]
         config = {**engine.family.pipeline.scheduler.config, **overrides}
-        assert_placed_alike(scheduler_class, config, steps, dict(options))
+        assert_placed_alike(scheduler_class, config, steps, dict(options), dict(custom))
 
 
 @pytest.mark.parametrize(
@@ -270,14 +271,22 @@ def test_on_a_gpu_a_copy_queued_under_queued_copies_is_staged_once(monkeypatch):
     assert len(calls) == 1 and copied.device.type == "cuda" and copied.tolist() == [0.0, 1.0, 2.0]
 
 
-def assert_placed_alike(scheduler_class, config: dict, steps: int, options: dict) -> None:
+def set_timesteps_arguments(steps: int, options: dict, custom: dict) -> dict:
+    """What diffusers' ``set_timesteps`` takes for a template's steps, timestep options and custom
+    schedule (its steps then none, as ``retrieve_timesteps`` calls it)."""
+    given = {field: list(values) for field, values in custom.items()}
+    return {**({} if given else {"num_inference_steps": steps}), **options, **given}
+
+
+def assert_placed_alike(scheduler_class, config: dict, steps: int, options: dict, custom: dict | None = None) -> None:
     """``set_timesteps_on_host`` for a ``meta`` device leaves each tensor where diffusers'
-    ``set_timesteps`` leaves it, in its dtype and shape."""
+    ``set_timesteps`` leaves it, in its dtype and shape (``custom``: a custom schedule's)."""
     meta = torch.device("meta")
     mine, theirs = scheduler_class.from_config(config), scheduler_class.from_config(config)
-    set_timesteps_on_host(mine, steps, meta, options)
+    arguments = set_timesteps_arguments(steps, options, custom or {})
+    set_timesteps_on_host(mine, arguments.pop("num_inference_steps", None), meta, arguments)
     with MetaToHost():
-        theirs.set_timesteps(steps, device=meta, **options)
+        theirs.set_timesteps(device=meta, **set_timesteps_arguments(steps, options, custom or {}))
     assert devices(mine) == devices(theirs), (scheduler_class.__name__, config)
 
 
@@ -340,17 +349,19 @@ def starting(engine: StepEngine, scheduler: str) -> list:
     and PNDM's table goes to the device after its first step)."""
     common = dict(side=SIDE, steps=STEPS, scheduler=scheduler)
     whole = spec("inpaint whole", 8, image=picture(SIDE, 3), mask=hole(SIDE), strength=1.0, **common)
-    return jobs_of_every_kind(engine, scheduler, cached=True, skip_layers=True) + engine.start([whole])
+    return jobs_of_every_kind(engine, scheduler, cached=True, skip_layers=True, custom_schedules=True) + engine.start(
+        [whole]
+    )
 
 
 def assert_templates_are_diffusers_own(family) -> None:
     """Every schedule template ``family`` keeps equals its scheduler set by diffusers on the
     family's device (each attribute: tensors by value and device), and its host timesteps those."""
     assert family._templates
-    for (name, steps, options), (template, host) in family._templates.items():
+    for (name, steps, options, custom), (template, host) in family._templates.items():
         scheduler_class, overrides = family.schedulers[name]
         theirs = scheduler_class.from_config(family.pipeline.scheduler.config, **overrides)
-        theirs.set_timesteps(steps, device=family.device, **dict(options))
+        theirs.set_timesteps(device=family.device, **set_timesteps_arguments(steps, dict(options), dict(custom)))
         assert host == theirs.timesteps.tolist(), (name, steps)
         mine = vars(template)
         assert mine.keys() == vars(theirs).keys(), (name, steps)

@@ -12,6 +12,7 @@ from handler.api.policy import RequestPolicy
 from handler.api.protocol import IncomingRequest, decode
 from handler.api.request import FIELD_LABELS, GenerationRequest
 from handler.config import (
+    CUSTOM_SCHEDULE_FIELDS,
     MAX_SEED,
     SIZE_CONDITIONING_FIELDS,
     SKIP_LAYER_FIELDS,
@@ -73,6 +74,7 @@ def test_every_field_is_taken_as_sent():
             "negative_prompt_3",
             *SKIP_LAYER_FIELDS,
             *SIZE_CONDITIONING_FIELDS,
+            *CUSTOM_SCHEDULE_FIELDS,
         ]
     )
     unset["cache"] = StepCache().model_dump()
@@ -323,6 +325,7 @@ SD3_POLICY = replace(
         guidance_rescale=False,
         text_encoders=3,
         transformer_blocks=24,
+        custom_schedules=(("flow_match_euler", ("sigmas",)),),
     ),
 )
 SDXL_POLICY = replace(
@@ -477,6 +480,126 @@ def test_skip_layer_guidance_is_refused_naming_the_field_where_diffusers_would_n
         ("skip_layer_guidance_stop", "nan"),
     ]:
         assert errors_of({**layers, field: value}, policy=SD3_POLICY)[0][0][0] == field
+
+
+def test_a_custom_schedule_runs_its_own_steps_and_is_reported():
+    """diffusers' ``timesteps`` or ``sigmas``: the steps follow them (Euler's sigmas end with the
+    final sigma, flow matching's do not); from a form, as JSON text."""
+    request = decode_body({"prompt": "x", "scheduler": "euler", "timesteps": [999, 500, 20]}, JSON, POLICY)
+    assert request.num_inference_steps == 3
+    reported = request.parameters()
+    assert reported["timesteps"] == [999, 500, 20] and reported["num_inference_steps"] == 3
+    assert "sigmas" not in reported
+    request = decode_body({"prompt": "x", "scheduler": "euler", "sigmas": [14.6, 2, 0]}, JSON, POLICY)
+    assert (request.num_inference_steps, request.sigmas) == (2, [14.6, 2.0, 0.0])
+    given = {"prompt": "x", "scheduler": "dpmpp_2m", "timesteps": [999, 1], "num_inference_steps": 2}
+    assert decode_body(given, JSON, POLICY).timesteps == [999, 1]
+    request = decode_body({"prompt": "x", "sigmas": [1, 0.5, 0.25]}, JSON, SD3_POLICY)
+    assert (request.num_inference_steps, request.parameters()["sigmas"]) == (3, [1.0, 0.5, 0.25])
+    ays = [14.615, 6.475, 3.861, 2.697, 1.886, 1.396, 0.963, 0.652, 0.399, 0.152, 0.0]  # AysSchedules' SD sigmas
+    assert decode_body({"prompt": "x", "scheduler": "euler", "sigmas": ays}, JSON, POLICY).num_inference_steps == 10
+    form = decode_form({"prompt": "x", "scheduler": "euler", "timesteps": "[999, 500]"}, POLICY)
+    assert (form.timesteps, form.num_inference_steps) == ([999, 500], 2)
+    plain = decode_body({"prompt": "x"}, JSON, POLICY)
+    assert not set(CUSTOM_SCHEDULE_FIELDS) & set(plain.parameters())
+
+
+@pytest.mark.parametrize(
+    ("body", "policy", "field", "rule", "words"),
+    [
+        (
+            {"timesteps": [999, 500]},
+            POLICY,
+            "timesteps",
+            "custom_schedule_unavailable",
+            "scheduler ddim takes no custom timesteps on this SD 1.x model (diffusers' set_timesteps); euler or "
+            "dpmpp_2m does: name it, or leave timesteps out",
+        ),
+        ({"scheduler": "dpmpp_2m", "sigmas": [2, 0]}, POLICY, "sigmas", "custom_schedule_unavailable", "euler does"),
+        (
+            {"scheduler": "euler", "timesteps": [900, 500, 500]},
+            POLICY,
+            "timesteps",
+            "schedule_not_decreasing",
+            "timesteps must decrease strictly, from the noisiest step: entry 2 (500) is not below the one before "
+            "it (500)",
+        ),
+        (
+            {"scheduler": "euler", "timesteps": [1000, 500]},
+            POLICY,
+            "timesteps",
+            "schedule_out_of_range",
+            "timesteps entry 0 is 1000: this model's timesteps run from 999 (the noisiest) to 0",
+        ),
+        ({"scheduler": "euler", "sigmas": [2]}, POLICY, "sigmas", "too_short", "give at least 2, for one step"),
+        ({"scheduler": "euler", "sigmas": [2, 3, 0]}, POLICY, "sigmas", "schedule_not_decreasing", "entry 1 (3.0)"),
+        (
+            {"scheduler": "euler", "sigmas": [2, -1]},
+            POLICY,
+            "sigmas.1",
+            "greater_than_equal",
+            "greater than or equal to 0",
+        ),
+        (
+            {"sigmas": [1.5, 0.5]},
+            SD3_POLICY,
+            "sigmas",
+            "schedule_out_of_range",
+            "sigmas entry 0 is 1.5: flow matching's sigmas are above 0 and at most 1 (the noisiest)",
+        ),
+        ({"sigmas": [0.5, 0]}, SD3_POLICY, "sigmas", "schedule_out_of_range", "sigmas entry 1 is 0.0"),
+        ({"timesteps": [999]}, SD3_POLICY, "timesteps", "custom_schedule_unavailable", "none of its schedulers"),
+        (
+            {"scheduler": "euler", "timesteps": [999, 1], "sigmas": [2, 0]},
+            POLICY,
+            "sigmas",
+            "timesteps_and_sigmas",
+            "give timesteps or sigmas, not both",
+        ),
+        (
+            {"scheduler": "euler", "timesteps": [999, 1], "num_inference_steps": 4},
+            POLICY,
+            "timesteps",
+            "steps_mismatch",
+            "these 2 timesteps run 2 steps, but num_inference_steps is 4: leave num_inference_steps out (it follows "
+            "timesteps) or make it 2",
+        ),
+        ({"scheduler": "euler", "timesteps": []}, POLICY, "timesteps", "too_short", "at least 1 item"),
+        ({"scheduler": "euler", "timesteps": "[999]"}, POLICY, "timesteps", "json", "a list such as [999, 845"),
+        ({"scheduler": "euler", "timesteps": [999.5]}, POLICY, "timesteps.0", "int_type", "valid integer"),
+        (
+            {"scheduler": "euler", "timesteps": list(range(999, 959, -1))},
+            POLICY,
+            "timesteps",
+            "too_long",
+            "these 40 timesteps run 40 steps, more than the 30 a request may run here",
+        ),
+        ({"scheduler": "euler", "sigmas": [1e300, 0]}, POLICY, "sigmas", "schedule_out_of_range", "entry 0 is inf"),
+        (
+            {"scheduler": "euler", "sigmas": [2, 1e-300, 0]},  # float32 reads 1e-300 as 0: a division by 0
+            POLICY,
+            "sigmas",
+            "schedule_out_of_range",
+            "sigmas entry 1 is 0.0: Euler's sigmas are above 0 (the last, the final sigma, may be 0)",
+        ),
+        (
+            {"scheduler": "euler", "sigmas": [20, 15, 5, 0]},
+            POLICY,
+            "sigmas",
+            "schedule_out_of_range",
+            "entry 1 is 15.0: Euler's sigmas are above 0 (the last, the final sigma, may be 0); the first at most "
+            "1000, the others below this model's largest, 14.6146 (two at or above it would both run at its last "
+            "timestep)",
+        ),
+        ({"scheduler": ["euler"], "sigmas": [2, 0]}, POLICY, "scheduler", "literal_error", "'euler'"),
+        ({"scheduler": "euler", "timesteps": [9, "x"], "sigmas": [3, 0]}, POLICY, "timesteps.1", "int_type", "integer"),
+    ],
+)
+def test_a_custom_schedule_is_refused_naming_the_field_where_its_scheduler_would_not_take_it(
+    body, policy, field, rule, words
+):
+    fields, message = errors_of({"prompt": "x", **body}, policy=policy)
+    assert fields == [(field, rule)] and words in message
 
 
 def test_sdxl_sizes_and_crops_are_taken_as_pairs_and_reported():

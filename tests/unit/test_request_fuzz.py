@@ -30,6 +30,7 @@ from handler.api.policy import RequestPolicy
 from handler.api.protocol import IncomingRequest, Response, bad_request, decode
 from handler.api.request import FIELD_LABELS, GenerationRequest
 from handler.config import (
+    CUSTOM_SCHEDULE_FIELDS,
     MAX_CONDITIONED_SIDE,
     MAX_SEED,
     OTHER_PROMPTS,
@@ -70,6 +71,7 @@ SD3 = FamilyRules(
     guidance_rescale=False,
     text_encoders=3,
     transformer_blocks=24,
+    custom_schedules=(("flow_match_euler", ("sigmas",)),),
 )
 SLG = HandlerSettings.from_model_yaml(
     {**SHIPPED_CONFIG, "handler": {**SHIPPED_CONFIG["handler"], "defaults": {"skip_guidance_layers": [7, 8, 9]}}}
@@ -221,6 +223,14 @@ def assert_within_policy(request: GenerationRequest, policy: RequestPolicy) -> N
         assert guided_at(request.guidance_scale) and policy.rules.transformer_blocks
         assert all(type(layer) is int and 0 <= layer < policy.rules.transformer_blocks for layer in guidance.layers)
         assert 0 <= guidance.start < guidance.stop <= 1 and 0 <= guidance.scale <= limits.max_guidance_scale
+    for field in CUSTOM_SCHEDULE_FIELDS:
+        values = getattr(request, field)
+        if values is not None:
+            assert request.scheduler in policy.rules.schedulers_taking(field)
+            assert policy.rules.schedule_steps(field, request.scheduler, len(values)) == request.num_inference_steps
+            assert all(later < earlier for earlier, later in zip(values, values[1:], strict=False))
+            assert 0 <= values[-1] and (field == "sigmas" or values[0] < policy.rules.train_timesteps)
+    assert request.timesteps is None or request.sigmas is None
     for value, upper in (
         (request.num_inference_steps, limits.max_inference_steps),
         (request.num_images_per_prompt, limits.max_images_per_request),
