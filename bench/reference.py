@@ -111,6 +111,7 @@ class Reference:
         size_conditioning: SizeConditioning | None = None,
         timesteps: Sequence[int] | None = None,
         sigmas: Sequence[float] | None = None,
+        eta: float = 0.0,
     ) -> ReferenceOutput:
         """One request: ``num_images_per_prompt`` images of one prompt, image k from ``seed + k``
         (wrapping past the largest seed, as requests do); from ``image`` (of the request's size)
@@ -126,7 +127,7 @@ class Reference:
         ``guidance_rescale`` and ``other_prompts`` (``prompt_2``, ``negative_prompt_2``, ...)
         and ``skip_layer_guidance`` (as ``skip_guidance_layers`` and its settings) and SDXL's
         ``size_conditioning`` (``original_size``, ...) and a custom schedule (``timesteps`` or
-        ``sigmas``) passed on where given, to a pipeline that
+        ``sigmas``) and DDIM's ``eta`` passed on where given, to a pipeline that
         takes them (SD 1.x/2.x's text encoder read as diffusers PR #14043 reads it:
         ``handler.families.sd.flat_text_model``;
         diffusers' SD 1.x/2.x img2img and inpaint pipelines and the ControlNet pipelines take no
@@ -150,6 +151,8 @@ class Reference:
             inputs["guidance_rescale"] = guidance_rescale
         inputs.update({name: text for name, text in (other_prompts or {}).items() if text is not None})
         inputs.update({name: list(given) for name, given in (("timesteps", timesteps), ("sigmas", sigmas)) if given})
+        if eta:
+            inputs["eta"] = eta
         if size_conditioning is not None:
             inputs.update({name: value for name, value in vars(size_conditioning).items() if value is not None})
         if skip_layer_guidance is not None:

@@ -150,6 +150,9 @@ class FamilyRules:
     # The largest sigma of the model's training schedule (Euler's sigma at its last timestep: SD's
     # scaled-linear betas); a custom Euler schedule has one sigma at most at or above it.
     max_sigma: float = 14.6146
+    # The schedulers a request's eta acts on: those whose step takes it, where the family's pipeline
+    # passes it (``prepare_extra_step_kwargs``: DDIM's).
+    eta_schedulers: tuple[SchedulerName, ...] = ("ddim",)
 
     def skip_layers_problem(self, layers: list[int]) -> Problem | None:
         """What is wrong with skip-layer guidance over ``layers`` on this family's transformer (an error

@@ -67,6 +67,7 @@ SD_PARAMETERS = (
     *SIZE_CONDITIONING_FIELDS,
     "scheduler",
     *CUSTOM_SCHEDULE_FIELDS,
+    "eta",
     "loras",
     "controlnets",
     "cache",
@@ -128,6 +129,7 @@ class ImageGenerationParams(BaseModel):
     scheduler: Any = None
     timesteps: Any = None
     sigmas: Any = None
+    eta: Any = None
     loras: Any = None
     controlnets: Any = None
     cache: Any = None

@@ -160,6 +160,14 @@ class GenerationRequest(
         description="a custom schedule: the noise levels the steps run at, decreasing (diffusers' sigmas; "
         "euler, whose list ends with the final sigma, and flow_match_euler); num_inference_steps follows it",
     )
+    eta: float = Field(
+        0.0,
+        ge=0,
+        le=1,
+        allow_inf_nan=False,
+        description="scheduler ddim: the fresh noise each step adds, as a share of DDPM's, drawn from the image's "
+        "seed (diffusers' eta, the DDIM paper's: 0 none, deterministic; 1 as DDPM)",
+    )
     output_format: OutputFormat = Field(description="encoding of the returned images")
     output_compression: int | None = Field(
         None, ge=0, le=100, description="quality of jpeg and webp images (0..100, higher is better); png ignores it"
@@ -290,6 +298,7 @@ class GenerationRequest(
         excluded |= {"cache"} if self.cache.mode == "off" else set()
         excluded |= {"clip_skip"} if self.clip_skip is None else set()
         excluded |= {field for field in CUSTOM_SCHEDULE_FIELDS if getattr(self, field) is None}
+        excluded |= {"eta"} if not self.eta else set()
         excluded |= {field for field in OTHER_PROMPTS if getattr(self, field) is None}
         excluded |= {"guidance_rescale"} if not (self.guidance_rescale and guided_at(self.guidance_scale)) else set()
         excluded |= set(SKIP_LAYER_FIELDS) if self.skip_guidance_layers is None else set()

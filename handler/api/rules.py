@@ -194,7 +194,21 @@ class LimitRules(BaseModel):
 class ScheduleRules(BaseModel):
     """A custom schedule (``timesteps`` or ``sigmas``, not both, as ``retrieve_timesteps`` takes
     one): for a scheduler that takes it, decreasing, within its range, and running the request's
-    ``num_inference_steps`` (which follows it where left out)."""
+    ``num_inference_steps`` (which follows it where left out); ``eta`` for a scheduler it acts on."""
+
+    @field_validator("eta", check_fields=False)
+    @classmethod
+    def _eta_of_the_scheduler(cls, value: float, info: ValidationInfo) -> float:
+        scheduler, rules = info.data.get("scheduler"), policy_of(info).rules
+        if value and scheduler is not None and scheduler not in rules.eta_schedulers:
+            takers = " or ".join(rules.eta_schedulers) or "none of its schedulers"
+            raise PydanticCustomError(
+                "eta_unavailable",
+                "eta acts on DDIM's steps (diffusers passes it to a scheduler whose step takes it): scheduler "
+                "{scheduler} on this {family} model takes none, {takers} does: name it, or leave eta out (or 0)",
+                {"scheduler": scheduler, "family": rules.family, "takers": takers},
+            )
+        return value
 
     @field_validator(*CUSTOM_SCHEDULE_FIELDS, check_fields=False)
     @classmethod

@@ -54,6 +54,7 @@ class JobSpec:
     # None: the scheduler's for that many steps).
     timesteps: tuple[int, ...] | None = None
     sigmas: tuple[float, ...] | None = None
+    eta: float = 0.0  # DDIM's eta: the fresh noise each step adds, as a share of DDPM's (0: none)
 
     @property
     def images(self) -> int:

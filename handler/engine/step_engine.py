@@ -185,7 +185,7 @@ class StepEngine:
             noise = randn_tensor(shape, generator=generators, device=self.device, dtype=dtype)
             latents = self.family.initial_latents(scheduler, noise)
             self.family.prepare_scheduler(scheduler)
-            step_kwargs = self.family.step_kwargs(scheduler, generators)
+            step_kwargs = self.family.step_kwargs(scheduler, generators, spec.eta)
             return DenoiseJob(
                 spec,
                 scheduler,
@@ -234,7 +234,7 @@ class StepEngine:
         first_timestep = timesteps[:1].repeat(spec.images)
         table = schedules.noise_table(scheduler, self.device, dtype)
         pixels = family.preprocess(spec.image, spec.width, spec.height, dtype)
-        step_kwargs = family.step_kwargs(scheduler, generators)
+        step_kwargs = family.step_kwargs(scheduler, generators, spec.eta)
         inpainting = None
         if spec.mask is None:  # img2img: each image encoded with its own generator
             image_latents = family.encode_image(pixels.repeat(spec.images, 1, 1, 1), generators, inpaint=False)

@@ -14,9 +14,10 @@ where the value lives there (diffusers #9485, #9475):
   no schedule offered here repeats a timestep, so it is the same step.
 - Euler compares its sigma with ``s_tmin``/``s_tmax`` even without churn. ``euler_step`` is its
   arithmetic without churn (the server passes none), so without the comparison.
-- Euler ancestral draws its noise on the CPU at every step and copies it to the device, which
-  blocks. ``euler_ancestral_step`` is its arithmetic with the noise drawn the same way and copied
-  from pinned memory without blocking.
+- Euler ancestral, and DDIM with an ``eta`` above 0, draw their noise on the CPU at every step and
+  copy it to the device, which blocks. ``euler_ancestral_step`` is Euler ancestral's arithmetic with
+  the noise drawn the same way and copied from pinned memory without blocking (``drawn_noise``);
+  DDIM is given that noise as its ``variance_noise``.
 
 A job from an image is noised to its first timestep (``add_noise``, flow matching's
 ``scale_noise``), and an inpainting job puts the image back at the next noise level after each
@@ -33,6 +34,7 @@ from typing import Any
 
 import torch
 from diffusers import (
+    DDIMScheduler,
     DPMSolverMultistepScheduler,
     EulerAncestralDiscreteScheduler,
     EulerDiscreteScheduler,
@@ -63,6 +65,9 @@ def step(
         return euler_step(scheduler, model_output, timestep, sample)
     if type(scheduler) is EulerAncestralDiscreteScheduler:
         return euler_ancestral_step(scheduler, model_output, timestep, sample, step_kwargs["generator"])
+    if type(scheduler) is DDIMScheduler and step_kwargs["eta"] > 0:  # its noise drawn as its step draws it
+        noise = drawn_noise(model_output, step_kwargs["generator"])
+        step_kwargs = {**step_kwargs, "generator": None, "variance_noise": noise}
     argument = timestep_argument(scheduler, timestep, host_timestep)
     return scheduler.step(model_output, argument, sample, **step_kwargs, return_dict=False)[0]
 
@@ -113,8 +118,7 @@ def euler_ancestral_step(
 ) -> torch.Tensor:
     """``EulerAncestralDiscreteScheduler.step``, its noise copied to the device without blocking."""
     # Copied from diffusers.schedulers.scheduling_euler_ancestral_discrete.EulerAncestralDiscreteScheduler.step
-    # (0.42.1), the noise drawn as its randn_tensor draws it (per image, from the image's CPU generator,
-    # in the model output's dtype) and copied to the device from pinned memory.
+    # (0.42.1), the noise drawn as its randn_tensor draws it (drawn_noise).
     index = _step_index(scheduler, timestep)
     sigma = scheduler.sigmas[index]
     sample = sample.to(torch.float32)
@@ -125,12 +129,17 @@ def euler_ancestral_step(
     derivative = (sample - pred_original_sample) / sigma
     dt = sigma_down - sigma
     prev_sample = sample + derivative * dt
-    shape = (1, *model_output.shape[1:])
-    drawn = [torch.randn(shape, generator=generator, dtype=model_output.dtype) for generator in generators]
-    noise = to_device(torch.cat(drawn), model_output.device)
-    prev_sample = prev_sample + noise * sigma_up
+    prev_sample = prev_sample + drawn_noise(model_output, generators) * sigma_up
     scheduler._step_index += 1
     return prev_sample.to(model_output.dtype)
+
+
+def drawn_noise(like: torch.Tensor, generators: list[torch.Generator]) -> torch.Tensor:
+    """Noise of ``like``'s shape and dtype as diffusers' ``randn_tensor`` draws it for a scheduler's
+    step (one image per CPU generator), copied to ``like``'s device from pinned memory without blocking."""
+    shape = (1, *like.shape[1:])
+    drawn = [torch.randn(shape, generator=generator, dtype=like.dtype) for generator in generators]
+    return to_device(torch.cat(drawn), like.device)
 
 
 def noise_table(scheduler: Any, device: torch.device, dtype: torch.dtype) -> torch.Tensor:

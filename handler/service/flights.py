@@ -57,6 +57,7 @@ def job_spec(
         request.size_conditioning(),
         None if request.timesteps is None else tuple(request.timesteps),
         None if request.sigmas is None else tuple(request.sigmas),
+        request.eta,
     )
 
 

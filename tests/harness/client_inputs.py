@@ -123,6 +123,7 @@ def boundary_values(limits: RequestLimits) -> dict[str, list[Any]]:
         "scheduler": [*get_args(SchedulerName), "DDIM", " ddim", "lms", "", None, 0],
         "timesteps": [None, [999, 500, 20], [999], [20, 500], [1000], [0], [], [-1], [999.0], "[999]", [True], 999],
         "sigmas": [None, [14.6, 2.0, 0.0], [1.0, 0.5], [2.0], [0.5, 0.0], [1.0, 1.0], [], [-0.1], "[1]", [math.inf]],
+        "eta": [0, 0.0, 0.5, 1, 1.0000001, -0.1, math.nan, "0.5", True, None],
         "output_format": [*get_args(OutputFormat), "PNG", "gif", "", None],
         "response_format": [*get_args(ResponseFormat), "Image", "base64", "", None],
         "stream": [False, True, 0, 1, "true", None],

@@ -50,7 +50,7 @@ def spec(
 ) -> JobSpec:
     """A job of ``images`` images (seeds ``seed``, ``seed + 1``, ...) at ``side`` x ``side``
     (``cache``: a ``StepCache``; ``more``: ``prompt_2``, ``negative_prompt_2``, ...,
-    ``skip_layer_guidance``, ``timesteps``, ``sigmas``)."""
+    ``skip_layer_guidance``, ``timesteps``, ``sigmas``, ``eta``)."""
     seeds = tuple(range(seed, seed + images))
     return JobSpec(
         prompt,
@@ -118,6 +118,7 @@ def expected(
         size_conditioning=job.size_conditioning,
         timesteps=job.timesteps,
         sigmas=job.sigmas,
+        eta=job.eta,
         **cache_options(job.cache),
     )
 
@@ -232,7 +233,7 @@ def jobs_of_every_kind(
     cached: bool = False,
     first_block: bool = False,
     skip_layers: bool = False,
-    custom_schedules: bool = False,
+    schedule_settings: bool = False,
 ) -> list[DenoiseJob]:
     """A plain job (with ``guidance_rescale`` where the family takes it), one with a LoRA, one with
     a LoRA and a ControlNet (where the family takes them), an image-to-image and an inpainting job,
@@ -241,8 +242,9 @@ def jobs_of_every_kind(
     ``first_block``: and, where it serves first-block caching, a job with it and the LoRA (its
     threshold skips every step after the first on the tiny models); ``skip_layers``: and, where it
     serves skip-layer guidance, a job with it and the LoRA, acting at every step after the first
-    (before the cached jobs); ``custom_schedules``: and a job of each custom schedule (``timesteps``,
-    ``sigmas``) the scheduler takes, one of them from an image."""
+    (before the cached jobs); ``schedule_settings``: and a job of each custom schedule (``timesteps``,
+    ``sigmas``) the scheduler takes, one of them from an image, and where it takes ``eta``, an
+    inpainting job with it."""
     lora = engine.loras.acquire([("attention", 0.8)], in_use=())
     controls = ()
     if engine.family.rules.controlnets:
@@ -280,7 +282,12 @@ def jobs_of_every_kind(
             *(
                 spec(f"custom {field}", 9 + index, image=picture(side, 4) if index else None, **schedule, **common)
                 for index, (field, schedule) in enumerate(custom_schedules_of(engine.rules, scheduler, steps).items())
-                if custom_schedules
+                if schedule_settings
+            ),
+            *(
+                [spec("eta", 11, image=picture(side, 2), mask=hole(side), strength=0.9, eta=0.7, **common)]
+                if schedule_settings and scheduler in engine.rules.eta_schedulers
+                else []
             ),
             *cached_specs,
         ]

@@ -223,6 +223,7 @@ def call_reference(references: dict, served: Served, body: dict):
         scheduler=body.get("scheduler", served.scheduler(0)),
         timesteps=body.get("timesteps"),
         sigmas=body.get("sigmas"),
+        eta=body.get("eta", 0.0),
         guidance_scale=body.get("guidance_scale", 7.5),
         guidance_rescale=body.get("guidance_rescale", 0.0),
         image=None if "image" not in body else Image.open(io.BytesIO(base64.b64decode(body["image"]))).convert("RGB"),
@@ -327,9 +328,9 @@ def test_a_seeded_request_gets_diffusers_images(served, references):
 def test_mixed_steps_schedulers_guidance_and_prompt_settings_share_forwards_and_each_gets_diffusers_images(
     served, references
 ):
-    """Requests with their own steps, scheduler, custom schedule (timesteps; SD 3: sigmas), guidance,
-    ``clip_skip``, (where the family's pipelines take them) ``guidance_rescale``, the other text
-    encoders' prompts and skip-layer guidance in one denoiser forward."""
+    """Requests with their own steps, scheduler, custom schedule (timesteps; SD 3: sigmas), DDIM's
+    eta, guidance, ``clip_skip``, (where the family's pipelines take them) ``guidance_rescale``, the
+    other text encoders' prompts and skip-layer guidance in one denoiser forward."""
     bodies = [
         {
             "prompt": "a green triangle",
@@ -357,8 +358,9 @@ def test_mixed_steps_schedulers_guidance_and_prompt_settings_share_forwards_and_
     ]
     if served.family == "sd3":  # flow matching takes sigmas
         bodies[1]["sigmas"] = [1.0, 0.9, 0.75, 0.6, 0.45, 0.3, 0.15, 0.05]
-    else:  # DPM++ 2M takes timesteps
+    else:  # DPM++ 2M takes timesteps; DDIM, the default scheduler, eta
         bodies[1]["timesteps"] = [999, 850, 700, 550, 400, 250, 100, 10]
+        bodies[2]["eta"] = 0.5
     if served.family != "sd3":
         bodies[0]["guidance_rescale"] = 0.7
     else:  # StableDiffusion3Pipeline has no guidance_rescale
@@ -381,11 +383,9 @@ def test_mixed_steps_schedulers_guidance_and_prompt_settings_share_forwards_and_
     for body, (response, _) in zip(bodies, followers, strict=True):
         assert_diffusers_images(references, served, body, response)
         assert response.json()["batch"]["max_step_images"] >= 2, "the request never shared a denoiser forward"
-    custom = followers[1][0].json()["parameters"]
-    assert [custom.get(field) for field in ("timesteps", "sigmas")] == [
-        bodies[1].get("timesteps"),
-        bodies[1].get("sigmas"),
-    ]
+    reported = [response.json()["parameters"] for response, _ in followers]
+    for field, index in (("timesteps", 1), ("sigmas", 1), ("eta", 2)):
+        assert reported[index].get(field) == bodies[index].get(field), field
     if served.mode == "dynamic":
         assert [response.json()["batch"]["requests"] for response, _ in followers] == [3, 3, 3], (
             "not one TorchServe batch"

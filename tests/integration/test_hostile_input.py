@@ -51,6 +51,7 @@ CASES = [
     ("SDXL's size on SD 1.x", body(original_size=[1024, 1024]), JSON, 400, "original_size", "conditioning is SDXL's"),
     ("timesteps on DDIM", body(timesteps=[999, 500]), JSON, 400, "timesteps", "takes no custom timesteps"),
     ("rising sigmas", body(scheduler="euler", sigmas=[1, 2, 0]), JSON, 400, "sigmas", "must decrease strictly"),
+    ("eta beside Euler", body(scheduler="euler", eta=0.5), JSON, 400, "eta", "acts on DDIM's steps"),
     ("negative clip skip", body(clip_skip=-1), JSON, 400, "clip_skip", "greater than or equal to 0"),
     ("clip skip beyond the encoder", body(clip_skip=12), JSON, 400, "clip_skip", "CLIP text encoders can skip"),
     ("zero steps", body(num_inference_steps=0), JSON, 400, "num_inference_steps", "greater than or equal to 1"),

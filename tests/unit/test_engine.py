@@ -280,6 +280,26 @@ def test_jobs_with_their_own_timesteps_or_sigmas_share_forwards_and_give_diffuse
         assert_same_images(decoded, expected(references[family], job))
 
 
+@pytest.mark.parametrize("family", FAMILIES)
+def test_ddim_jobs_with_an_eta_draw_their_noise_from_their_seeds_as_diffusers_does(engines, references, family):
+    """DDIM's ``eta``: each step's fresh noise from the image's generator (text to image, from an
+    image, inpainting), beside a deterministic DDIM job and another scheduler's in the same forwards."""
+    side = 96 if family == "sd2" else 64
+    ddim = functools.partial(spec, side=side, steps=4)
+    plan = [
+        (0, ddim("a red circle", seed=1, images=2, eta=0.5)),
+        (0, ddim("a blue square", seed=3)),
+        (1, ddim("a green", seed=5, eta=1.0, image=picture(side), strength=0.7)),
+        (1, ddim("a moon", seed=6, eta=0.3, image=picture(side, 1), mask=hole(side), strength=0.9)),
+        (1, spec("a star", seed=7, side=side, steps=3, scheduler="euler_a")),
+    ]
+    decoded = run(engines[family], plan)
+    for (_, job), images in zip(plan, decoded, strict=True):
+        assert_same_images(images, expected(references[family], job))
+    (deterministic,) = run(engines[family], [(0, replace(plan[0][1], eta=0.0))])
+    assert_moved(decoded[0].images[0], deterministic.images[0], "eta")
+
+
 def test_one_forward_needs_one_latent_shape(engines):
     engine = engines["sd1"]
     with pytest.raises(ValueError, match="one latent shape"):
@@ -299,6 +319,7 @@ def test_families_are_detected_from_the_loaded_pipeline(engines):
     # what the UNet families' schedulers take of a custom schedule: the request rules' default
     assert {engines[family].family.rules.custom_schedules for family in FAMILIES} == {FamilyRules().custom_schedules}
     assert {round(engines[family].family.rules.max_sigma, 4) for family in FAMILIES} == {FamilyRules().max_sigma}
+    assert {engines[family].family.rules.eta_schedulers for family in FAMILIES} == {FamilyRules().eta_schedulers}
     assert "family=SDXL pipeline=StableDiffusionXLPipeline" in engines["sdxl"].description
 
 

@@ -362,6 +362,7 @@ def test_the_family_is_detected_with_its_rules(engines):
         text_encoders=3,
         custom_schedules=((FLOW, ("sigmas",)),),
         max_sigma=1.0,
+        eta_schedulers=(),
     )
     assert [rules.image_steps(steps, strength) for steps, strength in ((5, 0.7), (2, 0.3), (10, 1.0))] == [4, 1, 10]
     assert [FamilyRules().image_steps(steps, strength) for steps, strength in ((5, 0.7), (2, 0.3))] == [3, 0]

@@ -2,8 +2,8 @@
 nor does starting jobs wait for the forwards queued before it.
 
 Every family and scheduler the server offers, with LoRA rows, ControlNets (the UNet families), an
-image-to-image and an inpainting job, a DeepCache job (the UNet families) and jobs of each custom
-schedule (timesteps, sigmas) the scheduler takes in the same forwards.
+image-to-image and an inpainting job, a DeepCache job (the UNet families), jobs of each custom
+schedule (timesteps, sigmas) the scheduler takes and one with DDIM's eta in the same forwards.
 Counted per step after the first, under
 a ``TorchDispatchMode``: the operations that read a value (``aten._local_scalar_dense``,
 ``is_nonzero``, ``nonzero``, ``item``). A dispatch mode does not see a CPU tensor indexed with a
@@ -85,11 +85,11 @@ def test_a_step_reads_no_value_on_the_host_for_every_scheduler(engine):
     """Every step of every job, its first included: a second set of jobs joins the first after one
     step, as requests join a running batch (starting a job may read: admission is not a step)."""
     for scheduler in engine.family.rules.schedulers:
-        first = marked(jobs_of_every_kind(engine, scheduler, cached=True, skip_layers=True, custom_schedules=True))
+        first = marked(jobs_of_every_kind(engine, scheduler, cached=True, skip_layers=True, schedule_settings=True))
         DeviceTimesteps.reads = []
         with HostReads() as reads:
             engine.step(first)
-        second = marked(jobs_of_every_kind(engine, scheduler, cached=True, skip_layers=True, custom_schedules=True))
+        second = marked(jobs_of_every_kind(engine, scheduler, cached=True, skip_layers=True, schedule_settings=True))
         with reads:
             while not all(job.done for job in first + second):
                 engine.step([job for job in first + second if not job.done])
@@ -119,9 +119,9 @@ def test_on_a_gpu_a_step_never_synchronizes(family, tmp_path):
     finished jobs' decode."""
     engine = engine_with_adapters(family, tmp_path, device="cuda")
     for scheduler in engine.family.rules.schedulers:
-        first = jobs_of_every_kind(engine, scheduler, cached=True, skip_layers=True, custom_schedules=True)
+        first = jobs_of_every_kind(engine, scheduler, cached=True, skip_layers=True, schedule_settings=True)
         engine.step(first)  # the engine's first forwards: cuDNN and cuBLAS set up their handles
-        second = jobs_of_every_kind(engine, scheduler, cached=True, skip_layers=True, custom_schedules=True)
+        second = jobs_of_every_kind(engine, scheduler, cached=True, skip_layers=True, schedule_settings=True)
         latents = torch.cat([job.latents for job in first + second])
         engine.decode(latents, SIDE, SIDE)  # the VAE's first call
         torch.cuda.synchronize()
@@ -189,10 +189,10 @@ def test_every_copy_starting_jobs_makes_is_read_and_made_alike(engine, monkeypat
     monkeypatch.setattr(torch._C._nn, "_parse_to", parse)
     monkeypatch.setattr(transfer, "to_device", lambda *args: queued.append(args[1]) or to_device(*args))
     for scheduler in engine.family.rules.schedulers:
-        plain = jobs_of_every_kind(engine, scheduler, cached=True, skip_layers=True, custom_schedules=True)
+        plain = jobs_of_every_kind(engine, scheduler, cached=True, skip_layers=True, schedule_settings=True)
         with monkeypatch.context() as forced:
             forced.setattr(step_engine, "queued_copies", lambda device: QueuedCopies(torch.device("cpu")))
-            rewritten = jobs_of_every_kind(engine, scheduler, cached=True, skip_layers=True, custom_schedules=True)
+            rewritten = jobs_of_every_kind(engine, scheduler, cached=True, skip_layers=True, schedule_settings=True)
         assert queued and not unread, (
             f"{engine.family.name}, {scheduler}: {len(queued)} queued, left as asked: {unread}"
         )
@@ -349,7 +349,7 @@ def starting(engine: StepEngine, scheduler: str) -> list:
     and PNDM's table goes to the device after its first step)."""
     common = dict(side=SIDE, steps=STEPS, scheduler=scheduler)
     whole = spec("inpaint whole", 8, image=picture(SIDE, 3), mask=hole(SIDE), strength=1.0, **common)
-    return jobs_of_every_kind(engine, scheduler, cached=True, skip_layers=True, custom_schedules=True) + engine.start(
+    return jobs_of_every_kind(engine, scheduler, cached=True, skip_layers=True, schedule_settings=True) + engine.start(
         [whole]
     )
 

@@ -77,7 +77,7 @@ def test_every_field_is_taken_as_sent():
             *CUSTOM_SCHEDULE_FIELDS,
         ]
     )
-    unset["cache"] = StepCache().model_dump()
+    unset["cache"], unset["eta"] = StepCache().model_dump(), 0.0
     assert request.model_dump() == {**body, "guidance_scale": 1.0, **unset}
 
 
@@ -326,6 +326,7 @@ SD3_POLICY = replace(
         text_encoders=3,
         transformer_blocks=24,
         custom_schedules=(("flow_match_euler", ("sigmas",)),),
+        eta_schedulers=(),
     ),
 )
 SDXL_POLICY = replace(
@@ -600,6 +601,20 @@ def test_a_custom_schedule_is_refused_naming_the_field_where_its_scheduler_would
 ):
     fields, message = errors_of({"prompt": "x", **body}, policy=policy)
     assert fields == [(field, rule)] and words in message
+
+
+def test_ddims_eta_is_taken_and_reported_where_the_scheduler_takes_it_and_refused_by_name_elsewhere():
+    request = decode_body({"prompt": "x", "eta": 0.5}, JSON, POLICY)
+    assert request.eta == 0.5 and request.parameters()["eta"] == 0.5
+    plain = decode_body({"prompt": "x", "scheduler": "euler", "eta": 0}, JSON, POLICY)
+    assert plain.eta == 0 and "eta" not in plain.parameters()
+    assert decode_form({"prompt": "x", "eta": "1"}, POLICY).eta == 1.0
+    fields, message = errors_of({"prompt": "x", "scheduler": "euler_a", "eta": 0.5})
+    assert fields == [("eta", "eta_unavailable")]
+    assert "scheduler euler_a on this SD 1.x model takes none, ddim does: name it, or leave eta out" in message
+    fields, message = errors_of({"prompt": "x", "eta": 0.5}, policy=SD3_POLICY)
+    assert fields == [("eta", "eta_unavailable")] and "none of its schedulers does" in message
+    assert errors_of({"prompt": "x", "eta": 1.5})[0] == [("eta", "less_than_equal")]
 
 
 def test_sdxl_sizes_and_crops_are_taken_as_pairs_and_reported():

@@ -72,6 +72,7 @@ SD3 = FamilyRules(
     text_encoders=3,
     transformer_blocks=24,
     custom_schedules=(("flow_match_euler", ("sigmas",)),),
+    eta_schedulers=(),
 )
 SLG = HandlerSettings.from_model_yaml(
     {**SHIPPED_CONFIG, "handler": {**SHIPPED_CONFIG["handler"], "defaults": {"skip_guidance_layers": [7, 8, 9]}}}
@@ -231,6 +232,7 @@ def assert_within_policy(request: GenerationRequest, policy: RequestPolicy) -> N
             assert all(later < earlier for earlier, later in zip(values, values[1:], strict=False))
             assert 0 <= values[-1] and (field == "sigmas" or values[0] < policy.rules.train_timesteps)
     assert request.timesteps is None or request.sigmas is None
+    assert type(request.eta) is float and (request.eta == 0 or request.scheduler in policy.rules.eta_schedulers)
     for value, upper in (
         (request.num_inference_steps, limits.max_inference_steps),
         (request.num_images_per_prompt, limits.max_images_per_request),
