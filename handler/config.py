@@ -189,11 +189,14 @@ class FamilyRules:
         one it takes, strictly decreasing (from the noisiest step) and within its range, sigmas as
         the scheduler reads them (float32); None: nothing."""
         if scheduler not in self.schedulers_taking(field):
-            takers = " or ".join(self.schedulers_taking(field)) or "none of its schedulers"
+            takers = " or ".join(self.schedulers_taking(field))
+            advice = (
+                "{takers} does: name it, or leave {field} out" if takers else "nor do its others: leave {field} out"
+            )
             return (
                 "custom_schedule_unavailable",
                 "scheduler {scheduler} takes no custom {field} on this {family} model (diffusers' set_timesteps); "
-                "{takers} does: name it, or leave {field} out",
+                + advice,
                 {"scheduler": scheduler, "field": field, "family": self.family, "takers": takers},
             )
         final = field == "sigmas" and scheduler in SIGMAS_WITH_FINAL

@@ -201,11 +201,16 @@ class ScheduleRules(BaseModel):
     def _eta_of_the_scheduler(cls, value: float, info: ValidationInfo) -> float:
         scheduler, rules = info.data.get("scheduler"), policy_of(info).rules
         if value and scheduler is not None and scheduler not in rules.eta_schedulers:
-            takers = " or ".join(rules.eta_schedulers) or "none of its schedulers"
+            takers = " or ".join(rules.eta_schedulers)
+            advice = (
+                "{takers} does: name it, or leave eta out (or 0)"
+                if takers
+                else "nor do its others: leave eta out (or 0)"
+            )
             raise PydanticCustomError(
                 "eta_unavailable",
                 "eta acts on DDIM's steps (diffusers passes it to a scheduler whose step takes it): scheduler "
-                "{scheduler} on this {family} model takes none, {takers} does: name it, or leave eta out (or 0)",
+                "{scheduler} on this {family} model takes none; " + advice,
                 {"scheduler": scheduler, "family": rules.family, "takers": takers},
             )
         return value

@@ -16,8 +16,8 @@ own (4- or 16-channel) denoiser; a job with ControlNets mirrors ``StableDiffusio
   latent shape; from an image, the last
   ``strength`` of them, ``get_timesteps``); 5. initial latents from one CPU generator per image
   (from an image: its VAE latents noised to the first timestep, ``prepare_latents``; with a mask
-  also ``prepare_mask_latents``); 6. ``prepare_extra_step_kwargs`` (eta 0 and the generators,
-  where the family's pipeline passes them). Its copies to the device, diffusers' own included, are
+  also ``prepare_mask_latents``); 6. ``prepare_extra_step_kwargs`` (the job's DDIM ``eta`` and the
+  generators, where the family's pipeline passes them). Its copies to the device, diffusers' own included, are
   queued without blocking (``handler.families.transfer.QueuedCopies``).
 - ``step``: one iteration of the denoising loop for any set of jobs of one latent shape, in ONE
   denoiser forward (UNet or transformer): each job's rows (doubled for classifier-free guidance

@@ -99,11 +99,6 @@ class IndexedScheduler(Scheduler, Protocol):
     def set_begin_index(self, begin_index: int = 0) -> None: ...
 
 
-def _takes_eta(step: Callable[..., Any]) -> bool:
-    """Whether a scheduler's ``step`` takes DDIM's ``eta`` (as ``prepare_extra_step_kwargs`` asks)."""
-    return "eta" in inspect.signature(step).parameters
-
-
 def steps_by_index(scheduler: Any) -> TypeGuard[IndexedScheduler]:
     """Whether ``scheduler`` is an ``IndexedScheduler``."""
     return hasattr(scheduler, "set_begin_index")
@@ -414,7 +409,11 @@ class Family(ABC):
         """The schedulers whose step takes ``eta``, where the family's pipeline passes it (none of SD 3's)."""
         if "eta" not in inspect.signature(self.pipeline_class.__call__).parameters:
             return ()
-        return tuple(name for name, (scheduler_class, _) in self.schedulers.items() if _takes_eta(scheduler_class.step))
+        return tuple(
+            name
+            for name, (scheduler_class, _) in self.schedulers.items()
+            if "eta" in inspect.signature(scheduler_class.step).parameters
+        )
 
     def _max_sigma(self) -> float:
         """The largest sigma of the model's training schedule, as its Euler scheduler has it (1, flow
@@ -593,11 +592,11 @@ class Family(ABC):
         if steps_by_index(scheduler):
             scheduler.set_begin_index(0)
 
-    def step_kwargs(self, scheduler: Scheduler, generators: list[torch.Generator], eta: float = 0.0) -> dict[str, Any]:
+    def step_kwargs(self, scheduler: Scheduler, generators: list[torch.Generator], eta: float) -> dict[str, Any]:
         """``prepare_extra_step_kwargs``: what ``scheduler.step`` takes of ``eta`` and generator."""
         parameters = inspect.signature(scheduler.step).parameters
         kwargs: dict[str, Any] = {}
-        if _takes_eta(scheduler.step):
+        if "eta" in parameters:
             kwargs["eta"] = eta
         if "generator" in parameters:
             kwargs["generator"] = generators

@@ -133,7 +133,7 @@ class StableDiffusion3Family(Family):
         )
         return {"mu": mu}
 
-    def step_kwargs(self, scheduler: Scheduler, generators: list[torch.Generator], eta: float = 0.0) -> dict[str, Any]:
+    def step_kwargs(self, scheduler: Scheduler, generators: list[torch.Generator], eta: float) -> dict[str, Any]:
         """None: SD 3's pipelines pass its flow-matching steps neither eta nor generators."""
         return {}
 

@@ -378,7 +378,7 @@ def last_latents(family, scheduler: SchedulerName, steps: int) -> torch.Tensor:
     stepper, host = family.scheduler(scheduler, steps, (4, 8, 8))
     family.prepare_scheduler(stepper)
     latents = torch.randn(1, 4, 8, 8, generator=generator)
-    kwargs = family.step_kwargs(stepper, [torch.Generator().manual_seed(1)])
+    kwargs = family.step_kwargs(stepper, [torch.Generator().manual_seed(1)], 0.0)
     for index, timestep in enumerate(stepper.timesteps):
         output = 0.1 * torch.randn(latents.shape, generator=generator)
         latents = schedules.step(stepper, output, timestep, host[index], latents, kwargs)

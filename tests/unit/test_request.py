@@ -549,7 +549,13 @@ def test_a_custom_schedule_runs_its_own_steps_and_is_reported():
             "sigmas entry 0 is 1.5: flow matching's sigmas are above 0 and at most 1 (the noisiest)",
         ),
         ({"sigmas": [0.5, 0]}, SD3_POLICY, "sigmas", "schedule_out_of_range", "sigmas entry 1 is 0.0"),
-        ({"timesteps": [999]}, SD3_POLICY, "timesteps", "custom_schedule_unavailable", "none of its schedulers"),
+        (
+            {"timesteps": [999]},
+            SD3_POLICY,
+            "timesteps",
+            "custom_schedule_unavailable",
+            "on this SD 3.x model (diffusers' set_timesteps); nor do its others: leave timesteps out",
+        ),
         (
             {"scheduler": "euler", "timesteps": [999, 1], "sigmas": [2, 0]},
             POLICY,
@@ -611,9 +617,9 @@ def test_ddims_eta_is_taken_and_reported_where_the_scheduler_takes_it_and_refuse
     assert decode_form({"prompt": "x", "eta": "1"}, POLICY).eta == 1.0
     fields, message = errors_of({"prompt": "x", "scheduler": "euler_a", "eta": 0.5})
     assert fields == [("eta", "eta_unavailable")]
-    assert "scheduler euler_a on this SD 1.x model takes none, ddim does: name it, or leave eta out" in message
+    assert "scheduler euler_a on this SD 1.x model takes none; ddim does: name it, or leave eta out" in message
     fields, message = errors_of({"prompt": "x", "eta": 0.5}, policy=SD3_POLICY)
-    assert fields == [("eta", "eta_unavailable")] and "none of its schedulers does" in message
+    assert fields == [("eta", "eta_unavailable")] and "takes none; nor do its others: leave eta out" in message
     assert errors_of({"prompt": "x", "eta": 1.5})[0] == [("eta", "less_than_equal")]
 
 
