@@ -188,8 +188,9 @@ class FamilyRules:
         """What is wrong with a custom schedule (``field``: timesteps or sigmas) on ``scheduler``:
         one it takes, strictly decreasing (from the noisiest step) and within its range, sigmas as
         the scheduler reads them (float32); None: nothing."""
-        if scheduler not in self.schedulers_taking(field):
-            takers = " or ".join(self.schedulers_taking(field))
+        taking = self.schedulers_taking(field)
+        if scheduler not in taking:
+            takers = " or ".join(taking)
             advice = (
                 "{takers} does: name it, or leave {field} out" if takers else "nor do its others: leave {field} out"
             )

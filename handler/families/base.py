@@ -420,8 +420,7 @@ class Family(ABC):
         matching's, where the family has none)."""
         if "euler" not in self.schedulers:
             return 1.0
-        scheduler_class, overrides = self.schedulers["euler"]
-        return float(scheduler_class.from_config(self.pipeline.scheduler.config, **overrides).sigmas.max())
+        return float(self._new_scheduler("euler").sigmas.max())
 
     def custom_schedules(self) -> tuple[tuple[SchedulerName, tuple[str, ...]], ...]:
         """What each of its schedulers takes of a custom schedule (``timesteps``, ``sigmas``): what the
@@ -436,8 +435,7 @@ class Family(ABC):
 
     def _takes(self, name: SchedulerName, field: str) -> bool:
         """Whether scheduler ``name`` sets a custom schedule's ``field`` (``PROBES``) without refusing it."""
-        scheduler_class, overrides = self.schedulers[name]
-        scheduler = scheduler_class.from_config(self.pipeline.scheduler.config, **overrides)
+        scheduler = self._new_scheduler(name)
         if field not in inspect.signature(scheduler.set_timesteps).parameters:
             return False
         options = self._timestep_options(self.latent_shape(*self.native_size()))
@@ -569,8 +567,7 @@ class Family(ABC):
         schedule = tuple((field, tuple(values)) for field, values in custom.items())
         key = (name, steps, tuple(sorted(options.items())), schedule)
         if key not in self._templates:
-            scheduler_class, overrides = self.schedulers[name]
-            template = scheduler_class.from_config(self.pipeline.scheduler.config, **overrides)
+            template = self._new_scheduler(name)
             host = set_timesteps_on_host(template, None if custom else steps, self.device, {**options, **custom})
             if custom and len(host) != steps:
                 raise ValueError(f"{name}'s schedule from {custom} runs {len(host)} steps, not the job's {steps}")
@@ -580,6 +577,11 @@ class Family(ABC):
         self._templates.move_to_end(key)
         template, host = self._templates[key]
         return copy.deepcopy(template), host
+
+    def _new_scheduler(self, name: SchedulerName) -> Any:
+        """Scheduler ``name`` built from the model's scheduler config with the settings it needs on top."""
+        scheduler_class, overrides = self.schedulers[name]
+        return scheduler_class.from_config(self.pipeline.scheduler.config, **overrides)
 
     def _timestep_options(self, latent_shape: tuple[int, ...]) -> dict[str, float]:
         """What ``set_timesteps`` takes besides the steps (none: the schedule is the same at every size)."""
