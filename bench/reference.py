@@ -14,7 +14,9 @@ with several images and a generator per image (it encodes ``image[i:i+1]`` of a 
 each image is its own call (image k from seed + k, what the engine's image k equals); the inpaint
 pipeline's decode leaves out the VAE's ``shift_factor`` (diffusers issue #13611), so its latents are
 decoded as ``StableDiffusion3Pipeline`` decodes them, which is what the engine serves
-(``handler.families.sd3``).
+(``handler.families.sd3``). ``StableDiffusion3ControlNetPipeline`` samples its control images'
+latents from torch's global generator: a call with SD 3 ControlNets seeds it with the call's first
+seed (``torch.manual_seed``, its state restored after), which is what the engine's generator for them is.
 """
 
 from __future__ import annotations
@@ -32,8 +34,11 @@ from diffusers import (
     AutoPipelineForText2Image,
     ControlNetModel,
     DiffusionPipeline,
+    SD3ControlNetModel,
+    StableDiffusion3ControlNetPipeline,
     StableDiffusion3Img2ImgPipeline,
     StableDiffusion3InpaintPipeline,
+    StableDiffusion3Pipeline,
 )
 from PIL.Image import Image
 from safetensors.torch import load_file
@@ -272,8 +277,10 @@ class Reference:
         ``from_pipe``), the control images, scales and windows (one ControlNet: not as lists)."""
         if not controlnets:
             return {"pipe": {}}
+        sd3 = isinstance(self.pipeline, StableDiffusion3Pipeline)
+        net_class = SD3ControlNetModel if sd3 else ControlNetModel
         nets = [
-            ControlNetModel.from_pretrained(str(call.path), torch_dtype=self.pipeline.dtype, use_safetensors=True).to(
+            net_class.from_pretrained(str(call.path), torch_dtype=self.pipeline.dtype, use_safetensors=True).to(
                 self.pipeline.device
             )
             for call in controlnets
@@ -285,7 +292,7 @@ class Reference:
 
         return {
             "pipe": {"controlnet": each(nets)},
-            "image" if text_to_image else "control_image": each([call.image for call in controlnets]),
+            "image" if text_to_image and not sd3 else "control_image": each([call.image for call in controlnets]),
             "controlnet_conditioning_scale": each([float(call.scale) for call in controlnets]),
             "control_guidance_start": each([float(call.start) for call in controlnets]),
             "control_guidance_end": each([float(call.end) for call in controlnets]),
@@ -326,7 +333,9 @@ class Reference:
         caching = (
             contextlib.nullcontext() if first_block is None else first_block_cache(pipeline.transformer, first_block)
         )
-        with caching, flat_text_model(pipeline.text_encoder, inputs.get("clip_skip")):
+        with caching, flat_text_model(pipeline.text_encoder, inputs.get("clip_skip")), torch.random.fork_rng([]):
+            if isinstance(pipeline, StableDiffusion3ControlNetPipeline):  # its control latents' generator
+                torch.manual_seed(seeds[0])
             output = pipeline(
                 prompt=prompt,
                 negative_prompt=negative_prompt,

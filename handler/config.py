@@ -120,7 +120,7 @@ class FamilyRules:
     # first step skipped is rounded down instead (SD 3.x's), so a positive strength always runs one.
     strength_rounding: Literal["steps", "start"] = "steps"
     max_side: int | None = None  # the largest width or height the denoiser takes (None: any)
-    controlnets: bool = True  # whether its pipelines take ControlNets (the UNet families')
+    controlnets: bool = True  # whether its pipelines take ControlNets (every family's)
     # The most denoising steps its schedulers take: a UNet's schedule samples the model's training
     # timesteps (fewer by 2: more break DDIM, PNDM or DPM++ 2M), None where it is continuous (flow matching).
     max_steps: int | None = None
@@ -153,6 +153,9 @@ class FamilyRules:
     # The schedulers a request's eta acts on: those whose step takes it, where the family's pipeline
     # passes it (``prepare_extra_step_kwargs``: DDIM's).
     eta_schedulers: tuple[SchedulerName, ...] = ("ddim",)
+    # The request fields a request with ControlNets may not carry: what the family's ControlNet
+    # pipelines take none of (SD 3.x's take no input image, skip-layer guidance or step cache).
+    controlnet_excludes: tuple[str, ...] = ()
 
     def skip_layers_problem(self, layers: list[int]) -> Problem | None:
         """What is wrong with skip-layer guidance over ``layers`` on this family's transformer (an error
@@ -409,7 +412,7 @@ class LoraSettings(_ServedDirectory):
 
 
 class ControlNetSettings(_ServedDirectory):
-    """ControlNets served per request from a directory (``handler.adapters.controlnets``), SD 1.x/2.x and SDXL."""
+    """ControlNets served per request from a directory (``handler.adapters.controlnets``), every family."""
 
     section: ClassVar[str] = "controlnets"
     env: ClassVar[str] = CONTROLNET_DIR_ENV

@@ -238,20 +238,20 @@ def build_sd3_pipeline(seed: int, **transformer: object) -> StableDiffusion3Pipe
         CLIPTextModelWithProjection(_text_config(tokenizer, hidden_act="gelu", projection_dim=HIDDEN_SIZE))
         for _ in range(2)
     ]
+    settings = {"num_layers": 3, **transformer}
     return StableDiffusion3Pipeline(
         transformer=SD3Transformer2DModel(
             sample_size=8,
             patch_size=2,
             in_channels=16,
             out_channels=16,
-            num_layers=3,
             attention_head_dim=8,
             num_attention_heads=4,
             caption_projection_dim=HIDDEN_SIZE,
             joint_attention_dim=joint_width,
             pooled_projection_dim=2 * HIDDEN_SIZE,
             pos_embed_max_size=32,
-            **transformer,
+            **settings,
         ),
         scheduler=FlowMatchEulerDiscreteScheduler(shift=3.0),
         vae=_vae(

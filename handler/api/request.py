@@ -236,6 +236,9 @@ class GenerationRequest(
             defaults.pop("strength")
         if _unguided(data.get("guidance_scale", defaults["guidance_scale"])):
             defaults["skip_guidance_layers"] = None  # the default acts on guided requests only
+        if data.get("controlnets"):  # nor on a ControlNet request, where the family's ControlNet pipeline has none
+            off = {"skip_guidance_layers": None, "cache": StepCache()}
+            defaults.update({field: off[field] for field in policy.rules.controlnet_excludes if field in off})
         custom = [field for field in CUSTOM_SCHEDULE_FIELDS if isinstance(data.get(field), list)]
         if custom:  # the steps of a custom schedule (the first: its rules refuse two, or steps beyond the limits)
             scheduler = data.get("scheduler")

@@ -55,6 +55,16 @@ SKIP_LAYER_GUIDANCE = (
 SIZE_CONDITIONING = "size and crop conditioning is SDXL's (its UNet's time ids: original_size, target_size, ...)"
 
 
+def controlnets_without(field: str, family: str) -> PydanticCustomError:
+    """A request with ControlNets and ``field``, which the family's ControlNet pipelines take none of."""
+    return PydanticCustomError(
+        "controlnets_with",
+        "ControlNets on {family} models are served with text to image alone, as diffusers' ControlNet pipeline "
+        "for it has no {field}: leave out {field} or controlnets",
+        {"family": family, "field": field},
+    )
+
+
 def _not_served(rule: str, what: str, field: str, rules: FamilyRules) -> PydanticCustomError:
     """A refusal of a field this family's pipelines do not take: what it is, and to leave it out."""
     return PydanticCustomError(
@@ -420,10 +430,12 @@ class AdapterRules(BaseModel):
         policy = policy_of(info)
         if value and not policy.rules.controlnets:
             raise PydanticCustomError(
-                "controlnets_unavailable",
-                "ControlNets are served for SD 1.x/2.x and SDXL models; this is an {family} model",
-                {"family": policy.rules.family},
+                "controlnets_unavailable", "this {family} model takes no ControlNets", {"family": policy.rules.family}
             )
+        # Those declared before it (the cache's own rule refuses a cache).
+        excluded = [field for field in policy.rules.controlnet_excludes if info.data.get(field) is not None]
+        if value and excluded:
+            raise controlnets_without(excluded[0], policy.rules.family)
         if value and info.data.get("mask") is not None:
             raise PydanticCustomError(
                 "controlnets_with_mask",
@@ -505,6 +517,8 @@ class CacheRules(BaseModel):
             return value
         policy = policy_of(info)
         rules = policy.rules
+        if info.data.get("controlnets") and "cache" in rules.controlnet_excludes:
+            raise controlnets_without("cache", rules.family)
         if not (rules.cache_branches if value.mode == "deep" else rules.first_block_cache):
             served = "deep" if rules.cache_branches else "first_block" if rules.first_block_cache else "none"
             raise PydanticCustomError(

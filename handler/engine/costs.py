@@ -9,7 +9,7 @@ operations per row against the denoiser's, counted once per latent shape (and Co
 device picks, so CPU and GPU count alike): nothing is computed or allocated.
 
 Memory: the time cost, but never less than the rows. A ControlNet's activations come on top of the
-UNet's, as its operations do; a cached step's shallow branch runs at full resolution, where most
+denoiser's, as its operations do; a cached step's shallow branch runs at full resolution, where most
 activations are, so its memory does not shrink with its operations. So ControlNet traffic is not
 over-admitted, a forward with ControlNets that runs out of memory lowers the shape's limit by what
 it cost, and cached rows never pack more rows into a forward than memory has held.
@@ -73,7 +73,7 @@ class RowCosts:
 
     def count(self, job: DenoiseJob) -> None:
         """Count the denoiser's operations per row of the job's latent shape, from its first row
-        (once per shape; the UNet families only: only they take ControlNets or DeepCache)."""
+        (once per shape, where the family takes ControlNets: what their shares are counted against)."""
         shape, family = job.latent_shape, self.engine.family
         if shape in self._shapes or not family.rules.controlnets or hasattr(family.denoiser, "_hf_hook"):
             return
@@ -118,8 +118,8 @@ class RowCosts:
             controlnets, latents = self.engine.controlnets, costs.latents
 
             def call() -> Any:
-                image = torch.zeros((1, 3, height, width), dtype=latents.dtype, device=latents.device)
-                return controlnets.run(net_id, latents, costs.timestep, costs.conditioning, image)
+                blank = self.engine.family.control_placeholder(latents, height, width)
+                return controlnets.run(net_id, latents, costs.timestep, costs.conditioning, blank)
 
             try:
                 share = _flops(call)[0] / costs.flops

@@ -5,8 +5,8 @@ Mirrors diffusers 0.42.1: ``StableDiffusionPipeline.__call__`` (SD 1.x, SD 2.x),
 cut at the denoising loop so jobs can join and leave between steps; a job with an input image
 mirrors the family's ``Img2ImgPipeline`` and, with a mask, its ``InpaintPipeline`` for the model's
 own (4- or 16-channel) denoiser; a job with ControlNets mirrors ``StableDiffusion(XL)ControlNetPipeline``
-(from an image, its ``Img2Img`` variant). What differs between the families is theirs
-(``handler.families``); the loop reads the same for all. Their numbered steps map to:
+(from an image, its ``Img2Img`` variant) or ``StableDiffusion3ControlNetPipeline``. What differs
+between the families is theirs (``handler.families``); the loop reads the same for all. Their numbered steps map to:
 
 - ``start``: 3. encode the prompts of the jobs started together (each text encoder's own:
   ``prompt_2``, ``prompt_3`` where given) in one call per LoRA set and ``clip_skip`` among them
@@ -17,7 +17,9 @@ own (4- or 16-channel) denoiser; a job with ControlNets mirrors ``StableDiffusio
   ``strength`` of them, ``get_timesteps``); 5. initial latents from one CPU generator per image
   (from an image: its VAE latents noised to the first timestep, ``prepare_latents``; with a mask
   also ``prepare_mask_latents``); 6. ``prepare_extra_step_kwargs`` (the job's DDIM ``eta`` and the
-  generators, where the family's pipeline passes them). Its copies to the device, diffusers' own included, are
+  generators, where the family's pipeline passes them); the ControlNet pipelines' step 3, each
+  control image as its ControlNets read it (SD 3.x: through the VAE encoder, sampled from a CPU
+  generator seeded with the job's seed). Its copies to the device, diffusers' own included, are
   queued without blocking (``handler.families.transfer.QueuedCopies``).
 - ``step``: one iteration of the denoising loop for any set of jobs of one latent shape, in ONE
   denoiser forward (UNet or transformer): each job's rows (doubled for classifier-free guidance
@@ -32,7 +34,8 @@ own (4- or 16-channel) denoiser; a job with ControlNets mirrors ``StableDiffusio
   skip-layer guidance at a step of its window adds its images' rows once more (the prompt's
   conditioning; ``StableDiffusion3Pipeline``'s second transformer call), which take each skipped
   block's inputs back in that forward, and its guided noise gains their difference from the
-  prompt's (``handler.families.first_block_cache.SkipRows``). A step reads no
+  prompt's (``handler.families.first_block_cache.SkipRows``). SD 3.x's ControlNet residuals are added
+  after each transformer block by the same block wrappers. A step reads no
   tensor value on the host (``handler.families.schedules``): on a GPU, nothing in it waits for the
   device; first-block caching's decision is the one exception, a step with such jobs reads one vector.
 - ``decode``: the end of ``__call__``: VAE decode, the safety checker (SD, where the model has one)
@@ -207,10 +210,19 @@ class StepEngine:
         return to_device(self.first_block.skip_mask(spec.skip_layer_guidance.layers), self.device)
 
     def _controls(self, spec: JobSpec) -> tuple[Control, ...]:
-        """The ControlNet pipelines' ``prepare_image`` for each of a job's control images."""
+        """What each of a job's ControlNets reads of its control image (the ControlNet pipelines'
+        step 3; SD 3.x's draws its latents, in order, from one generator seeded with the job's seed),
+        and which of their residuals each place of the denoiser's forward adds."""
+        if not spec.controls:
+            return ()
+        family, nets = self.family, [self.controlnets.net(control.net) for control in spec.controls]
+        slots = family.control_slots([family.control_residuals(net) for net in nets])
+        generator = torch.Generator("cpu").manual_seed(spec.seeds[0])  # SD 3.x's: torch.manual_seed(seed)
         return tuple(
-            Control(control, self.family.preprocess_control(control.image, spec.width, spec.height))
-            for control in spec.controls
+            Control(
+                control, family.control_input(net, control.image, spec.width, spec.height, spec.rows, generator), slots
+            )
+            for control, net in zip(spec.controls, nets, strict=True)
         )
 
     def _start_from_image(
@@ -276,8 +288,8 @@ class StepEngine:
         without ControlNet, dropped after). Jobs at a DeepCache cached step skip the deep blocks
         (``handler.families.deep_cache``); jobs with a first-block cache decide inside the forward,
         and jobs at a step of their skip-layer guidance add rows that skip its blocks
-        (``handler.families.first_block_cache``). A forward with a step cache or skip-layer rows
-        runs the denoiser's own forward (around its compiled regions), unpadded, whichever job
+        (``handler.families.first_block_cache``). A forward with a step cache, skip-layer rows or
+        SD 3.x ControlNet rows runs the denoiser's own forward (around its compiled regions), unpadded, whichever job
         brings them. All jobs must share a latent shape.
         Returns the ControlNet forwards run."""
         shapes = {job.latent_shape for job in jobs}
@@ -307,7 +319,8 @@ class StepEngine:
             inputs.append(family.model_input(job.scheduler, job_rows, timestep))
             timesteps.append(timestep.float().expand(job.rows))
         rows, padding = sum(job.rows for job in jobs), self.padding(jobs)
-        replays = self.cuda_graphs and not _own_forward(jobs)
+        own = self._own_forward(jobs)
+        replays = self.cuda_graphs and not own
         latents = padded_rows(torch.cat(inputs), padding)
         timestep_rows = padded_rows(torch.cat(timesteps), padding)
         conditioning = Conditioning.concat([piece for job in jobs for piece in job.forward_conditioning()])
@@ -317,30 +330,40 @@ class StepEngine:
         )
         # The padding rows take the last job's LoRA set: a set every row shares stays one scalar weight.
         sets = [(job.spec.adapters, job.rows) for job in jobs] + [(jobs[-1].spec.adapters, padding)]
-        with self.loras.rows(sets, self.device) as slot_rows, self._per_row_blocks(jobs):
+        in_blocks = own and family.controls_in_blocks  # the block wrappers add them
+        with self.loras.rows(sets, self.device) as slot_rows, self._per_row_blocks(jobs, residuals):
             if self.dynamic_rows:
                 rows_dynamic(latents, timestep_rows, conditioning, residuals, slot_rows)
             if replays:  # each step a new run of the graphs: the last run's outputs are done with
                 torch.compiler.cudagraph_mark_step_begin()
-            noise = family.forward(latents, timestep_rows, conditioning, residuals)[:rows]
+            noise = family.forward(latents, timestep_rows, conditioning, None if in_blocks else residuals)[:rows]
         if replays:  # the graph's next replay overwrites its output, which a scheduler may keep
             noise = noise.clone()
         return noise, control_forwards
 
     def padding(self, jobs: list[DenoiseJob]) -> int:
         """The rows a forward of ``jobs`` runs beyond theirs: copies of the last row up to the least
-        of ``row_counts`` at or above them; none with a step cache or skip-layer guidance (its
-        forward runs any count)."""
-        if _own_forward(jobs):
+        of ``row_counts`` at or above them; none where it runs the denoiser's own forward (a step
+        cache, skip-layer guidance or SD 3.x ControlNet rows: ``_own_forward``), which runs any count."""
+        if self._own_forward(jobs):
             return 0
         rows = sum(job.rows for job in jobs)
         return padded_count(rows, self.row_counts) - rows
 
-    def _per_row_blocks(self, jobs: list[DenoiseJob]) -> contextlib.AbstractContextManager[None]:
-        """The denoiser's blocks acting per row over a forward's rows, where a job in it has a step
-        cache (DeepCache or first-block caching) or skips layers; a sub-batch of its parts (by
-        index) takes their LoRA sets."""
-        if not _own_forward(jobs):
+    def _own_forward(self, jobs: list[DenoiseJob]) -> bool:
+        """Whether a forward runs the denoiser's own forward (around its compiled regions), its blocks
+        acting per row, at any row count: a job in it has a step cache or skips layers, or (where the
+        family's block wrappers add them) ControlNets acting."""
+        in_blocks = self.family.controls_in_blocks
+        return any(job.cache is not None or job.skips_layers or (in_blocks and job.acting()) for job in jobs)
+
+    def _per_row_blocks(
+        self, jobs: list[DenoiseJob], residuals: Residuals | None
+    ) -> contextlib.AbstractContextManager[None]:
+        """The denoiser's blocks acting per row over a forward's rows, where it runs its own forward
+        (``_own_forward``); a sub-batch of its parts (by index) takes their LoRA sets; a
+        transformer's blocks add the ControlNet ``residuals``."""
+        if not self._own_forward(jobs):
             return contextlib.nullcontext()
         if self.first_block is not None:
             parts = [part for job in jobs for part in _transformer_parts(job)]
@@ -348,6 +371,7 @@ class StepEngine:
                 [(cache, rows) for cache, rows, _ in parts],
                 self._sub_batch_rows([(job.spec.adapters, rows) for _, rows, job in parts]),
                 self._skip_rows(jobs),
+                residuals,
             )
         assert self.deep_cache is not None
         rows = [
@@ -462,15 +486,8 @@ def rows_dynamic(
 ) -> None:
     """Mark the rows of a compiled denoiser's inputs dynamic (``mark_rows``), the LoRA rows' plan
     included: a step cache's regions read it too."""
-    down, mid = residuals or ([], None)
-    tensors = [latents, timesteps, conditioning.hidden_states, *conditioning.added.values(), *down, mid]
+    tensors = [latents, timesteps, conditioning.hidden_states, *conditioning.added.values(), *(residuals or ())]
     mark_rows(latents.shape[0], [*tensors, *(slot_rows or ())])
-
-
-def _own_forward(jobs: list[DenoiseJob]) -> bool:
-    """Whether a job of a forward has a step cache or skips layers: the forward then runs the
-    denoiser's own forward (around its compiled regions), its blocks acting per row, at any row count."""
-    return any(job.cache is not None or job.skips_layers for job in jobs)
 
 
 def _transformer_parts(job: DenoiseJob) -> list[tuple[FirstBlockCache | None, int, DenoiseJob]]:

@@ -12,8 +12,8 @@ for everything that differs between their diffusers pipelines:
   ``init_noise_sigma``, ``scale_model_input`` and ``add_noise`` against flow matching's plain noise
   and ``scale_noise``;
 - the denoiser forward (``forward``): one call of the UNet or transformer over the rows of several
-  jobs, each row at its own timestep with its own conditioning (and, in the UNet families, its
-  ControlNet residuals: ``control_forward``, ``controlnet_refusal``, ``preprocess_control``);
+  jobs, each row at its own timestep with its own conditioning and ControlNet residuals
+  (``control_forward``, ``controlnet_refusal``, ``control_input``, ``control_slots``);
 - the VAE (``encode_image``, ``vae_decode``) and post-processing (``postprocess``: safety checker,
   watermark);
 - the request rules (``rules``): schedulers, the size grid, how an input image's steps round.
@@ -58,8 +58,10 @@ PROBES: dict[str, list[float]] = {"timesteps": [1, 0], "sigmas": [1.0, 0.5]}
 # A loaded diffusers pipeline of one of the families. diffusers registers a pipeline's components
 # (unet, transformer, vae, scheduler, ...) at run time, so its classes declare none of them to a type checker.
 Pipeline = Any
-# ControlNet residuals for a UNet forward: one tensor per down-block output, and the mid block's.
-Residuals = tuple[list[torch.Tensor], torch.Tensor]
+# ControlNet residuals for a denoiser forward, each over all its rows: one tensor per place the
+# denoiser adds one (a UNet: each down-block output, then its mid block's; an SD 3.x transformer: each
+# block's output, several places sharing one tensor where a ControlNet has fewer blocks).
+Residuals = list[torch.Tensor]
 # A diffusers scheduler class (its from_config is added at run time) and the settings it needs on top
 # of the model's scheduler config.
 SchedulerChoice = tuple[Any, dict[str, Any]]
@@ -340,6 +342,13 @@ class Family(ABC):
     # configured one, as the UNets do).
     own_attention: ClassVar[type | None] = None
     takes_controlnets: ClassVar[bool] = False  # FamilyRules.controlnets
+    controlnet_excludes: ClassVar[tuple[str, ...]] = ()  # FamilyRules.controlnet_excludes
+    # Whether the engine adds its ControlNet residuals between the denoiser's blocks (its block
+    # wrappers, as a step cache's forward: SD 3.x) instead of passing them to the denoiser's forward.
+    controls_in_blocks: ClassVar[bool] = False
+    controlnet_class: ClassVar[Any] = None  # the diffusers class of its ControlNet directories
+    # Whether a single-file ControlNet is built as its denoiser's (A1111's files: the UNet families').
+    controlnet_files: ClassVar[bool] = False
     takes_guidance_rescale: ClassVar[bool] = True  # FamilyRules.guidance_rescale
     takes_size_conditioning: ClassVar[bool] = False  # FamilyRules.size_conditioning
     # Which hidden states of its CLIP encoders a prompt conditions on, counted from the end: 1 the
@@ -403,6 +412,7 @@ class Family(ABC):
             train_timesteps=int(self.pipeline.scheduler.config.get("num_train_timesteps", 1000)),
             max_sigma=self._max_sigma(),
             eta_schedulers=self.eta_schedulers(),
+            controlnet_excludes=self.controlnet_excludes,
         )
 
     def eta_schedulers(self) -> tuple[SchedulerName, ...]:
@@ -631,31 +641,52 @@ class Family(ABC):
         residuals: Residuals | None = None,
     ) -> torch.Tensor:
         """One denoiser call over rows, each at its own timestep: the noise (or velocity) prediction;
-        ``residuals``: ControlNet residuals for every row (families that take ControlNets)."""
+        ``residuals``: ControlNet residuals for every row (families that take them in the forward,
+        not ``controls_in_blocks``)."""
 
-    # ControlNets (the UNet families'; ``handler.adapters.controlnets``).
+    # ControlNets (``handler.adapters.controlnets``).
 
     def controlnet_refusal(self, config: Any) -> str | None:
         """Why a ControlNet with this config cannot serve this model (None: it can)."""
-        return f"ControlNets are served for SD 1.x/2.x and SDXL models, not {self.name}"
+        return f"{self.name} models take no ControlNets"
+
+    def prepare_controlnet(self, net: Any) -> Any:
+        """A loaded ControlNet made ready for this model's denoiser (itself, unless the family says)."""
+        return net
 
     def control_forward(
         self, net: Any, latents: torch.Tensor, timesteps: torch.Tensor, conditioning: Conditioning, images: torch.Tensor
     ) -> Residuals:
-        """One ControlNet call over rows (scale 1): its down-block and mid-block residuals."""
+        """One ControlNet call over rows (scale 1): its residuals, in its own order (``control_slots``)."""
         raise NotImplementedError(f"{self.name} models take no ControlNets")
+
+    def control_residuals(self, net: Any) -> int:
+        """How many residuals a ControlNet gives: one per down-block output and the mid block's."""
+        return len(net.controlnet_down_blocks) + 1
+
+    def control_slots(self, residuals: Sequence[int]) -> tuple[int, ...]:
+        """Which residual of each of a job's ControlNets (giving ``residuals`` each) each place of
+        the denoiser's forward adds, in ``Residuals`` order: here each its own."""
+        return tuple(range(residuals[0]))
 
     def control_zeros(self, latents: torch.Tensor, dtype: torch.dtype) -> Residuals:
         """Residuals that add nothing to any row of a forward over ``latents``: what a compiled
         denoiser serving ControlNets takes in every forward, so one graph serves forwards with and
         without them."""
-        raise NotImplementedError(f"{self.name} models take no ControlNets")
+        raise NotImplementedError(f"{self.name} models take no ControlNets in a compiled forward")
 
-    def preprocess_control(self, image: Image, width: int, height: int) -> torch.Tensor:
-        """A control image as the ControlNet pipelines' ``prepare_image`` takes it: ``(1, 3, height,
-        width)`` in [0, 1], resized by their control image processor where its size differs."""
+    def control_input(
+        self, net: Any, image: Image, width: int, height: int, rows: int, generator: torch.Generator
+    ) -> torch.Tensor:
+        """What a ControlNet reads of a job's control image, one per row or one for all of them:
+        here ``(1, 3, height, width)`` in [0, 1] as the ControlNet pipelines' ``prepare_image`` makes
+        it, resized by their control image processor where its size differs."""
         pixels = self.control_processor.preprocess(image, height=height, width=width)
         return pixels.to(device=self.device, dtype=self.dtype)
+
+    def control_placeholder(self, latents: torch.Tensor, height: int, width: int) -> torch.Tensor:
+        """A blank control input for one row of ``latents`` (counting a ControlNet's operations)."""
+        return torch.zeros((1, 3, height, width), dtype=latents.dtype, device=latents.device)
 
     # The VAE and the images.
 

@@ -32,6 +32,12 @@ inside the step's one forward: diffusers runs a second transformer call over the
 ``skip_layers``, whose blocks it does not call; here those rows join the forward, and after each
 block they skip, they take its inputs back (``SkipRows``). A job's skip-layer rows are a part of
 their own: never cached, they run every block they do not skip.
+
+They also add ControlNet residuals (``StableDiffusion3ControlNetPipeline``'s
+``block_controlnet_hidden_states``) after each block, as the transformer's forward adds them: a
+forward with ControlNet rows runs the transformer's own forward (and, compiled, its blocks' graphs),
+so a ControlNet never compiles the whole-model graph. A job with ControlNets has no step cache, so
+the rows it adds to are always rows that compute.
 """
 
 from __future__ import annotations
@@ -43,7 +49,7 @@ from typing import Any
 
 import torch
 
-from handler.families.base import RegionCompiler, RowBlocks, SubBatchRows, eager_call
+from handler.families.base import RegionCompiler, Residuals, RowBlocks, SubBatchRows, eager_call
 
 
 @dataclass
@@ -106,6 +112,7 @@ class _Pass:
     jobs: Sequence[tuple[FirstBlockCache | None, int]]
     sub_batch_rows: SubBatchRows
     skips: SkipRows | None = None
+    controls: Residuals | None = None  # the ControlNet residual each block adds, over all rows (None: none)
     done: bool = False  # the first block ran the others: the transformer's own calls pass through
     # (cache, first-block residual, other blocks' residual) of a job that computed; residuals None: it skipped
     kept: list[tuple[FirstBlockCache, torch.Tensor | None, torch.Tensor | None]] = field(default_factory=list)
@@ -125,13 +132,14 @@ class _Pass:
 
 class FirstBlockHooks:
     """Wrappers on an SD 3 transformer's blocks, acting per row inside ``forward`` (first-block
-    caching, skip-layer guidance); outside it every block runs as it is."""
+    caching, skip-layer guidance, ControlNet residuals); outside it every block runs as it is."""
 
     def __init__(self, transformer: torch.nn.Module, regions: RegionCompiler | None = None):
         blocks = list(transformer.transformer_blocks)  # type: ignore[arg-type]  # a ModuleList
         self._transformer = transformer
         self.compiled = regions is not None  # its blocks run compiled apart in a cached forward
         self._pass: _Pass | None = None
+        self._blocks = blocks
         self._others = blocks[1:]
         self.blocks = len(blocks)
         region_of = regions or (lambda forward: forward)
@@ -151,12 +159,14 @@ class FirstBlockHooks:
         jobs: Sequence[tuple[FirstBlockCache | None, int]],
         sub_batch_rows: SubBatchRows,
         skips: SkipRows | None = None,
+        controls: Residuals | None = None,
     ) -> Iterator[None]:
         """Within it, the transformer's forward over these rows caches per job (its own forward, not
-        its whole-model graph), and the rows of ``skips`` skip their blocks; ``sub_batch_rows`` gives
-        a sub-batch of the jobs (by index) its LoRA rows. The jobs keep their residuals when the
-        forward went through (a retried one decides afresh)."""
-        self._pass = current = _Pass(jobs, sub_batch_rows, skips)
+        its whole-model graph), the rows of ``skips`` skip their blocks, and each block's output
+        gains its ControlNet residual of ``controls``; ``sub_batch_rows`` gives a sub-batch of the
+        jobs (by index) its LoRA rows. The jobs keep their residuals when the forward went through
+        (a retried one decides afresh)."""
+        self._pass = current = _Pass(jobs, sub_batch_rows, skips, controls)
         try:
             with eager_call(self._transformer):
                 yield
@@ -176,6 +186,7 @@ class FirstBlockHooks:
             if current.skips is not None:
                 inputs = (kwargs["encoder_hidden_states"], kwargs["hidden_states"])
                 encoder, hidden = current.skips.after(0, inputs, (encoder, hidden))
+            hidden = self._controlled(0, hidden, current.controls)
             hidden = self._others_or_kept(current, kwargs, encoder, hidden)
             current.done = True
             return encoder, hidden
@@ -205,7 +216,7 @@ class FirstBlockHooks:
         residual = first - kwargs["hidden_states"]
         computes = _decide(current.jobs, residual, blocks.spans)
         if all(computes):
-            last = self._others_on(first, encoder, kwargs, current.skips)
+            last = self._others_on(first, encoder, kwargs, current.skips, current.controls)
         else:
             last = self._sub_batch(current, blocks, computes, first, encoder, kwargs)
         for (cache, _), computed, span in zip(current.jobs, computes, blocks.spans, strict=True):
@@ -234,6 +245,7 @@ class FirstBlockHooks:
                     blocks.taken(encoder, running),
                     {**kwargs, "temb": blocks.taken(kwargs["temb"], running)},
                     None if current.skips is None else current.skips.taken(blocks, running),
+                    _taken(current.controls, blocks, running),
                 )
             ran = iter(hidden.split([current.jobs[index][1] for index in running]))
         pieces = [
@@ -243,9 +255,15 @@ class FirstBlockHooks:
         return torch.cat(pieces)
 
     def _others_on(
-        self, hidden: torch.Tensor, encoder: torch.Tensor, kwargs: dict[str, Any], skips: SkipRows | None
+        self,
+        hidden: torch.Tensor,
+        encoder: torch.Tensor,
+        kwargs: dict[str, Any],
+        skips: SkipRows | None,
+        controls: Residuals | None,
     ) -> torch.Tensor:
-        """The other blocks over these rows, those of ``skips`` skipping theirs: the last one's hidden states."""
+        """The other blocks over these rows, those of ``skips`` skipping theirs, each block's output
+        with its residual of ``controls``: the last one's hidden states."""
         attention = kwargs.get("joint_attention_kwargs")
         for index, block in enumerate(self._others, start=1):
             out = block(
@@ -255,7 +273,23 @@ class FirstBlockHooks:
                 joint_attention_kwargs=attention,
             )
             encoder, hidden = out if skips is None else skips.after(index, (encoder, hidden), out)
+            hidden = self._controlled(index, hidden, controls)
         return hidden
+
+    def _controlled(self, index: int, hidden: torch.Tensor, controls: Residuals | None) -> torch.Tensor:
+        """Block ``index``'s hidden states with its ControlNet residual, where the transformer's
+        forward adds one (every block but a ``context_pre_only`` one)."""
+        if controls is None or self._blocks[index].context_pre_only:
+            return hidden
+        return hidden + controls[index]
+
+
+def _taken(controls: Residuals | None, rows: RowBlocks, parts: Sequence[int]) -> Residuals | None:
+    """The ControlNet residuals of a sub-batch of a forward's parts (each shared residual taken once)."""
+    if controls is None:
+        return None
+    taken = {id(residual): rows.taken(residual, parts) for residual in controls}
+    return [taken[id(residual)] for residual in controls]
 
 
 def _decide(

@@ -15,6 +15,7 @@ from typing import Any, ClassVar
 
 import torch
 from diffusers import (
+    ControlNetModel,
     DDIMScheduler,
     DPMSolverMultistepScheduler,
     EulerAncestralDiscreteScheduler,
@@ -102,6 +103,8 @@ class StableDiffusionFamily(Family):
     denoiser_name: ClassVar[str] = "unet"
     schedulers: ClassVar[dict[SchedulerName, SchedulerChoice]] = SCHEDULERS
     takes_controlnets: ClassVar[bool] = True
+    controlnet_class: ClassVar[Any] = ControlNetModel
+    controlnet_files: ClassVar[bool] = True
 
     @classmethod
     def refuse(cls, pipeline: Pipeline) -> str | None:
@@ -152,7 +155,7 @@ class StableDiffusionFamily(Family):
         conditioning: Conditioning,
         residuals: Residuals | None = None,
     ) -> torch.Tensor:
-        down, mid = residuals or (None, None)
+        down, mid = (residuals[:-1], residuals[-1]) if residuals else (None, None)
         return self.pipeline.unet(
             latents,
             timesteps,
@@ -190,7 +193,7 @@ class StableDiffusionFamily(Family):
             added_cond_kwargs=conditioning.added or None,
             return_dict=False,
         )
-        return list(down), mid
+        return [*down, mid]
 
     def control_zeros(self, latents: torch.Tensor, dtype: torch.dtype) -> Residuals:
         """Zeros shaped as the UNet's down-block outputs (``conv_in``'s, each resnet's, each
@@ -207,7 +210,7 @@ class StableDiffusionFamily(Family):
             for sampler in block.downsamplers or ():
                 height, width = _downsampled(sampler, height), _downsampled(sampler, width)
                 down.append(zeros(sampler.out_channels, height, width))
-        return down, zeros(down[-1].shape[1], height, width)
+        return [*down, zeros(down[-1].shape[1], height, width)]
 
     def encode_image(self, pixels: torch.Tensor, generators: list[torch.Generator], inpaint: bool) -> torch.Tensor:
         return self.pipeline.vae.config.scaling_factor * self._vae_encode(pixels, generators)

@@ -19,24 +19,37 @@ What differs from the UNet families:
   inverse on the way out; sizes on a 16-pixel grid (VAE 8 x patch 2);
 - image-to-image rounds the skipped steps down (``int(steps - steps x strength)``), so any positive
   strength runs at least one step;
-- no safety checker, no watermark.
+- no safety checker, no watermark;
+- ControlNets (``StableDiffusion3ControlNetPipeline``, text to image alone): ``SD3ControlNetModel``
+  directories; a control image is encoded by the VAE (its latent distribution sampled with a CPU
+  generator seeded with the job's seed, as diffusers samples it from torch's global generator, one
+  draw per row: the unguided and guided rows differ), shifted unless the ControlNet zeroes its pooled
+  projections (InstantX's); each ControlNet's block residuals are added after the transformer's
+  blocks, a ControlNet of fewer blocks than the transformer's spreading each over several and a
+  job's several ControlNets summed pairwise as ``SD3MultiControlNetModel`` sums them
+  (``control_slots``), by the engine's block wrappers (``handler.families.first_block_cache``).
 
 Knowingly different from diffusers: the inpaint pipeline's decode leaves out the VAE's
 ``shift_factor`` (diffusers issue #13611) although its encode subtracts it; inpainted images here
 are decoded as ``StableDiffusion3Pipeline`` and the img2img pipeline decode (with the shift).
 Skip-layer guidance (``skip_guidance_layers``) runs in the step's one forward: the engine's rows,
 the transformer's block wrappers (``handler.families.first_block_cache``). Left out, because no
-request can ask for it: IP-Adapter images, 33-channel inpainting transformers.
+request can ask for it: IP-Adapter images, 33-channel inpainting transformers, inpainting
+ControlNets (``extra_conditioning_channels``), ControlNet files (diffusers converts none for SD 3).
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any, ClassVar, Literal
 
 import torch
-from diffusers import FlowMatchEulerDiscreteScheduler, StableDiffusion3Pipeline
+from diffusers import FlowMatchEulerDiscreteScheduler, SD3ControlNetModel, StableDiffusion3Pipeline
 from diffusers.models.attention_processor import JointAttnProcessor2_0
+from diffusers.models.embeddings import PatchEmbed
 from diffusers.pipelines.stable_diffusion_3.pipeline_stable_diffusion_3 import calculate_shift
+from diffusers.utils.torch_utils import randn_tensor
+from PIL.Image import Image
 
 from handler.config import SchedulerName
 from handler.families.base import (
@@ -52,6 +65,9 @@ from handler.families.base import (
 
 SCHEDULERS: dict[SchedulerName, SchedulerChoice] = {"flow_match_euler": (FlowMatchEulerDiscreteScheduler, {})}
 LATENT_CHANNELS = 16
+# What an SD 3.x ControlNet's config must share with the transformer's: the latents it patches and
+# the conditioning it reads (its residuals' width and its position embedding are checked apart).
+CONTROLNET_FIT = ("in_channels", "patch_size", "pooled_projection_dim")
 
 
 class StableDiffusion3Family(Family):
@@ -64,6 +80,11 @@ class StableDiffusion3Family(Family):
     own_attention: ClassVar[type | None] = JointAttnProcessor2_0  # SDPA; no other processor fits
     clip_layer_from_last: ClassVar[int] = 2  # the CLIP encoders' penultimate hidden states
     takes_guidance_rescale: ClassVar[bool] = False  # StableDiffusion3Pipeline has none
+    takes_controlnets: ClassVar[bool] = True
+    controlnet_class: ClassVar[Any] = SD3ControlNetModel
+    controls_in_blocks: ClassVar[bool] = True
+    # StableDiffusion3ControlNetPipeline is text to image alone, without skip-layer guidance or a step cache.
+    controlnet_excludes: ClassVar[tuple[str, ...]] = ("image", "skip_guidance_layers", "cache")
 
     @classmethod
     def refuse(cls, pipeline: Pipeline) -> str | None:
@@ -155,8 +176,8 @@ class StableDiffusion3Family(Family):
         conditioning: Conditioning,
         residuals: Residuals | None = None,
     ) -> torch.Tensor:
-        if residuals is not None:  # the request schema refuses ControlNets for this family first
-            raise ValueError(f"{self.name} models take no ControlNet residuals")
+        if residuals is not None:  # the engine's block wrappers add them (controls_in_blocks)
+            raise ValueError(f"{self.name}'s ControlNet residuals are added between its blocks, not in its forward")
         return self.pipeline.transformer(
             hidden_states=latents,
             timestep=timesteps,
@@ -165,6 +186,100 @@ class StableDiffusion3Family(Family):
             return_dict=False,
         )[0]
 
+    # ControlNets: StableDiffusion3ControlNetPipeline's.
+
+    def controlnet_refusal(self, config: Any) -> str | None:
+        """A ControlNet fits where it patches the transformer's latents, its residuals have the
+        transformer's width and it reads the transformer's conditioning (and position embedding,
+        where it has its own); inpainting ControlNets (extra conditioning channels) are not served."""
+        transformer = self.pipeline.transformer.config
+        differing = [key for key in CONTROLNET_FIT if getattr(config, key, None) != getattr(transformer, key)]
+        width, own_width = _width(config), _width(transformer)
+        if width != own_width:
+            differing.append(f"width {width} (transformer: {own_width})")
+        if config.joint_attention_dim not in (None, transformer.joint_attention_dim):
+            differing.append("joint_attention_dim")
+        if config.use_pos_embed and config.pos_embed_max_size != transformer.pos_embed_max_size:
+            differing.append("pos_embed_max_size")
+        if differing:
+            settings = ", ".join(
+                key if " " in key else f"{key} {getattr(config, key)} (transformer: {getattr(transformer, key)})"
+                for key in differing
+            )
+            return f"it does not fit this {self.name} model's transformer: {settings}"
+        if config.extra_conditioning_channels:
+            return "inpainting ControlNets (extra_conditioning_channels) are not served"
+        if not config.num_layers:
+            return "it has no blocks (num_layers 0)"
+        if len(self.pipeline.transformer.transformer_blocks) < 2:  # first_block_cache's wrappers add residuals
+            return "a transformer of one block takes no ControlNets here"
+        return None
+
+    def prepare_controlnet(self, net: Any) -> Any:
+        """A ControlNet without a position embedding of its own (SD 3.5 Large's) takes a copy of
+        the transformer's, as the ControlNet pipeline gives it (``_get_pos_embed_from_transformer``:
+        here the base weights of a layer a LoRA wraps)."""
+        if not net.config.use_pos_embed:
+            config, transformer = self.pipeline.transformer.config, self.pipeline.transformer
+            embedding = PatchEmbed(
+                height=config.sample_size,
+                width=config.sample_size,
+                patch_size=config.patch_size,
+                in_channels=config.in_channels,
+                embed_dim=transformer.inner_dim,
+                pos_embed_max_size=config.pos_embed_max_size,
+            )
+            state = transformer.pos_embed.state_dict()
+            base = {key.replace("base_layer.", ""): value for key, value in state.items() if "lora_" not in key}
+            embedding.load_state_dict(base)
+            net.pos_embed = embedding.to(net.dtype).to(net.device)
+        return net
+
+    def control_forward(
+        self, net: Any, latents: torch.Tensor, timesteps: torch.Tensor, conditioning: Conditioning, images: torch.Tensor
+    ) -> Residuals:
+        """One ControlNet call as the pipeline's step makes it: the prompt's hidden states where it
+        has a context embedder, pooled projections zeroed where its config says (InstantX's)."""
+        config, pooled = net.config, conditioning.added["pooled_projections"]
+        (samples,) = net(
+            hidden_states=latents,
+            timestep=timesteps,
+            encoder_hidden_states=conditioning.hidden_states if config.joint_attention_dim is not None else None,
+            pooled_projections=torch.zeros_like(pooled) if config.force_zeros_for_pooled_projection else pooled,
+            controlnet_cond=images,
+            conditioning_scale=1.0,
+            return_dict=False,
+        )
+        return list(samples)
+
+    def control_residuals(self, net: Any) -> int:
+        return len(net.controlnet_blocks)
+
+    def control_slots(self, residuals: Sequence[int]) -> tuple[int, ...]:
+        """Block ``i`` adds residual ``int(i / (blocks / n))``, as ``SD3Transformer2DModel.forward``,
+        where ``n`` is the fewest residuals of the job's ControlNets: ``SD3MultiControlNetModel`` sums
+        theirs pairwise (``zip``), so the deeper ones' last residuals go unused."""
+        blocks = len(self.pipeline.transformer.transformer_blocks)
+        interval = blocks / min(residuals)
+        return tuple(int(index / interval) for index in range(blocks))
+
+    def control_input(
+        self, net: Any, image: Image, width: int, height: int, rows: int, generator: torch.Generator
+    ) -> torch.Tensor:
+        """The pipeline's step 3: the control image in [-1, 1] through the VAE encoder, its latent
+        distribution sampled once per row (``rows``, drawn from ``generator``), shifted unless the
+        ControlNet zeroes its pooled projections, scaled."""
+        pixels = self.pipeline.image_processor.preprocess(image.convert("RGB"), height=height, width=width)
+        vae = self.pipeline.vae
+        distribution = vae.encode(pixels.to(device=self.device, dtype=self.dtype)).latent_dist
+        mean = distribution.mean
+        noise = randn_tensor((rows, *mean.shape[1:]), generator=generator, device=mean.device, dtype=mean.dtype)
+        shift = 0 if net.config.force_zeros_for_pooled_projection else vae.config.shift_factor
+        return (mean + distribution.std * noise - shift) * vae.config.scaling_factor
+
+    def control_placeholder(self, latents: torch.Tensor, height: int, width: int) -> torch.Tensor:
+        return torch.zeros_like(latents)
+
     def encode_image(self, pixels: torch.Tensor, generators: list[torch.Generator], inpaint: bool) -> torch.Tensor:
         config = self.pipeline.vae.config
         return (self._vae_encode(pixels, generators) - config.shift_factor) * config.scaling_factor
@@ -172,3 +287,8 @@ class StableDiffusion3Family(Family):
     def vae_decode(self, latents: torch.Tensor, tiled: bool) -> torch.Tensor:
         config = self.pipeline.vae.config
         return self._decode(latents / config.scaling_factor + config.shift_factor, tiled)
+
+
+def _width(config: Any) -> int:
+    """A transformer's (or ControlNet's) hidden width: its heads times their width."""
+    return int(config.num_attention_heads * config.attention_head_dim)

@@ -178,16 +178,16 @@ def tiny_engine(family: str, **settings) -> StepEngine:
 
 
 def engine_with_adapters(family: str, directory: Path, device: str = "auto", **more) -> StepEngine:
-    """An engine over a tiny model with a LoRA and (UNet families) a ControlNet for it (``more``:
-    other handler settings)."""
+    """An engine over a tiny model with a LoRA and a ControlNet for it (``more``: other handler settings)."""
     model_dir = TINY_MODEL_DIRS[family]
     write_lora(model_dir, directory / "loras" / "attention.safetensors", seed=1)
-    settings: dict = {"device": device, "loras": {"dir": str(directory / "loras")}}
-    settings |= more
-    if family != "sd3":
-        write_controlnet(model_dir, directory / "controlnets" / "edges", seed=1)
-        settings["controlnets"] = {"dir": str(directory / "controlnets")}
-    return tiny_engine(family, **settings)
+    write_controlnet(model_dir, directory / "controlnets" / "edges", seed=1)
+    settings = {
+        "device": device,
+        "loras": {"dir": str(directory / "loras")},
+        "controlnets": {"dir": str(directory / "controlnets")},
+    }
+    return tiny_engine(family, **settings | more)
 
 
 def lora_set_jobs(
@@ -234,6 +234,7 @@ def jobs_of_every_kind(
     first_block: bool = False,
     skip_layers: bool = False,
     schedule_settings: bool = False,
+    controlnets: bool = True,
 ) -> list[DenoiseJob]:
     """A plain job (with ``guidance_rescale`` where the family takes it), one with a LoRA, one with
     a LoRA and a ControlNet (where the family takes them), an image-to-image and an inpainting job,
@@ -244,10 +245,10 @@ def jobs_of_every_kind(
     serves skip-layer guidance, a job with it and the LoRA, acting at every step after the first
     (before the cached jobs); ``schedule_settings``: and a job of each custom schedule (``timesteps``,
     ``sigmas``) the scheduler takes, one of them from an image, and where it takes ``eta``, an
-    inpainting job with it."""
+    inpainting job with it; ``controlnets`` False: no job has a ControlNet."""
     lora = engine.loras.acquire([("attention", 0.8)], in_use=())
     controls = ()
-    if engine.family.rules.controlnets:
+    if controlnets and engine.family.rules.controlnets:
         (edges,) = engine.controlnets.acquire(["edges"], in_use=())
         controls = (ControlSpec(edges, picture(side, 3), 0.9),)
     common = dict(side=side, steps=steps, scheduler=scheduler)

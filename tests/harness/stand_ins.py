@@ -35,14 +35,17 @@ class SolidColorEngine:
     device = torch.device("cpu")
     loras = LoraLibrary(None, torch.nn.Module(), None, max_loaded=1)  # no LoRA directory
     # no ControlNet directory, for any family that takes ControlNets
-    controlnets = ControlNetLibrary(SimpleNamespace(rules=FamilyRules()), None, 1, torch.device("cpu"), torch.float32)
+    controlnets = ControlNetLibrary(
+        SimpleNamespace(rules=FamilyRules(), controlnet_files=True), None, 1, torch.device("cpu"), torch.float32
+    )
     embeddings = None  # no embedding directory
     # What the service's row costs read of a family: as for one without ControlNets, they count no
     # denoiser operations, and a new shape's rows cost their count.
-    family = SimpleNamespace(rules=FamilyRules(controlnets=False))
+    family = SimpleNamespace(rules=FamilyRules(controlnets=False), controls_in_blocks=False)
     row_counts: tuple[int, ...] = ()  # no padding
     cuda_graphs = False
-    padding = StepEngine.padding  # the step engine's rule
+    padding = StepEngine.padding  # the step engine's rules
+    _own_forward = StepEngine._own_forward
 
     def __init__(
         self,

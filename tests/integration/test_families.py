@@ -63,7 +63,7 @@ SINGLE_FILE = ("sd2", "sdxl", "sd3")
 CASES = [(family, mode) for family in FAMILIES for mode in MODES]
 LORA = "tiny"  # a random LoRA written for the family's tiny model
 CONV_LORA = "tiny-conv-ff"  # one on its convolutions and feed-forward layers
-CONTROLNETS = ("edges", "depth")  # random ControlNets written for the family's tiny model
+CONTROLNETS = ("edges", "depth")  # random ControlNets written for the family's tiny model (SD 3: 2 and 1 blocks)
 OTHER_FAMILY = "other-family"  # one written for another family's model
 PICKLED = "pickled"  # one whose weights are a pickle only
 EMBEDDINGS = {"tinystyle": 1, "tinyneg": 2}  # random textual-inversion embeddings (A1111's format): seeds
@@ -116,14 +116,13 @@ def write_family_files(tmp: Path, family: str) -> tuple[Path, dict]:
     write_lora(TINY_MODEL_DIRS[family], tmp / "loras" / f"{LORA}.safetensors", seed=5)
     conv_ff = {"layers": ("conv", "feed_forward"), "spread": 0.1, "text_encoder": False}
     write_lora(TINY_MODEL_DIRS[family], tmp / "loras" / f"{CONV_LORA}.safetensors", seed=6, **conv_ff)
-    if family != "sd3":  # ControlNets are the UNet families'
-        for seed, name in enumerate(CONTROLNETS):
-            write_controlnet(TINY_MODEL_DIRS[family], tmp / "controlnets" / name, seed=seed)
-        write_controlnet(TINY_MODEL_DIRS["sd1" if family == "sdxl" else "sdxl"], tmp / "controlnets" / OTHER_FAMILY)
-        pickled = tmp / "controlnets" / PICKLED  # the config and a pickle of the weights, no safetensors
-        pickled.mkdir()
-        shutil.copy(tmp / "controlnets" / CONTROLNETS[0] / "config.json", pickled)
-        torch.save({"conv_in.weight": torch.zeros(1)}, pickled / "diffusion_pytorch_model.bin")
+    for seed, name in enumerate(CONTROLNETS):
+        write_controlnet(TINY_MODEL_DIRS[family], tmp / "controlnets" / name, seed=seed, layers=2 - seed)
+    write_controlnet(TINY_MODEL_DIRS["sd1" if family == "sdxl" else "sdxl"], tmp / "controlnets" / OTHER_FAMILY)
+    pickled = tmp / "controlnets" / PICKLED  # the config and a pickle of the weights, no safetensors
+    pickled.mkdir()
+    shutil.copy(tmp / "controlnets" / CONTROLNETS[0] / "config.json", pickled)
+    torch.save({"conv_in.weight": torch.zeros(1)}, pickled / "diffusion_pytorch_model.bin")
     write_embeddings(tmp / "embeddings", family)
     if family not in SINGLE_FILE:
         return TINY_MODEL_DIRS[family], {}
@@ -490,19 +489,19 @@ def test_embeddings_a_prompt_names_share_forwards_and_each_gets_diffusers_images
 
 
 def test_requests_with_other_controlnets_share_forwards_and_each_gets_diffusers_images(served, references):
-    """One ControlNet on two images, two at once with their windows and scales, one on an edit with
-    a LoRA, and a plain request, behind a long one: each equals diffusers' ControlNet pipelines, in
-    one UNet forward per step; an SD 3 server refuses ControlNets naming the field."""
+    """One ControlNet on two images, two at once with their windows and scales (SD 3: of 2 and 1
+    blocks), one with a LoRA (UNet families: on an edit), and a plain request, behind a long one: each
+    equals diffusers' ControlNet pipelines, in one denoiser forward per step; SD 3's refuses one on an
+    edit naming the field (its ControlNet pipeline is text to image alone)."""
     picture, _ = edit_inputs(served.side)
     maps = control_maps(served.side, 3)
     base = {"prompt": "a red circle", "num_inference_steps": 5, "response_format": "json"}
+    edit = {"image": base64.b64encode(picture).decode(), "strength": 0.8}
     if served.family == "sd3":
-        response = served.client.predict({**base, "controlnets": [{"name": "edges", "image": maps[0]}]})
+        response = served.client.predict({**base, **edit, "controlnets": [{"name": "edges", "image": maps[0]}]})
         assert response.status_code == 400
-        assert [(e["field"], e["rule"]) for e in response.json()["errors"]] == [
-            ("controlnets", "controlnets_unavailable")
-        ]
-        return
+        assert [(e["field"], e["rule"]) for e in response.json()["errors"]] == [("controlnets", "controlnets_with")]
+        edit = {}
     bodies = [
         {**base, "seed": 5, "num_images_per_prompt": 2, "controlnets": [{"name": "edges", "image": maps[0]}]},
         {
@@ -516,8 +515,7 @@ def test_requests_with_other_controlnets_share_forwards_and_each_gets_diffusers_
         {
             **base,
             "seed": 7,
-            "image": base64.b64encode(picture).decode(),
-            "strength": 0.8,
+            **edit,
             "loras": [{"name": LORA, "scale": 0.7}],
             "controlnets": [{"name": "depth", "image": maps[0], "scale": 0.9}],
         },
@@ -571,8 +569,6 @@ def test_cached_and_uncached_requests_share_forwards_and_each_gets_the_reference
 
 
 def test_hostile_controlnets_are_refused_naming_the_field_and_a_batchmate_is_unharmed(served):
-    if served.family == "sd3":
-        pytest.skip("an SD 3 server refuses every ControlNet (the test above)")
     picture, mask = edit_inputs(served.side)
     image = base64.b64encode(picture).decode()
     huge = base64.b64encode(png(np.zeros((2100, 2100, 3), dtype=np.uint8))).decode()  # past max_input_pixels
@@ -595,7 +591,7 @@ def test_hostile_controlnets_are_refused_naming_the_field_and_a_batchmate_is_unh
                 "image": image,
                 "mask": base64.b64encode(mask).decode(),
             },
-            ("controlnets", "controlnets_with_mask"),
+            ("controlnets", "controlnets_with" if served.family == "sd3" else "controlnets_with_mask"),
         ),
     ]
     good = {

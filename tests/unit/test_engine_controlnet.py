@@ -1,30 +1,35 @@
-"""Jobs with different ControlNets (or none) in one UNet forward, per family (tiny random-weight SD
-1.x, SD 2.x and SDXL with random ControlNets): one ControlNet, two at once, a window, an input image,
-a LoRA, plain jobs beside them, joining mid-flight; each image equals the same job alone and
-diffusers' ControlNet pipelines (a DeepCache job: under the DeepCache helper); each ControlNet runs
-once per step over its rows, and only in its window. The library refuses what it cannot serve
-before the forward. A ControlNet written as one file (A1111's LDM keys, or diffusers' keys) serves
-its directory's images; another family's file, a LoRA file and a truncated one are refused by name."""
+"""Jobs with different ControlNets (or none) in one denoiser forward, per family (tiny random-weight
+SD 1.x, SD 2.x, SDXL, SD 3 and SD 3.5 with random ControlNets): one ControlNet, two at once, a
+window, an input image (UNet families), a LoRA, plain jobs beside them, joining mid-flight; each
+image equals the same job alone and diffusers' ControlNet pipelines (a DeepCache job: under the
+DeepCache helper); each ControlNet runs once per step over its rows, and only in its window. The
+library refuses what it cannot serve before the forward. A ControlNet written as one file (A1111's
+LDM keys, or diffusers' keys) serves its directory's images; another family's file, a LoRA file and
+a truncated one are refused by name. SD 3.x: ControlNets of two kinds and depths in one forward
+with skip-layer guidance and first-block caching beside them."""
 
 from __future__ import annotations
 
+import json
 import shutil
 from dataclasses import replace
 
 import numpy as np
 import pytest
 import torch
+from diffusers import SD3ControlNetModel
 from diffusers.models.downsampling import Downsample2D
 from safetensors.torch import load_file, save_file
 
 from bench.reference import ControlNetCall, Reference
 from handler.adapters.controlnets import ControlSpec
 from handler.adapters.library import EntryError
-from handler.config import HandlerSettings, SizeConditioning, StepCache
+from handler.config import HandlerSettings, SizeConditioning, SkipLayerGuidance, StepCache
 from handler.engine.loading import load_engine
 from handler.families.sd import _downsampled
 from model_making.make_controlnet import write_controlnet
 from model_making.make_lora import write_lora
+from model_making.make_tiny_model import build_sd3_pipeline
 from model_making.single_file import write_controlnet_file
 from server.paths import TINY_MODEL_DIRS
 from tests.harness.engine_runs import TOLERANCE, assert_same_images, expected, picture, run, spec
@@ -190,12 +195,12 @@ def test_a_compiled_unets_zero_residuals_fit_every_block_and_change_no_image(fam
     net = engine.controlnets._nets[edges]
     job = engine.start([controlled])[0]
     latents = torch.cat([job.latents] * 2)
-    down, mid = engine.family.control_forward(
+    residuals = engine.family.control_forward(
         net, latents, job.timesteps[:1].expand(2), job.conditioning, torch.zeros(2, 3, 56, 72, dtype=engine.dtype)
     )
-    zero_down, zero_mid = engine.family.control_zeros(latents, engine.dtype)
-    assert [sample.shape for sample in [*zero_down, zero_mid]] == [sample.shape for sample in [*down, mid]]
-    assert not any(sample.any() for sample in [*zero_down, zero_mid])
+    zeros = engine.family.control_zeros(latents, engine.dtype)
+    assert [sample.shape for sample in zeros] == [sample.shape for sample in residuals]
+    assert not any(sample.any() for sample in zeros)
 
 
 @pytest.mark.parametrize(("use_conv", "padding"), [(True, 1), (True, 0), (False, 1)])
@@ -283,3 +288,161 @@ def test_single_file_controlnets_equal_their_directory_and_misfits_are_refused(f
     finally:
         for path in [*files.values(), *(path for path, _ in misfits.values()), directory / "shuffle.yaml"]:
             path.unlink()
+
+
+# SD 3.x: StableDiffusion3ControlNetPipeline, each ControlNet's residuals added after the transformer's blocks.
+
+
+@pytest.fixture(scope="module", params=["sd3", "sd35"])
+def sd3_engine(request, tmp_path_factory):
+    """An engine over a tiny SD 3.x model with three random ControlNets of two kinds and depths
+    (InstantX's of 2 and 1 blocks, SD 3.5 Large's of 2) and a LoRA for it."""
+    family = request.param
+    model_dir = TINY_MODEL_DIRS[family]
+    directory = tmp_path_factory.mktemp(f"controlnets-{family}")
+    write_controlnet(model_dir, directory / "edges", seed=1, layers=2)
+    write_controlnet(model_dir, directory / "depth", seed=2, layers=1)
+    write_controlnet(model_dir, directory / "large", seed=3, layers=2, large=True)
+    loras = tmp_path_factory.mktemp(f"loras-{family}")
+    write_lora(model_dir, loras / "attention.safetensors", seed=1)
+    settings = {"model_path": str(model_dir), "controlnets": {"dir": str(directory)}, "loras": {"dir": str(loras)}}
+    engine = load_engine(HandlerSettings.model_validate(settings), "/unused")
+    return engine, directory, loras, Reference(model_dir)
+
+
+def test_sd3_jobs_with_other_controlnets_share_forwards_and_each_equals_diffusers(sd3_engine):
+    """One ControlNet on two images, two of different depths at once with windows and scales, SD 3.5
+    Large's kind, one with a LoRA, joining mid-flight, beside a plain job and jobs with skip-layer
+    guidance and first-block caching in the same forwards: each equals the same job alone and
+    ``StableDiffusion3ControlNetPipeline`` (its control latents drawn after ``torch.manual_seed(seed)``),
+    and the ControlNets changed each image."""
+    engine, directory, loras, reference = sd3_engine
+    edges, depth, large = engine.controlnets.acquire(["edges", "depth", "large"], in_use=())
+    maps = [picture(SIDE, seed) for seed in range(3)]
+    common = dict(side=SIDE, steps=STEPS, scheduler="flow_match_euler")
+    lora = engine.loras.acquire([("attention", 0.8)], in_use=())
+    plans = [  # (joins at iteration, job)
+        (0, spec("plain", 0, **common)),
+        (0, spec("one net", 1, images=2, controls=(ControlSpec(edges, maps[0]),), **common)),
+        (
+            0,
+            spec(
+                "two nets",
+                2,
+                controls=(ControlSpec(edges, maps[1], 0.7), ControlSpec(depth, maps[2], 1.3, 0.25, 0.75)),
+                **common,
+            ),
+        ),
+        (1, spec("large", 3, controls=(ControlSpec(large, maps[0], 1.1, 0.0, 0.5),), **common)),
+        (1, spec("lora", 4, adapters=lora, controls=(ControlSpec(depth, maps[1], 0.9),), **common)),
+        (0, spec("skips", 5, skip_layer_guidance=SkipLayerGuidance((1,), scale=2.0, start=0.0, stop=1.0), **common)),
+        (0, spec("cached", 6, cache=StepCache(mode="first_block", threshold=0.5), **common)),
+    ]
+    together = run(engine, plans)
+    paths = {edges: directory / "edges", depth: directory / "depth", large: directory / "large"}
+    for (_, job), decoded in zip(plans, together, strict=True):
+        (alone,) = run(engine, [(0, job)])
+        assert_same_images(decoded, alone)
+        calls = [ControlNetCall(paths[c.net], c.image, c.scale, c.start, c.end) for c in job.controls]
+        files = [(loras / "attention.safetensors", 0.8)] if job.adapters else []
+        theirs = expected(reference, job, files, calls)
+        assert_same_images(decoded, theirs)
+        if job.controls:
+            plain = np.asarray(expected(reference, job, files).images[0], dtype=np.int16)
+            assert np.abs(np.asarray(theirs.images[0], dtype=np.int16) - plain).max() > 8
+
+
+def test_sd3_controlnets_run_once_per_step_and_their_forwards_are_the_transformers_own(sd3_engine, monkeypatch):
+    """Each ControlNet runs once per step over its rows; a forward with ControlNet rows passes the
+    transformer no residuals (its block wrappers add them) and is not padded."""
+    engine, *_ = sd3_engine
+    edges, depth = engine.controlnets.acquire(["edges", "depth"], in_use=())
+    control = picture(SIDE)
+    common = dict(side=SIDE, steps=4, scheduler="flow_match_euler")
+    jobs = engine.start(
+        [
+            spec("a", 1, controls=(ControlSpec(edges, control),), **common),
+            spec("b", 2, controls=(ControlSpec(depth, control, 1.0, 0.5, 1.0),), **common),
+            spec("c", 3, **common),
+        ]
+    )
+    padded = replace(engine, row_counts=(8,))
+    assert padded.padding(jobs) == 0
+    passed = []
+    forward = engine.family.forward
+    monkeypatch.setattr(engine.family, "forward", lambda *args: passed.append(args[3]) or forward(*args))
+    assert [padded.step(jobs) for _ in range(4)] == [1, 1, 2, 2]
+    assert passed == [None] * 4
+
+
+def test_the_sd3_library_refuses_misfits_by_name(sd3_engine, tmp_path):
+    """A UNet family's ControlNet, an inpainting one, one of another width, and a single file."""
+    engine, directory, *_ = sd3_engine
+    config = json.loads((directory / "edges" / "config.json").read_text())
+    write_controlnet(TINY_MODEL_DIRS["sd1"], directory / "unet-family", seed=3)
+    for name, change in (("inpainting", {"extra_conditioning_channels": 1}), ("wider", {"attention_head_dim": 16})):
+        keys = {key: value for key, value in {**config, **change}.items() if not key.startswith("_")}
+        SD3ControlNetModel(**keys).save_pretrained(str(directory / name), safe_serialization=True)
+    shutil.copy(next((directory / "edges").glob("*.safetensors")), directory / "a-file.safetensors")
+    cases = {
+        "unet-family": "declares class ControlNetModel; this SD 3.x model takes class SD3ControlNetModel",
+        "inpainting": "inpainting ControlNets",
+        "wider": "width 64 \\(transformer: 32\\)",
+        "a-file": "single-file SD 3.x ControlNets are not served",
+    }
+    try:
+        for name, says in cases.items():
+            with pytest.raises(EntryError, match=says) as refused:
+                engine.controlnets.acquire([name], in_use=())
+            assert refused.value.rule == "controlnet_unloadable" and name in str(refused.value)
+        listed = [entry.name for entry in engine.controlnets.available()]
+        assert "a-file" not in listed and "edges" in listed, "a model list offers no file it refuses"
+    finally:
+        for name in ("unet-family", "inpainting", "wider"):
+            shutil.rmtree(directory / name)
+        (directory / "a-file.safetensors").unlink()
+
+
+def test_an_sd35_large_controlnet_takes_the_transformers_position_embedding_under_a_lora(sd3_engine):
+    """A ControlNet without a position embedding of its own loads after a LoRA wrapped the
+    transformer's (its convolution): it takes the base weights, as diffusers' pipeline would."""
+    engine, directory, loras, reference = sd3_engine
+    conv = {"layers": ("conv", "feed_forward"), "spread": 0.1, "text_encoder": False}
+    write_lora(reference.model_dir, loras / "conv.safetensors", seed=4, **conv)
+    engine.loras.acquire([("conv", 1.0)], in_use=())
+    proj = engine.pipeline.transformer.pos_embed.proj
+    assert hasattr(proj, "base_layer"), "the LoRA wraps the position embedding's convolution"
+    shutil.copytree(directory / "large", directory / "large-again")
+    try:
+        (net_id,) = engine.controlnets.acquire(["large-again"], in_use=())
+        taken = engine.controlnets.net(net_id).pos_embed.proj.weight
+        assert torch.equal(taken, proj.base_layer.weight.to(taken.dtype))
+    finally:
+        shutil.rmtree(directory / "large-again")
+
+
+def test_sd3_controlnets_of_other_depths_spread_over_the_blocks_as_diffusers_does(tmp_path):
+    """On a 6-block transformer a ControlNet of 3 blocks adds each residual after 2 blocks, one of
+    2 after 3, and a request with both sums them pairwise (``SD3MultiControlNetModel``: the deeper
+    one's last residual unused): each, in one forward, equals ``StableDiffusion3ControlNetPipeline``."""
+    model_dir = tmp_path / "six-blocks"
+    build_sd3_pipeline(0, num_layers=6).save_pretrained(str(model_dir), safe_serialization=True)
+    directory = tmp_path / "controlnets"
+    write_controlnet(model_dir, directory / "three", seed=1, layers=3)
+    write_controlnet(model_dir, directory / "two", seed=2, layers=2)
+    settings = {"model_path": str(model_dir), "controlnets": {"dir": str(directory)}}
+    engine = load_engine(HandlerSettings.model_validate(settings), "/unused")
+    three, two = engine.controlnets.acquire(["three", "two"], in_use=())
+    maps = [picture(SIDE, seed) for seed in range(2)]
+    common = dict(side=SIDE, steps=3, scheduler="flow_match_euler")
+    plans = [
+        (0, spec("three", 1, controls=(ControlSpec(three, maps[0]),), **common)),
+        (0, spec("two", 2, controls=(ControlSpec(two, maps[1]),), **common)),
+        (0, spec("both", 3, controls=(ControlSpec(three, maps[0]), ControlSpec(two, maps[1], 0.8)), **common)),
+    ]
+    assert [control.slots for control in engine.start([plans[2][1]])[0].controls] == [(0, 0, 0, 1, 1, 1)] * 2
+    reference = Reference(model_dir)
+    paths = {three: directory / "three", two: directory / "two"}
+    for (_, job), decoded in zip(plans, run(engine, plans), strict=True):
+        calls = [ControlNetCall(paths[c.net], c.image, c.scale, c.start, c.end) for c in job.controls]
+        assert_same_images(decoded, expected(reference, job, (), calls))

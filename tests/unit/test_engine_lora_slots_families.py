@@ -4,7 +4,8 @@ jobs with different sets share forwards and each image equals diffusers' ``load_
 the eager kernels, which on a GPU replays as CUDA graphs; its VAE decoder and DeepCache's regions
 stay eager). SD 3's transformer runs inductor on the CPU, with a first-block cached job joining its
 forwards mid-flight (its blocks compiled apart) that equals diffusers' First Block Cache in a few
-graphs. SD 1.x: tests/unit/test_engine_lora_slots.py."""
+graphs, beside a ControlNet job with a LoRA (the same forwards: no more graphs) that equals
+``StableDiffusion3ControlNetPipeline``. SD 1.x: tests/unit/test_engine_lora_slots.py."""
 
 from __future__ import annotations
 
@@ -13,13 +14,15 @@ from dataclasses import replace
 import pytest
 import torch
 
-from bench.reference import Reference
+from bench.reference import ControlNetCall, Reference
+from handler.adapters.controlnets import ControlSpec
 from handler.adapters.lora_slots import compiled_graphs
 from handler.config import HandlerSettings, StepCache
 from handler.engine.loading import inductor_cache_counts, load_engine
+from model_making.make_controlnet import write_controlnet
 from model_making.make_lora import write_lora
 from server.paths import TINY_MODEL_DIRS
-from tests.harness.engine_runs import assert_same_images, expected, lora_set_jobs, run
+from tests.harness.engine_runs import assert_same_images, expected, lora_set_jobs, picture, run
 from tests.harness.images import assert_moved
 
 pytestmark = pytest.mark.slow  # compiles the tiny denoisers (SD 3's inductor graphs: about a minute here)
@@ -35,8 +38,8 @@ def inductor_graphs() -> int:
 )
 def test_other_families_mixed_sets_in_compiled_forwards_equal_diffusers(family, scheduler, backend, tmp_path):
     """SDXL's UNet (linear projections, two text encoders) on the cudagraphs backend, and SD 3's
-    transformer (MMDiT blocks, with a first-block cached job joining mid-flight: its blocks compiled
-    apart) on inductor."""
+    transformer (MMDiT blocks, with a first-block cached job and a ControlNet job joining mid-flight:
+    its blocks compiled apart) on inductor."""
     torch._dynamo.reset()  # a worker's process: nothing learnt from other models' compiles (dynamic rows)
     model = TINY_MODEL_DIRS[family]
     write_lora(model, tmp_path / "attention.safetensors", seed=1)
@@ -46,7 +49,9 @@ def test_other_families_mixed_sets_in_compiled_forwards_equal_diffusers(family, 
         "model_path": str(model),
         "compile": {"enabled": True, "backend": backend},  # the default targets: the denoiser and the VAE decoder
         "loras": {"dir": str(tmp_path), "max_loaded": 3, "slot_rank": 4},
+        "controlnets": {"dir": str(tmp_path / "controlnets")},
     }
+    write_controlnet(model, tmp_path / "controlnets" / "edges", seed=1)
     engine = load_engine(HandlerSettings.model_validate(settings), "/unused")
     if backend == "cudagraphs":  # it records the denoiser's kernels; the decoder and the cache's regions stay eager
         assert "compile=cudagraphs(unet) pad_rows=2 step_cache=deep " in f"{engine.description} "
@@ -57,8 +62,11 @@ def test_other_families_mixed_sets_in_compiled_forwards_equal_diffusers(family, 
     else:  # a job of three LoRAs joins mid-flight: each row gathers 3 slots, not 2, in the same graph
         sets.append((1, (("both", 0.6), ("feed-forward", -0.7), ("attention", 0.3))))
     jobs = lora_set_jobs(engine, sets, steps=3, scheduler=scheduler)
-    if family == "sd3":
+    if family == "sd3":  # and a ControlNet job with a LoRA beside it
         jobs[-1] = (1, replace(jobs[-1][1], cache=StepCache(mode="first_block", threshold=0.3)))
+        control = (ControlSpec(engine.controlnets.acquire(["edges"], in_use=())[0], picture(32, 3), 0.9),)
+        jobs.append((1, replace(jobs[1][1], prompt="a red circle controlled", seeds=(7,), controls=control)))
+        sets.append(sets[1])
     before, generated = compiled_graphs(), inductor_graphs()
     images = run(engine, jobs)
     assert (inductor_graphs() > generated) == (backend == "inductor"), "only inductor generates kernels"
@@ -69,6 +77,7 @@ def test_other_families_mixed_sets_in_compiled_forwards_equal_diffusers(family, 
     reference = Reference(model)
     for (_, job), (_, lora_set), decoded in zip(jobs, sets, images, strict=True):
         files = [(tmp_path / f"{name}.safetensors", weight) for name, weight in lora_set]
-        assert_same_images(decoded, expected(reference, job, files))
+        nets = [ControlNetCall(tmp_path / "controlnets" / "edges", c.image, c.scale) for c in job.controls]
+        assert_same_images(decoded, expected(reference, job, files, nets))
         if lora_set:
             assert_moved(decoded.images[0], expected(reference, job).images[0], f"LoRA set {lora_set}")

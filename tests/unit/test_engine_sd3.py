@@ -303,12 +303,12 @@ def test_scheduler_templates_per_image_size_are_bounded(dynamic_model, monkeypat
     assert list(family._templates) == latest[-3:], "the three most recently used, oldest first"
 
 
-def test_controlnet_residuals_are_refused_by_the_transformer_family(engines):
+def test_the_transformers_forward_takes_no_controlnet_residuals_its_blocks_add_them(engines):
     engine = engines["sd3"]
     (job,) = engine.start([spec(side=32)])
     latents = torch.cat([job.latents] * 2)
-    with pytest.raises(ValueError, match="take no ControlNet residuals"):
-        engine.family.forward(latents, job.timesteps[:1].expand(2), job.conditioning, ([], latents))
+    with pytest.raises(ValueError, match="added between its blocks"):
+        engine.family.forward(latents, job.timesteps[:1].expand(2), job.conditioning, [latents])
 
 
 def test_without_t5_the_model_conditions_on_zeros_as_diffusers_does_without_its_encoder():
@@ -356,13 +356,13 @@ def test_the_family_is_detected_with_its_rules(engines):
         16,
         "start",
         max_side=32 * 2 * 8,
-        controlnets=False,
         max_clip_skip=3,
         guidance_rescale=False,
         text_encoders=3,
         custom_schedules=((FLOW, ("sigmas",)),),
         max_sigma=1.0,
         eta_schedulers=(),
+        controlnet_excludes=("image", "skip_guidance_layers", "cache"),
     )
     assert [rules.image_steps(steps, strength) for steps, strength in ((5, 0.7), (2, 0.3), (10, 1.0))] == [4, 1, 10]
     assert [FamilyRules().image_steps(steps, strength) for steps, strength in ((5, 0.7), (2, 0.3))] == [3, 0]

@@ -34,7 +34,13 @@ def controlnet_dir(tmp_path_factory) -> Path:
 
 
 def controlnets(directory: Path, max_loaded: int) -> ControlNetLibrary:
-    any_unet = SimpleNamespace(rules=FamilyRules(), controlnet_refusal=lambda config: None)
+    any_unet = SimpleNamespace(
+        rules=FamilyRules(),
+        controlnet_refusal=lambda config: None,
+        controlnet_class=ControlNetModel,
+        controlnet_files=True,
+        prepare_controlnet=lambda net: net,
+    )
     return ControlNetLibrary(any_unet, directory, max_loaded, torch.device("cpu"), torch.float32)  # type: ignore[arg-type]
 
 

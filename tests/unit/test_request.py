@@ -320,13 +320,13 @@ SD3_POLICY = replace(
         16,
         "start",
         max_side=256,
-        controlnets=False,
         max_clip_skip=10,
         guidance_rescale=False,
         text_encoders=3,
         transformer_blocks=24,
         custom_schedules=(("flow_match_euler", ("sigmas",)),),
         eta_schedulers=(),
+        controlnet_excludes=("image", "skip_guidance_layers", "cache"),
     ),
 )
 SDXL_POLICY = replace(
@@ -763,9 +763,30 @@ def test_bad_controlnets_are_refused_by_field_and_rule(control, field, rule):
 
 def test_controlnets_are_refused_where_the_family_or_the_request_cannot_take_them():
     control = {"name": "edges", "image": _b64(_png(_photo()))}
-    sd3 = replace(POLICY, rules=FamilyRules("SD 3.x", ("flow_match_euler",), "flow_match_euler", 16, controlnets=False))
-    errors, message = errors_of({"prompt": "a", "controlnets": [control], "scheduler": "flow_match_euler"}, policy=sd3)
-    assert errors == [("controlnets", "controlnets_unavailable")] and "SD 3.x" in message
+    none = replace(POLICY, rules=FamilyRules("SD 9", controlnets=False))
+    errors, message = errors_of({"prompt": "a", "controlnets": [control]}, policy=none)
+    assert errors == [("controlnets", "controlnets_unavailable")] and "SD 9" in message
+    # SD 3's ControlNet pipeline is text to image alone, without skip-layer guidance or a step cache
+    sd3 = {"prompt": "a", "controlnets": [control]}
+    for extra, field, named in (
+        ({"image": _b64(_png(_photo()))}, "controlnets", "image"),
+        ({"skip_guidance_layers": [7]}, "controlnets", "skip_guidance_layers"),
+        ({"cache": {"mode": "first_block"}}, "cache", "cache"),
+    ):
+        errors, message = errors_of({**sd3, **extra}, policy=SD3_POLICY)
+        assert errors == [(field, "controlnets_with")] and f"no {named}" in message and "SD 3.x" in message
+    assert decode_body(sd3, JSON, SD3_POLICY).controlnets[0].name == "edges"
+    # the operator's defaults of those leave a ControlNet request alone
+    defaulted = replace(
+        SD3_POLICY,
+        defaults=SD3_POLICY.defaults.model_copy(update={"skip_guidance_layers": [7]}),
+        cache=SD3_POLICY.cache.model_copy(update={"default": StepCache(mode="first_block")}),
+        rules=replace(SD3_POLICY.rules, first_block_cache=True),
+    )
+    request = decode_body(sd3, JSON, defaulted)
+    assert request.skip_guidance_layers is None and request.cache.mode == "off"
+    plain = decode_body({"prompt": "a"}, JSON, defaulted)
+    assert plain.skip_guidance_layers == [7] and plain.cache.mode == "first_block"
     errors, _ = errors_of({"prompt": "a", "controlnets": [control] * 4})
     assert errors == [("controlnets", "too_long")]
     import numpy as np

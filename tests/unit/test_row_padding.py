@@ -82,15 +82,17 @@ FIRST_ROWS = {"sd1": 15, "sdxl": 15, "sd3": 13}
 
 @pytest.mark.parametrize("family", ["sd1", "sdxl", "sd3"])
 def test_padded_forwards_give_the_unpadded_images_and_a_step_caches_forward_is_not_padded(family, tmp_path):
-    """Padding rows (copies of the last, with its LoRA set) beside LoRA, ControlNet, image-to-image
-    and inpainting rows are dropped; a forward with a step cache (DeepCache of two branches in
-    different blocks, one with a LoRA and a ControlNet; first-block caching with a LoRA) runs the
-    denoiser's own forward, never a captured graph, so it is not padded."""
+    """Padding rows (copies of the last, with its LoRA set) beside LoRA, ControlNet (UNet families),
+    image-to-image and inpainting rows are dropped; a forward with a step cache (DeepCache of two
+    branches in different blocks, one with a LoRA and a ControlNet; first-block caching with a LoRA)
+    or SD 3's ControlNet rows runs the denoiser's own forward, never a captured graph, so it is not
+    padded."""
     engine = engine_with_adapters(family, tmp_path)
     padded = dataclasses.replace(engine, row_counts=(4, 16))
     scheduler = engine.family.rules.own_scheduler
-    plain, _ = decoded(engine, jobs_of_every_kind(engine, scheduler))
-    ours, padded_rows_seen = decoded(padded, jobs_of_every_kind(padded, scheduler))
+    controlnets = not engine.family.controls_in_blocks  # SD 3's are the cached forwards' case below
+    plain, _ = decoded(engine, jobs_of_every_kind(engine, scheduler, controlnets=controlnets))
+    ours, padded_rows_seen = decoded(padded, jobs_of_every_kind(padded, scheduler, controlnets=controlnets))
     assert set(padded_rows_seen) == {16}
     for theirs, mine in zip(plain, ours, strict=True):
         assert_same_images(mine, theirs)
