@@ -58,7 +58,9 @@ text-to-image pipelines pair several images' rows with the other side's given bo
 where diffusers' SD 1.x/2.x image-to-image and inpaint pipelines and every ControlNet pipeline
 (SDXL's included) have none; a custom schedule (``timesteps``, ``sigmas``) also serves a job from an
 image with ControlNets, where diffusers' ControlNet img2img pipelines take none (cut by ``strength``
-as its other img2img pipelines cut it).
+as its other img2img pipelines cut it); SD 3's control latents are sampled from a CPU generator
+seeded with the job's seed, and each of several SD 3 ControlNets reads its own config
+(``handler.families.sd3``).
 """
 
 from __future__ import annotations

@@ -22,16 +22,21 @@ What differs from the UNet families:
 - no safety checker, no watermark;
 - ControlNets (``StableDiffusion3ControlNetPipeline``, text to image alone): ``SD3ControlNetModel``
   directories; a control image is encoded by the VAE (its latent distribution sampled with a CPU
-  generator seeded with the job's seed, as diffusers samples it from torch's global generator, one
-  draw per row: the unguided and guided rows differ), shifted unless the ControlNet zeroes its pooled
-  projections (InstantX's); each ControlNet's block residuals are added after the transformer's
-  blocks, a ControlNet of fewer blocks than the transformer's spreading each over several and a
-  job's several ControlNets summed pairwise as ``SD3MultiControlNetModel`` sums them
-  (``control_slots``), by the engine's block wrappers (``handler.families.first_block_cache``).
+  generator seeded with the job's seed, one draw per row: the unguided and guided rows differ, as in
+  diffusers' call after ``torch.manual_seed(seed)`` on the CPU), shifted unless the ControlNet zeroes
+  its pooled projections (InstantX's); each ControlNet's block residuals are added after every
+  transformer block but the last (``context_pre_only``), a ControlNet of fewer blocks than the
+  transformer's spreading each over several and a job's several ControlNets summed pairwise as
+  ``SD3MultiControlNetModel`` sums them (``control_slots``), by the engine's block wrappers
+  (``handler.families.first_block_cache``).
 
 Knowingly different from diffusers: the inpaint pipeline's decode leaves out the VAE's
 ``shift_factor`` (diffusers issue #13611) although its encode subtracts it; inpainted images here
 are decoded as ``StableDiffusion3Pipeline`` and the img2img pipeline decode (with the shift).
+ControlNets: diffusers samples the control latents from torch's global generator on the pipeline's
+device (on a GPU, the GPU's: no seed given to the call reproduces it), here from the CPU generator
+above; with several ControlNets its pipeline reads the first one's config for all (pooled
+projections, VAE shift, whether it reads the prompt), here each reads its own.
 Skip-layer guidance (``skip_guidance_layers``) runs in the step's one forward: the engine's rows,
 the transformer's block wrappers (``handler.families.first_block_cache``). Left out, because no
 request can ask for it: IP-Adapter images, 33-channel inpainting transformers, inpainting
