@@ -60,7 +60,7 @@ def controlnets_without(field: str, family: str) -> PydanticCustomError:
     return PydanticCustomError(
         "controlnets_with",
         "ControlNets on {family} models are served with text to image alone, as diffusers' ControlNet pipeline "
-        "for it has no {field}: leave out {field} or controlnets",
+        "for it takes no {field}: leave out {field} or controlnets",
         {"family": family, "field": field},
     )
 
