@@ -130,12 +130,12 @@ class ControlNetLibrary(Library):
 
     def _load(self, entry: Entry, keep: set[str]) -> str:
         try:
-            if entry.path.is_file() and not self.family.controlnet_files:
-                raise ValueError(
-                    f"single-file {self.family.name} ControlNets are not served (diffusers converts none): "
-                    "a diffusers directory (config.json and safetensors weights) is"
-                )
             if entry.path.is_file():
+                if not self.family.controlnet_files:
+                    raise ValueError(
+                        f"single-file {self.family.name} ControlNets are not served (diffusers converts none): "
+                        "a diffusers directory (config.json and safetensors weights) is"
+                    )
                 net = load_controlnet_file(entry.path, self.family.denoiser, self.dtype)
             else:
                 net = self._from_directory(entry.path)
@@ -194,6 +194,7 @@ class ControlNetLibrary(Library):
             return (self.family.control_zeros(latents, self.dtype) if self.every_forward else None), 0
         parts = [control for net_parts in rows_of.values() for _, control in net_parts]  # in the order run
         keys = [tuple(control.slots[place] for control in parts) for place in range(len(parts[0].slots))]
+        distinct = list(dict.fromkeys(keys))  # each a sum of the ControlNets' residuals some places add
         totals: dict[tuple[int, ...], torch.Tensor] = {}  # per distinct key, made once
         position = 0
         for net_id, net_parts in rows_of.items():
@@ -207,7 +208,7 @@ class ControlNetLibrary(Library):
             start = 0
             for part, _ in net_parts:
                 span = slice(start, start + len(part))
-                for key in dict.fromkeys(keys):  # each place's sum of the ControlNets' residuals it adds
+                for key in distinct:
                     sample = samples[key[position]][span]
                     if key not in totals:
                         totals[key] = _zero_rows(sample, offset)

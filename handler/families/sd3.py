@@ -198,20 +198,14 @@ class StableDiffusion3Family(Family):
         transformer's width and it reads the transformer's conditioning (and position embedding,
         where it has its own); inpainting ControlNets (extra conditioning channels) are not served."""
         transformer = self.pipeline.transformer.config
-        differing = [key for key in CONTROLNET_FIT if getattr(config, key, None) != getattr(transformer, key)]
-        width, own_width = _width(config), _width(transformer)
-        if width != own_width:
-            differing.append(f"width {width} (transformer: {own_width})")
-        if config.joint_attention_dim not in (None, transformer.joint_attention_dim):
-            differing.append("joint_attention_dim")
-        if config.use_pos_embed and config.pos_embed_max_size != transformer.pos_embed_max_size:
-            differing.append("pos_embed_max_size")
+        compared = list(CONTROLNET_FIT)
+        compared += ["joint_attention_dim"] if config.joint_attention_dim is not None else []  # None: reads no prompt
+        compared += ["pos_embed_max_size"] if config.use_pos_embed else []  # else the transformer's own
+        pairs = {key: (getattr(config, key, None), getattr(transformer, key)) for key in compared}
+        pairs["width"] = (_width(config), _width(transformer))
+        differing = [f"{key} {theirs} (transformer: {ours})" for key, (theirs, ours) in pairs.items() if theirs != ours]
         if differing:
-            settings = ", ".join(
-                key if " " in key else f"{key} {getattr(config, key)} (transformer: {getattr(transformer, key)})"
-                for key in differing
-            )
-            return f"it does not fit this {self.name} model's transformer: {settings}"
+            return f"it does not fit this {self.name} model's transformer: {', '.join(differing)}"
         if config.extra_conditioning_channels:
             return "inpainting ControlNets (extra_conditioning_channels) are not served"
         if not config.num_layers:
@@ -274,9 +268,8 @@ class StableDiffusion3Family(Family):
         """The pipeline's step 3: the control image in [-1, 1] through the VAE encoder, its latent
         distribution sampled once per row (``rows``, drawn from ``generator``), shifted unless the
         ControlNet zeroes its pooled projections, scaled."""
-        pixels = self.pipeline.image_processor.preprocess(image.convert("RGB"), height=height, width=width)
         vae = self.pipeline.vae
-        distribution = vae.encode(pixels.to(device=self.device, dtype=self.dtype)).latent_dist
+        distribution = vae.encode(self.preprocess(image.convert("RGB"), width, height, self.dtype)).latent_dist
         mean = distribution.mean
         noise = randn_tensor((rows, *mean.shape[1:]), generator=generator, device=mean.device, dtype=mean.dtype)
         shift = 0 if net.config.force_zeros_for_pooled_projection else vae.config.shift_factor

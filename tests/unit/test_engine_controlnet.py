@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import shutil
 from dataclasses import replace
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -26,13 +27,22 @@ from handler.adapters.controlnets import ControlSpec
 from handler.adapters.library import EntryError
 from handler.config import HandlerSettings, SizeConditioning, SkipLayerGuidance, StepCache
 from handler.engine.loading import load_engine
+from handler.engine.step_engine import StepEngine
 from handler.families.sd import _downsampled
 from model_making.make_controlnet import write_controlnet
 from model_making.make_lora import write_lora
 from model_making.make_tiny_model import build_sd3_pipeline
 from model_making.single_file import write_controlnet_file
 from server.paths import TINY_MODEL_DIRS
-from tests.harness.engine_runs import TOLERANCE, assert_same_images, expected, picture, run, spec
+from tests.harness.engine_runs import (
+    TOLERANCE,
+    assert_same_images,
+    engine_with_adapters,
+    expected,
+    picture,
+    run,
+    spec,
+)
 
 SCHEDULERS = {"sd1": "ddim", "sd2": "euler_a", "sdxl": "euler"}
 SIDE = 32
@@ -43,19 +53,15 @@ STEPS = 4
 def family_engine(request, tmp_path_factory):
     """An engine over a tiny model with two random ControlNets and a LoRA for it."""
     family = request.param
-    model_dir = TINY_MODEL_DIRS[family]
-    directory = tmp_path_factory.mktemp(f"controlnets-{family}")
-    write_controlnet(model_dir, directory / "edges", seed=1)
-    write_controlnet(model_dir, directory / "depth", seed=2)
-    loras = tmp_path_factory.mktemp(f"loras-{family}")
-    write_lora(model_dir, loras / "attention.safetensors", seed=1)
-    settings = {
-        "model_path": str(model_dir),
-        "controlnets": {"dir": str(directory)},
-        "loras": {"dir": str(loras)},
-    }
-    engine = load_engine(HandlerSettings.model_validate(settings), "/unused")
-    return family, engine, directory, loras, Reference(model_dir)
+    engine, directory, loras = adapters_engine(family, tmp_path_factory.mktemp(family))
+    write_controlnet(TINY_MODEL_DIRS[family], directory / "depth", seed=2)
+    return family, engine, directory, loras, Reference(TINY_MODEL_DIRS[family])
+
+
+def adapters_engine(family: str, tmp: Path) -> tuple[StepEngine, Path, Path]:
+    """``engine_with_adapters``' engine (ControlNet "edges", LoRA "attention"), its ControlNet
+    directory (ControlNets written there later are served too) and its LoRA directory."""
+    return engine_with_adapters(family, tmp), tmp / "controlnets", tmp / "loras"
 
 
 def test_jobs_with_other_controlnets_share_forwards_and_each_equals_diffusers(family_engine):
@@ -298,16 +304,10 @@ def sd3_engine(request, tmp_path_factory):
     """An engine over a tiny SD 3.x model with three random ControlNets of two kinds and depths
     (InstantX's of 2 and 1 blocks, SD 3.5 Large's of 2) and a LoRA for it."""
     family = request.param
-    model_dir = TINY_MODEL_DIRS[family]
-    directory = tmp_path_factory.mktemp(f"controlnets-{family}")
-    write_controlnet(model_dir, directory / "edges", seed=1, layers=2)
-    write_controlnet(model_dir, directory / "depth", seed=2, layers=1)
-    write_controlnet(model_dir, directory / "large", seed=3, layers=2, large=True)
-    loras = tmp_path_factory.mktemp(f"loras-{family}")
-    write_lora(model_dir, loras / "attention.safetensors", seed=1)
-    settings = {"model_path": str(model_dir), "controlnets": {"dir": str(directory)}, "loras": {"dir": str(loras)}}
-    engine = load_engine(HandlerSettings.model_validate(settings), "/unused")
-    return engine, directory, loras, Reference(model_dir)
+    engine, directory, loras = adapters_engine(family, tmp_path_factory.mktemp(family))
+    write_controlnet(TINY_MODEL_DIRS[family], directory / "depth", seed=2, layers=1)
+    write_controlnet(TINY_MODEL_DIRS[family], directory / "large", seed=3, layers=2, large=True)
+    return engine, directory, loras, Reference(TINY_MODEL_DIRS[family])
 
 
 def test_sd3_jobs_with_other_controlnets_share_forwards_and_each_equals_diffusers(sd3_engine):
