@@ -143,10 +143,10 @@ scale:
 	@test -n "$(WORKERS)" || { echo "usage: make scale WORKERS=N"; exit 2; }
 	$(PY) -m server.cli scale $(WORKERS) --workdir runtime
 
-# The whole suite fails past 50 minutes, with the slowest tests listed: the goal is 25 minutes, but the
-# 2-core development machine's speed moves by a third and more between days, so the limit catches a
+# The whole suite fails past 60 minutes, with the slowest tests listed: the goal is 25 minutes, but the
+# 2-core development machine's speed moves by half and more between days, so the limit catches a
 # change that slows the suite, not a slow day (docs/benchmarks.md, "The test suite's time").
-SUITE_TIME_LIMIT_S ?= 3000
+SUITE_TIME_LIMIT_S ?= 3600
 
 test: venv model system-deps
 	$(PY) -m pytest tests --suite-time-limit=$(SUITE_TIME_LIMIT_S) --durations=30 $(PYTEST_ARGS)
