@@ -12,12 +12,6 @@ path): else it compiles again what a worker compiled. Inductor's CPU kernels are
 (docs/benchmarks.md), and the images stay within the tests' rounding tolerance. It changes nothing
 on a GPU, whose kernels are Triton's.
 
-The run, and the servers and benchmarks it starts, wait for work in OpenMP without spinning
-(``OMP_WAIT_POLICY=PASSIVE``, unless set, before torch loads libgomp): two processes computing at
-once on this machine's cores (a worker warming up beside a serving one, the test computing a
-reference beside a worker), each spinning on cores the other needs, ran the tiny UNet's 8-row step
-60 times slower and held a served request for 20 s (docs/benchmarks.md).
-
 ``--suite-time-limit SECONDS`` (``make test`` passes 60 minutes) fails a run that took longer, so
 a change that makes the suite slow is noticed when it is made, not when CI's limit is reached."""
 
@@ -38,8 +32,6 @@ STARTED = pytest.StashKey[float]()
 INDUCTOR_CACHE = pytest.StashKey[str]()
 INDUCTOR_CACHE_ENV = "TORCHINDUCTOR_CACHE_DIR"
 INDUCTOR_VECTORS_ENV = "TORCHINDUCTOR_VEC_ISA_OK"
-OPENMP_WAIT_ENV = "OMP_WAIT_POLICY"
-os.environ.setdefault(OPENMP_WAIT_ENV, "PASSIVE")  # read once, when torch first loads libgomp: before any test module
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
