@@ -22,8 +22,18 @@ from pydantic import (
 )
 
 # Every scheduler name a request may give; each family serves some of them (``FamilyRules``).
-SchedulerName = Literal["ddim", "euler", "euler_a", "dpmpp_2m", "pndm", "flow_match_euler"]
-UNET_SCHEDULERS: tuple[SchedulerName, ...] = ("ddim", "euler", "euler_a", "dpmpp_2m", "pndm")
+SchedulerName = Literal[
+    "ddim", "euler", "euler_a", "dpmpp_2m", "dpmpp_2m_karras", "dpmpp_2m_sde_karras", "pndm", "flow_match_euler"
+]
+UNET_SCHEDULERS: tuple[SchedulerName, ...] = (
+    "ddim",
+    "euler",
+    "euler_a",
+    "dpmpp_2m",
+    "dpmpp_2m_karras",
+    "dpmpp_2m_sde_karras",
+    "pndm",
+)
 OutputFormat = Literal["png", "jpeg", "webp"]
 SlotDesign = Literal["gathered", "stacked"]  # handler.adapters.lora_slots
 ResponseFormat = Literal["image", "json"]

@@ -14,10 +14,11 @@ where the value lives there (diffusers #9485, #9475):
   no schedule offered here repeats a timestep, so it is the same step.
 - Euler compares its sigma with ``s_tmin``/``s_tmax`` even without churn. ``euler_step`` is its
   arithmetic without churn (the server passes none), so without the comparison.
-- Euler ancestral, and DDIM with an ``eta`` above 0, draw their noise on the CPU at every step and
-  copy it to the device, which blocks. ``euler_ancestral_step`` is Euler ancestral's arithmetic with
-  the noise drawn the same way and copied from pinned memory without blocking (``drawn_noise``);
-  DDIM is given that noise as its ``variance_noise``.
+- Euler ancestral, DDIM with an ``eta`` above 0 and DPM++'s SDE algorithm (``dpmpp_2m_sde_karras``)
+  draw their noise on the CPU at every step and copy it to the device, which blocks.
+  ``euler_ancestral_step`` is Euler ancestral's arithmetic with the noise drawn the same way and
+  copied from pinned memory without blocking (``drawn_noise``); DDIM and DPM++ are given that noise
+  as their ``variance_noise``.
 
 A job from an image is noised to its first timestep (``add_noise``, flow matching's
 ``scale_noise``), and an inpainting job puts the image back at the next noise level after each
@@ -44,6 +45,8 @@ from diffusers import (
 from handler.families.base import Scheduler, steps_by_index
 from handler.families.transfer import to_device
 
+SDE_ALGORITHMS = ("sde-dpmsolver", "sde-dpmsolver++")  # DPMSolverMultistepScheduler's that draw noise
+
 
 def timestep_argument(scheduler: Scheduler, timestep: torch.Tensor, host_timestep: float) -> torch.Tensor | int:
     """What ``scheduler.step`` takes as the timestep without reading it: schedulers with a begin
@@ -65,11 +68,24 @@ def step(
         return euler_step(scheduler, model_output, timestep, sample)
     if type(scheduler) is EulerAncestralDiscreteScheduler:
         return euler_ancestral_step(scheduler, model_output, timestep, sample, step_kwargs["generator"])
-    if type(scheduler) is DDIMScheduler and step_kwargs["eta"] > 0:  # its noise drawn as its step draws it
-        noise = drawn_noise(model_output, step_kwargs["generator"])
+    noise_dtype = variance_noise_dtype(scheduler, model_output, step_kwargs)
+    if noise_dtype is not None:  # its noise drawn as its step draws it
+        noise = drawn_noise(model_output, step_kwargs["generator"], noise_dtype)
         step_kwargs = {**step_kwargs, "generator": None, "variance_noise": noise}
     argument = timestep_argument(scheduler, timestep, host_timestep)
     return scheduler.step(model_output, argument, sample, **step_kwargs, return_dict=False)[0]
+
+
+def variance_noise_dtype(
+    scheduler: Scheduler, model_output: torch.Tensor, step_kwargs: dict[str, Any]
+) -> torch.dtype | None:
+    """The dtype ``scheduler.step`` draws fresh noise in at every step (None: it draws none): DDIM's
+    with an ``eta`` above 0 in the model's, DPM++'s SDE algorithms' in float32."""
+    if type(scheduler) is DDIMScheduler and step_kwargs["eta"] > 0:
+        return model_output.dtype
+    if type(scheduler) is DPMSolverMultistepScheduler and scheduler.config.algorithm_type in SDE_ALGORITHMS:
+        return torch.float32
+    return None
 
 
 def _step_index(scheduler: Any, timestep: torch.Tensor) -> int:
@@ -134,11 +150,14 @@ def euler_ancestral_step(
     return prev_sample.to(model_output.dtype)
 
 
-def drawn_noise(like: torch.Tensor, generators: list[torch.Generator]) -> torch.Tensor:
-    """Noise of ``like``'s shape and dtype as diffusers' ``randn_tensor`` draws it for a scheduler's
-    step (one image per CPU generator), copied to ``like``'s device from pinned memory without blocking."""
+def drawn_noise(
+    like: torch.Tensor, generators: list[torch.Generator], dtype: torch.dtype | None = None
+) -> torch.Tensor:
+    """Noise of ``like``'s shape and ``dtype`` (``like``'s by default) as diffusers' ``randn_tensor``
+    draws it for a scheduler's step (one image per CPU generator), copied to ``like``'s device from
+    pinned memory without blocking."""
     shape = (1, *like.shape[1:])
-    drawn = [torch.randn(shape, generator=generator, dtype=like.dtype) for generator in generators]
+    drawn = [torch.randn(shape, generator=generator, dtype=dtype or like.dtype) for generator in generators]
     return to_device(torch.cat(drawn), like.device)
 
 

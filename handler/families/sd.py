@@ -40,11 +40,18 @@ from handler.families.base import (
 
 # The UNet families' schedulers. PNDM skips its Runge-Kutta warm-up steps as Stable Diffusion's own
 # PNDM configuration does (with them it needs at least 4 steps and runs 13 UNet calls for 4 steps).
+# The Karras ones are A1111's "DPM++ 2M Karras" and "DPM++ 2M SDE Karras" as diffusers' scheduler
+# overview maps them onto DPMSolverMultistepScheduler.
 SCHEDULERS: dict[SchedulerName, SchedulerChoice] = {
     "ddim": (DDIMScheduler, {}),
     "euler": (EulerDiscreteScheduler, {}),
     "euler_a": (EulerAncestralDiscreteScheduler, {}),
     "dpmpp_2m": (DPMSolverMultistepScheduler, {}),
+    "dpmpp_2m_karras": (DPMSolverMultistepScheduler, {"use_karras_sigmas": True}),
+    "dpmpp_2m_sde_karras": (
+        DPMSolverMultistepScheduler,
+        {"use_karras_sigmas": True, "algorithm_type": "sde-dpmsolver++"},
+    ),
     "pndm": (PNDMScheduler, {"skip_prk_steps": True}),
 }
 

@@ -7,6 +7,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
+from handler.config import UNET_SCHEDULERS
 from tests.harness.images import decode_json_images, decode_png
 from tests.harness.serving import workers
 
@@ -28,7 +29,7 @@ def mixed_body(index: int) -> dict:
         "seed": index,
         "num_inference_steps": chooser.choice([2, 4, 6]),
         "num_images_per_prompt": chooser.choice([1, 1, 1, 2]),
-        "scheduler": chooser.choice(["ddim", "euler", "euler_a", "dpmpp_2m", "pndm"]),
+        "scheduler": chooser.choice(UNET_SCHEDULERS),
         "output_format": chooser.choice(["png", "png", "jpeg", "webp"]),
         "response_format": chooser.choice(["image", "json"]),
     }
