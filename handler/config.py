@@ -6,7 +6,7 @@ import dataclasses
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Annotated, Any, ClassVar, Literal
+from typing import Annotated, Any, ClassVar, Literal, get_args
 
 import numpy as np
 from pydantic import (
@@ -21,19 +21,13 @@ from pydantic import (
     model_validator,
 )
 
-# Every scheduler name a request may give; each family serves some of them (``FamilyRules``).
-SchedulerName = Literal[
-    "ddim", "euler", "euler_a", "dpmpp_2m", "dpmpp_2m_karras", "dpmpp_2m_sde_karras", "pndm", "flow_match_euler"
+# The UNet families' scheduler names (SD 1.x/2.x, SDXL), then every scheduler name a request may give;
+# each family serves some of them (``FamilyRules``).
+UnetSchedulerName = Literal[
+    "ddim", "euler", "euler_a", "dpmpp_2m", "dpmpp_2m_karras", "dpmpp_2m_sde_karras", "unipc", "pndm"
 ]
-UNET_SCHEDULERS: tuple[SchedulerName, ...] = (
-    "ddim",
-    "euler",
-    "euler_a",
-    "dpmpp_2m",
-    "dpmpp_2m_karras",
-    "dpmpp_2m_sde_karras",
-    "pndm",
-)
+SchedulerName = Literal[UnetSchedulerName, "flow_match_euler"]
+UNET_SCHEDULERS: tuple[SchedulerName, ...] = get_args(UnetSchedulerName)
 OutputFormat = Literal["png", "jpeg", "webp"]
 SlotDesign = Literal["gathered", "stacked"]  # handler.adapters.lora_slots
 ResponseFormat = Literal["image", "json"]

@@ -146,7 +146,7 @@ class GenerationRequest(
     num_images_per_prompt: int = Field(ge=1, description="images to generate for this prompt")
     scheduler: SchedulerName = Field(
         description="sampler used for denoising, one of the model family's: ddim, euler, euler_a, dpmpp_2m, "
-        "dpmpp_2m_karras, dpmpp_2m_sde_karras, pndm (SD 1.x/2.x, SDXL); flow_match_euler (SD 3.x)"
+        "dpmpp_2m_karras, dpmpp_2m_sde_karras, unipc, pndm (SD 1.x/2.x, SDXL); flow_match_euler (SD 3.x)"
     )
     timesteps: list[Annotated[int, Field(ge=0)]] | None = Field(
         None,

@@ -1,14 +1,14 @@
 """Scheduler steps that read no tensor value on the host, so that on a GPU nothing in a denoising
 step waits for the device.
 
-diffusers' schedulers (0.42.1) read values inside ``step`` in four ways, each a wait for the device
+diffusers' schedulers (0.42.1) read values inside ``step`` in five ways, each a wait for the device
 where the value lives there (diffusers #9485, #9475):
 
 - DDIM and PNDM index their CPU ``alphas_cumprod`` with the timestep and compare it with 0: six
   reads a step for DDIM, three for PNDM, when the timestep is the schedule's device tensor. Here
   they take it as a host number, from the CPU copy of the schedule a job keeps (``Family.scheduler``);
   their arithmetic is the same.
-- Euler, Euler ancestral, DPM++ and flow matching look their first step up by timestep value
+- Euler, Euler ancestral, DPM++, UniPC and flow matching look their first step up by timestep value
   (``index_for_timestep``: ``nonzero`` and ``item``) unless a begin index is set. Every job sets one
   (``set_begin_index(0)``, or the first step of an image's schedule), as SDXL's pipeline does;
   no schedule offered here repeats a timestep, so it is the same step.
@@ -19,6 +19,10 @@ where the value lives there (diffusers #9485, #9475):
   ``euler_ancestral_step`` is Euler ancestral's arithmetic with the noise drawn the same way and
   copied from pinned memory without blocking (``drawn_noise``); DDIM and DPM++ are given that noise
   as their ``variance_noise``.
+- UniPC copies each sigma it reads to the device and solves its coefficients' small linear system
+  there (``torch.linalg.solve``, which reads its result's status: a wait). ``unipc_step`` is its
+  arithmetic with the sigmas and coefficients on the host, the solved coefficients copied without
+  blocking.
 
 A job from an image is noised to its first timestep (``add_noise``, flow matching's
 ``scale_noise``), and an inpainting job puts the image back at the next noise level after each
@@ -40,6 +44,7 @@ from diffusers import (
     EulerAncestralDiscreteScheduler,
     EulerDiscreteScheduler,
     FlowMatchEulerDiscreteScheduler,
+    UniPCMultistepScheduler,
 )
 
 from handler.families.base import Scheduler, steps_by_index
@@ -68,6 +73,8 @@ def step(
         return euler_step(scheduler, model_output, timestep, sample)
     if type(scheduler) is EulerAncestralDiscreteScheduler:
         return euler_ancestral_step(scheduler, model_output, timestep, sample, step_kwargs["generator"])
+    if type(scheduler) is UniPCMultistepScheduler:
+        return unipc_step(scheduler, model_output, timestep, sample)
     noise_dtype = variance_noise_dtype(scheduler, model_output, step_kwargs)
     if noise_dtype is not None:  # its noise drawn as its step draws it
         noise = drawn_noise(model_output, step_kwargs["generator"], noise_dtype)
@@ -150,6 +157,109 @@ def euler_ancestral_step(
     return prev_sample.to(model_output.dtype)
 
 
+def unipc_step(
+    scheduler: Any, model_output: torch.Tensor, timestep: torch.Tensor, sample: torch.Tensor
+) -> torch.Tensor:
+    """``UniPCMultistepScheduler.step``: the corrector UniC on the sample this step starts from, then
+    the predictor UniP to the next (``_unipc_update``)."""
+    # Copied from diffusers.schedulers.scheduling_unipc_multistep.UniPCMultistepScheduler.step (0.42.1),
+    # without solver_p (a predictor scheduler of its own, which from_config never sets).
+    index = _step_index(scheduler, timestep)
+    use_corrector = index > 0 and index - 1 not in scheduler.disable_corrector and scheduler.last_sample is not None
+    converted = scheduler.convert_model_output(model_output, sample=sample)
+    if use_corrector:
+        sample = _unipc_update(scheduler, scheduler.last_sample, index, scheduler.this_order, converted)
+    order = scheduler.config.solver_order
+    for i in range(order - 1):
+        scheduler.model_outputs[i] = scheduler.model_outputs[i + 1]
+        scheduler.timestep_list[i] = scheduler.timestep_list[i + 1]
+    scheduler.model_outputs[-1] = converted
+    scheduler.timestep_list[-1] = timestep
+    this_order = min(order, len(scheduler.timesteps) - index) if scheduler.config.lower_order_final else order
+    scheduler.this_order = min(this_order, scheduler.lower_order_nums + 1)  # warm-up of the multistep
+    scheduler.last_sample = sample
+    prev_sample = _unipc_update(scheduler, sample, index, scheduler.this_order)
+    if scheduler.lower_order_nums < order:
+        scheduler.lower_order_nums += 1
+    scheduler._step_index += 1
+    return prev_sample
+
+
+def _unipc_update(
+    scheduler: Any,
+    x: torch.Tensor,
+    index: int,
+    order: int,
+    model_t: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """UniP's step from sample ``x`` at step ``index`` to the next (``multistep_uni_p_bh_update``);
+    with ``model_t`` (the converted model output at the sample after ``x``), UniC's correction of
+    that sample instead (``multistep_uni_c_bh_update``). diffusers copies each sigma to
+    the device and solves the small linear system of the coefficients there, where ``linalg.solve``
+    then reads its result's status, a wait; here the sigmas and coefficients stay on the host (0-d
+    CPU tensors, the same float32 arithmetic) and only the solved coefficients are copied, queued."""
+    # Copied from diffusers.schedulers.scheduling_unipc_multistep.UniPCMultistepScheduler's
+    # multistep_uni_p_bh_update and multistep_uni_c_bh_update (0.42.1), which differ in the steps they
+    # read (the corrector's one step back), the coefficients they solve for and the last line.
+    s0 = index if model_t is None else index - 1
+    outputs = scheduler.model_outputs
+    m0 = outputs[-1]
+    alpha_t, sigma_t = scheduler._sigma_to_alpha_sigma_t(scheduler.sigmas[s0 + 1])
+    alpha_s0, sigma_s0 = scheduler._sigma_to_alpha_sigma_t(scheduler.sigmas[s0])
+    lambda_t = torch.log(alpha_t) - torch.log(sigma_t)
+    lambda_s0 = torch.log(alpha_s0) - torch.log(sigma_s0)
+    h = lambda_t - lambda_s0
+    rks, differences = [], []
+    for i in range(1, order):
+        alpha_si, sigma_si = scheduler._sigma_to_alpha_sigma_t(scheduler.sigmas[s0 - i])
+        lambda_si = torch.log(alpha_si) - torch.log(sigma_si)
+        rk = (lambda_si - lambda_s0) / h
+        rks.append(rk)
+        differences.append((outputs[-(i + 1)] - m0) / rk)
+    rks.append(torch.ones(()))
+    rks_stacked = torch.stack(rks)
+    hh = -h if scheduler.predict_x0 else h
+    h_phi_1 = torch.expm1(hh)  # h\phi_1(h) = e^h - 1
+    h_phi_k = h_phi_1 / hh - 1
+    factorial_i = 1
+    if scheduler.config.solver_type not in ("bh1", "bh2"):
+        raise NotImplementedError(f"UniPC's solver_type {scheduler.config.solver_type!r}")
+    B_h = hh if scheduler.config.solver_type == "bh1" else torch.expm1(hh)
+    R, b = [], []
+    for i in range(1, order + 1):
+        R.append(torch.pow(rks_stacked, i - 1))
+        b.append(h_phi_k * factorial_i / B_h)
+        factorial_i *= i + 1
+        h_phi_k = h_phi_k / hh - 1 / factorial_i
+    R_stacked, b_stacked = torch.stack(R), torch.stack(b)
+    D1s = torch.stack(differences, dim=1) if differences else None
+    half = torch.ones(1, dtype=x.dtype) * 0.5
+    if model_t is None:  # UniP: order 2 takes a half, higher orders solve all but the last row
+        rhos = half if order <= 2 else solved(R_stacked[:-1, :-1], b_stacked[:-1])
+        weights = rhos
+    else:  # UniC: order 1 takes a half, higher orders solve the whole system
+        rhos = half if order == 1 else solved(R_stacked, b_stacked)
+        weights = rhos[:-1]
+    residual = 0 if D1s is None else torch.einsum("k,bkc...->bc...", to_device(weights.to(x.dtype), x.device), D1s)
+    if scheduler.predict_x0:
+        x_t_ = sigma_t / sigma_s0 * x - alpha_t * h_phi_1 * m0
+        scale = alpha_t
+    else:
+        x_t_ = alpha_t / alpha_s0 * x - sigma_t * h_phi_1 * m0
+        scale = sigma_t
+    if model_t is None:
+        x_t = x_t_ - scale * B_h * residual
+    else:
+        x_t = x_t_ - scale * B_h * (residual + rhos[-1].to(x.dtype) * (model_t - m0))
+    return x_t.to(x.dtype)
+
+
+def solved(matrix: torch.Tensor, vector: torch.Tensor) -> torch.Tensor:
+    """``torch.linalg.solve(matrix, vector)`` without reading its status: UniPC's systems are
+    Vandermonde matrices of distinct log-SNR ratios, never singular."""
+    return torch.linalg.solve_ex(matrix, vector).result
+
+
 def drawn_noise(
     like: torch.Tensor, generators: list[torch.Generator], dtype: torch.dtype | None = None
 ) -> torch.Tensor:
@@ -187,8 +297,8 @@ def noised(
     # the current step's index, else (before the first step) the begin index.
     step = scheduler.step_index if scheduler.step_index is not None else scheduler.begin_index
     sigma, kind = table[step], type(scheduler)
-    if kind is DPMSolverMultistepScheduler:
-        alpha_t, sigma_t = scheduler._sigma_to_alpha_sigma_t(sigma)  # type: ignore[attr-defined]  # DPM++'s
+    if kind in (DPMSolverMultistepScheduler, UniPCMultistepScheduler):
+        alpha_t, sigma_t = scheduler._sigma_to_alpha_sigma_t(sigma)  # type: ignore[attr-defined]  # theirs
         return alpha_t * original + sigma_t * noise
     if kind is FlowMatchEulerDiscreteScheduler:
         return sigma * noise + (1.0 - sigma) * original

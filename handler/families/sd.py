@@ -22,6 +22,7 @@ from diffusers import (
     EulerDiscreteScheduler,
     PNDMScheduler,
     StableDiffusionPipeline,
+    UniPCMultistepScheduler,
 )
 from diffusers.models.downsampling import Downsample2D
 
@@ -40,8 +41,8 @@ from handler.families.base import (
 
 # The UNet families' schedulers. PNDM skips its Runge-Kutta warm-up steps as Stable Diffusion's own
 # PNDM configuration does (with them it needs at least 4 steps and runs 13 UNet calls for 4 steps).
-# The Karras ones are A1111's "DPM++ 2M Karras" and "DPM++ 2M SDE Karras" as diffusers' scheduler
-# overview maps them onto DPMSolverMultistepScheduler.
+# The Karras ones and UniPC are A1111's "DPM++ 2M Karras", "DPM++ 2M SDE Karras" and "UniPC" as
+# diffusers' scheduler overview maps them (DPMSolverMultistepScheduler's settings, UniPCMultistepScheduler).
 SCHEDULERS: dict[SchedulerName, SchedulerChoice] = {
     "ddim": (DDIMScheduler, {}),
     "euler": (EulerDiscreteScheduler, {}),
@@ -52,6 +53,7 @@ SCHEDULERS: dict[SchedulerName, SchedulerChoice] = {
         DPMSolverMultistepScheduler,
         {"use_karras_sigmas": True, "algorithm_type": "sde-dpmsolver++"},
     ),
+    "unipc": (UniPCMultistepScheduler, {}),
     "pndm": (PNDMScheduler, {"skip_prk_steps": True}),
 }
 

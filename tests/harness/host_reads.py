@@ -25,7 +25,8 @@ class HostReads(TorchDispatchMode):
 
 class ValueReads(TorchFunctionMode):
     """Tensor methods that take values to the host (a dispatch mode does not see a CPU tensor's
-    ``tolist``; on a GPU it is a synchronization)."""
+    ``tolist``; on a GPU it is a synchronization), and ``torch.linalg.solve``, which reads its
+    result's status there (under inference mode its check is not dispatched; ``solve_ex`` has none)."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -33,6 +34,6 @@ class ValueReads(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         name = getattr(func, "__name__", "")
-        if name in {"tolist", "item", "__bool__", "__float__", "__int__", "__index__"}:
+        if name in {"tolist", "item", "__bool__", "__float__", "__int__", "__index__", "linalg_solve"}:
             self.reads.append(name)
         return func(*args, **(kwargs or {}))

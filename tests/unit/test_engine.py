@@ -66,6 +66,7 @@ def test_jobs_joining_mid_flight_with_their_own_steps_scheduler_and_guidance_giv
         (3, spec("a green triangle", seed=2, images=2, steps=5, scheduler="euler_a", guidance=1.0)),
         (4, spec("a yellow square", seed=4, steps=4, scheduler="dpmpp_2m", guidance=3.0, negative="blue")),
         (2, spec("a blue star", seed=6, images=2, steps=5, scheduler="dpmpp_2m_sde_karras")),  # noise each step
+        (1, spec("a red square", seed=7, steps=6, scheduler="unipc", guidance=5.0)),  # corrects each step
     ]
     for (_, job), decoded in zip(plan, run(engines[family], plan), strict=True):
         assert_same_images(decoded, expected(references[family], job))
@@ -214,7 +215,7 @@ def test_the_most_layers_a_prompt_may_skip_leave_each_clip_encoder_a_layer(engin
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-@pytest.mark.parametrize("scheduler", ["ddim", "euler_a", "dpmpp_2m", "dpmpp_2m_sde_karras"])
+@pytest.mark.parametrize("scheduler", ["ddim", "euler_a", "dpmpp_2m", "dpmpp_2m_sde_karras", "unipc"])
 @pytest.mark.parametrize(("masked", "strength"), [(False, 0.6), (True, 1.0), (True, 0.7)])
 def test_image_to_image_and_inpainting_give_the_img2img_and_inpaint_pipelines_images(
     engines, references, family, scheduler, masked, strength

@@ -4,10 +4,11 @@ nor does starting jobs wait for the forwards queued before it.
 Every family and scheduler the server offers, with LoRA rows, ControlNets (the UNet families), an
 image-to-image and an inpainting job, a DeepCache job (the UNet families), jobs of each custom
 schedule (timesteps, sigmas) the scheduler takes and one with DDIM's eta in the same forwards.
-Counted per step after the first, under
-a ``TorchDispatchMode``: the operations that read a value (``aten._local_scalar_dense``,
-``is_nonzero``, ``nonzero``, ``item``). A dispatch mode does not see a CPU tensor indexed with a
-0-d CPU tensor, so the jobs' device timesteps are also marked: a step that indexes with one, or
+Counted per step after the first, under a ``TorchDispatchMode``: the operations that read a value
+(``aten._local_scalar_dense``, ``is_nonzero``, ``nonzero``, ``item``); and under a
+``TorchFunctionMode`` the methods that take a value to the host and ``torch.linalg.solve`` (UniPC's
+coefficients: it reads its result's status). A dispatch mode does not see a CPU tensor indexed with
+a 0-d CPU tensor, so the jobs' device timesteps are also marked: a step that indexes with one, or
 takes its value, is caught as well."""
 
 from __future__ import annotations
@@ -43,7 +44,7 @@ from tests.harness.engine_runs import (
     picture,
     spec,
 )
-from tests.harness.host_reads import HostReads
+from tests.harness.host_reads import HostReads, ValueReads
 
 SIDE = 32
 STEPS = 4
@@ -87,13 +88,14 @@ def test_a_step_reads_no_value_on_the_host_for_every_scheduler(engine):
     for scheduler in engine.family.rules.schedulers:
         first = marked(jobs_of_every_kind(engine, scheduler, cached=True, skip_layers=True, schedule_settings=True))
         DeviceTimesteps.reads = []
-        with HostReads() as reads:
+        with HostReads() as reads, ValueReads() as values:
             engine.step(first)
         second = marked(jobs_of_every_kind(engine, scheduler, cached=True, skip_layers=True, schedule_settings=True))
-        with reads:
+        with reads, values:
             while not all(job.done for job in first + second):
                 engine.step([job for job in first + second if not job.done])
         assert reads.reads == [], f"{engine.family.name}, {scheduler}: a step read values on the host: {reads.reads}"
+        assert values.reads == [], f"{engine.family.name}, {scheduler}: a step took values to the host: {values.reads}"
         assert DeviceTimesteps.reads == [], f"{engine.family.name}, {scheduler}: a step read a device timestep"
     with HostReads() as reads:
         engine.decode_later(torch.cat([job.latents for job in first]), SIDE, SIDE)

@@ -341,7 +341,7 @@ def test_the_familys_rules_name_what_it_allows():
     assert "'flow_match_euler' (the schedulers of SD 3.x models)" in message and "'euler'" not in message
     fields, message = errors_of({"prompt": "x", "scheduler": "flow_match_euler"})
     assert fields == [("scheduler", "literal_error")]
-    allowed = "'ddim', 'euler', 'euler_a', 'dpmpp_2m', 'dpmpp_2m_karras', 'dpmpp_2m_sde_karras' or 'pndm'"
+    allowed = "'ddim', 'euler', 'euler_a', 'dpmpp_2m', 'dpmpp_2m_karras', 'dpmpp_2m_sde_karras', 'unipc' or 'pndm'"
     assert f"{allowed} (the schedulers of SD 1.x models)" in message
     fields, message = errors_of({"prompt": "x", "width": 72, "height": 320}, policy=SD3_POLICY)
     assert fields == [("width", "multiple_of"), ("height", "less_than_equal")]
