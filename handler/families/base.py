@@ -48,7 +48,7 @@ from handler.families.transfer import to_device
 # use, such as SD 3's ``mu`` per image size.
 TEMPLATES_KEPT = 64
 # What diffusers' set_timesteps (0.42.1) leaves on the device it is given: the timesteps, and flow
-# matching's sigmas too (Euler, Euler ancestral and DPM++ copy theirs back to the host). A scheduler a
+# matching's sigmas too (Euler, Euler ancestral, DPM++ and UniPC copy theirs back to the host). A scheduler a
 # family offers is checked against diffusers' placement by tests/unit/test_host_reads.py.
 ON_DEVICE: dict[type, tuple[str, ...]] = {FlowMatchEulerDiscreteScheduler: ("timesteps", "sigmas")}
 # A custom schedule a scheduler's set_timesteps is tried with, to learn whether it takes one: timesteps
@@ -87,8 +87,8 @@ class Scheduler(Protocol):
 
 
 class IndexedScheduler(Scheduler, Protocol):
-    """A scheduler that steps by index from a begin index (Euler, Euler ancestral, DPM++, flow
-    matching), not by looking its step up by timestep value (DDIM, PNDM)."""
+    """A scheduler that steps by index from a begin index (Euler, Euler ancestral, DPM++, UniPC,
+    flow matching), not by looking its step up by timestep value (DDIM, PNDM)."""
 
     sigmas: torch.Tensor
 

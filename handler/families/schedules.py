@@ -194,28 +194,25 @@ def _unipc_update(
 ) -> torch.Tensor:
     """UniP's step from sample ``x`` at step ``index`` to the next (``multistep_uni_p_bh_update``);
     with ``model_t`` (the converted model output at the sample after ``x``), UniC's correction of
-    that sample instead (``multistep_uni_c_bh_update``). diffusers copies each sigma to
-    the device and solves the small linear system of the coefficients there, where ``linalg.solve``
-    then reads its result's status, a wait; here the sigmas and coefficients stay on the host (0-d
-    CPU tensors, the same float32 arithmetic) and only the solved coefficients are copied, queued."""
+    that sample instead (``multistep_uni_c_bh_update``). diffusers copies each sigma to the device
+    (a blocking copy) and computes the coefficients there, solving their small linear system with
+    ``linalg.solve``, which then reads its result's status: a wait. Here they are computed on the
+    host from its sigmas (0-d CPU tensors, the same float32 arithmetic) and the ones the latents
+    meet are copied to the device, queued."""
     # Copied from diffusers.schedulers.scheduling_unipc_multistep.UniPCMultistepScheduler's
     # multistep_uni_p_bh_update and multistep_uni_c_bh_update (0.42.1), which differ in the steps they
     # read (the corrector's one step back), the coefficients they solve for and the last line.
     s0 = index if model_t is None else index - 1
-    outputs = scheduler.model_outputs
-    m0 = outputs[-1]
     alpha_t, sigma_t = scheduler._sigma_to_alpha_sigma_t(scheduler.sigmas[s0 + 1])
     alpha_s0, sigma_s0 = scheduler._sigma_to_alpha_sigma_t(scheduler.sigmas[s0])
     lambda_t = torch.log(alpha_t) - torch.log(sigma_t)
     lambda_s0 = torch.log(alpha_s0) - torch.log(sigma_s0)
     h = lambda_t - lambda_s0
-    rks, differences = [], []
+    rks = []
     for i in range(1, order):
         alpha_si, sigma_si = scheduler._sigma_to_alpha_sigma_t(scheduler.sigmas[s0 - i])
         lambda_si = torch.log(alpha_si) - torch.log(sigma_si)
-        rk = (lambda_si - lambda_s0) / h
-        rks.append(rk)
-        differences.append((outputs[-(i + 1)] - m0) / rk)
+        rks.append((lambda_si - lambda_s0) / h)
     rks.append(torch.ones(()))
     rks_stacked = torch.stack(rks)
     hh = -h if scheduler.predict_x0 else h
@@ -232,25 +229,31 @@ def _unipc_update(
         factorial_i *= i + 1
         h_phi_k = h_phi_k / hh - 1 / factorial_i
     R_stacked, b_stacked = torch.stack(R), torch.stack(b)
-    D1s = torch.stack(differences, dim=1) if differences else None
     half = torch.ones(1, dtype=x.dtype) * 0.5
     if model_t is None:  # UniP: order 2 takes a half, higher orders solve all but the last row
-        rhos = half if order <= 2 else solved(R_stacked[:-1, :-1], b_stacked[:-1])
-        weights = rhos
+        rhos = half if order <= 2 else solved(R_stacked[:-1, :-1], b_stacked[:-1]).to(x.dtype)
     else:  # UniC: order 1 takes a half, higher orders solve the whole system
-        rhos = half if order == 1 else solved(R_stacked, b_stacked)
-        weights = rhos[:-1]
-    residual = 0 if D1s is None else torch.einsum("k,bkc...->bc...", to_device(weights.to(x.dtype), x.device), D1s)
+        rhos = half if order == 1 else solved(R_stacked, b_stacked).to(x.dtype)
+    # What diffusers computes on the device, copied there in one queued copy each: the sample's and
+    # m0's factors, the residual's, and the ratios the differences divide by (a CUDA kernel computes
+    # with a device scalar as diffusers does, not with a host one: that rounds otherwise).
     if scheduler.predict_x0:
-        x_t_ = sigma_t / sigma_s0 * x - alpha_t * h_phi_1 * m0
-        scale = alpha_t
+        factors = [sigma_t / sigma_s0, alpha_t * h_phi_1, alpha_t * B_h]
     else:
-        x_t_ = alpha_t / alpha_s0 * x - sigma_t * h_phi_1 * m0
-        scale = sigma_t
+        factors = [alpha_t / alpha_s0, sigma_t * h_phi_1, sigma_t * B_h]
+    on_device = to_device(torch.stack([*factors, *rks[:-1]]), x.device)
+    sample_factor, m0_factor, residual_factor = on_device[0], on_device[1], on_device[2]
+    rhos = to_device(rhos, x.device)
+    outputs = scheduler.model_outputs
+    m0 = outputs[-1]
+    differences = [(outputs[-(i + 1)] - m0) / on_device[2 + i] for i in range(1, order)]
+    weights = rhos if model_t is None else rhos[:-1]
+    residual = torch.einsum("k,bkc...->bc...", weights, torch.stack(differences, dim=1)) if differences else 0
+    x_t_ = sample_factor * x - m0_factor * m0
     if model_t is None:
-        x_t = x_t_ - scale * B_h * residual
+        x_t = x_t_ - residual_factor * residual
     else:
-        x_t = x_t_ - scale * B_h * (residual + rhos[-1].to(x.dtype) * (model_t - m0))
+        x_t = x_t_ - residual_factor * (residual + rhos[-1] * (model_t - m0))
     return x_t.to(x.dtype)
 
 

@@ -1,0 +1,41 @@
+"""The scheduler steps that keep their arithmetic on the host (``handler.families.schedules``) equal
+diffusers' own ``step`` bit for bit on the CPU, in the settings a model's scheduler config may bring
+that the engine's parity tests (tests/unit/test_engine.py: the default configs) do not reach: UniPC
+of every order, both solver types, predicting the sample or the noise, on noise and v-prediction."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from diffusers import UniPCMultistepScheduler
+
+from handler.families.schedules import unipc_step
+
+STEPS = 7
+
+
+@pytest.mark.parametrize("solver_order", [1, 2, 3])
+@pytest.mark.parametrize("solver_type", ["bh1", "bh2"])
+@pytest.mark.parametrize("predict_x0", [True, False])
+@pytest.mark.parametrize("prediction_type", ["epsilon", "v_prediction"])
+def test_unipc_step_equals_diffusers(solver_order, solver_type, predict_x0, prediction_type):
+    config = dict(
+        solver_order=solver_order, solver_type=solver_type, predict_x0=predict_x0, prediction_type=prediction_type
+    )
+    ours, theirs = UniPCMultistepScheduler(**config), UniPCMultistepScheduler(**config)
+    for scheduler in (ours, theirs):
+        scheduler.set_timesteps(STEPS)
+        scheduler.set_begin_index(0)
+    generator = torch.Generator().manual_seed(solver_order)
+    sample = torch.randn(2, 4, 8, 8, generator=generator)
+    ours_sample, theirs_sample = sample, sample.clone()
+    orders = set()
+    for step, timestep in enumerate(theirs.timesteps):
+        output = torch.randn(2, 4, 8, 8, generator=generator)
+        ours_sample = unipc_step(ours, output, timestep, ours_sample)
+        theirs_sample = theirs.step(output, timestep, theirs_sample, return_dict=False)[0]
+        # bit for bit; predicting the noise, the last step divides by its sigma of 0 as diffusers does
+        torch.testing.assert_close(ours_sample, theirs_sample, rtol=0, atol=0, equal_nan=True, msg=f"step {step}")
+        assert ours.this_order == theirs.this_order and ours.lower_order_nums == theirs.lower_order_nums
+        orders.add(ours.this_order)
+    assert max(orders) == solver_order  # its highest order's coefficients were solved for
