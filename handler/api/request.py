@@ -38,6 +38,7 @@ from handler.config import (
     OTHER_PROMPTS,
     SIZE_CONDITIONING_FIELDS,
     SKIP_LAYER_FIELDS,
+    UNET_SCHEDULERS,
     OutputFormat,
     ResponseFormat,
     SchedulerName,
@@ -145,8 +146,8 @@ class GenerationRequest(
     height: int = Field(ge=8, description="image height in pixels, on the model family's grid (8, SD 3.x: 16)")
     num_images_per_prompt: int = Field(ge=1, description="images to generate for this prompt")
     scheduler: SchedulerName = Field(
-        description="sampler used for denoising, one of the model family's: ddim, euler, euler_a, dpmpp_2m, "
-        "dpmpp_2m_karras, dpmpp_2m_sde_karras, unipc, pndm (SD 1.x/2.x, SDXL); flow_match_euler (SD 3.x)"
+        description=f"sampler used for denoising, one of the model family's: {', '.join(UNET_SCHEDULERS)} "
+        "(SD 1.x/2.x, SDXL); flow_match_euler (SD 3.x)"
     )
     timesteps: list[Annotated[int, Field(ge=0)]] | None = Field(
         None,

@@ -21,8 +21,8 @@ where the value lives there (diffusers #9485, #9475):
   as their ``variance_noise``.
 - UniPC copies each sigma it reads to the device and solves its coefficients' small linear system
   there (``torch.linalg.solve``, which reads its result's status: a wait). ``unipc_step`` is its
-  arithmetic with the sigmas and coefficients on the host, the solved coefficients copied without
-  blocking.
+  arithmetic with the sigmas and coefficients on the host, the coefficients the latents meet copied
+  to the device without blocking.
 
 A job from an image is noised to its first timestep (``add_noise``, flow matching's
 ``scale_noise``), and an inpainting job puts the image back at the next noise level after each
