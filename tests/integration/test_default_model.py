@@ -77,11 +77,16 @@ PNDM_AT_HIGH_GUIDANCE = pytest.mark.xfail(strict=True, reason="PNDM diverges at 
     ],
 )
 def test_every_scheduler_and_guidance_stays_on_colour(client, scheduler, guidance_scale):
-    judgements = [
-        judge(client, colour, "circle", seed, scheduler=scheduler, guidance_scale=guidance_scale)
-        for colour in COLOURS
-        for seed in range(3)
-    ]
+    asked = [(colour, seed) for colour in COLOURS for seed in range(3)]
+    with ThreadPoolExecutor(len(asked)) as pool:  # all at once: they share forwards, as a batch would
+        judgements = list(
+            pool.map(
+                lambda item: judge(
+                    client, item[0], "circle", item[1], scheduler=scheduler, guidance_scale=guidance_scale
+                ),
+                asked,
+            )
+        )
     score = accuracy(judgements)["colour"]
     misses = [(j.colour, j.seed, j.seen_colour) for j in judgements if j.seen_colour != j.colour]
     assert score >= ON_COLOUR, f"{scheduler} at guidance {guidance_scale}: on colour {score:.0%}; misses {misses}"
