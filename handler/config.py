@@ -24,7 +24,20 @@ from pydantic import (
 # The UNet families' scheduler names (SD 1.x/2.x, SDXL), then every scheduler name a request may give;
 # each family serves some of them (``FamilyRules``).
 UnetSchedulerName = Literal[
-    "ddim", "euler", "euler_a", "dpmpp_2m", "dpmpp_2m_karras", "dpmpp_2m_sde_karras", "unipc", "pndm"
+    "ddim",
+    "euler",
+    "euler_a",
+    "heun",
+    "dpm2",
+    "dpm2_karras",
+    "dpm2_a",
+    "dpm2_a_karras",
+    "dpmpp_2m",
+    "dpmpp_2m_karras",
+    "dpmpp_2m_sde",
+    "dpmpp_2m_sde_karras",
+    "unipc",
+    "pndm",
 ]
 SchedulerName = Literal[UnetSchedulerName, "flow_match_euler"]
 UNET_SCHEDULERS: tuple[SchedulerName, ...] = get_args(UnetSchedulerName)
@@ -148,7 +161,9 @@ class FamilyRules:
     # pipeline and the scheduler's set_timesteps both take on the model's scheduler config.
     custom_schedules: tuple[tuple[SchedulerName, tuple[str, ...]], ...] = (
         ("euler", ("timesteps", "sigmas")),
+        ("heun", ("timesteps",)),
         ("dpmpp_2m", ("timesteps",)),
+        ("dpmpp_2m_sde", ("timesteps",)),
     )
     train_timesteps: int = 1000  # the model's training timesteps: a custom timestep is one of 0 .. this - 1
     # The largest sigma of the model's training schedule (Euler's sigma at its last timestep: SD's

@@ -153,7 +153,7 @@ class GenerationRequest(
         None,
         min_length=1,
         description="a custom schedule: the timesteps the steps run at, decreasing (diffusers' timesteps; "
-        "schedulers euler and dpmpp_2m); num_inference_steps follows it",
+        "schedulers euler, heun, dpmpp_2m and dpmpp_2m_sde); num_inference_steps follows it",
     )
     sigmas: list[Annotated[float, Field(ge=0, allow_inf_nan=False)]] | None = Field(
         None,

@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar, Literal, Protocol, TypeGuard
 
 import torch
-from diffusers import FlowMatchEulerDiscreteScheduler
+from diffusers import FlowMatchEulerDiscreteScheduler, KDPM2AncestralDiscreteScheduler, KDPM2DiscreteScheduler
 from diffusers.image_processor import VaeImageProcessor
 from PIL.Image import Image
 
@@ -47,10 +47,16 @@ from handler.families.transfer import to_device
 # Scheduler templates a family keeps: one per (scheduler, steps, timestep options, custom schedule) in
 # use, such as SD 3's ``mu`` per image size.
 TEMPLATES_KEPT = 64
-# What diffusers' set_timesteps (0.42.1) leaves on the device it is given: the timesteps, and flow
-# matching's sigmas too (Euler, Euler ancestral, DPM++ and UniPC copy theirs back to the host). A scheduler a
-# family offers is checked against diffusers' placement by tests/unit/test_host_reads.py.
-ON_DEVICE: dict[type, tuple[str, ...]] = {FlowMatchEulerDiscreteScheduler: ("timesteps", "sigmas")}
+# What diffusers' set_timesteps (0.42.1) leaves on the device it is given: the timesteps, flow
+# matching's sigmas too, and DPM2's interpolated sigmas and log-sigmas (DPM2 ancestral's up and down
+# sigmas as well), where Euler, Euler ancestral, Heun, DPM2, DPM++ and UniPC copy their sigmas back to
+# the host. A scheduler a family offers is checked against diffusers' placement by
+# tests/unit/test_host_reads.py.
+ON_DEVICE: dict[type, tuple[str, ...]] = {
+    FlowMatchEulerDiscreteScheduler: ("timesteps", "sigmas"),
+    KDPM2DiscreteScheduler: ("timesteps", "sigmas_interpol", "log_sigmas"),
+    KDPM2AncestralDiscreteScheduler: ("timesteps", "sigmas_interpol", "sigmas_up", "sigmas_down", "log_sigmas"),
+}
 # A custom schedule a scheduler's set_timesteps is tried with, to learn whether it takes one: timesteps
 # every UNet schedule has, sigmas within Euler's and flow matching's ranges.
 PROBES: dict[str, list[float]] = {"timesteps": [1, 0], "sigmas": [1.0, 0.5]}
@@ -87,8 +93,8 @@ class Scheduler(Protocol):
 
 
 class IndexedScheduler(Scheduler, Protocol):
-    """A scheduler that steps by index from a begin index (Euler, Euler ancestral, DPM++, UniPC,
-    flow matching), not by looking its step up by timestep value (DDIM, PNDM)."""
+    """A scheduler that steps by index from a begin index (Euler, Euler ancestral, Heun, DPM2,
+    DPM++, UniPC, flow matching), not by looking its step up by timestep value (DDIM, PNDM)."""
 
     sigmas: torch.Tensor
 
@@ -579,8 +585,9 @@ class Family(ABC):
         if key not in self._templates:
             template = self._new_scheduler(name)
             host = set_timesteps_on_host(template, None if custom else steps, self.device, {**options, **custom})
-            if custom and len(host) != steps:
-                raise ValueError(f"{name}'s schedule from {custom} runs {len(host)} steps, not the job's {steps}")
+            calls = 1 + (steps - 1) * template.order  # Heun's and DPM2's steps are two calls but the first
+            if custom and len(host) != calls:
+                raise ValueError(f"{name}'s schedule from {custom} runs {len(host)} calls, not the job's {calls}")
             self._templates[key] = (template, host)
             if len(self._templates) > TEMPLATES_KEPT:
                 self._templates.popitem(last=False)

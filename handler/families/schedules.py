@@ -8,21 +8,26 @@ where the value lives there (diffusers #9485, #9475):
   reads a step for DDIM, three for PNDM, when the timestep is the schedule's device tensor. Here
   they take it as a host number, from the CPU copy of the schedule a job keeps (``Family.scheduler``);
   their arithmetic is the same.
-- Euler, Euler ancestral, DPM++, UniPC and flow matching look their first step up by timestep value
-  (``index_for_timestep``: ``nonzero`` and ``item``) unless a begin index is set. Every job sets one
-  (``set_begin_index(0)``, or the first step of an image's schedule), as SDXL's pipeline does;
-  no schedule offered here repeats a timestep, so it is the same step.
+- Euler, Euler ancestral, Heun, DPM2, DPM++, UniPC and flow matching look their first step up by
+  timestep value (``index_for_timestep``: ``nonzero`` and ``item``) unless a begin index is set. Every job sets one
+  (``set_begin_index(0)``, or the first step of an image's schedule), as SDXL's pipeline does:
+  the same step, as a schedule's first timestep is not repeated (Heun's and DPM2's repeat the others)
+  and diffusers' image pipelines set the begin index too.
 - Euler compares its sigma with ``s_tmin``/``s_tmax`` even without churn. ``euler_step`` is its
   arithmetic without churn (the server passes none), so without the comparison.
-- Euler ancestral, DDIM with an ``eta`` above 0 and DPM++'s SDE algorithm (``dpmpp_2m_sde_karras``)
-  draw their noise on the CPU at every step and copy it to the device, which blocks.
-  ``euler_ancestral_step`` is Euler ancestral's arithmetic with the noise drawn the same way and
-  copied from pinned memory without blocking (``drawn_noise``); DDIM and DPM++ are given that noise
-  as their ``variance_noise``.
+- Euler ancestral, DPM2 ancestral, DDIM with an ``eta`` above 0 and DPM++'s SDE algorithm
+  (``dpmpp_2m_sde``, ``dpmpp_2m_sde_karras``) draw their noise on the CPU at every step and copy it
+  to the device, which blocks. ``euler_ancestral_step`` is Euler ancestral's arithmetic with the
+  noise drawn the same way and copied from pinned memory without blocking (``drawn_noise``); DDIM
+  and DPM++ are given that noise as their ``variance_noise``; DPM2 ancestral's own step runs under
+  ``QueuedCopies``, which queues its copy the same way.
 - UniPC copies each sigma it reads to the device and solves its coefficients' small linear system
   there (``torch.linalg.solve``, which reads its result's status: a wait). ``unipc_step`` is its
   arithmetic with the sigmas and coefficients on the host, the coefficients the latents meet copied
   to the device without blocking.
+
+Heun and DPM2 take two model calls a step but the first (their schedules repeat each timestep but
+the first): each call is a step of the job here, as each is an iteration of diffusers' loop.
 
 A job from an image is noised to its first timestep (``add_noise``, flow matching's
 ``scale_noise``), and an inpainting job puts the image back at the next noise level after each
@@ -35,6 +40,7 @@ queued while the job starts, and ``noised`` noises from it: by index, or DDIM's 
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from typing import Any
 
 import torch
@@ -44,11 +50,12 @@ from diffusers import (
     EulerAncestralDiscreteScheduler,
     EulerDiscreteScheduler,
     FlowMatchEulerDiscreteScheduler,
+    KDPM2AncestralDiscreteScheduler,
     UniPCMultistepScheduler,
 )
 
 from handler.families.base import Scheduler, steps_by_index
-from handler.families.transfer import to_device
+from handler.families.transfer import queued_copies, to_device
 
 SDE_ALGORITHMS = ("sde-dpmsolver", "sde-dpmsolver++")  # DPMSolverMultistepScheduler's that draw noise
 
@@ -80,7 +87,9 @@ def step(
         noise = drawn_noise(model_output, step_kwargs["generator"], noise_dtype)
         step_kwargs = {**step_kwargs, "generator": None, "variance_noise": noise}
     argument = timestep_argument(scheduler, timestep, host_timestep)
-    return scheduler.step(model_output, argument, sample, **step_kwargs, return_dict=False)[0]
+    # DPM2 ancestral draws its noise on the host and copies it to the device (randn_tensor): queued
+    with queued_copies(sample.device) if type(scheduler) is KDPM2AncestralDiscreteScheduler else nullcontext():
+        return scheduler.step(model_output, argument, sample, **step_kwargs, return_dict=False)[0]
 
 
 def variance_noise_dtype(

@@ -20,6 +20,9 @@ from diffusers import (
     DPMSolverMultistepScheduler,
     EulerAncestralDiscreteScheduler,
     EulerDiscreteScheduler,
+    HeunDiscreteScheduler,
+    KDPM2AncestralDiscreteScheduler,
+    KDPM2DiscreteScheduler,
     PNDMScheduler,
     StableDiffusionPipeline,
     UniPCMultistepScheduler,
@@ -41,14 +44,20 @@ from handler.families.base import (
 
 # The UNet families' schedulers. PNDM skips its Runge-Kutta warm-up steps as Stable Diffusion's own
 # PNDM configuration does (with them it needs at least 4 steps and runs 13 UNet calls for 4 steps).
-# The Karras ones and UniPC are A1111's "DPM++ 2M Karras", "DPM++ 2M SDE Karras" and "UniPC" as
-# diffusers' scheduler overview maps them (DPMSolverMultistepScheduler's settings, UniPCMultistepScheduler).
+# The others are A1111's samplers as diffusers' scheduler overview maps them: "Euler", "Euler a", "Heun",
+# "DPM2", "DPM2 a", "DPM++ 2M", "DPM++ 2M SDE", their "Karras" variants (use_karras_sigmas) and "UniPC".
 SCHEDULERS: dict[SchedulerName, SchedulerChoice] = {
     "ddim": (DDIMScheduler, {}),
     "euler": (EulerDiscreteScheduler, {}),
     "euler_a": (EulerAncestralDiscreteScheduler, {}),
+    "heun": (HeunDiscreteScheduler, {}),
+    "dpm2": (KDPM2DiscreteScheduler, {}),
+    "dpm2_karras": (KDPM2DiscreteScheduler, {"use_karras_sigmas": True}),
+    "dpm2_a": (KDPM2AncestralDiscreteScheduler, {}),
+    "dpm2_a_karras": (KDPM2AncestralDiscreteScheduler, {"use_karras_sigmas": True}),
     "dpmpp_2m": (DPMSolverMultistepScheduler, {}),
     "dpmpp_2m_karras": (DPMSolverMultistepScheduler, {"use_karras_sigmas": True}),
+    "dpmpp_2m_sde": (DPMSolverMultistepScheduler, {"algorithm_type": "sde-dpmsolver++"}),
     "dpmpp_2m_sde_karras": (
         DPMSolverMultistepScheduler,
         {"use_karras_sigmas": True, "algorithm_type": "sde-dpmsolver++"},

@@ -67,6 +67,8 @@ def test_jobs_joining_mid_flight_with_their_own_steps_scheduler_and_guidance_giv
         (4, spec("a yellow square", seed=4, steps=4, scheduler="dpmpp_2m", guidance=3.0, negative="blue")),
         (2, spec("a blue star", seed=6, images=2, steps=5, scheduler="dpmpp_2m_sde_karras")),  # noise each step
         (1, spec("a red square", seed=7, steps=6, scheduler="unipc", guidance=5.0)),  # corrects each step
+        (5, spec("a green star", seed=8, steps=3, scheduler="heun")),  # two calls a step
+        (6, spec("a blue square", seed=9, images=2, steps=4, scheduler="dpm2_a_karras", guidance=4.0)),
     ]
     for (_, job), decoded in zip(plan, run(engines[family], plan), strict=True):
         assert_same_images(decoded, expected(references[family], job))
@@ -215,7 +217,7 @@ def test_the_most_layers_a_prompt_may_skip_leave_each_clip_encoder_a_layer(engin
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-@pytest.mark.parametrize("scheduler", ["ddim", "euler_a", "dpmpp_2m", "dpmpp_2m_sde_karras", "unipc"])
+@pytest.mark.parametrize("scheduler", ["ddim", "euler_a", "heun", "dpm2_a", "dpmpp_2m", "dpmpp_2m_sde_karras", "unipc"])
 @pytest.mark.parametrize(("masked", "strength"), [(False, 0.6), (True, 1.0), (True, 0.7)])
 def test_image_to_image_and_inpainting_give_the_img2img_and_inpaint_pipelines_images(
     engines, references, family, scheduler, masked, strength
@@ -266,9 +268,9 @@ def test_edits_share_forwards_with_text_to_image_jobs_and_each_gives_its_diffuse
 @pytest.mark.parametrize("family", FAMILIES)
 def test_jobs_with_their_own_timesteps_or_sigmas_share_forwards_and_give_diffusers_images(engines, references, family):
     """Custom schedules (diffusers' ``timesteps``, Euler's ``sigmas`` ending with the final one), text to
-    image and from an image, joining a job of the scheduler's own schedule."""
+    image and from an image (Heun's: two calls a step), joining a job of the scheduler's own schedule."""
     side = 96 if family == "sd2" else 64
-    euler, dpm = (functools.partial(spec, side=side, scheduler=name) for name in ("euler", "dpmpp_2m"))
+    euler, dpm, heun = (functools.partial(spec, side=side, scheduler=name) for name in ("euler", "dpmpp_2m", "heun"))
     image, inpaint = {"image": picture(side), "strength": 0.6}, {"image": picture(side, 1), "mask": hole(side)}
     plan = [
         (0, euler("a red circle", seed=1, steps=4, timesteps=(999, 700, 400, 100))),
@@ -277,6 +279,7 @@ def test_jobs_with_their_own_timesteps_or_sigmas_share_forwards_and_give_diffuse
         (1, euler("a star", seed=7, steps=5)),
         (1, dpm("a moon", seed=8, steps=4, timesteps=(900, 650, 300, 1), **image)),
         (1, euler("a sun", seed=9, steps=3, sigmas=(8.0, 2.0, 0.4, 0.0), strength=0.9, **inpaint)),
+        (2, heun("a cloud", seed=10, steps=3, timesteps=(900, 500, 100), **image)),  # two calls a step
     ]
     for (_, job), decoded in zip(plan, run(engines[family], plan), strict=True):
         assert_same_images(decoded, expected(references[family], job))

@@ -341,7 +341,10 @@ def test_the_familys_rules_name_what_it_allows():
     assert "'flow_match_euler' (the schedulers of SD 3.x models)" in message and "'euler'" not in message
     fields, message = errors_of({"prompt": "x", "scheduler": "flow_match_euler"})
     assert fields == [("scheduler", "literal_error")]
-    allowed = "'ddim', 'euler', 'euler_a', 'dpmpp_2m', 'dpmpp_2m_karras', 'dpmpp_2m_sde_karras', 'unipc' or 'pndm'"
+    allowed = (
+        "'ddim', 'euler', 'euler_a', 'heun', 'dpm2', 'dpm2_karras', 'dpm2_a', 'dpm2_a_karras', 'dpmpp_2m', "
+        "'dpmpp_2m_karras', 'dpmpp_2m_sde', 'dpmpp_2m_sde_karras', 'unipc' or 'pndm'"
+    )
     assert f"{allowed} (the schedulers of SD 1.x models)" in message
     fields, message = errors_of({"prompt": "x", "width": 72, "height": 320}, policy=SD3_POLICY)
     assert fields == [("width", "multiple_of"), ("height", "less_than_equal")]
@@ -515,7 +518,7 @@ def test_a_custom_schedule_runs_its_own_steps_and_is_reported():
             "timesteps",
             "custom_schedule_unavailable",
             "scheduler ddim takes no custom timesteps on this SD 1.x model (diffusers' set_timesteps); euler or "
-            "dpmpp_2m does: name it, or leave timesteps out",
+            "heun or dpmpp_2m or dpmpp_2m_sde does: name it, or leave timesteps out",
         ),
         ({"scheduler": "dpmpp_2m", "sigmas": [2, 0]}, POLICY, "sigmas", "custom_schedule_unavailable", "euler does"),
         (
