@@ -27,6 +27,8 @@ UnetSchedulerName = Literal[
     "ddim",
     "euler",
     "euler_a",
+    "lms",
+    "lms_karras",
     "heun",
     "dpm2",
     "dpm2_karras",

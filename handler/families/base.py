@@ -37,7 +37,12 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar, Literal, Protocol, TypeGuard
 
 import torch
-from diffusers import FlowMatchEulerDiscreteScheduler, KDPM2AncestralDiscreteScheduler, KDPM2DiscreteScheduler
+from diffusers import (
+    FlowMatchEulerDiscreteScheduler,
+    KDPM2AncestralDiscreteScheduler,
+    KDPM2DiscreteScheduler,
+    LMSDiscreteScheduler,
+)
 from diffusers.image_processor import VaeImageProcessor
 from PIL.Image import Image
 
@@ -57,6 +62,8 @@ ON_DEVICE: dict[type, tuple[str, ...]] = {
     KDPM2DiscreteScheduler: ("timesteps", "sigmas_interpol", "log_sigmas"),
     KDPM2AncestralDiscreteScheduler: ("timesteps", "sigmas_interpol", "sigmas_up", "sigmas_down", "log_sigmas"),
 }
+# The order of LMS's linear multistep method: LMSDiscreteScheduler.step's default, which pipelines keep.
+LMS_ORDER = 4
 # A custom schedule a scheduler's set_timesteps is tried with, to learn whether it takes one: timesteps
 # every UNet schedule has, sigmas within Euler's and flow matching's ranges.
 PROBES: dict[str, list[float]] = {"timesteps": [1, 0], "sigmas": [1.0, 0.5]}
@@ -93,7 +100,7 @@ class Scheduler(Protocol):
 
 
 class IndexedScheduler(Scheduler, Protocol):
-    """A scheduler that steps by index from a begin index (Euler, Euler ancestral, Heun, DPM2,
+    """A scheduler that steps by index from a begin index (Euler, Euler ancestral, LMS, Heun, DPM2,
     DPM++, UniPC, flow matching), not by looking its step up by timestep value (DDIM, PNDM)."""
 
     sigmas: torch.Tensor
@@ -131,6 +138,17 @@ def set_timesteps_on_host(
     for name in ON_DEVICE.get(type(scheduler), ("timesteps",)):
         setattr(scheduler, name, to_device(getattr(scheduler, name), device))
     return host
+
+
+def lms_coefficients(scheduler: Any) -> list[list[float]]:
+    """An LMS schedule's linear multistep coefficients at each of its steps, newest derivative first,
+    as ``LMSDiscreteScheduler.step`` integrates them at that step (with scipy, from its host sigmas,
+    at the order its pipelines' call gives: 4, less at the first steps). Integrated once per
+    template: about 4 ms a step, which the step then does not spend."""
+    orders = [min(index + 1, LMS_ORDER) for index in range(len(scheduler.timesteps))]
+    return [
+        [scheduler.get_lms_coefficient(order, index, k) for k in range(order)] for index, order in enumerate(orders)
+    ]
 
 
 class PromptSpec(Protocol):
@@ -585,6 +603,8 @@ class Family(ABC):
         if key not in self._templates:
             template = self._new_scheduler(name)
             host = set_timesteps_on_host(template, None if custom else steps, self.device, {**options, **custom})
+            if isinstance(template, LMSDiscreteScheduler):
+                template.lms_coefficients = lms_coefficients(template)  # type: ignore[attr-defined]  # copied with it
             calls = 1 + (steps - 1) * template.order  # Heun's and DPM2's steps are two calls but the first
             if custom and len(host) != calls:
                 raise ValueError(f"{name}'s schedule from {custom} runs {len(host)} calls, not the job's {calls}")

@@ -2,13 +2,13 @@
 step waits for the device.
 
 diffusers' schedulers (0.42.1) read values inside ``step`` in five ways, each a wait for the device
-where the value lives there (diffusers #9485, #9475):
+where the value lives there (diffusers #9485, #9475), and one spends the host's time:
 
 - DDIM and PNDM index their CPU ``alphas_cumprod`` with the timestep and compare it with 0: six
   reads a step for DDIM, three for PNDM, when the timestep is the schedule's device tensor. Here
   they take it as a host number, from the CPU copy of the schedule a job keeps (``Family.scheduler``);
   their arithmetic is the same.
-- Euler, Euler ancestral, Heun, DPM2, DPM++, UniPC and flow matching look their first step up by
+- Euler, Euler ancestral, LMS, Heun, DPM2, DPM++, UniPC and flow matching look their first step up by
   timestep value (``index_for_timestep``: ``nonzero`` and ``item``) unless a begin index is set. Every job sets one
   (``set_begin_index(0)``, or the first step of an image's schedule), as SDXL's pipeline does:
   the same step, as a schedule's first timestep is not repeated (Heun's and DPM2's repeat the others)
@@ -21,6 +21,9 @@ where the value lives there (diffusers #9485, #9475):
   noise drawn the same way and copied from pinned memory without blocking (``drawn_noise``); DDIM
   and DPM++ are given that noise as their ``variance_noise``; DPM2 ancestral's own step runs under
   ``QueuedCopies``, which queues its copy the same way.
+- LMS integrates its coefficients at every step (scipy's ``quad`` over its host sigmas: no read of
+  the device, but about 4 ms of host time a step, during which the device may run dry). Its
+  templates integrate them once (``base.lms_coefficients``) and ``lms_step`` looks them up.
 - UniPC copies each sigma it reads to the device and solves its coefficients' small linear system
   there (``torch.linalg.solve``, which reads its result's status: a wait). ``unipc_step`` is its
   arithmetic with the sigmas and coefficients on the host, the coefficients the latents meet copied
@@ -51,10 +54,11 @@ from diffusers import (
     EulerDiscreteScheduler,
     FlowMatchEulerDiscreteScheduler,
     KDPM2AncestralDiscreteScheduler,
+    LMSDiscreteScheduler,
     UniPCMultistepScheduler,
 )
 
-from handler.families.base import Scheduler, steps_by_index
+from handler.families.base import LMS_ORDER, Scheduler, steps_by_index
 from handler.families.transfer import queued_copies, to_device
 
 SDE_ALGORITHMS = ("sde-dpmsolver", "sde-dpmsolver++")  # DPMSolverMultistepScheduler's that draw noise
@@ -82,6 +86,8 @@ def step(
         return euler_ancestral_step(scheduler, model_output, timestep, sample, step_kwargs["generator"])
     if type(scheduler) is UniPCMultistepScheduler:
         return unipc_step(scheduler, model_output, timestep, sample)
+    if type(scheduler) is LMSDiscreteScheduler:
+        return lms_step(scheduler, model_output, timestep, sample)
     noise_dtype = variance_noise_dtype(scheduler, model_output, step_kwargs)
     if noise_dtype is not None:  # its noise drawn as its step draws it
         noise = drawn_noise(model_output, step_kwargs["generator"], noise_dtype)
@@ -120,6 +126,8 @@ def _original_sample(
     if prediction == "v_prediction":
         return model_output * (-sigma / (sigma**2 + 1) ** 0.5) + (sample / (sigma**2 + 1))
     if prediction in ("sample", "original_sample") and type(scheduler) is EulerDiscreteScheduler:
+        return model_output
+    if prediction == "sample" and type(scheduler) is LMSDiscreteScheduler:
         return model_output
     raise ValueError(f"{type(scheduler).__name__} does not take prediction_type {prediction!r}")
 
@@ -164,6 +172,25 @@ def euler_ancestral_step(
     prev_sample = prev_sample + drawn_noise(model_output, generators) * sigma_up
     scheduler._step_index += 1
     return prev_sample.to(model_output.dtype)
+
+
+def lms_step(scheduler: Any, model_output: torch.Tensor, timestep: torch.Tensor, sample: torch.Tensor) -> torch.Tensor:
+    """``LMSDiscreteScheduler.step`` (order 4, the pipelines'), its coefficients those its template
+    integrated (``base.lms_coefficients``) instead of integrating them at every step."""
+    # Copied from diffusers.schedulers.scheduling_lms_discrete.LMSDiscreteScheduler.step (0.42.1), with
+    # the coefficients of its step 3 looked up.
+    index = _step_index(scheduler, timestep)
+    sigma = scheduler.sigmas[index]
+    pred_original_sample = _original_sample(scheduler, model_output, sample, sigma)
+    derivative = (sample - pred_original_sample) / sigma
+    scheduler.derivatives.append(derivative)
+    if len(scheduler.derivatives) > LMS_ORDER:
+        scheduler.derivatives.pop(0)
+    coefficients = scheduler.lms_coefficients[index]  # from an image's step: more than its derivatives yet
+    newest_first = reversed(scheduler.derivatives)
+    prev_sample = sample + sum(c * d for c, d in zip(coefficients, newest_first, strict=False))
+    scheduler._step_index += 1
+    return prev_sample
 
 
 def unipc_step(

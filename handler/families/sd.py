@@ -23,6 +23,7 @@ from diffusers import (
     HeunDiscreteScheduler,
     KDPM2AncestralDiscreteScheduler,
     KDPM2DiscreteScheduler,
+    LMSDiscreteScheduler,
     PNDMScheduler,
     StableDiffusionPipeline,
     UniPCMultistepScheduler,
@@ -44,12 +45,14 @@ from handler.families.base import (
 
 # The UNet families' schedulers. PNDM skips its Runge-Kutta warm-up steps as Stable Diffusion's own
 # PNDM configuration does (with them it needs at least 4 steps and runs 13 UNet calls for 4 steps).
-# The others are A1111's samplers as diffusers' scheduler overview maps them: "Euler", "Euler a", "Heun",
+# The others are A1111's samplers as diffusers' scheduler overview maps them: "Euler", "Euler a", "LMS", "Heun",
 # "DPM2", "DPM2 a", "DPM++ 2M", "DPM++ 2M SDE", their "Karras" variants (use_karras_sigmas) and "UniPC".
 SCHEDULERS: dict[SchedulerName, SchedulerChoice] = {
     "ddim": (DDIMScheduler, {}),
     "euler": (EulerDiscreteScheduler, {}),
     "euler_a": (EulerAncestralDiscreteScheduler, {}),
+    "lms": (LMSDiscreteScheduler, {}),
+    "lms_karras": (LMSDiscreteScheduler, {"use_karras_sigmas": True}),
     "heun": (HeunDiscreteScheduler, {}),
     "dpm2": (KDPM2DiscreteScheduler, {}),
     "dpm2_karras": (KDPM2DiscreteScheduler, {"use_karras_sigmas": True}),

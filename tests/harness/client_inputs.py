@@ -120,7 +120,7 @@ def boundary_values(limits: RequestLimits) -> dict[str, list[Any]]:
         "width": sides,
         "height": sides,
         "num_images_per_prompt": [0, 1, 2, images, images + 1, -1, 1.0, "1", True],
-        "scheduler": [*get_args(SchedulerName), "DDIM", " ddim", "lms", "", None, 0],
+        "scheduler": [*get_args(SchedulerName), "DDIM", " ddim", "lcm", "", None, 0],
         "timesteps": [None, [999, 500, 20], [999], [20, 500], [1000], [0], [], [-1], [999.0], "[999]", [True], 999],
         "sigmas": [None, [14.6, 2.0, 0.0], [1.0, 0.5], [2.0], [0.5, 0.0], [1.0, 1.0], [], [-0.1], "[1]", [math.inf]],
         "eta": [0, 0.0, 0.5, 1, 1.0000001, -0.1, math.nan, "0.5", True, None],

@@ -62,16 +62,23 @@ def test_batched_mixed_colour_requests_each_get_their_own_colour(client):
     assert seen == list(COLOURS)
 
 
-# PNDM's fourth-order multistep extrapolation amplifies guidance 7.5 beyond what this small model
-# holds: about half its images are off colour (docs/default-model.md). Strict: if it starts
-# passing, the model card is out of date.
-PNDM_AT_HIGH_GUIDANCE = pytest.mark.xfail(strict=True, reason="PNDM diverges at guidance 7.5 on the default model")
+# PNDM's and LMS's fourth-order multistep extrapolation amplifies guidance 7.5 beyond what this small
+# model holds: about half their images are off colour, in diffusers' own call too (docs/default-model.md;
+# LMS Karras's sigmas hold). Strict: if one starts passing, the model card is out of date.
+DIVERGES_AT_HIGH_GUIDANCE = {
+    name: pytest.mark.xfail(strict=True, reason=f"{name} diverges at guidance 7.5 on the default model")
+    for name in ("pndm", "lms")
+}
 
 
 @pytest.mark.parametrize(
     ("scheduler", "guidance_scale"),
     [
-        pytest.param(name, guidance, marks=[PNDM_AT_HIGH_GUIDANCE] if (name, guidance) == ("pndm", 7.5) else [])
+        pytest.param(
+            name,
+            guidance,
+            marks=[DIVERGES_AT_HIGH_GUIDANCE[name]] if guidance == 7.5 and name in DIVERGES_AT_HIGH_GUIDANCE else [],
+        )
         for name in SCHEDULERS
         for guidance in (1.0, 7.5)
     ],

@@ -69,7 +69,7 @@ CASES = [
     ("beyond the pixel budget", body(width=1024, height=1032), JSON, 400, "height", "max_pixels"),
     ("too many images", body(num_images_per_prompt=50), JSON, 400, "num_images_per_prompt", "max_images_per_request"),
     ("zero images", body(num_images_per_prompt=0), JSON, 400, "num_images_per_prompt", "greater than or equal to 1"),
-    ("unknown scheduler", body(scheduler="lms"), JSON, 400, "scheduler", "'ddim'"),
+    ("unknown scheduler", body(scheduler="lcm"), JSON, 400, "scheduler", "'ddim'"),
     ("unknown output format", body(output_format="gif"), JSON, 400, "output_format", "'png'"),
     ("unknown response format", body(response_format="url"), JSON, 400, "response_format", "'image'"),
     ("unknown field", body(steps=4), JSON, 400, "steps", "allowed fields"),

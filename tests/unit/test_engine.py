@@ -68,6 +68,7 @@ def test_jobs_joining_mid_flight_with_their_own_steps_scheduler_and_guidance_giv
         (2, spec("a blue star", seed=6, images=2, steps=5, scheduler="dpmpp_2m_sde_karras")),  # noise each step
         (1, spec("a red square", seed=7, steps=6, scheduler="unipc", guidance=5.0)),  # corrects each step
         (5, spec("a green star", seed=8, steps=3, scheduler="heun")),  # two calls a step
+        (2, spec("a yellow circle", seed=10, steps=5, scheduler="lms_karras", guidance=2.0)),  # multistep
         (6, spec("a blue square", seed=9, images=2, steps=4, scheduler="dpm2_a_karras", guidance=4.0)),
     ]
     for (_, job), decoded in zip(plan, run(engines[family], plan), strict=True):
@@ -217,7 +218,9 @@ def test_the_most_layers_a_prompt_may_skip_leave_each_clip_encoder_a_layer(engin
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-@pytest.mark.parametrize("scheduler", ["ddim", "euler_a", "heun", "dpm2_a", "dpmpp_2m", "dpmpp_2m_sde_karras", "unipc"])
+@pytest.mark.parametrize(
+    "scheduler", ["ddim", "euler_a", "lms", "heun", "dpm2_a", "dpmpp_2m", "dpmpp_2m_sde_karras", "unipc"]
+)
 @pytest.mark.parametrize(("masked", "strength"), [(False, 0.6), (True, 1.0), (True, 0.7)])
 def test_image_to_image_and_inpainting_give_the_img2img_and_inpaint_pipelines_images(
     engines, references, family, scheduler, masked, strength

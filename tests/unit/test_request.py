@@ -117,7 +117,7 @@ def test_stream_is_a_rule_of_the_engine_not_of_the_client():
         ({"prompt": "x", "width": 512, "height": 512}, "height", "pixel_budget"),
         ({"prompt": "x", "num_images_per_prompt": 0}, "num_images_per_prompt", "greater_than_equal"),
         ({"prompt": "x", "num_images_per_prompt": 4}, "num_images_per_prompt", "less_than_equal"),
-        ({"prompt": "x", "scheduler": "lms"}, "scheduler", "literal_error"),
+        ({"prompt": "x", "scheduler": "lcm"}, "scheduler", "literal_error"),
         ({"prompt": "x", "output_format": "gif"}, "output_format", "literal_error"),
         ({"prompt": "x", "response_format": "base64"}, "response_format", "literal_error"),
         ({"prompt": "x", "guidance_rescale": -0.1}, "guidance_rescale", "greater_than_equal"),
@@ -147,7 +147,7 @@ def test_messages_say_what_was_given_and_what_is_allowed():
 
 
 def test_all_broken_fields_are_reported_together():
-    errors, _ = errors_of({"prompt": "", "width": 100, "scheduler": "lms"})
+    errors, _ = errors_of({"prompt": "", "width": 100, "scheduler": "lcm"})
     assert {field for field, _ in errors} == {"prompt", "width", "scheduler"}
 
 
@@ -342,8 +342,8 @@ def test_the_familys_rules_name_what_it_allows():
     fields, message = errors_of({"prompt": "x", "scheduler": "flow_match_euler"})
     assert fields == [("scheduler", "literal_error")]
     allowed = (
-        "'ddim', 'euler', 'euler_a', 'heun', 'dpm2', 'dpm2_karras', 'dpm2_a', 'dpm2_a_karras', 'dpmpp_2m', "
-        "'dpmpp_2m_karras', 'dpmpp_2m_sde', 'dpmpp_2m_sde_karras', 'unipc' or 'pndm'"
+        "'ddim', 'euler', 'euler_a', 'lms', 'lms_karras', 'heun', 'dpm2', 'dpm2_karras', 'dpm2_a', "
+        "'dpm2_a_karras', 'dpmpp_2m', 'dpmpp_2m_karras', 'dpmpp_2m_sde', 'dpmpp_2m_sde_karras', 'unipc' or 'pndm'"
     )
     assert f"{allowed} (the schedulers of SD 1.x models)" in message
     fields, message = errors_of({"prompt": "x", "width": 72, "height": 320}, policy=SD3_POLICY)

@@ -1,15 +1,18 @@
 """The scheduler steps that keep their arithmetic on the host (``handler.families.schedules``) equal
 diffusers' own ``step`` bit for bit on the CPU, in the settings a model's scheduler config may bring
 that the engine's parity tests (tests/unit/test_engine.py: the default configs) do not reach: UniPC
-of every order, both solver types, predicting the sample or the noise, on noise and v-prediction."""
+of every order, both solver types, predicting the sample or the noise, on noise and v-prediction;
+LMS on each prediction type, from the first step and from an image's later one, with coefficients
+integrated once for its schedule."""
 
 from __future__ import annotations
 
 import pytest
 import torch
-from diffusers import UniPCMultistepScheduler
+from diffusers import LMSDiscreteScheduler, UniPCMultistepScheduler
 
-from handler.families.schedules import unipc_step
+from handler.families.base import lms_coefficients
+from handler.families.schedules import lms_step, unipc_step
 
 STEPS = 7
 
@@ -39,3 +42,28 @@ def test_unipc_step_equals_diffusers(solver_order, solver_type, predict_x0, pred
         assert ours.this_order == theirs.this_order and ours.lower_order_nums == theirs.lower_order_nums
         orders.add(ours.this_order)
     assert max(orders) == solver_order  # its highest order's coefficients were solved for
+
+
+@pytest.mark.parametrize("prediction_type", ["epsilon", "v_prediction", "sample"])
+@pytest.mark.parametrize("use_karras_sigmas", [False, True])
+@pytest.mark.parametrize("begin", [0, 3])
+def test_lms_step_equals_diffusers_without_integrating_at_a_step(
+    prediction_type, use_karras_sigmas, begin, monkeypatch
+):
+    config = dict(prediction_type=prediction_type, use_karras_sigmas=use_karras_sigmas)
+    ours, theirs = LMSDiscreteScheduler(**config), LMSDiscreteScheduler(**config)
+    for scheduler in (ours, theirs):
+        scheduler.set_timesteps(STEPS)
+        scheduler.set_begin_index(begin)
+    ours.lms_coefficients = lms_coefficients(ours)
+    generator = torch.Generator().manual_seed(begin)
+    sample = torch.randn(2, 4, 8, 8, generator=generator)
+    ours_sample, theirs_sample = sample, sample.clone()
+    for step, timestep in enumerate(theirs.timesteps[begin:]):
+        output = torch.randn(2, 4, 8, 8, generator=generator)
+        theirs_sample = theirs.step(output, timestep, theirs_sample, return_dict=False)[0]
+        with monkeypatch.context() as patched:  # the step looks its coefficients up
+            patched.setattr(LMSDiscreteScheduler, "get_lms_coefficient", None)
+            ours_sample = lms_step(ours, output, timestep, ours_sample)
+        torch.testing.assert_close(ours_sample, theirs_sample, rtol=0, atol=0, msg=f"step {step}")
+    assert len(ours.derivatives) == min(STEPS - begin, 4)
