@@ -177,6 +177,8 @@ class FamilyRules:
     # The request fields a request with ControlNets may not carry: what the family's ControlNet
     # pipelines take none of (SD 3.x's take no input image, skip-layer guidance or step cache).
     controlnet_excludes: tuple[str, ...] = ()
+    # The schedulers that run two denoiser calls a step but the first (order 2: Heun's and DPM2's).
+    two_call_schedulers: tuple[SchedulerName, ...] = ("heun", "dpm2", "dpm2_karras", "dpm2_a", "dpm2_a_karras")
 
     def skip_layers_problem(self, layers: list[int]) -> Problem | None:
         """What is wrong with skip-layer guidance over ``layers`` on this family's transformer (an error

@@ -257,8 +257,8 @@ class GenerationRequest(
         return {**defaults, **data}
 
     def preview_steps(self, steps: int) -> frozenset[int]:
-        """The steps after which a streamed request of ``steps`` denoising steps (fewer than
-        ``num_inference_steps`` from an image with strength below 1) gets a preview:
+        """The steps after which a streamed request of ``steps`` denoiser calls (fewer than
+        ``num_inference_steps`` from an image with strength below 1, more with Heun or DPM2) gets a preview:
         ``partial_images`` of them, evenly spaced before the last (fewer when there are too few)."""
         parts = self.partial_images + 1
         spaced = (round(steps * index / parts) for index in range(1, parts))

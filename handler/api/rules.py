@@ -454,6 +454,28 @@ class ImageRules(BaseModel):
     def _read_image(cls, value: Any, info: ValidationInfo) -> Image | None:
         return None if value is None else as_rgb(read_image(value, policy_of(info).limits.max_input_pixels))
 
+    @field_validator("image", check_fields=False)
+    @classmethod
+    def _no_two_call_schedule_from_it(cls, value: Image | None, info: ValidationInfo) -> Image | None:
+        """Custom timesteps of a scheduler that runs two calls a step (Heun) start from noise only:
+        diffusers' image pipelines take the schedule's calls for its steps (``retrieve_timesteps``)
+        and cut it twice as far (``get_timesteps``), which leaves no step below about strength 0.5."""
+        scheduler, rules = info.data.get("scheduler"), policy_of(info).rules
+        if value is not None and info.data.get("timesteps") is not None and scheduler in rules.two_call_schedulers:
+            raise PydanticCustomError(
+                "custom_schedule_from_image",
+                "scheduler {scheduler} runs custom timesteps from text only (two denoiser calls a step: from an "
+                "image, diffusers' pipelines cut its schedule by its calls, not its steps): leave timesteps out, "
+                "or name {others}",
+                {
+                    "scheduler": scheduler,
+                    "others": " or ".join(
+                        name for name in rules.schedulers_taking("timesteps") if name not in rules.two_call_schedulers
+                    ),
+                },
+            )
+        return value
+
     @field_validator("mask", mode="before", check_fields=False)
     @classmethod
     def _read_mask(cls, value: Any, info: ValidationInfo) -> Image | None:

@@ -129,9 +129,10 @@ def set_timesteps_on_host(
     ``1 - sigma`` and ``sigma * N`` there, correctly rounded float32 arithmetic: the same bits on the
     host), and some copy their sigmas back, a wait each, as is reading the timesteps back. Here it is
     made on the host and what diffusers leaves on the device (``ON_DEVICE``) is queued there
-    (``to_device``). One schedule differs: Euler with continuous timesteps (v-prediction EDM
-    configs) takes their logarithm on the device in diffusers, here on the host (the last float32
-    bit may differ)."""
+    (``to_device``). Two schedules may differ: Euler with continuous timesteps (v-prediction EDM
+    configs) takes their logarithm on the device in diffusers, here on the host, and DPM2 (plain and
+    ancestral) interpolates its sigmas there (``log``, ``lerp``, ``exp``) and its half-step timesteps
+    from them: the last float32 bit may differ."""
     steps_given = {} if steps is None else {"num_inference_steps": steps}
     scheduler.set_timesteps(**steps_given, device=torch.device("cpu"), **options)
     host = scheduler.timesteps.tolist()
@@ -437,6 +438,7 @@ class Family(ABC):
             max_sigma=self._max_sigma(),
             eta_schedulers=self.eta_schedulers(),
             controlnet_excludes=self.controlnet_excludes,
+            two_call_schedulers=tuple(name for name in self.schedulers if self._new_scheduler(name).order > 1),
         )
 
     def eta_schedulers(self) -> tuple[SchedulerName, ...]:

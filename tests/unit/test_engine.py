@@ -271,7 +271,7 @@ def test_edits_share_forwards_with_text_to_image_jobs_and_each_gives_its_diffuse
 @pytest.mark.parametrize("family", FAMILIES)
 def test_jobs_with_their_own_timesteps_or_sigmas_share_forwards_and_give_diffusers_images(engines, references, family):
     """Custom schedules (diffusers' ``timesteps``, Euler's ``sigmas`` ending with the final one), text to
-    image and from an image (Heun's: two calls a step), joining a job of the scheduler's own schedule."""
+    image and from an image (Heun's from text: two calls a step), joining a job of the scheduler's own schedule."""
     side = 96 if family == "sd2" else 64
     euler, dpm, heun = (functools.partial(spec, side=side, scheduler=name) for name in ("euler", "dpmpp_2m", "heun"))
     image, inpaint = {"image": picture(side), "strength": 0.6}, {"image": picture(side, 1), "mask": hole(side)}
@@ -282,7 +282,7 @@ def test_jobs_with_their_own_timesteps_or_sigmas_share_forwards_and_give_diffuse
         (1, euler("a star", seed=7, steps=5)),
         (1, dpm("a moon", seed=8, steps=4, timesteps=(900, 650, 300, 1), **image)),
         (1, euler("a sun", seed=9, steps=3, sigmas=(8.0, 2.0, 0.4, 0.0), strength=0.9, **inpaint)),
-        (2, heun("a cloud", seed=10, steps=3, timesteps=(900, 500, 100), **image)),  # two calls a step
+        (2, heun("a cloud", seed=10, steps=3, timesteps=(900, 500, 100))),  # two calls a step (from text only)
     ]
     for (_, job), decoded in zip(plan, run(engines[family], plan), strict=True):
         assert_same_images(decoded, expected(references[family], job))
@@ -328,6 +328,9 @@ def test_families_are_detected_from_the_loaded_pipeline(engines):
     assert {engines[family].family.rules.custom_schedules for family in FAMILIES} == {FamilyRules().custom_schedules}
     assert {round(engines[family].family.rules.max_sigma, 4) for family in FAMILIES} == {FamilyRules().max_sigma}
     assert {engines[family].family.rules.eta_schedulers for family in FAMILIES} == {FamilyRules().eta_schedulers}
+    assert {engines[family].family.rules.two_call_schedulers for family in FAMILIES} == {
+        FamilyRules().two_call_schedulers
+    }
     assert "family=SDXL pipeline=StableDiffusionXLPipeline" in engines["sdxl"].description
 
 

@@ -814,3 +814,17 @@ def test_a_form_sends_control_images_as_file_parts():
     with pytest.raises(RequestError) as caught:
         decode_form({**fields, "controlnets.5.image": _png(_photo())}, POLICY)
     assert [(item.field, item.rule) for item in caught.value.errors] == [("controlnets.5.image", "no_controlnet")]
+
+
+def test_heuns_custom_timesteps_start_from_text_only():
+    """diffusers' image pipelines cut a two-call scheduler's custom schedule by its calls: refused by
+    field with an image, taken from text, and Heun's own schedule from an image is taken."""
+    heun = {"prompt": "x", "scheduler": "heun", "timesteps": [999, 500, 100]}
+    image = _b64(_png(_photo(64, 64)))
+    fields, message = errors_of({**heun, "image": image})
+    assert fields == [("image", "custom_schedule_from_image")]
+    assert "scheduler heun runs custom timesteps from text only" in message
+    assert "leave timesteps out, or name euler or dpmpp_2m or dpmpp_2m_sde" in message
+    assert decode_body(heun, "application/json", POLICY).timesteps == [999, 500, 100]
+    assert decode_body({"prompt": "x", "scheduler": "heun", "image": image}, "application/json", POLICY).image
+    assert decode_body({**heun, "scheduler": "euler", "image": image}, "application/json", POLICY).timesteps
