@@ -145,7 +145,7 @@ def lms_coefficients(scheduler: Any) -> list[list[float]]:
     """An LMS schedule's linear multistep coefficients at each of its steps, newest derivative first,
     as ``LMSDiscreteScheduler.step`` integrates them at that step (with scipy, from its host sigmas,
     at the order its pipelines' call gives: 4, less at the first steps). Integrated once per
-    template: about 4 ms a step, which the step then does not spend."""
+    template (scipy's quadrature, milliseconds a step on the host), which the step then does not spend."""
     orders = [min(index + 1, LMS_ORDER) for index in range(len(scheduler.timesteps))]
     return [
         [scheduler.get_lms_coefficient(order, index, k) for k in range(order)] for index, order in enumerate(orders)
@@ -396,6 +396,7 @@ class Family(ABC):
         )
         # Least recently used first: each with its timesteps' CPU copy.
         self._templates: OrderedDict[tuple, tuple[Scheduler, list[float]]] = OrderedDict()
+        self._built: dict[SchedulerName, Any] = {}  # each scheduler as built from the config, never set
 
     @classmethod
     def refuse(cls, pipeline: Pipeline) -> str | None:
@@ -438,7 +439,7 @@ class Family(ABC):
             max_sigma=self._max_sigma(),
             eta_schedulers=self.eta_schedulers(),
             controlnet_excludes=self.controlnet_excludes,
-            two_call_schedulers=tuple(name for name in self.schedulers if self._new_scheduler(name).order > 1),
+            two_call_schedulers=tuple(name for name, (cls, _) in self.schedulers.items() if cls.order > 1),
         )
 
     def eta_schedulers(self) -> tuple[SchedulerName, ...]:
@@ -471,9 +472,9 @@ class Family(ABC):
 
     def _takes(self, name: SchedulerName, field: str) -> bool:
         """Whether scheduler ``name`` sets a custom schedule's ``field`` (``PROBES``) without refusing it."""
-        scheduler = self._new_scheduler(name)
-        if field not in inspect.signature(scheduler.set_timesteps).parameters:
+        if field not in inspect.signature(self.schedulers[name][0].set_timesteps).parameters:
             return False
+        scheduler = self._new_scheduler(name)
         options = self._timestep_options(self.latent_shape(*self.native_size()))
         try:
             scheduler.set_timesteps(device=torch.device("cpu"), **options, **{field: PROBES[field]})
@@ -618,9 +619,13 @@ class Family(ABC):
         return copy.deepcopy(template), host
 
     def _new_scheduler(self, name: SchedulerName) -> Any:
-        """Scheduler ``name`` built from the model's scheduler config with the settings it needs on top."""
-        scheduler_class, overrides = self.schedulers[name]
-        return scheduler_class.from_config(self.pipeline.scheduler.config, **overrides)
+        """Scheduler ``name`` as built from the model's scheduler config with the settings it needs on
+        top: a copy of the one built once (DPM2's constructor sets a 1000-step schedule, half a second
+        on the host; a copy takes milliseconds)."""
+        if name not in self._built:
+            scheduler_class, overrides = self.schedulers[name]
+            self._built[name] = scheduler_class.from_config(self.pipeline.scheduler.config, **overrides)
+        return copy.deepcopy(self._built[name])
 
     def _timestep_options(self, latent_shape: tuple[int, ...]) -> dict[str, float]:
         """What ``set_timesteps`` takes besides the steps (none: the schedule is the same at every size)."""

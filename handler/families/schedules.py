@@ -22,7 +22,7 @@ where the value lives there (diffusers #9485, #9475), and one spends the host's 
   and DPM++ are given that noise as their ``variance_noise``; DPM2 ancestral's own step runs under
   ``QueuedCopies``, which queues its copy the same way.
 - LMS integrates its coefficients at every step (scipy's ``quad`` over its host sigmas: no read of
-  the device, but about 4 ms of host time a step, during which the device may run dry). Its
+  the device, but milliseconds of host time a step, during which the device may run dry). Its
   templates integrate them once (``base.lms_coefficients``) and ``lms_step`` looks them up.
 - UniPC copies each sigma it reads to the device and solves its coefficients' small linear system
   there (``torch.linalg.solve``, which reads its result's status: a wait). ``unipc_step`` is its

@@ -363,6 +363,7 @@ def test_the_family_is_detected_with_its_rules(engines):
         max_sigma=1.0,
         eta_schedulers=(),
         controlnet_excludes=("image", "skip_guidance_layers", "cache"),
+        two_call_schedulers=(),
     )
     assert [rules.image_steps(steps, strength) for steps, strength in ((5, 0.7), (2, 0.3), (10, 1.0))] == [4, 1, 10]
     assert [FamilyRules().image_steps(steps, strength) for steps, strength in ((5, 0.7), (2, 0.3))] == [3, 0]
