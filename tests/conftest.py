@@ -13,7 +13,9 @@ path): else it compiles again what a worker compiled. Inductor's CPU kernels are
 on a GPU, whose kernels are Triton's.
 
 ``--suite-time-limit SECONDS`` (``make test`` passes 60 minutes) fails a run that took longer, so
-a change that makes the suite slow is noticed when it is made, not when CI's limit is reached."""
+a change that makes the suite slow is noticed when it is made, not when CI's limit is reached. The
+limit is at the reference speed: a run times a few million Python additions as it starts and as it
+ends, and a machine that ran them slower gets the limit times its slowness (``tests.harness.suite_clock``)."""
 
 from __future__ import annotations
 
@@ -25,10 +27,14 @@ import time
 import pytest
 from hypothesis import settings
 
+from tests.harness.suite_clock import additions_seconds, scaled_limit, slowness
+
 settings.register_profile("ci", derandomize=True, database=None, deadline=None, max_examples=100)
 settings.load_profile("ci")
 
 STARTED = pytest.StashKey[float]()
+SPEED = pytest.StashKey[list[float]]()
+VERDICT = pytest.StashKey[tuple[str, bool]]()
 INDUCTOR_CACHE = pytest.StashKey[str]()
 INDUCTOR_CACHE_ENV = "TORCHINDUCTOR_CACHE_DIR"
 INDUCTOR_VECTORS_ENV = "TORCHINDUCTOR_VEC_ISA_OK"
@@ -39,7 +45,8 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         "--suite-time-limit",
         type=float,
         default=None,
-        help="seconds the whole run may take; a longer run fails (make test: 3600)",
+        help="seconds the whole run may take at the reference speed, times this machine's slowness; "
+        "a longer run fails (make test: 3600)",
     )
 
 
@@ -54,14 +61,31 @@ def pytest_unconfigure(config: pytest.Config) -> None:
 
 def pytest_sessionstart(session: pytest.Session) -> None:
     session.config.stash[STARTED] = time.monotonic()
+    if session.config.getoption("--suite-time-limit") is not None:
+        session.config.stash[SPEED] = additions_seconds()
 
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     limit = session.config.getoption("--suite-time-limit")
+    if limit is None:
+        return
     took = time.monotonic() - session.config.stash[STARTED]
-    if limit is not None and took > limit and exitstatus == pytest.ExitCode.OK:
+    timings = session.config.stash[SPEED] + additions_seconds()
+    allowed = scaled_limit(limit, timings)
+    over = took > allowed and exitstatus == pytest.ExitCode.OK
+    if over:
         session.exitstatus = pytest.ExitCode.TESTS_FAILED
-        reporter = session.config.pluginmanager.get_plugin("terminalreporter")
-        message = f"the suite took {took / 60:.1f} minutes, over its limit of {limit / 60:.0f} (--suite-time-limit)"
-        if reporter is not None:
-            reporter.write_line(message, red=True, bold=True)
+    session.config.stash[VERDICT] = (
+        f"the suite took {took / 60:.1f} minutes{', over its limit (--suite-time-limit)' if over else ''}: this "
+        f"machine timed its additions at {slowness(timings):.2f} times the reference "
+        f"({', '.join(f'{t:.2f}' for t in timings)} s), so the limit was {allowed / 60:.0f} minutes",
+        over,
+    )
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_terminal_summary(terminalreporter, config: pytest.Config) -> None:
+    """The time verdict after the slowest tests, where the end of a run's output shows it."""
+    if VERDICT in config.stash:
+        message, over = config.stash[VERDICT]
+        terminalreporter.write_line(message, red=over, bold=over)
