@@ -19,7 +19,7 @@ MODEL_DIR ?= $(DEFAULT_MODEL_DIR)
 ARCHIVE_FORMAT ?= auto
 PYTEST_ARGS ?=
 
-.PHONY: help venv system-deps lint format model train-default-model train-lora train-controlnet model-grid prometheus-rule metrics-config mar image image-test serve stop scale scale-cycles test test-fast unit-test integration-test dashboard dashboard-png loadtest sweep bench-overhead bench-pipeline bench-continuous bench-engine bench-lora bench-lycoris bench-controlnet bench-cache bench-single-file bench-compile-rows bench-gpu clean
+.PHONY: help venv system-deps lint format model train-default-model train-lora train-controlnet model-grid prometheus-rule metrics-config mar image image-test serve stop scale scale-cycles test test-fast unit-test integration-test dashboard dashboard-png loadtest sweep bench-overhead bench-pipeline bench-continuous bench-engine bench-lora bench-lycoris bench-controlnet bench-cache bench-single-file bench-compile-rows bench-schedules bench-gpu clean
 
 help:
 	@echo "make serve   set up, build the archive and serve it on 127.0.0.1:8080 (MODEL_DIR=/path for a real model)"
@@ -53,6 +53,7 @@ help:
 	@echo "make bench-cache    step caching per request (all, half, mixed) against no cache: DeepCache on the default model and SD 1.5's architecture, first-block on a tiny SD 3.5; reports/cache/"
 	@echo "make bench-single-file a single-file SD 1.5-sized checkpoint against its directory (BENCH_ARGS=\"--models sd15 sdxl\": SDXL's too): load time, same weights and image; reports/single-file/"
 	@echo "make bench-compile-rows a compiled denoiser's first two row counts, then its step cache's regions', with rows marked dynamic against static and on the cudagraphs backend, per tiny model; reports/compile_rows/"
+	@echo "make bench-schedules the host time each scheduler costs a job's start and steps, a schedule's first job against the next; reports/schedules/"
 	@echo "make bench-gpu      SD 1.5, SDXL and SD 3.5 Medium at real sizes on the GPU: variants, batch scaling, engine, served, SDXL, SD 3.5 (in-process, served), LoRA, ControlNet, step cache; reports/gpu/"
 	@echo "                    BENCH_ARGS='--quick' for the CPU check CI runs; PY=python3 where there is no venv (the lent GPU)"
 	@echo "make dashboard      rebuild docker/grafana/dashboards/stable-diffusion.json"
@@ -194,6 +195,9 @@ bench-cache: venv models/tiny-sd35/model_index.json
 
 bench-compile-rows: venv model
 	$(PY) -m bench.compile_rows $(BENCH_ARGS)
+
+bench-schedules: venv model
+	$(PY) -m bench.schedules $(BENCH_ARGS)
 
 bench-single-file: venv
 	$(PY) -m bench.single_file $(BENCH_ARGS)

@@ -34,6 +34,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
+from types import SimpleNamespace
 from typing import Any, ClassVar, Literal, Protocol, TypeGuard
 
 import torch
@@ -141,15 +142,34 @@ def set_timesteps_on_host(
     return host
 
 
-def lms_coefficients(scheduler: Any) -> list[list[float]]:
-    """An LMS schedule's linear multistep coefficients at each of its steps, newest derivative first,
-    as ``LMSDiscreteScheduler.step`` integrates them at that step (with scipy, from its host sigmas,
-    at the order its pipelines' call gives: 4, less at the first steps). Integrated once per
-    template (scipy's quadrature, milliseconds a step on the host), which the step then does not spend."""
-    orders = [min(index + 1, LMS_ORDER) for index in range(len(scheduler.timesteps))]
-    return [
-        [scheduler.get_lms_coefficient(order, index, k) for k in range(order)] for index, order in enumerate(orders)
-    ]
+class LmsCoefficients:
+    """An LMS schedule's linear multistep coefficients per step, newest derivative first, as
+    ``LMSDiscreteScheduler.step`` integrates them at that step (scipy's quadrature over the
+    schedule's host sigmas, at the order its pipelines' call gives: 4, fewer at the first steps).
+    A step's are integrated at its first use and kept with the schedule's template, whose copies
+    share them: a schedule's first job integrates (not the whole schedule as it starts: seconds at a
+    thousand steps, during which every job in flight waited), the jobs after it do not. They are
+    diffusers' own ``get_lms_coefficient`` over a float32 NumPy copy of the sigmas instead of its
+    0-dim tensors: the same float32 arithmetic (equal bit for bit,
+    tests/unit/test_schedule_steps.py), 25 times as fast, and no tensor's value read."""
+
+    def __init__(self, template: Any) -> None:
+        self._host = SimpleNamespace(sigmas=template.sigmas.numpy().copy())  # all get_lms_coefficient reads
+        self._steps: dict[int, list[float]] = {}
+
+    def __getitem__(self, index: int) -> list[float]:
+        if index not in self._steps:
+            order = min(index + 1, LMS_ORDER)
+            integrate = LMSDiscreteScheduler.get_lms_coefficient
+            self._steps[index] = [integrate(self._host, order, index, k) for k in range(order)]
+        return self._steps[index]
+
+    def __len__(self) -> int:
+        """The steps integrated so far."""
+        return len(self._steps)
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> LmsCoefficients:
+        return self  # shared by the template's copies
 
 
 class PromptSpec(Protocol):
@@ -607,7 +627,7 @@ class Family(ABC):
             template = self._new_scheduler(name)
             host = set_timesteps_on_host(template, None if custom else steps, self.device, {**options, **custom})
             if isinstance(template, LMSDiscreteScheduler):
-                template.lms_coefficients = lms_coefficients(template)  # type: ignore[attr-defined]  # copied with it
+                template.lms_coefficients = LmsCoefficients(template)  # type: ignore[attr-defined]  # shared by its copies
             calls = 1 + (steps - 1) * template.order  # Heun's and DPM2's steps are two calls but the first
             if custom and len(host) != calls:
                 raise ValueError(f"{name}'s schedule from {custom} runs {len(host)} calls, not the job's {calls}")

@@ -22,8 +22,10 @@ where the value lives there (diffusers #9485, #9475), and one spends the host's 
   and DPM++ are given that noise as their ``variance_noise``; DPM2 ancestral's own step runs under
   ``QueuedCopies``, which queues its copy the same way.
 - LMS integrates its coefficients at every step (scipy's ``quad`` over its host sigmas: no read of
-  the device, but milliseconds of host time a step, during which the device may run dry). Its
-  templates integrate them once (``base.lms_coefficients``) and ``lms_step`` looks them up.
+  the device, but 3 ms of host time a step over their 0-dim tensors, during which the device may
+  run dry). Its templates keep them, integrated at a step's first use over a NumPy copy of the
+  sigmas (``base.LmsCoefficients``: 0.2 ms), and ``lms_step`` looks them up: a schedule's first job
+  integrates, the jobs after it do not.
 - UniPC copies each sigma it reads to the device and solves its coefficients' small linear system
   there (``torch.linalg.solve``, which reads its result's status: a wait). ``unipc_step`` is its
   arithmetic with the sigmas and coefficients on the host, the coefficients the latents meet copied
@@ -175,8 +177,8 @@ def euler_ancestral_step(
 
 
 def lms_step(scheduler: Any, model_output: torch.Tensor, timestep: torch.Tensor, sample: torch.Tensor) -> torch.Tensor:
-    """``LMSDiscreteScheduler.step`` (order 4, the pipelines'), its coefficients those its template
-    integrated (``base.lms_coefficients``) instead of integrating them at every step."""
+    """``LMSDiscreteScheduler.step`` (order 4, the pipelines'), its coefficients looked up in its
+    template's (``base.LmsCoefficients``) instead of integrated at every step."""
     # Copied from diffusers.schedulers.scheduling_lms_discrete.LMSDiscreteScheduler.step (0.42.1), with
     # the coefficients of its step 3 looked up.
     index = _step_index(scheduler, timestep)

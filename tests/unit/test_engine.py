@@ -11,6 +11,7 @@ from typing import get_args
 import numpy as np
 import pytest
 import torch
+from diffusers import LMSDiscreteScheduler
 
 from bench.reference import Reference
 from handler.config import UNET_SCHEDULERS, FamilyRules, HandlerSettings, SchedulerName, SizeConditioning
@@ -394,6 +395,23 @@ def last_latents(family, scheduler: SchedulerName, steps: int) -> torch.Tensor:
         output = 0.1 * torch.randn(latents.shape, generator=generator)
         latents = schedules.step(stepper, output, timestep, host[index], latents, kwargs)
     return latents
+
+
+def test_an_lms_schedule_integrates_a_steps_coefficients_at_its_first_use_and_keeps_them(engines, monkeypatch):
+    """A new LMS schedule integrates none of its coefficients as its first job starts (a thousand
+    steps' took seconds, during which every job in flight waited): its first job's steps integrate
+    theirs, and the next job of that schedule integrates none and steps the same."""
+    family, steps = engines["sd1"].family, engines["sd1"].family.rules.max_steps - 1  # a schedule no test made
+    with monkeypatch.context() as patched:
+        patched.setattr(LMSDiscreteScheduler, "get_lms_coefficient", None)
+        stepper, _ = family.scheduler("lms", steps, (4, 8, 8))
+    assert len(stepper.lms_coefficients) == 0
+    first = last_latents(family, "lms", steps)
+    assert len(stepper.lms_coefficients) == steps, "the template's copies share its coefficients"
+    with monkeypatch.context() as patched:
+        patched.setattr(LMSDiscreteScheduler, "get_lms_coefficient", None)
+        second = last_latents(family, "lms", steps)
+    torch.testing.assert_close(second, first, rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("scheduler", sorted(SCHEDULERS))
