@@ -144,14 +144,10 @@ def set_timesteps_on_host(
 
 class LmsCoefficients:
     """An LMS schedule's linear multistep coefficients per step, newest derivative first, as
-    ``LMSDiscreteScheduler.step`` integrates them at that step (scipy's quadrature over the
-    schedule's host sigmas, at the order its pipelines' call gives: 4, fewer at the first steps).
-    A step's are integrated at its first use and kept with the schedule's template, whose copies
-    share them: a schedule's first job integrates (not the whole schedule as it starts: seconds at a
-    thousand steps, during which every job in flight waited), the jobs after it do not. They are
-    diffusers' own ``get_lms_coefficient`` over a float32 NumPy copy of the sigmas instead of its
-    0-dim tensors: the same float32 arithmetic (equal bit for bit,
-    tests/unit/test_schedule_steps.py), 25 times as fast, and no tensor's value read."""
+    ``LMSDiscreteScheduler.step`` integrates them at that step: each step's integrated at its first
+    use and shared by the schedule template's copies, with diffusers' own ``get_lms_coefficient`` over
+    a float32 NumPy copy of the sigmas (the same arithmetic as over its tensors, bit for bit, and
+    faster: docs/benchmarks.md)."""
 
     def __init__(self, template: Any) -> None:
         self._host = SimpleNamespace(sigmas=template.sigmas.numpy().copy())  # all get_lms_coefficient reads
@@ -164,8 +160,9 @@ class LmsCoefficients:
             self._steps[index] = [integrate(self._host, order, index, k) for k in range(order)]
         return self._steps[index]
 
-    def __len__(self) -> int:
-        """The steps integrated so far."""
+    @property
+    def integrated(self) -> int:
+        """How many steps' coefficients are integrated so far."""
         return len(self._steps)
 
     def __deepcopy__(self, memo: dict[int, Any]) -> LmsCoefficients:

@@ -22,9 +22,9 @@ where the value lives there (diffusers #9485, #9475), and one spends the host's 
   and DPM++ are given that noise as their ``variance_noise``; DPM2 ancestral's own step runs under
   ``QueuedCopies``, which queues its copy the same way.
 - LMS integrates its coefficients at every step (scipy's ``quad`` over its host sigmas: no read of
-  the device, but 3 ms of host time a step over their 0-dim tensors, during which the device may
-  run dry). Its templates keep them, integrated at a step's first use over a NumPy copy of the
-  sigmas (``base.LmsCoefficients``: 0.2 ms), and ``lms_step`` looks them up: a schedule's first job
+  the device, but milliseconds of host time a step over its 0-dim tensors, during which the device
+  may run dry). Its templates keep them, integrated at a step's first use over a NumPy copy of the
+  sigmas (``base.LmsCoefficients``), and ``lms_step`` looks them up: a schedule's first job
   integrates, the jobs after it do not.
 - UniPC copies each sigma it reads to the device and solves its coefficients' small linear system
   there (``torch.linalg.solve``, which reads its result's status: a wait). ``unipc_step`` is its

@@ -405,9 +405,9 @@ def test_an_lms_schedule_integrates_a_steps_coefficients_at_its_first_use_and_ke
     with monkeypatch.context() as patched:
         patched.setattr(LMSDiscreteScheduler, "get_lms_coefficient", None)
         stepper, _ = family.scheduler("lms", steps, (4, 8, 8))
-    assert len(stepper.lms_coefficients) == 0
+    assert stepper.lms_coefficients.integrated == 0
     first = last_latents(family, "lms", steps)
-    assert len(stepper.lms_coefficients) == steps, "the template's copies share its coefficients"
+    assert stepper.lms_coefficients.integrated == steps, "the template's copies share its coefficients"
     with monkeypatch.context() as patched:
         patched.setattr(LMSDiscreteScheduler, "get_lms_coefficient", None)
         second = last_latents(family, "lms", steps)
