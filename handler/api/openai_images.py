@@ -42,36 +42,12 @@ from handler.api.protocol import (
     without_body,
 )
 from handler.api.request import MAX_PARTIAL_IMAGES, GenerationRequest, validate_fields, validate_model
-from handler.config import (
-    CUSTOM_SCHEDULE_FIELDS,
-    OTHER_PROMPTS,
-    SIZE_CONDITIONING_FIELDS,
-    SKIP_LAYER_FIELDS,
-    OutputFormat,
-)
+from handler.config import OutputFormat
 
 GENERATIONS = "v1/images/generations"
 EDITS = "v1/images/edits"
 MODELS = "v1/models"
 SSE_CONTENT_TYPE = "text/event-stream"
-# Stable Diffusion's own parameters, passed as extra fields (the SDK's extra_body) in diffusers' names.
-SD_PARAMETERS = (
-    "negative_prompt",
-    *OTHER_PROMPTS,
-    "clip_skip",
-    "seed",
-    "num_inference_steps",
-    "guidance_scale",
-    "guidance_rescale",
-    *SKIP_LAYER_FIELDS,
-    *SIZE_CONDITIONING_FIELDS,
-    "scheduler",
-    *CUSTOM_SCHEDULE_FIELDS,
-    "eta",
-    "loras",
-    "controlnets",
-    "cache",
-)
 # The OpenAI parameter that sets a native field, to name it in errors.
 PARAMETER_OF = {"num_images_per_prompt": "n", "width": "size", "height": "size"}
 SIZE = re.compile(r"(\d{1,5})x(\d{1,5})")
@@ -86,26 +62,11 @@ NO_USAGE = {
 }
 
 
-class ImageGenerationParams(BaseModel):
-    """The body of ``POST v1/images/generations``: the SDK's ``ImageGenerateParams`` plus Stable
-    Diffusion's parameters (validated as the native API validates them)."""
+class StableDiffusionParameters(BaseModel):
+    """Stable Diffusion's own parameters in the OpenAI bodies, passed as extra fields (the SDK's
+    ``extra_body``) in diffusers' names: every native field that no OpenAI parameter sets, validated
+    as the native API validates it."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    prompt: Any = Field(description="what to draw (validated as the native prompt)")
-    n: int | None = Field(None, description="images to generate (native num_images_per_prompt)")
-    size: str | None = Field(None, description="WIDTHxHEIGHT, or auto for the model's native size")
-    response_format: Literal["b64_json", "url"] | None = Field(None, description="b64_json only: no image store")
-    output_format: OutputFormat | None = None
-    output_compression: int | None = Field(None, description="jpeg/webp quality, 0..100")
-    quality: Literal["standard", "hd", "low", "medium", "high", "auto"] | None = Field(None, description="ignored")
-    style: Literal["vivid", "natural"] | None = Field(None, description="ignored")
-    background: Literal["transparent", "opaque", "auto"] | None = Field(None, description="opaque images only")
-    moderation: Literal["low", "auto"] | None = Field(None, description="ignored: the model's safety checker runs")
-    user: str | None = Field(None, description="ignored")
-    model: str | None = Field(None, description="this model's name, or left out")
-    stream: bool | None = Field(None, description="server-sent events (continuous batching)")
-    partial_images: int | None = Field(None, ge=0, le=MAX_PARTIAL_IMAGES, description="previews while streaming")
     negative_prompt: Any = None
     prompt_2: Any = None
     negative_prompt_2: Any = None
@@ -133,6 +94,32 @@ class ImageGenerationParams(BaseModel):
     loras: Any = None
     controlnets: Any = None
     cache: Any = None
+
+
+# Their names, which a request passes on to the native request as they are.
+SD_PARAMETERS = tuple(StableDiffusionParameters.model_fields)
+
+
+class ImageGenerationParams(StableDiffusionParameters):
+    """The body of ``POST v1/images/generations``: the SDK's ``ImageGenerateParams`` plus Stable
+    Diffusion's parameters (validated as the native API validates them)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    prompt: Any = Field(description="what to draw (validated as the native prompt)")
+    n: int | None = Field(None, description="images to generate (native num_images_per_prompt)")
+    size: str | None = Field(None, description="WIDTHxHEIGHT, or auto for the model's native size")
+    response_format: Literal["b64_json", "url"] | None = Field(None, description="b64_json only: no image store")
+    output_format: OutputFormat | None = None
+    output_compression: int | None = Field(None, description="jpeg/webp quality, 0..100")
+    quality: Literal["standard", "hd", "low", "medium", "high", "auto"] | None = Field(None, description="ignored")
+    style: Literal["vivid", "natural"] | None = Field(None, description="ignored")
+    background: Literal["transparent", "opaque", "auto"] | None = Field(None, description="opaque images only")
+    moderation: Literal["low", "auto"] | None = Field(None, description="ignored: the model's safety checker runs")
+    user: str | None = Field(None, description="ignored")
+    model: str | None = Field(None, description="this model's name, or left out")
+    stream: bool | None = Field(None, description="server-sent events (continuous batching)")
+    partial_images: int | None = Field(None, ge=0, le=MAX_PARTIAL_IMAGES, description="previews while streaming")
 
     @field_validator("response_format")
     @classmethod

@@ -12,7 +12,7 @@ import pytest
 from PIL import Image
 
 from handler.api.encode import encode_image
-from handler.api.openai_images import GENERATIONS, SSE_CONTENT_TYPE
+from handler.api.openai_images import GENERATIONS, SD_PARAMETERS, SSE_CONTENT_TYPE, ImageEditParams
 from handler.api.policy import RequestPolicy
 from handler.api.protocol import IncomingRequest
 from handler.api.request import GenerationRequest
@@ -60,6 +60,15 @@ def test_generations_answer_the_sdk_images_response_with_each_seed():
     image = Image.open(io.BytesIO(base64.b64decode(payload["data"][0]["b64_json"])))
     assert (image.format, image.size) == ("JPEG", (128, 64))
     assert native.content_type == "image/png" and native.headers["X-Seed"] == "9"
+
+
+def test_every_native_field_is_an_openai_parameter_or_one_of_stable_diffusions_own():
+    """A native field the OpenAI bodies neither set from their own parameters nor pass on by name
+    would be refused there as unknown."""
+    set_by_openai = {"prompt", "num_images_per_prompt", "width", "height", "image", "mask", "strength"}
+    set_by_openai |= {"output_format", "output_compression", "partial_images", "response_format", "stream"}
+    assert set(SD_PARAMETERS) == set(GenerationRequest.model_fields) - set_by_openai
+    assert set_by_openai - {"num_images_per_prompt", "width", "height"} <= set(ImageEditParams.model_fields)
 
 
 def test_output_compression_is_the_quality_of_lossy_formats():
