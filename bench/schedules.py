@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import logging
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from statistics import median
 
@@ -36,8 +37,18 @@ LATENT_SHAPE = (4, 8, 8)
 JOBS = ("first", "next")
 
 
-def run_job(family: Family, scheduler: SchedulerName, steps: int) -> dict:
-    """One job's start and whole schedule: its start's milliseconds and its steps' median milliseconds."""
+@dataclass
+class ScheduleRun:
+    """A job's whole schedule: its last latents, its start's and each scheduler call's host milliseconds."""
+
+    latents: torch.Tensor
+    start_ms: float
+    step_ms: list[float]
+
+
+def run_schedule(family: Family, scheduler: SchedulerName, steps: int) -> ScheduleRun:
+    """One job of one image started and stepped through its whole schedule with random model outputs
+    (no denoiser), each call timed on the host."""
     started = time.perf_counter()
     stepper, host = family.scheduler(scheduler, steps, LATENT_SHAPE)
     family.prepare_scheduler(stepper)
@@ -51,7 +62,18 @@ def run_job(family: Family, scheduler: SchedulerName, steps: int) -> dict:
         started = time.perf_counter()
         latents = schedules.step(stepper, output, timestep, host[index], latents, kwargs)
         step_ms.append((time.perf_counter() - started) * 1000)
-    return {"start_ms": start_ms, "step_ms": median(step_ms), "steps_ms": sum(step_ms), "calls": len(step_ms)}
+    return ScheduleRun(latents, start_ms, step_ms)
+
+
+def run_job(family: Family, scheduler: SchedulerName, steps: int) -> dict:
+    """One job's start's milliseconds and its steps' median and total milliseconds."""
+    run = run_schedule(family, scheduler, steps)
+    return {
+        "start_ms": run.start_ms,
+        "step_ms": median(run.step_ms),
+        "steps_ms": sum(run.step_ms),
+        "calls": len(run.step_ms),
+    }
 
 
 def measure(family: Family, names: list[SchedulerName], step_counts: list[int]) -> list[dict]:

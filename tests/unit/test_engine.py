@@ -14,12 +14,13 @@ import torch
 from diffusers import LMSDiscreteScheduler
 
 from bench.reference import Reference
+from bench.schedules import run_schedule
 from handler.config import UNET_SCHEDULERS, FamilyRules, HandlerSettings, SchedulerName, SizeConditioning
 from handler.engine.jobs import JobSpec
 from handler.engine.loading import load_engine
 from handler.engine.step_engine import StepEngine
 from handler.families import SCHEDULERS as ALL_SCHEDULERS
-from handler.families import UnsupportedPipeline, schedules
+from handler.families import UnsupportedPipeline
 from handler.families.sd import SCHEDULERS
 from model_making.make_tiny_model import write_lcm_model
 from server.paths import TINY_MODEL_DIRS
@@ -386,15 +387,7 @@ def test_an_unsupported_pipeline_is_refused_at_load_naming_it_and_the_supported_
 
 def last_latents(family, scheduler: SchedulerName, steps: int) -> torch.Tensor:
     """Latents through a whole schedule with random model outputs (no denoiser)."""
-    generator = torch.Generator().manual_seed(0)
-    stepper, host = family.scheduler(scheduler, steps, (4, 8, 8))
-    family.prepare_scheduler(stepper)
-    latents = torch.randn(1, 4, 8, 8, generator=generator)
-    kwargs = family.step_kwargs(stepper, [torch.Generator().manual_seed(1)], 0.0)
-    for index, timestep in enumerate(stepper.timesteps):
-        output = 0.1 * torch.randn(latents.shape, generator=generator)
-        latents = schedules.step(stepper, output, timestep, host[index], latents, kwargs)
-    return latents
+    return run_schedule(family, scheduler, steps).latents
 
 
 def test_an_lms_schedule_integrates_a_steps_coefficients_at_its_first_use_and_keeps_them(engines, monkeypatch):
