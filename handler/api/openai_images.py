@@ -100,11 +100,8 @@ class StableDiffusionParameters(BaseModel):
 SD_PARAMETERS = tuple(StableDiffusionParameters.model_fields)
 
 
-class ImageGenerationParams(StableDiffusionParameters):
-    """The body of ``POST v1/images/generations``: the SDK's ``ImageGenerateParams`` plus Stable
-    Diffusion's parameters (validated as the native API validates them)."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
+class SdkImageParameters(BaseModel):
+    """The SDK's ``ImageGenerateParams``, as this server serves them."""
 
     prompt: Any = Field(description="what to draw (validated as the native prompt)")
     n: int | None = Field(None, description="images to generate (native num_images_per_prompt)")
@@ -163,6 +160,13 @@ class ImageGenerationParams(StableDiffusionParameters):
                 "size_format", "size should be 'auto' or WIDTHxHEIGHT in pixels, such as '512x512'"
             )
         return value
+
+
+class ImageGenerationParams(StableDiffusionParameters, SdkImageParameters):
+    """The body of ``POST v1/images/generations``: the SDK's ``ImageGenerateParams`` plus Stable
+    Diffusion's parameters (validated as the native API validates them), the SDK's first."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
 
     def native_fields(self) -> dict[str, Any]:
         """The native request this asks for."""
