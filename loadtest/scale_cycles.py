@@ -51,7 +51,7 @@ class CycleRun:
     requests: int = 0
     outcomes: Counter = field(default_factory=Counter)  # "200", "500", "connection ended", "no answer"
     failed_cycles: int = 0  # cycles during which some request did not get its 200
-    scale_statuses: Counter = field(default_factory=Counter)  # TorchServe's answers to the scale-down call
+    scale_statuses: Counter = field(default_factory=Counter)  # TorchServe's answers to the scale-down calls
     concurrent_modification_errors: int = 0  # in the frontend's log
     seconds: float = 0.0
 
@@ -123,11 +123,12 @@ def wait_for_workers(server: TorchServe, count: int, timeout: float = 300) -> No
         time.sleep(0.2)
 
 
-def scale_down(server: TorchServe, path: str, park_timeout_s: float) -> int:
-    """Scale to one worker through ``path``; TorchServe's status."""
+def scale_down(server: TorchServe, path: str, park_timeout_s: float) -> tuple[int, ...]:
+    """Scale to one worker through ``path``; TorchServe's answers (the safe path asks again when
+    one of several workers to be removed was removed by a failed call)."""
     if path == "raw":
-        return server.scale(1).status_code
-    return scale(server, 1, park_timeout_s).status
+        return (server.scale(1).status_code,)
+    return scale(server, 1, park_timeout_s).statuses
 
 
 def run_cycles(
@@ -155,7 +156,7 @@ def run_cycles(
             wait_for_workers(server, 2)
             time.sleep(hold_s)
             try:
-                run.scale_statuses[str(scale_down(server, path, answer_timeout_s))] += 1
+                run.scale_statuses.update(str(status) for status in scale_down(server, path, answer_timeout_s))
             except ScaleError as error:
                 run.scale_statuses[f"refused: {error}"] += 1
             wait_for_workers(server, 1)

@@ -11,7 +11,11 @@ So this path lowers the count only once the workers to be removed have no reques
 retiring (``server.control``) and sends describe calls (``GET /models/NAME?customized=true``) until
 each of them has taken one and parked in it (``handler/control.py``). TorchServe never batches a
 describe call with requests and hands requests only to idle workers, so a parked worker holds none
-when the scale call removes it; at worst the race above costs the describe call. Raising the count
+when the scale call removes it. The race can still strike the parked describe call itself: the scale
+call then answers 500 (a ``ConcurrentModificationException`` or ``NullPointerException`` in
+``WorkerThread.shutdown``), having removed that worker but none listed before it. So while a scale
+call answered otherwise than 200 and removed some workers but not all, the call is sent again: the
+workers still to be removed are still parked. No request is involved either way. Raising the count
 is safe as it is.
 """
 
@@ -40,7 +44,12 @@ class ScaleResult:
     before: int
     after: int
     parked_s: float  # how long the workers to be removed took to park (0 when none was)
-    status: int  # TorchServe's answer to the scale call
+    statuses: tuple[int, ...]  # TorchServe's answers, one per scale call
+
+    @property
+    def status(self) -> int:
+        """TorchServe's answer to the last scale call."""
+        return self.statuses[-1]
 
 
 def scale(server: TorchServe, workers: int, park_timeout_s: float) -> ScaleResult:
@@ -62,20 +71,39 @@ def scale(server: TorchServe, workers: int, park_timeout_s: float) -> ScaleResul
         try:
             parked_s = _park(server, leaving, park_timeout_s)
             server.control.retire(leaving, park_timeout_s)  # a fresh expiry: none unparks before the scale call
-            response = server.scale(workers)
+            responses, after = _scale_down(server, workers, len(current))
         finally:
             server.control.end_retirement()
     else:
-        response = server.scale(workers)
-    after = len(server.describe()["workers"])
+        responses, after = [server.scale(workers)], len(server.describe()["workers"])
+    statuses = tuple(response.status_code for response in responses)
     if after != workers:
         raise ScaleError(
-            f"asked for {workers} worker(s), TorchServe answered {response.status_code} {response.text.strip()}; "
+            f"asked for {workers} worker(s), TorchServe answered {statuses[-1]} {responses[-1].text.strip()}; "
             f"{after} worker(s) now"
         )
-    if response.status_code != 200:
-        logger.warning("TorchServe answered %d to the scale call; %d worker(s) now", response.status_code, after)
-    return ScaleResult(len(current), after, parked_s, response.status_code)
+    if statuses[-1] != 200:
+        logger.warning("TorchServe answered %d to the scale call; %d worker(s) now", statuses[-1], after)
+    return ScaleResult(len(current), after, parked_s, statuses)
+
+
+def _scale_down(server: TorchServe, workers: int, before: int) -> tuple[list[requests.Response], int]:
+    """Scale calls until ``workers`` are left, while each failed call removed some (see above); the
+    answers and the workers left."""
+    responses, left = [], before
+    while True:
+        listed = left
+        responses.append(server.scale(workers))
+        left = len(server.describe()["workers"])
+        if responses[-1].status_code == 200 or not workers < left < listed:
+            return responses, left
+        logger.warning(
+            "TorchServe answered %d to the scale call after removing %d of the %d worker(s) to be removed; "
+            "asking again",
+            responses[-1].status_code,
+            listed - left,
+            listed - workers,
+        )
 
 
 def _park(server: TorchServe, leaving: list[str], timeout_s: float) -> float:

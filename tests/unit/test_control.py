@@ -111,12 +111,14 @@ class FakeServer:
     model_url = "http://127.0.0.1:1/models/stable-diffusion"
     model_name = "stable-diffusion"
 
-    def __init__(self, workdir, workers: list[str]):
+    def __init__(self, workdir, workers: list[str], racing_calls: int = 0):
         self.control = ControlDir.of(workdir)
         self.control.reset()
         self.workers = workers
         self.turn = 0
         self.lock = threading.Lock()
+        self.racing_calls = racing_calls  # scale calls that TorchServe's shutdown race fails (see scale)
+        self.scale_calls: list[tuple[int, set[str]]] = []  # (workers listed, workers parked) at each
 
     def describe(self) -> dict:
         workers = [{"id": worker, "status": "READY"} for worker in self.workers]
@@ -131,7 +133,12 @@ class FakeServer:
             control.park(longest_s=30)
 
     def scale(self, workers: int):
-        assert self.control.parked() == set(self.workers[workers:]), "a worker removed while not parked"
+        self.scale_calls.append((len(self.workers), self.control.parked()))
+        assert self.control.parked() >= set(self.workers[workers:]), "a worker removed while not parked"
+        if self.racing_calls:  # the last worker is removed, its shutdown throws: the rest stay
+            self.racing_calls -= 1
+            self.workers = self.workers[:-1]
+            return type("Answer", (), {"status_code": 500, "text": "ConcurrentModificationException"})()
         self.workers = self.workers[:workers]
         return type("Answer", (), {"status_code": 200, "text": ""})()
 
@@ -141,3 +148,18 @@ def test_scaling_down_parks_every_worker_to_be_removed_before_the_scale_call(tmp
     result = scale(server, 1, park_timeout_s=20)
     assert (result.before, result.after, result.status) == (4, 1, 200)
     assert server.workers == ["9000"] and server.control.parked() == set()
+
+
+def test_a_scale_call_the_shutdown_race_failed_is_sent_again_while_the_rest_stay_parked(tmp_path):
+    server = FakeServer(tmp_path, ["9000", "9001", "9002", "9003"], racing_calls=2)
+    result = scale(server, 1, park_timeout_s=20)
+    assert (result.before, result.after, result.statuses) == (4, 1, (500, 500, 200))
+    leaving = {"9001", "9002", "9003"}  # still parked at each call (a removed worker's mark outlives it)
+    assert server.scale_calls == [(4, leaving), (3, leaving), (2, leaving)]
+    assert server.workers == ["9000"] and server.control.parked() == set()
+
+
+def test_a_failed_scale_call_that_reached_the_count_is_not_sent_again(tmp_path):
+    server = FakeServer(tmp_path, ["9000", "9001"], racing_calls=1)
+    result = scale(server, 1, park_timeout_s=20)
+    assert (result.after, result.statuses, len(server.scale_calls)) == (1, (500,), 1)
