@@ -11,12 +11,13 @@ So this path lowers the count only once the workers to be removed have no reques
 retiring (``server.control``) and sends describe calls (``GET /models/NAME?customized=true``) until
 each of them has taken one and parked in it (``handler/control.py``). TorchServe never batches a
 describe call with requests and hands requests only to idle workers, so a parked worker holds none
-when the scale call removes it. The race can still strike the parked describe call itself: the scale
-call then answers 500 (a ``ConcurrentModificationException`` or ``NullPointerException`` in
+when the scale call removes it. The race can still strike the parked describe call itself, which
+the management thread re-queues while the worker's thread answers it and clears the same map: the
+scale call then answers 500 (a ``ConcurrentModificationException`` or ``NullPointerException`` in
 ``WorkerThread.shutdown``), having removed that worker but none listed before it. So while a scale
-call answered otherwise than 200 and removed some workers but not all, the call is sent again: the
-workers still to be removed are still parked. No request is involved either way. Raising the count
-is safe as it is.
+call answered otherwise than 200 and removed some of the workers to be removed but not all, those
+left are parked again (they still are, unless one outlasted its longest park) and the call is sent
+again. No request is involved either way. Raising the count is safe as it is.
 """
 
 from __future__ import annotations
@@ -63,19 +64,13 @@ def scale(server: TorchServe, workers: int, park_timeout_s: float) -> ScaleResul
             f"{server.model_name} runs continuous batching, which TorchServe 0.12 serves with one worker per model; "
             "for several workers set continuousBatching: false in model-config.yaml and rebuild the archive (make mar)"
         )
-    parked_s = 0.0
     if workers < len(current):
-        # Workers still loading (or refused and retried) hold no request and cannot park.
-        leaving = [worker["id"] for worker in current[workers:] if worker["status"] == "READY"]
-        server.control.retire(leaving, park_timeout_s)
         try:
-            parked_s = _park(server, leaving, park_timeout_s)
-            server.control.retire(leaving, park_timeout_s)  # a fresh expiry: none unparks before the scale call
-            responses, after = _scale_down(server, workers, len(current))
+            responses, parked_s, after = _scale_down(server, workers, current, park_timeout_s)
         finally:
             server.control.end_retirement()
     else:
-        responses, after = [server.scale(workers)], len(server.describe()["workers"])
+        responses, parked_s, after = [server.scale(workers)], 0.0, len(server.describe()["workers"])
     statuses = tuple(response.status_code for response in responses)
     if after != workers:
         raise ScaleError(
@@ -87,22 +82,28 @@ def scale(server: TorchServe, workers: int, park_timeout_s: float) -> ScaleResul
     return ScaleResult(len(current), after, parked_s, statuses)
 
 
-def _scale_down(server: TorchServe, workers: int, before: int) -> tuple[list[requests.Response], int]:
-    """Scale calls until ``workers`` are left, while each failed call removed some (see above); the
-    answers and the workers left."""
-    responses, left = [], before
+def _scale_down(
+    server: TorchServe, workers: int, listed: list[dict], park_timeout_s: float
+) -> tuple[list[requests.Response], float, int]:
+    """Park the workers to be removed, then the scale call; again while a call that failed removed
+    some of them but not all (see above). TorchServe's answers, the seconds parked, the workers left."""
+    responses, parked_s = [], 0.0
     while True:
-        listed = left
+        # Workers still loading (or refused and retried) hold no request and cannot park.
+        leaving = [worker["id"] for worker in listed[workers:] if worker["status"] == "READY"]
+        server.control.retire(leaving, park_timeout_s)
+        parked_s += _park(server, leaving, park_timeout_s)
+        server.control.retire(leaving, park_timeout_s)  # a fresh expiry: none unparks before the scale call
         responses.append(server.scale(workers))
-        left = len(server.describe()["workers"])
-        if responses[-1].status_code == 200 or not workers < left < listed:
-            return responses, left
+        before, listed = len(listed), server.describe()["workers"]
+        if responses[-1].status_code == 200 or not workers < len(listed) < before:
+            return responses, parked_s, len(listed)
         logger.warning(
             "TorchServe answered %d to the scale call after removing %d of the %d worker(s) to be removed; "
             "asking again",
             responses[-1].status_code,
-            listed - left,
-            listed - workers,
+            before - len(listed),
+            before - workers,
         )
 
 

@@ -111,13 +111,14 @@ class FakeServer:
     model_url = "http://127.0.0.1:1/models/stable-diffusion"
     model_name = "stable-diffusion"
 
-    def __init__(self, workdir, workers: list[str], racing_calls: int = 0):
+    def __init__(self, workdir, workers: list[str], racing_calls: int = 0, unparked_by_race: tuple[str, ...] = ()):
         self.control = ControlDir.of(workdir)
         self.control.reset()
         self.workers = workers
         self.turn = 0
         self.lock = threading.Lock()
         self.racing_calls = racing_calls  # scale calls that TorchServe's shutdown race fails (see scale)
+        self.unparked_by_race = unparked_by_race
         self.scale_calls: list[tuple[int, set[str]]] = []  # (workers listed, workers parked) at each
 
     def describe(self) -> dict:
@@ -138,6 +139,8 @@ class FakeServer:
         if self.racing_calls:  # the last worker is removed, its shutdown throws: the rest stay
             self.racing_calls -= 1
             self.workers = self.workers[:-1]
+            for worker in self.unparked_by_race:  # as if it outlasted its longest park meanwhile
+                (self.control.path / f"{server_side.PARKED_PREFIX}{worker}").unlink(missing_ok=True)
             return type("Answer", (), {"status_code": 500, "text": "ConcurrentModificationException"})()
         self.workers = self.workers[:workers]
         return type("Answer", (), {"status_code": 200, "text": ""})()
@@ -147,15 +150,15 @@ def test_scaling_down_parks_every_worker_to_be_removed_before_the_scale_call(tmp
     server = FakeServer(tmp_path, ["9000", "9001", "9002", "9003"])
     result = scale(server, 1, park_timeout_s=20)
     assert (result.before, result.after, result.status) == (4, 1, 200)
+    assert server.scale_calls == [(4, {"9001", "9002", "9003"})]
     assert server.workers == ["9000"] and server.control.parked() == set()
 
 
-def test_a_scale_call_the_shutdown_race_failed_is_sent_again_while_the_rest_stay_parked(tmp_path):
-    server = FakeServer(tmp_path, ["9000", "9001", "9002", "9003"], racing_calls=2)
+def test_a_scale_call_the_shutdown_race_failed_is_sent_again_once_the_rest_are_parked(tmp_path):
+    server = FakeServer(tmp_path, ["9000", "9001", "9002", "9003"], racing_calls=2, unparked_by_race=("9001",))
     result = scale(server, 1, park_timeout_s=20)
     assert (result.before, result.after, result.statuses) == (4, 1, (500, 500, 200))
-    leaving = {"9001", "9002", "9003"}  # still parked at each call (a removed worker's mark outlives it)
-    assert server.scale_calls == [(4, leaving), (3, leaving), (2, leaving)]
+    assert server.scale_calls == [(4, {"9001", "9002", "9003"}), (3, {"9001", "9002"}), (2, {"9001"})]
     assert server.workers == ["9000"] and server.control.parked() == set()
 
 
