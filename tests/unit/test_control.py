@@ -135,7 +135,7 @@ class FakeServer:
 
     def scale(self, workers: int):
         self.scale_calls.append((len(self.workers), self.control.parked()))
-        assert self.control.parked() >= set(self.workers[workers:]), "a worker removed while not parked"
+        assert self.control.parked() == set(self.workers[workers:]), "a worker removed while not parked"
         if self.racing_calls:  # the last worker is removed, its shutdown throws: the rest stay
             self.racing_calls -= 1
             self.workers = self.workers[:-1]
