@@ -15,7 +15,13 @@ on a GPU, whose kernels are Triton's.
 ``--suite-time-limit SECONDS`` (``make test`` passes 60 minutes) fails a run that took longer, so
 a change that makes the suite slow is noticed when it is made, not when CI's limit is reached. The
 limit is at the reference speed: a run times a few million Python additions as it starts and as it
-ends, and a machine that ran them slower gets the limit times its slowness (``tests.harness.suite_clock``)."""
+ends, and a machine that ran them slower gets the limit times its slowness (``tests.harness.suite_clock``).
+
+``make test`` runs the suite on two pytest-xdist workers (``--dist loadgroup``): a test file's tests
+run on one worker, and so do all the files that use the session servers
+(tests/integration/conftest.py) and the files that share the benchmarks' scratch, so each server
+starts once and module fixtures are built once. The workers share the controller's inductor cache
+and the controller alone keeps the suite's time."""
 
 from __future__ import annotations
 
@@ -38,6 +44,14 @@ VERDICT = pytest.StashKey[tuple[str, bool]]()
 INDUCTOR_CACHE = pytest.StashKey[str]()
 INDUCTOR_CACHE_ENV = "TORCHINDUCTOR_CACHE_DIR"
 INDUCTOR_VECTORS_ENV = "TORCHINDUCTOR_VEC_ISA_OK"
+# fixtures whose tests share a worker under xdist, by the group they share (tests/integration/conftest.py)
+SHARED_FIXTURE_GROUPS = {
+    "server": "session-servers",
+    "dynamic_server": "session-servers",
+    "continuous_server": "session-servers",
+    "served_dirs": "session-servers",
+    "bench_scratch": "benchmark-scratch",
+}
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -50,25 +64,45 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     )
 
 
+def is_xdist_worker(config: pytest.Config) -> bool:
+    return hasattr(config, "workerinput")
+
+
 def pytest_configure(config: pytest.Config) -> None:
-    config.stash[INDUCTOR_CACHE] = os.environ[INDUCTOR_CACHE_ENV] = tempfile.mkdtemp(prefix="sd-tests-inductor-")
+    if not is_xdist_worker(config):  # a worker inherits the controller's cache directory
+        config.stash[INDUCTOR_CACHE] = os.environ[INDUCTOR_CACHE_ENV] = tempfile.mkdtemp(prefix="sd-tests-inductor-")
     os.environ.setdefault(INDUCTOR_VECTORS_ENV, "0")  # read when inductor's config is first imported
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:
-    shutil.rmtree(config.stash[INDUCTOR_CACHE], ignore_errors=True)
+    if INDUCTOR_CACHE in config.stash:
+        shutil.rmtree(config.stash[INDUCTOR_CACHE], ignore_errors=True)
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist's worker reads the groups
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Each test's xdist group: the group of a shared fixture it uses, else its file."""
+    for item in items:
+        shared = {SHARED_FIXTURE_GROUPS[name] for name in item.fixturenames if name in SHARED_FIXTURE_GROUPS}
+        if len(shared) > 1:
+            raise pytest.UsageError(f"{item.nodeid} uses fixtures of groups {sorted(shared)}: join them in one")
+        item.add_marker(pytest.mark.xdist_group(shared.pop() if shared else item.nodeid.split("::")[0]))
+
+
+def timing_the_suite(config: pytest.Config) -> bool:
+    return config.getoption("--suite-time-limit") is not None and not is_xdist_worker(config)
 
 
 def pytest_sessionstart(session: pytest.Session) -> None:
     session.config.stash[STARTED] = time.monotonic()
-    if session.config.getoption("--suite-time-limit") is not None:
+    if timing_the_suite(session.config):
         session.config.stash[SPEED] = additions_seconds()
 
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
-    limit = session.config.getoption("--suite-time-limit")
-    if limit is None:
+    if not timing_the_suite(session.config):
         return
+    limit = session.config.getoption("--suite-time-limit")
     took = time.monotonic() - session.config.stash[STARTED]
     timings = session.config.stash[SPEED] + additions_seconds()
     allowed = scaled_limit(limit, timings)
