@@ -296,7 +296,9 @@ def build(
             archive_format,
         ]
         logger.info("packaging %s (%d files, %s) into %s", model_dir, len(model_files), archive_format, target)
-        subprocess.run(command, check=True)
+        # The archiver copies the files into $TMPDIR/<model name>, removing what is there first: a
+        # temporary directory of this build's own keeps two builds at once (two servers) apart.
+        subprocess.run(command, check=True, env={**os.environ, "TMPDIR": tmp})
     stamp.write_text(fingerprint)
     return target
 

@@ -56,6 +56,18 @@ def test_unchanged_inputs_skip_the_build_and_a_change_rebuilds(tmp_path, model_c
     assert build(model_copy, MODEL_CONFIG, tmp_path / "store").stat().st_mtime_ns != built_at
 
 
+def test_the_archiver_stages_in_a_directory_of_the_builds_own(tmp_path, model_copy, monkeypatch):
+    """torch-model-archiver copies the files into ``$TMPDIR/<model name>`` after removing it: the build
+    gives it a temporary directory of its own, so another build's staging there is left alone."""
+    monkeypatch.setenv("TMPDIR", str(tmp_path / "shared-tmp"))
+    another_build = tmp_path / "shared-tmp" / "stable-diffusion"
+    another_build.mkdir(parents=True)
+    (another_build / "staged").write_text("another build's file")
+    archive = build(model_copy, MODEL_CONFIG, tmp_path / "store")
+    assert (another_build / "staged").read_text() == "another build's file"
+    assert "model/model_index.json" in zipfile.ZipFile(archive).namelist()
+
+
 def test_no_archive_format_is_a_directory_and_replaces_the_mar(tmp_path, model_copy):
     build(model_copy, MODEL_CONFIG, tmp_path / "store")
     directory = build(model_copy, MODEL_CONFIG, tmp_path / "store", archive_format="no-archive")
