@@ -149,22 +149,23 @@ scale:
 # a run times Python additions as it starts and ends and a slower machine gets the limit times its
 # slowness (tests/harness/suite_clock.py; docs/benchmarks.md, "The test suite's time").
 SUITE_TIME_LIMIT_S ?= 3600
-# pytest-xdist workers: a file's tests, and the files sharing a session server, run on one
-# (tests/conftest.py); TEST_WORKERS=0 runs the suite in this process.
+# pytest-xdist workers: a file's tests, and the tests sharing a session server, run on one
+# (tests/harness/worker_groups.py); TEST_WORKERS=0 runs the tests in this process.
 TEST_WORKERS ?= 2
+WORKERS_ARGS = -n $(TEST_WORKERS) --dist loadgroup
 
 test: venv model system-deps
-	$(PY) -m pytest tests -n $(TEST_WORKERS) --dist loadgroup --suite-time-limit=$(SUITE_TIME_LIMIT_S) --durations=30 $(PYTEST_ARGS)
+	$(PY) -m pytest tests $(WORKERS_ARGS) --suite-time-limit=$(SUITE_TIME_LIMIT_S) --durations=30 $(PYTEST_ARGS)
 
 # The inner loop: everything but the tests marked slow (pyproject.toml); make test runs them all.
 test-fast: venv model system-deps
-	$(PY) -m pytest tests -m "not slow" $(PYTEST_ARGS)
+	$(PY) -m pytest tests $(WORKERS_ARGS) -m "not slow" $(PYTEST_ARGS)
 
 unit-test: venv model system-deps
-	$(PY) -m pytest tests/unit $(PYTEST_ARGS)
+	$(PY) -m pytest tests/unit $(WORKERS_ARGS) $(PYTEST_ARGS)
 
 integration-test: venv model system-deps
-	$(PY) -m pytest tests/integration $(PYTEST_ARGS)
+	$(PY) -m pytest tests/integration $(WORKERS_ARGS) $(PYTEST_ARGS)
 
 loadtest: venv
 	$(PY) -m loadtest.run $(LOADTEST_ARGS)

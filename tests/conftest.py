@@ -17,11 +17,8 @@ a change that makes the suite slow is noticed when it is made, not when CI's lim
 limit is at the reference speed: a run times a few million Python additions as it starts and as it
 ends, and a machine that ran them slower gets the limit times its slowness (``tests.harness.suite_clock``).
 
-``make test`` runs the suite on two pytest-xdist workers (``--dist loadgroup``): a test file's tests
-run on one worker, and so do all the files that use the session servers
-(tests/integration/conftest.py) and the files that share the benchmarks' scratch, so each server
-starts once and module fixtures are built once. The workers share the controller's inductor cache
-and the controller alone keeps the suite's time."""
+``make test`` runs the suite on two pytest-xdist workers, grouped by ``tests.harness.worker_groups``:
+the workers share the controller's inductor cache, and the controller alone keeps the suite's time."""
 
 from __future__ import annotations
 
@@ -34,6 +31,7 @@ import pytest
 from hypothesis import settings
 
 from tests.harness.suite_clock import additions_seconds, scaled_limit, slowness
+from tests.harness.worker_groups import mark_worker_groups
 
 settings.register_profile("ci", derandomize=True, database=None, deadline=None, max_examples=100)
 settings.load_profile("ci")
@@ -44,14 +42,6 @@ VERDICT = pytest.StashKey[tuple[str, bool]]()
 INDUCTOR_CACHE = pytest.StashKey[str]()
 INDUCTOR_CACHE_ENV = "TORCHINDUCTOR_CACHE_DIR"
 INDUCTOR_VECTORS_ENV = "TORCHINDUCTOR_VEC_ISA_OK"
-# fixtures whose tests share a worker under xdist, by the group they share (tests/integration/conftest.py)
-SHARED_FIXTURE_GROUPS = {
-    "server": "session-servers",
-    "dynamic_server": "session-servers",
-    "continuous_server": "session-servers",
-    "served_dirs": "session-servers",
-    "bench_scratch": "benchmark-scratch",
-}
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -81,12 +71,7 @@ def pytest_unconfigure(config: pytest.Config) -> None:
 
 @pytest.hookimpl(tryfirst=True)  # before xdist's worker reads the groups
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Each test's xdist group: the group of a shared fixture it uses, else its file."""
-    for item in items:
-        shared = {SHARED_FIXTURE_GROUPS[name] for name in item.fixturenames if name in SHARED_FIXTURE_GROUPS}
-        if len(shared) > 1:
-            raise pytest.UsageError(f"{item.nodeid} uses fixtures of groups {sorted(shared)}: join them in one")
-        item.add_marker(pytest.mark.xdist_group(shared.pop() if shared else item.nodeid.split("::")[0]))
+    mark_worker_groups(items)
 
 
 def timing_the_suite(config: pytest.Config) -> bool:
