@@ -17,8 +17,9 @@ a change that makes the suite slow is noticed when it is made, not when CI's lim
 limit is at the reference speed: a run times a few million Python additions as it starts and as it
 ends, and a machine that ran them slower gets the limit times its slowness (``tests.harness.suite_clock``).
 
-``make test`` runs the suite on two pytest-xdist workers, grouped by ``tests.harness.worker_groups``:
-the workers share the controller's inductor cache, and the controller alone keeps the suite's time."""
+``make test`` runs the suite on two pytest-xdist workers, grouped and given their torch threads by
+``tests.harness.xdist_workers``: the workers share the controller's inductor cache, and the
+controller alone keeps the suite's time."""
 
 from __future__ import annotations
 
@@ -31,7 +32,7 @@ import pytest
 from hypothesis import settings
 
 from tests.harness.suite_clock import additions_seconds, scaled_limit, slowness
-from tests.harness.worker_groups import mark_worker_groups
+from tests.harness.xdist_workers import mark_worker_groups, share_the_cores
 
 settings.register_profile("ci", derandomize=True, database=None, deadline=None, max_examples=100)
 settings.load_profile("ci")
@@ -61,6 +62,7 @@ def is_xdist_worker(config: pytest.Config) -> bool:
 def pytest_configure(config: pytest.Config) -> None:
     if not is_xdist_worker(config):  # a worker inherits the controller's cache directory
         config.stash[INDUCTOR_CACHE] = os.environ[INDUCTOR_CACHE_ENV] = tempfile.mkdtemp(prefix="sd-tests-inductor-")
+    share_the_cores(config)
     os.environ.setdefault(INDUCTOR_VECTORS_ENV, "0")  # read when inductor's config is first imported
 
 

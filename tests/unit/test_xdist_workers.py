@@ -1,9 +1,11 @@
-"""``make test``'s two pytest-xdist workers, as tests.harness.worker_groups groups them: run on a small
+"""``make test``'s two pytest-xdist workers, as tests.harness.xdist_workers sets them up: run on a small
 suite of its own, with the project's pinned pytest and pytest-xdist, the tests of a session server
-share one worker and one server start, and a file's tests one worker."""
+share one worker and one server start, a file's tests one worker, and each worker runs torch on its
+share of the cores."""
 
 from __future__ import annotations
 
+import os
 import re
 import subprocess
 import sys
@@ -17,7 +19,10 @@ from server.paths import ROOT
 CONFTEST = """
     import os
     import pytest
-    from tests.harness.worker_groups import mark_worker_groups
+    from tests.harness.xdist_workers import mark_worker_groups, share_the_cores
+
+    def pytest_configure(config):
+        share_the_cores(config)
 
     @pytest.hookimpl(tryfirst=True)
     def pytest_collection_modifyitems(items):
@@ -25,8 +30,10 @@ CONFTEST = """
 
     @pytest.fixture(scope="session")
     def server():
+        import torch
+
         with open("server-starts", "a") as starts:
-            starts.write(os.environ["PYTEST_XDIST_WORKER"] + "\\n")
+            starts.write(f"{os.environ['PYTEST_XDIST_WORKER']} {torch.get_num_threads()}\\n")
 
     @pytest.fixture(scope="session")
     def bench_scratch():
@@ -96,7 +103,8 @@ def test_a_session_servers_tests_share_one_worker_and_a_files_tests_another(tmp_
         assert group == ("session-servers" if "server" in path else path.removeprefix("tests/").removesuffix(".py"))
     assert dict(tests_by_group) == {"session-servers": 4, "test_plain_a": 4, "test_plain_b": 4}, suite.stdout
     assert all(len(workers) == 1 for workers in workers_by_group.values()), dict(workers_by_group)
-    assert len((tmp_path / "server-starts").read_text().split()) == 1, "the session server started twice"
+    (start,) = (tmp_path / "server-starts").read_text().splitlines()  # once
+    assert int(start.split()[1]) == max(1, len(os.sched_getaffinity(0)) // 2), "torch's threads in a worker"
 
 
 def test_a_test_of_two_shared_groups_is_refused_naming_it(tmp_path):
