@@ -149,10 +149,10 @@ scale:
 # a run times Python additions as it starts and ends and a slower machine gets the limit times its
 # slowness (tests/harness/suite_clock.py; docs/benchmarks.md, "The test suite's time").
 SUITE_TIME_LIMIT_S ?= 3600
-# pytest-xdist workers: a file's tests, and the tests sharing a session server, run on one
-# (tests/harness/worker_groups.py); TEST_WORKERS=0 runs the tests in this process.
+# pytest-xdist workers: a file's tests, and the tests sharing a session server, run on one, the
+# groups in collection order (tests/harness/xdist_workers.py); TEST_WORKERS=0 runs them in this process.
 TEST_WORKERS ?= 2
-WORKERS_ARGS = -n $(TEST_WORKERS) --dist loadgroup
+WORKERS_ARGS = -n $(TEST_WORKERS) --dist loadgroup --no-loadscope-reorder
 
 test: venv model system-deps
 	$(PY) -m pytest tests $(WORKERS_ARGS) --suite-time-limit=$(SUITE_TIME_LIMIT_S) --durations=30 $(PYTEST_ARGS)
