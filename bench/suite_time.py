@@ -1,6 +1,7 @@
 """The test suite's time per test file, before and after a change, from two runs' JUnit reports
 (``make test PYTEST_ARGS=--junitxml=FILE``): a Markdown table of the files that took longest, and a
-PNG of them side by side.
+PNG of them side by side. The files' seconds add up to more than the run's wall-clock time where
+``make test``'s xdist workers ran files side by side: the table gives both.
 
     python -m bench.suite_time before.xml after.xml --output docs/img/suite-time.png
 """
@@ -27,8 +28,14 @@ def seconds_per_file(report: Path) -> dict[str, float]:
     return dict(files)
 
 
-def table(before: dict[str, float], after: dict[str, float], top: int) -> str:
-    """The ``top`` files that took longest in either run, then the rest and the whole."""
+def run_seconds(report: Path) -> float:
+    """The run's wall-clock seconds (its test suite's time)."""
+    return sum(float(suite.get("time", 0)) for suite in ET.parse(report).iter("testsuite"))
+
+
+def table(before: dict[str, float], after: dict[str, float], top: int, runs: tuple[float, float] | None = None) -> str:
+    """The ``top`` files that took longest in either run, then the rest and the whole, and the runs'
+    wall-clock seconds where given."""
     names = sorted(set(before) | set(after), key=lambda name: -max(before.get(name, 0), after.get(name, 0)))
     cell = lambda value: "—" if value is None else f"{value:.0f}"  # noqa: E731
     lines = ["| test file | before (s) | after (s) |", "| --- | --- | --- |"]
@@ -39,6 +46,8 @@ def table(before: dict[str, float], after: dict[str, float], top: int) -> str:
         f"{sum(after.get(n, 0) for n in rest):.0f} |"
     )
     lines.append(f"| **all** | **{sum(before.values()):.0f}** | **{sum(after.values()):.0f}** |")
+    if runs:
+        lines.append(f"| **the run, wall clock** | **{runs[0]:.0f}** | **{runs[1]:.0f}** |")
     return "\n".join(lines)
 
 
@@ -67,7 +76,7 @@ def main() -> None:
     parser.add_argument("--output", type=Path, help="where the PNG goes (none: no plot)")
     args = parser.parse_args()
     before, after = seconds_per_file(args.before), seconds_per_file(args.after)
-    print(table(before, after, args.top))
+    print(table(before, after, args.top, (run_seconds(args.before), run_seconds(args.after))))
     if args.output:
         plot(before, after, args.top, args.output)
 

@@ -330,11 +330,11 @@ def test_the_worker_profile_names_each_sample_by_the_first_part_its_stack_holds(
 
 
 def test_the_suite_time_is_summed_per_test_file_and_tabled(tmp_path):
-    from bench.suite_time import seconds_per_file, table
+    from bench.suite_time import run_seconds, seconds_per_file, table
 
     def report(path, cases):
         rows = "".join(f'<testcase classname="{name}" name="t" time="{seconds}"/>' for name, seconds in cases)
-        path.write_text(f'<testsuites><testsuite name="pytest">{rows}</testsuite></testsuites>')
+        path.write_text(f'<testsuites><testsuite name="pytest" time="{len(cases)}.5">{rows}</testsuite></testsuites>')
         return path
 
     before = seconds_per_file(
@@ -348,6 +348,8 @@ def test_the_suite_time_is_summed_per_test_file_and_tabled(tmp_path):
     text = table(before, after, top=1)
     assert "| `integration/test_b.py` | 9 | 4 |" in text
     assert "| the other 1 files | 4 | 0 |" in text and "| **all** | **12** | **4** |" in text
+    runs = (run_seconds(tmp_path / "before.xml"), run_seconds(tmp_path / "after.xml"))
+    assert runs == (3.5, 1.5) and "| **the run, wall clock** | **4** | **2** |" in table(before, after, 1, runs)
 
 
 def test_the_single_file_benchmark_tables_and_plots_its_rows(tmp_path):
