@@ -32,7 +32,7 @@ import pytest
 from hypothesis import settings
 
 from tests.harness.suite_clock import additions_seconds, scaled_limit, slowness
-from tests.harness.xdist_workers import mark_worker_groups, share_the_cores
+from tests.harness.xdist_workers import is_xdist_worker, mark_worker_groups, share_the_cores
 
 settings.register_profile("ci", derandomize=True, database=None, deadline=None, max_examples=100)
 settings.load_profile("ci")
@@ -53,10 +53,6 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         help="seconds the whole run may take at the reference speed, times this machine's slowness; "
         "a longer run fails (make test: 3600)",
     )
-
-
-def is_xdist_worker(config: pytest.Config) -> bool:
-    return hasattr(config, "workerinput")
 
 
 def pytest_configure(config: pytest.Config) -> None:

@@ -38,6 +38,10 @@ FILE_GROUPS = {
 }
 
 
+def is_xdist_worker(config: pytest.Config) -> bool:
+    return hasattr(config, "workerinput")
+
+
 def worker_group(item: pytest.Item) -> str:
     """The group of the shared fixtures ``item`` uses or of its file, else its file (``unit/test_x``
     for tests/unit/test_x.py)."""
@@ -58,5 +62,5 @@ def share_the_cores(config: pytest.Config) -> None:
     """In the controller of a distributed run (``-n N``), before it starts its workers: torch's threads
     per worker, inherited by the workers and what they start."""
     workers = getattr(config.option, "numprocesses", None)
-    if workers and not hasattr(config, "workerinput"):
+    if workers and not is_xdist_worker(config):
         os.environ.setdefault(THREADS_ENV, str(max(1, len(os.sched_getaffinity(0)) // workers)))
